@@ -1,0 +1,34 @@
+# The two quickstart commands: `make demo` and `make test`. Both set up .venv first.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+# torch first and pinned: any other spec may pull a multi-GB CUDA build (see README).
+TORCH_SPEC ?= torch==2.13.0
+DEMO_OUT ?= out/demo
+
+.PHONY: setup demo test bench clean
+
+$(BIN)/diffq: pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install -q -e ".[test]"
+	touch $(BIN)/diffq
+
+setup: $(BIN)/diffq
+
+demo: setup
+	$(BIN)/diffq tiny-pipeline out/tiny-flux2-klein
+	rm -rf $(DEMO_OUT)
+	$(BIN)/diffq run examples/prompts.jsonl --model out/tiny-flux2-klein --out $(DEMO_OUT) --workers 2 --batch-size 4 --steps 4
+	@echo "images are in $(DEMO_OUT)/images (records in $(DEMO_OUT)/records)"
+
+test: setup
+	bash scripts/test-services.sh
+	$(BIN)/python -m pytest -q
+
+bench: setup
+	$(BIN)/python -m bench
+
+clean:
+	rm -rf $(VENV) out

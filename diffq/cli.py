@@ -1,0 +1,279 @@
+"""The `diffq` command line: thin Typer wrappers over the Python API."""
+
+from __future__ import annotations
+
+import json
+import sys
+from enum import Enum
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from diffq.settings import get_settings
+
+app = typer.Typer(no_args_is_help=True, add_completion=False,
+                  help="Shape-bucketed diffusers image generation over Celery queues.")
+err = Console(stderr=True, soft_wrap=True)
+out = Console()
+
+
+class Family(str, Enum):
+    flux2_klein = "flux2-klein"
+    flux = "flux"
+
+
+class ImageFormat(str, Enum):
+    png = "png"
+    jpeg = "jpeg"
+    webp = "webp"
+
+
+class Device(str, Enum):
+    cpu = "cpu"
+    cuda = "cuda"
+    neuron = "neuron"
+    tpu = "tpu"
+
+
+class CompileMode(str, Enum):
+    none = "none"
+    full = "full"
+    regional = "regional"
+    defer_fuse = "defer-fuse"
+
+
+class Dtype(str, Enum):
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+
+
+Prompts = Annotated[Path, typer.Argument(help="Prompt file: .jsonl, .csv, .txt or .parquet")]
+Out = Annotated[str, typer.Option("--out", "-o", help="Run folder: path, file://, s3://bucket/prefix or gs://bucket/prefix")]
+Model = Annotated[str, typer.Option("--model", "-m", help="Pipeline folder or Hugging Face model id")]
+BatchSize = Annotated[int, typer.Option("--batch-size", "-b", min=1, help="Images per compiled batch")]
+Steps = Annotated[int, typer.Option("--steps", min=1, help="Default num_inference_steps")]
+Guidance = Annotated[float, typer.Option("--guidance-scale", min=0.0, help="Default guidance scale (> 1 turns CFG on)")]
+SeqLen = Annotated[int, typer.Option("--max-sequence-length", min=1, help="Text tokens per prompt (padded)")]
+Height = Annotated[int, typer.Option("--height", min=16, help="Default image height (multiple of 16)")]
+Width = Annotated[int, typer.Option("--width", min=16, help="Default image width (multiple of 16)")]
+Format = Annotated[ImageFormat, typer.Option("--format", help="Image file format")]
+DtypeOpt = Annotated[Dtype, typer.Option("--dtype", help="Pipeline dtype (part of the shape key)")]
+DeviceOpt = Annotated[Device, typer.Option("--device", help="Device kind, from the backend table")]
+Compile = Annotated[CompileMode, typer.Option("--compile", help="none | full (whole transformer) | regional (repeated blocks) | defer-fuse (TPU)")]
+CompileCache = Annotated[Optional[str], typer.Option("--compile-cache", help="Shared compile-cache directory")]
+Offload = Annotated[Optional[str], typer.Option("--offload", help="'model': enable_model_cpu_offload()")]
+RunId = Annotated[Optional[str], typer.Option("--run-id", help="Run id (default: random)")]
+SeedBase = Annotated[Optional[str], typer.Option("--seed-base", help="Derive item seeds from this instead of the run id (reproducible reruns)")]
+
+
+def _fail(message: str, code: int = 2) -> None:
+    err.print(f"[red]error:[/red] {message}", highlight=False)
+    raise typer.Exit(code)
+
+
+def _generation(batch_size, steps, guidance_scale, max_sequence_length, height, width, format, dtype) -> dict:
+    return dict(batch_size=batch_size, steps=steps, guidance_scale=guidance_scale,
+                max_sequence_length=max_sequence_length, height=height, width=width,
+                format=format.value, dtype=dtype.value)
+
+
+def _devices(device: Device, workers: int, cores: str | None, chips: str | None, gpus: str | None) -> list[int]:
+    from diffq.worker.backends import parse_devices
+
+    spec = {"neuron": cores, "tpu": chips, "cuda": gpus}.get(device.value)
+    return parse_devices(spec) if spec else list(range(workers))
+
+
+@app.command("tiny-pipeline")
+def tiny_pipeline(
+    directory: Annotated[Path, typer.Argument(help="Folder to write the pipeline into")],
+    family: Annotated[Family, typer.Option("--family", help="Pipeline family")] = Family.flux2_klein,
+    seed: Annotated[int, typer.Option("--seed", help="Weight seed")] = 0,
+) -> None:
+    """Write a tiny random-weight pipeline that loads and runs offline (tests, demo, benchmarks)."""
+    from diffq.tiny import build_tiny_pipeline
+
+    path = build_tiny_pipeline(directory, family=family.value, seed=seed)
+    size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+    out.print(f"{path} ({family.value}, {size / 1e6:.2f} MB)")
+
+
+@app.command()
+def run(
+    prompts: Prompts,
+    out_: Out,
+    model: Model,
+    workers: Annotated[int, typer.Option("--workers", "-w", min=1, help="Worker processes (cpu)")] = 1,
+    batch_size: BatchSize = 4,
+    steps: Steps = 4,
+    guidance_scale: Guidance = 1.0,
+    max_sequence_length: SeqLen = 64,
+    height: Height = 128,
+    width: Width = 128,
+    format: Format = ImageFormat.png,
+    dtype: DtypeOpt = Dtype.float32,
+    device: DeviceOpt = Device.cpu,
+    cores: Annotated[Optional[str], typer.Option("--cores", help="NeuronCores, e.g. 0-7")] = None,
+    chips: Annotated[Optional[str], typer.Option("--chips", help="TPU chips, e.g. 0-3")] = None,
+    gpus: Annotated[Optional[str], typer.Option("--gpus", help="GPUs, e.g. 0,1")] = None,
+    compile: Compile = CompileMode.none,
+    compile_cache: CompileCache = None,
+    offload: Offload = None,
+    threads: Annotated[int, typer.Option("--threads", min=1, help="Torch threads per worker")] = 1,
+    run_id: RunId = None,
+    seed_base: SeedBase = None,
+    progress: Annotated[bool, typer.Option("--progress/--no-progress", help="Show a progress bar")] = True,
+) -> None:
+    """Run everything locally (embedded broker, no servers) and wait; exit 0 only if every item was produced."""
+    from diffq.producer.sources import InputError
+    from diffq.producer.submit import RunExists
+    from diffq.runner import RunFailed, run as run_embedded
+    from diffq.worker.models import ModelUnavailable
+
+    try:
+        result = run_embedded(
+            prompts, out_, model=model, devices=_devices(device, workers, cores, chips, gpus),
+            device=device.value, compile=compile.value, compile_cache=compile_cache, offload=offload,
+            threads=threads, progress=progress, console=err, run_id=run_id, seed_base=seed_base,
+            **_generation(batch_size, steps, guidance_scale, max_sequence_length, height, width, format, dtype),
+        )
+    except (InputError, RunExists, ModelUnavailable, RunFailed, ValueError) as exc:
+        _fail(str(exc))
+    out.print(f"{result.out}")
+    out.print(f"{result.done}/{result.total} images, {result.failed} failed, "
+              f"{result.seconds:.1f}s, {result.images_per_s:.1f} images/s"
+              + (f", {result.reenqueued} re-enqueued" if result.reenqueued else ""))
+    if not result.ok:
+        raise typer.Exit(1)
+
+
+@app.command()
+def submit(
+    prompts: Prompts,
+    out_: Out,
+    model: Model,
+    broker: Annotated[Optional[str], typer.Option("--broker", help="Broker URL (or DIFFQ_BROKER_URL)")] = None,
+    batch_size: BatchSize = 4,
+    steps: Steps = 4,
+    guidance_scale: Guidance = 1.0,
+    max_sequence_length: SeqLen = 64,
+    height: Height = 128,
+    width: Width = 128,
+    format: Format = ImageFormat.png,
+    dtype: DtypeOpt = Dtype.float32,
+    run_id: RunId = None,
+    seed_base: SeedBase = None,
+) -> None:
+    """Validate the whole file, write the run manifest to OUT, publish batches to per-shape queues."""
+    from diffq.producer.sources import InputError
+    from diffq.producer.submit import RunExists, submit as submit_run
+
+    broker = broker or get_settings().broker_url
+    if not broker:
+        _fail("no broker: pass --broker URL or set DIFFQ_BROKER_URL")
+    try:
+        result = submit_run(prompts, out_, model=model, broker_url=broker, run_id=run_id, seed_base=seed_base,
+                            **_generation(batch_size, steps, guidance_scale, max_sequence_length, height,
+                                          width, format, dtype))
+    except (InputError, RunExists, ValueError) as exc:
+        _fail(str(exc))
+    out.print(result.out)
+    out.print(f"run {result.run_id}: {result.summary()}")
+
+
+@app.command()
+def worker(
+    broker: Annotated[Optional[str], typer.Option("--broker", help="Broker URL (or DIFFQ_BROKER_URL)")] = None,
+    device: DeviceOpt = Device.cpu,
+    workers: Annotated[int, typer.Option("--workers", "-w", min=1, help="Processes (cpu)")] = 1,
+    cores: Annotated[Optional[str], typer.Option("--cores", help="NeuronCores, one process each: 0-7")] = None,
+    chips: Annotated[Optional[str], typer.Option("--chips", help="TPU chips, one process each: 0-3")] = None,
+    gpus: Annotated[Optional[str], typer.Option("--gpus", help="GPUs, one process each: 0,1")] = None,
+    queues: Annotated[Optional[str], typer.Option("--queues", "-Q", help="Comma-separated shape queues")] = None,
+    run: Annotated[Optional[str], typer.Option("--run", help="Serve the queues of this run folder's manifest")] = None,
+    model: Annotated[Optional[str], typer.Option("--model", help="Load this model before consuming (fail fast)")] = None,
+    dtype: DtypeOpt = Dtype.float32,
+    compile: Compile = CompileMode.none,
+    compile_cache: CompileCache = None,
+    offload: Offload = None,
+    threads: Annotated[int, typer.Option("--threads", min=1, help="Torch threads per process")] = 1,
+    plan: Annotated[bool, typer.Option("--plan", help="Print each child's pinning and queues as JSON; start nothing")] = False,
+    loglevel: Annotated[str, typer.Option("--loglevel", help="Celery log level")] = "INFO",
+) -> None:
+    """Start one pinned worker process per device, consuming shape queues until SIGTERM."""
+    from diffq.worker.supervisor import Supervisor, plan_children
+
+    settings = get_settings()
+    broker = broker or settings.broker_url
+    if not broker:
+        _fail("no broker: pass --broker URL or set DIFFQ_BROKER_URL")
+    names = [q for q in (queues or "").split(",") if q]
+    models = [model] if model else []
+    if run:
+        from diffq.producer.results import read_manifest
+        from diffq.storage import open_storage
+
+        manifest = read_manifest(open_storage(run))
+        names += [s.queue for s in manifest.shapes if s.queue not in names]
+        models = models or [manifest.defaults["model"]]
+    if not names:
+        _fail("no queues: pass --queues or --run OUT")
+    try:
+        specs = plan_children(device=device.value, devices=_devices(device, workers, cores, chips, gpus),
+                              broker_url=broker, queues=names, threads=threads, compile=compile.value,
+                              compile_cache=compile_cache or settings.compile_cache, offload=offload,
+                              models=models, dtype=dtype.value,
+                              allowed_out_prefixes=settings.allowed_out_prefixes, loglevel=loglevel)
+    except ValueError as exc:
+        _fail(str(exc))
+    if plan:
+        out.print_json(json.dumps([spec.plan() for spec in specs]))
+        return
+    raise typer.Exit(Supervisor(specs).serve_forever())
+
+
+@app.command()
+def status(
+    out_dir: Annotated[str, typer.Argument(metavar="OUT", help="Run folder")],
+    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output")] = False,
+) -> None:
+    """Progress of a run, read from its run folder alone (no broker needed)."""
+    from diffq.producer.results import NotARun, status as run_status
+
+    try:
+        st = run_status(out_dir)
+    except NotARun as exc:
+        _fail(str(exc))
+    if as_json:
+        sys.stdout.write(json.dumps(st.to_json()) + "\n")
+        return
+    table = Table(title=f"run {st.run_id}  ·  {st.out}")
+    for column in ("queue", "done", "total"):
+        table.add_column(column, justify="right" if column != "queue" else "left")
+    for queue, shape in st.shapes.items():
+        table.add_row(queue, str(shape.done), str(shape.total))
+    out.print(table)
+    out.print(f"{st.done}/{st.total} done, {st.failed} failed, {st.pending} pending")
+
+
+@app.command()
+def fetch(
+    out_dir: Annotated[str, typer.Argument(metavar="OUT", help="Run folder")],
+    dest: Annotated[Path, typer.Argument(help="Local folder (HF imagefolder layout)")],
+) -> None:
+    """Download finished images and write DEST/metadata.jsonl (loadable as an HF imagefolder)."""
+    from diffq.producer.results import NotARun, fetch as fetch_run
+
+    try:
+        result = fetch_run(out_dir, dest)
+    except NotARun as exc:
+        _fail(str(exc))
+    out.print(f"{result.images} images in {result.dest} ({result.downloaded} downloaded)")
+
+
+if __name__ == "__main__":
+    app()

@@ -1,0 +1,183 @@
+"""The queue contract shared by producer and worker: one pydantic schema, JSON only.
+
+Everything that crosses the broker or lands in a run folder is one of these models.
+The shape key is the heart of it: every field of it changes a compiled graph on a
+static-shape backend, so it names the queue a batch goes to.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+SCHEMA_VERSION = 1
+# Redis keeps ~3 KB per queued message; a batch of a few prompts is ~1 KB. The cap
+# stops a runaway prompt (or a hostile producer) from filling the broker.
+MAX_MESSAGE_BYTES = 256 * 1024
+MAX_PROMPT_CHARS = 16_000
+IMAGE_FORMATS = ("png", "jpeg", "webp")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+class Strict(BaseModel):
+    """Unknown fields are errors: a typo in a message must not pass silently."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ShapeKey(Strict):
+    """Everything that forces a recompile. Steps and prompt text do not belong here."""
+
+    model: str = Field(min_length=1, max_length=1024)
+    height: int = Field(gt=0, le=16384)
+    width: int = Field(gt=0, le=16384)
+    batch_size: int = Field(gt=0, le=1024)
+    max_sequence_length: int = Field(gt=0, le=4096)
+    # CFG doubles the effective batch inside the pipeline; decided as guidance_scale
+    # > 1. For distilled models that ignore it this only splits queues, never mixes
+    # graphs, so the conservative rule is safe.
+    cfg: bool
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+
+    @property
+    def queue(self) -> str:
+        return queue_name(self)
+
+    @property
+    def label(self) -> str:
+        return f"{self.height}x{self.width}.b{self.batch_size}"
+
+
+def model_slug(model: str) -> str:
+    """Readable, short, unique: last path part plus a hash of the whole reference.
+
+    Two different local paths both ending in ``tiny`` must not share a queue.
+    """
+    tail = model.rstrip("/").rsplit("/", 1)[-1] or "model"
+    tail = re.sub(r"[^a-z0-9-]+", "-", tail.lower()).strip("-")[:24] or "model"
+    digest = hashlib.sha1(model.encode()).hexdigest()[:6]
+    return f"{tail}-{digest}"
+
+
+def queue_name(shape: ShapeKey) -> str:
+    """``diffq.<model>.<H>x<W>.b<B>.l<L>.<cfg|nocfg>.<dtype>``.
+
+    Only ``[a-z0-9.-]``: a plain Redis list (what KEDA's redis-list scaler reads),
+    a valid RabbitMQ queue, and under SQS's 80 characters (kombu maps '.' to '-').
+    """
+    dtype = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[shape.dtype]
+    return (
+        f"diffq.{model_slug(shape.model)}.{shape.height}x{shape.width}"
+        f".b{shape.batch_size}.l{shape.max_sequence_length}"
+        f".{'cfg' if shape.cfg else 'nocfg'}.{dtype}"
+    )
+
+
+class BatchItem(Strict):
+    id: str = Field(min_length=1, max_length=200)
+    prompt: str = Field(max_length=MAX_PROMPT_CHARS)
+    seed: int = Field(ge=0, lt=2**63)
+
+
+class BatchParams(Strict):
+    """Per-call arguments that do not change the graph but must be uniform in a call."""
+
+    num_inference_steps: int = Field(gt=0, le=1000)
+    guidance_scale: float = Field(ge=0, le=100)
+    format: Literal["png", "jpeg", "webp"] = "png"
+
+
+class BatchMessage(Strict):
+    schema_version: Literal[1] = SCHEMA_VERSION
+    run_id: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    out: str = Field(min_length=1, max_length=2048)
+    batch_id: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.-]+$")
+    shape: ShapeKey
+    params: BatchParams
+    items: list[BatchItem] = Field(min_length=1)
+
+    @field_validator("items")
+    @classmethod
+    def _unique_ids(cls, items: list[BatchItem]) -> list[BatchItem]:
+        ids = [item.id for item in items]
+        if len(set(ids)) != len(ids):
+            raise ValueError("item ids in a batch must be unique")
+        return items
+
+    @model_validator(mode="after")
+    def _fits_shape(self) -> BatchMessage:
+        if len(self.items) > self.shape.batch_size:
+            raise ValueError(
+                f"batch {self.batch_id} has {len(self.items)} items, more than its "
+                f"shape's batch size {self.shape.batch_size}"
+            )
+        return self
+
+    def to_json(self) -> str:
+        return self.model_dump_json()
+
+    @classmethod
+    def from_json_payload(cls, payload: dict | str | bytes) -> BatchMessage:
+        """Validate a message on receipt, refusing oversized ones before parsing."""
+        if isinstance(payload, dict):
+            return cls.model_validate(payload)
+        if len(payload) > MAX_MESSAGE_BYTES:
+            raise ValueError(f"message of {len(payload)} bytes exceeds {MAX_MESSAGE_BYTES}")
+        return cls.model_validate_json(payload)
+
+
+class ImageRecord(BaseModel):
+    """One line of a batch record and of ``metadata.jsonl`` (imagefolder layout)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    file_name: str
+    id: str
+    prompt: str
+    seed: int
+    height: int
+    width: int
+    steps: int
+    guidance_scale: float
+    model: str
+    run_id: str
+    batch_id: str
+    queue: str
+    device: str
+    worker: str
+    generate_s: float
+    finished_at: float
+
+
+class FailureRecord(Strict):
+    run_id: str
+    batch_id: str
+    item_ids: list[str]
+    error: str
+    attempts: int
+    worker: str
+    failed_at: float
+
+
+class ShapeSummary(Strict):
+    shape: ShapeKey
+    queue: str
+    items: int
+    batches: int
+
+
+class RunManifest(Strict):
+    schema_version: Literal[1] = SCHEMA_VERSION
+    run_id: str
+    created_at: float
+    source: str
+    out: str
+    total: int
+    batches: int
+    plan_parts: int
+    shapes: list[ShapeSummary]
+    defaults: dict
+    diffq_version: str

@@ -1,0 +1,53 @@
+"""The run folder: which key holds what. Storage is the source of truth.
+
+    manifest.json                 the run: total, shapes, defaults (written before publishing)
+    plan/part-000000.jsonl        every batch message as submitted (resume reads these)
+    images/<safe id>.<ext>        one image per item, written only if absent
+    records/<batch id>.jsonl      one line per image of a finished batch (metadata.jsonl lines)
+    failures/<batch id>.json      items that failed after every retry
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+
+MANIFEST = "manifest.json"
+PLAN_PREFIX = "plan/"
+IMAGES_PREFIX = "images/"
+RECORDS_PREFIX = "records/"
+FAILURES_PREFIX = "failures/"
+EXTENSIONS = {"png": "png", "jpeg": "jpg", "webp": "webp"}
+
+_UNSAFE = re.compile(r"[^A-Za-z0-9_.-]")
+MAX_NAME = 100
+
+
+def safe_name(item_id: str) -> str:
+    """A file name derived from an item id that can never escape the run folder.
+
+    Ids that are already safe keep their name (so `<id>.png` is what users expect);
+    anything else is cleaned and suffixed with a hash of the original, which keeps
+    distinct ids distinct ("a/b" and "a_b" do not collide).
+    """
+    cleaned = _UNSAFE.sub("_", item_id)[:MAX_NAME].strip(".")
+    if cleaned == item_id and cleaned:
+        return cleaned
+    digest = hashlib.sha256(item_id.encode("utf-8", "surrogatepass")).hexdigest()[:12]
+    return f"{cleaned or 'item'}-{digest}"
+
+
+def image_key(item_id: str, fmt: str) -> str:
+    return f"{IMAGES_PREFIX}{safe_name(item_id)}.{EXTENSIONS[fmt]}"
+
+
+def record_key(batch_id: str) -> str:
+    return f"{RECORDS_PREFIX}{batch_id}.jsonl"
+
+
+def failure_key(batch_id: str) -> str:
+    return f"{FAILURES_PREFIX}{batch_id}.json"
+
+
+def plan_key(part: int) -> str:
+    return f"{PLAN_PREFIX}part-{part:06d}.jsonl"

@@ -1,0 +1,26 @@
+"""`DIFFQ_*` settings (pydantic-settings): environment first, CLI options override."""
+
+from __future__ import annotations
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="DIFFQ_", extra="ignore")
+
+    broker_url: str | None = None
+    # Longer than the worst first compile plus one batch: a task that outlives it is
+    # delivered a second time on Redis (../shared/CELERY.md). Neuron/TPU first
+    # compiles take tens of minutes, so the default is generous.
+    visibility_timeout: int = Field(default=4 * 3600, gt=0)
+    # A worker only writes into run folders under these prefixes (empty = any).
+    allowed_out_prefixes: list[str] = Field(default_factory=list)
+    compile_cache: str | None = None
+    metrics_port: int | None = None
+    log_json: bool = False
+    task_max_retries: int = Field(default=3, ge=0)
+
+
+def get_settings() -> Settings:
+    return Settings()

@@ -1,0 +1,95 @@
+"""Shape bucketing: a stream of prompts in, full fixed-size batches out.
+
+No global sort: one open batch per (shape, call parameters) group, so memory is
+bounded by the number of groups times the batch size, whatever the file size.
+A group's last partial batch is flushed at the end; the worker pads it to the
+compiled batch size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+
+from diffq.contract import BatchItem, BatchParams, ShapeKey
+from diffq.producer.sources import Prompt, derive_seed
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    model: str
+    batch_size: int = 4
+    max_sequence_length: int = 64
+    dtype: str = "float32"
+    format: str = "png"
+
+
+@dataclass
+class Batch:
+    shape: ShapeKey
+    params: BatchParams
+    items: list[BatchItem] = field(default_factory=list)
+    index: int = 0  # position among its shape's batches, for a readable batch id
+
+
+def shape_of(prompt: Prompt, options: RunOptions) -> ShapeKey:
+    return ShapeKey(
+        model=options.model,
+        height=prompt.height,
+        width=prompt.width,
+        batch_size=options.batch_size,
+        max_sequence_length=options.max_sequence_length,
+        cfg=prompt.guidance_scale > 1.0,
+        dtype=options.dtype,
+    )
+
+
+class Bucketer:
+    def __init__(self, options: RunOptions, seed_base: str):
+        self.options = options
+        self.seed_base = seed_base
+        self._open: dict[tuple[ShapeKey, BatchParams], Batch] = {}
+        self._counts: dict[ShapeKey, int] = {}
+
+    def _group(self, prompt: Prompt) -> Batch:
+        shape = shape_of(prompt, self.options)
+        params = BatchParams(
+            num_inference_steps=prompt.num_inference_steps,
+            guidance_scale=prompt.guidance_scale,
+            format=self.options.format,
+        )
+        batch = self._open.get((shape, params))
+        if batch is None:
+            index = self._counts.get(shape, 0)
+            self._counts[shape] = index + 1
+            batch = self._open[(shape, params)] = Batch(shape, params, index=index)
+        return batch
+
+    def add(self, prompt: Prompt) -> Batch | None:
+        """Add one prompt; returns a batch when it fills up."""
+        batch = self._group(prompt)
+        seed = prompt.seed if prompt.seed is not None else derive_seed(self.seed_base, prompt.id)
+        batch.items.append(BatchItem(id=prompt.id, prompt=prompt.prompt, seed=seed))
+        if len(batch.items) == self.options.batch_size:
+            del self._open[(batch.shape, batch.params)]
+            return batch
+        return None
+
+    def flush(self) -> Iterator[Batch]:
+        """The partial batches left at the end of the stream."""
+        while self._open:
+            _, batch = self._open.popitem()
+            yield batch
+
+    @property
+    def open_items(self) -> int:
+        return sum(len(batch.items) for batch in self._open.values())
+
+
+def bucket(prompts: Iterable[Prompt], options: RunOptions, seed_base: str) -> Iterator[Batch]:
+    bucketer = Bucketer(options, seed_base)
+    for prompt in prompts:
+        full = bucketer.add(prompt)
+        if full is not None:
+            yield full
+    yield from bucketer.flush()

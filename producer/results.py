@@ -1,0 +1,168 @@
+"""Results read from the run folder alone: status and fetch. No broker involved."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from diffq import layout
+from diffq.contract import FailureRecord, RunManifest
+from diffq.storage import NotFound, Storage, open_storage
+
+
+class NotARun(RuntimeError):
+    pass
+
+
+def read_manifest(storage: Storage) -> RunManifest:
+    try:
+        return RunManifest.model_validate_json(storage.get_bytes(layout.MANIFEST))
+    except NotFound:
+        raise NotARun(f"{storage.url} holds no diffq run (no {layout.MANIFEST})") from None
+
+
+def _parse_records(body: bytes) -> Iterator[dict]:
+    for line in body.decode().splitlines():
+        if line:
+            yield json.loads(line)
+
+
+def iter_records(storage: Storage) -> Iterator[dict]:
+    """Every image record, each item once (first record wins if a race wrote two)."""
+    seen: set[str] = set()
+    keys = [key for key in storage.list(layout.RECORDS_PREFIX) if key.endswith(".jsonl")]
+    for _, body in storage.get_many(keys):
+        for record in _parse_records(body):
+            if record["id"] not in seen:
+                seen.add(record["id"])
+                yield record
+
+
+class ProgressTracker:
+    """Progress from the run folder, reading each record and failure file once.
+
+    Record files never change after they are written (if_absent), so a watcher
+    only needs to read the keys it has not seen.
+    """
+
+    def __init__(self, storage: Storage):
+        self.storage = storage
+        self._read: set[str] = set()
+        self.done_ids: set[str] = set()
+        self.failed_ids: set[str] = set()
+        self.done_per_queue: dict[str, int] = {}
+        self.generate_s: list[float] = []
+
+    def refresh(self) -> None:
+        new = [key for prefix in (layout.RECORDS_PREFIX, layout.FAILURES_PREFIX)
+               for key in self.storage.list(prefix) if key not in self._read]
+        for key, body in self.storage.get_many(new):
+            self._read.add(key)
+            if key.startswith(layout.FAILURES_PREFIX):
+                self.failed_ids.update(FailureRecord.model_validate_json(body).item_ids)
+                continue
+            records = list(_parse_records(body))
+            if records:
+                self.generate_s.append(records[0].get("generate_s", 0.0))
+            for record in records:
+                if record["id"] in self.done_ids:
+                    continue
+                self.done_ids.add(record["id"])
+                queue = record.get("queue", "")
+                self.done_per_queue[queue] = self.done_per_queue.get(queue, 0) + 1
+
+    @property
+    def done(self) -> int:
+        return len(self.done_ids)
+
+    @property
+    def failed(self) -> int:
+        return len(self.failed_ids - self.done_ids)
+
+
+@dataclass
+class ShapeStatus:
+    total: int
+    done: int = 0
+
+
+@dataclass
+class Status:
+    out: str
+    run_id: str
+    total: int
+    done: int
+    failed: int
+    shapes: dict[str, ShapeStatus] = field(default_factory=dict)
+
+    @property
+    def pending(self) -> int:
+        return self.total - self.done - self.failed
+
+    @property
+    def finished(self) -> bool:
+        return self.pending == 0
+
+    def to_json(self) -> dict:
+        data = asdict(self)
+        data["pending"] = self.pending
+        return data
+
+
+def status(out: str) -> Status:
+    storage = open_storage(out)
+    manifest = read_manifest(storage)
+    tracker = ProgressTracker(storage)
+    tracker.refresh()
+    shapes = {s.queue: ShapeStatus(total=s.items, done=tracker.done_per_queue.get(s.queue, 0))
+              for s in manifest.shapes}
+    return Status(out=storage.url, run_id=manifest.run_id, total=manifest.total,
+                  done=tracker.done, failed=tracker.failed, shapes=shapes)
+
+
+METADATA_FIELDS = ("file_name", "id", "prompt", "seed", "height", "width", "steps",
+                   "guidance_scale", "model")
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    with os.fdopen(fd, "wb") as handle:
+        handle.write(data)
+    os.replace(tmp, path)
+
+
+@dataclass
+class FetchResult:
+    dest: str
+    images: int
+    downloaded: int
+
+
+def fetch(out: str, dest: str | Path, *, max_workers: int = 16) -> FetchResult:
+    """Download every finished image and write DEST/metadata.jsonl (HF imagefolder).
+
+    Resumable: an image already in DEST with the stored size is not fetched again.
+    """
+    storage = open_storage(out)
+    read_manifest(storage)
+    dest = Path(dest)
+    (dest / layout.IMAGES_PREFIX).mkdir(parents=True, exist_ok=True)
+    records = list(iter_records(storage))
+    sizes = dict(storage.list_with_sizes(layout.IMAGES_PREFIX))
+
+    def needed(record: dict) -> bool:
+        target = dest / record["file_name"]
+        return not (target.exists() and target.stat().st_size == sizes.get(record["file_name"]))
+
+    todo = [record for record in records if needed(record)]
+    with ThreadPoolExecutor(max_workers=max_workers) as pool:
+        for _ in pool.map(lambda r: storage.download_file(r["file_name"], dest / r["file_name"]), todo):
+            pass
+    lines = "".join(json.dumps({k: r[k] for k in METADATA_FIELDS}) + "\n" for r in records)
+    _atomic_write(dest / "metadata.jsonl", lines.encode())
+    return FetchResult(dest=str(dest), images=len(records), downloaded=len(todo))

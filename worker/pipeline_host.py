@@ -1,0 +1,143 @@
+"""The pipeline host: load a diffusers pipeline once, compile per shape, generate.
+
+One host per worker process. A new shape on the same model reuses the loaded
+pipeline (only the compiled graph is new); the batch is padded to the shape's
+compiled batch size and the padding discarded, and every item gets its own
+generator so its image does not depend on its neighbours in the batch.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from diffq.contract import BatchItem, BatchParams, ShapeKey
+from diffq.worker.backends import Backend
+from diffq.worker.models import resolve_model
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class CompileUnsupported(ValueError):
+    pass
+
+
+@dataclass
+class Generated:
+    images: list
+    generate_s: float
+    compiled: bool  # this call compiled a new graph
+
+
+@dataclass
+class PipelineHost:
+    backend: Backend
+    compile_mode: str = "none"
+    offload: str | None = None
+    _pipelines: dict = field(default_factory=dict)
+    shapes_seen: set = field(default_factory=set)
+    compile_seconds: dict = field(default_factory=dict)
+
+    def pipeline(self, model: str, dtype: str):
+        key = (model, dtype)
+        if key not in self._pipelines:
+            self._pipelines[key] = self._load(model, dtype)
+        return self._pipelines[key]
+
+    def _load(self, model: str, dtype: str):
+        from diffusers import DiffusionPipeline
+        from diffusers.utils import logging as diffusers_logging
+
+        diffusers_logging.disable_progress_bar()
+
+        source = resolve_model(model)
+        started = time.perf_counter()
+        pipe = DiffusionPipeline.from_pretrained(source, dtype=DTYPES[dtype],
+                                                 local_files_only=Path(source).is_dir())
+        if self.offload == "model":
+            pipe.enable_model_cpu_offload(device=self.backend.torch_device)
+        else:
+            pipe.to(self.backend.torch_device)
+        pipe.set_progress_bar_config(disable=True)
+        self._compile(pipe)
+        log.info("loaded %s (%s) on %s in %.1fs", model, type(pipe).__name__,
+                 self.backend.torch_device, time.perf_counter() - started)
+        return pipe
+
+    def _compile(self, pipe) -> None:
+        if self.compile_mode in ("none", "defer-fuse"):
+            return
+        options = dict(backend=self.backend.compile_backend, fullgraph=True, dynamic=False)
+        if self.compile_mode == "full":
+            pipe.transformer.compile(**options)
+        elif self.compile_mode == "regional":
+            if not getattr(pipe.transformer, "_repeated_blocks", None):
+                raise CompileUnsupported(
+                    f"{type(pipe.transformer).__name__} declares no repeated blocks, so "
+                    f"--compile regional cannot apply; use --compile full or none"
+                )
+            pipe.transformer.compile_repeated_blocks(**options)
+        else:
+            raise CompileUnsupported(f"unknown compile mode '{self.compile_mode}'")
+
+    def set_shape_budget(self, shapes: int) -> None:
+        """Each shape is one graph; dynamo's default limit of 8 fails the 9th shape."""
+        import torch._dynamo
+
+        limit = max(8, 2 * shapes + 8)
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, limit)
+        torch._dynamo.config.accumulated_recompile_limit = max(
+            torch._dynamo.config.accumulated_recompile_limit, 4 * limit)
+
+    def generate(self, shape: ShapeKey, params: BatchParams, items: list[BatchItem]) -> Generated:
+        pipe = self.pipeline(shape.model, shape.dtype)
+        if len(items) > shape.batch_size:
+            raise ValueError(f"{len(items)} items exceed the shape's batch size {shape.batch_size}")
+        # Pad to the compiled batch size by repeating the last item: the graph never
+        # sees a new batch dimension, and the extra images are dropped below.
+        padded = items + [items[-1]] * (shape.batch_size - len(items))
+        generators = [torch.Generator("cpu").manual_seed(item.seed) for item in padded]
+        kwargs = dict(
+            prompt=[item.prompt for item in padded],
+            height=shape.height,
+            width=shape.width,
+            num_inference_steps=params.num_inference_steps,
+            guidance_scale=params.guidance_scale,
+            max_sequence_length=shape.max_sequence_length,
+            generator=generators,
+            output_type="pil",
+        )
+        accepted = inspect.signature(pipe.__call__).parameters
+        kwargs = {name: value for name, value in kwargs.items() if name in accepted}
+        new_shape = shape not in self.shapes_seen
+        if new_shape:
+            self.shapes_seen.add(shape)
+            self.set_shape_budget(len(self.shapes_seen))
+        started = time.perf_counter()
+        with torch.inference_mode():
+            images = pipe(**kwargs).images
+        elapsed = time.perf_counter() - started
+        if new_shape and self.compile_mode != "none":
+            self.compile_seconds[shape.label] = elapsed
+        return Generated(images=images[: len(items)], generate_s=elapsed, compiled=new_shape)
+
+    def fallback_ops(self) -> list[str]:
+        """Ops the backend ran on CPU instead of the device (Neuron reports them)."""
+        if not self.backend.fallback_report:
+            return []
+        module, _, name = self.backend.fallback_report.rpartition(".")
+        return list(getattr(importlib.import_module(module), name)())
+
+
+def graphs_compiled() -> int:
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])

@@ -1,0 +1,94 @@
+"""The sink: encode a batch's images in threads, store them, then its record.
+
+Runs beside generation: the task hands over a batch and goes on to the next one.
+Batches are stored in order by one writer thread; within a batch, encoding and
+uploads run on a small pool (PIL's encoders and the storage clients release the
+GIL). Images are written only if absent, so a redelivered batch never overwrites
+what is stored; the record goes last, so a record always means its images exist.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+from diffq import layout
+from diffq.contract import BatchMessage
+from diffq.storage import Storage
+
+_PIL_FORMATS = {"png": "PNG", "jpeg": "JPEG", "webp": "WEBP"}
+_CONTENT_TYPES = {"png": "image/png", "jpeg": "image/jpeg", "webp": "image/webp"}
+
+
+def encode(image, fmt: str) -> bytes:
+    buffer = io.BytesIO()
+    options = {"compress_level": 1} if fmt == "png" else {"quality": 90}
+    image.save(buffer, format=_PIL_FORMATS[fmt], **options)
+    return buffer.getvalue()
+
+
+@dataclass
+class BatchOutcome:
+    batch_id: str
+    written: int  # images newly stored (0 for a fully redelivered batch)
+    bytes: int
+    store_s: float
+
+
+class Sink:
+    def __init__(self, threads: int = 4):
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="diffq-sink")
+        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="diffq-io")
+
+    def submit(self, storage: Storage, message: BatchMessage, images: list, record_extra: dict) -> Future:
+        return self._writer.submit(self._store, storage, message, images, record_extra)
+
+    def _store(self, storage: Storage, message: BatchMessage, images: list, record_extra: dict) -> BatchOutcome:
+        started = time.perf_counter()
+        fmt = message.params.format
+        keys = [layout.image_key(item.id, fmt) for item in message.items]
+
+        def put(index: int) -> tuple[bool, int]:
+            data = encode(images[index], fmt)
+            return storage.put_bytes(keys[index], data, content_type=_CONTENT_TYPES[fmt], if_absent=True), len(data)
+
+        results = list(self._pool.map(put, range(len(images))))
+        finished_at = time.time()
+        lines = []
+        for item, key in zip(message.items, keys):
+            lines.append(json.dumps({
+                "file_name": key,
+                "id": item.id,
+                "prompt": item.prompt,
+                "seed": item.seed,
+                "height": message.shape.height,
+                "width": message.shape.width,
+                "steps": message.params.num_inference_steps,
+                "guidance_scale": message.params.guidance_scale,
+                "model": message.shape.model,
+                "run_id": message.run_id,
+                "batch_id": message.batch_id,
+                "queue": message.shape.queue,
+                "finished_at": finished_at,
+                **record_extra,
+            }))
+        # One record per batch id: a redelivered batch finds it and writes nothing.
+        storage.put_bytes(layout.record_key(message.batch_id), ("\n".join(lines) + "\n").encode(),
+                          content_type="application/jsonl", if_absent=True)
+        return BatchOutcome(
+            batch_id=message.batch_id,
+            written=sum(1 for ok, _ in results if ok),
+            bytes=sum(size for _, size in results),
+            store_s=time.perf_counter() - started,
+        )
+
+    def flush(self) -> None:
+        """Wait for everything handed over so far."""
+        self._writer.submit(lambda: None).result()
+
+    def close(self) -> None:
+        self._writer.shutdown(wait=True)
+        self._pool.shutdown(wait=True)

@@ -1,0 +1,142 @@
+"""The batch task and the per-process runtime it runs in.
+
+A batch message is validated on receipt, generated on the process's pipeline host,
+and handed to the sink; its ack waits for the sink (see acks.py). Failures retry
+with backoff (Celery's retry); after the cap a failure record is stored and the
+run goes on.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+
+from celery import Celery, Task, signals
+
+from diffq import layout
+from diffq.broker import TASK_NAME, make_celery
+from diffq.contract import BatchMessage
+from diffq.settings import get_settings
+from diffq.storage import Storage, open_storage
+from diffq.worker import acks
+from diffq.worker.models import ModelUnavailable
+from diffq.worker.pipeline_host import CompileUnsupported, PipelineHost
+from diffq.worker.process import ChildSpec, hostname
+from diffq.worker.sink import Sink
+
+log = logging.getLogger("diffq.worker")
+
+# Errors no retry can fix: fail the batch's items at once.
+PERMANENT_ERRORS = (ModelUnavailable, CompileUnsupported, ValueError)
+
+
+class OutNotAllowed(PermissionError):
+    pass
+
+
+@dataclass
+class Runtime:
+    spec: ChildSpec
+    host: PipelineHost
+    sink: Sink = field(default_factory=Sink)
+    storages: dict[str, Storage] = field(default_factory=dict)
+    last_store: object = None  # the previous batch's sink future
+
+    @property
+    def worker(self) -> str:
+        return f"{self.spec.name}@{hostname()}"
+
+    def storage_for(self, out: str) -> Storage:
+        allowed = self.spec.allowed_out_prefixes
+        if allowed and not any(out.startswith(prefix) for prefix in allowed):
+            raise OutNotAllowed(f"run folder {out} is outside this worker's allowed prefixes")
+        if out not in self.storages:
+            self.storages[out] = open_storage(out)
+        return self.storages[out]
+
+
+_runtime: Runtime | None = None
+
+
+def runtime() -> Runtime:
+    if _runtime is None:
+        raise RuntimeError("worker runtime not initialised")
+    return _runtime
+
+
+class BatchTask(Task):
+    Request = "diffq.worker.acks:DeferredAckRequest"
+    acks_late = True
+    reject_on_worker_lost = True
+    typing = False
+
+
+def write_failure(storage: Storage, message: BatchMessage, error: str, attempts: int, worker: str) -> None:
+    record = {
+        "run_id": message.run_id,
+        "batch_id": message.batch_id,
+        "item_ids": [item.id for item in message.items],
+        "error": error[:2000],
+        "attempts": attempts,
+        "worker": worker,
+        "failed_at": time.time(),
+    }
+    storage.put_bytes(layout.failure_key(message.batch_id), json.dumps(record).encode(),
+                      content_type="application/json", if_absent=True)
+
+
+def generate_batch(task: Task, batch: dict) -> dict:
+    rt = runtime()
+    acks.drain()
+    message = BatchMessage.from_json_payload(batch)
+    storage = rt.storage_for(message.out)
+    if storage.exists(layout.record_key(message.batch_id)):
+        # A redelivery of a batch that was fully stored: nothing to do.
+        return {"batch_id": message.batch_id, "skipped": True}
+    attempts = task.request.retries + 1
+    try:
+        generated = rt.host.generate(message.shape, message.params, message.items)
+    except PERMANENT_ERRORS as exc:
+        write_failure(storage, message, f"{type(exc).__name__}: {exc}", attempts, rt.worker)
+        raise
+    except Exception as exc:
+        if task.request.retries < get_settings().task_max_retries:
+            raise task.retry(exc=exc, countdown=min(30, 2 ** task.request.retries))
+        write_failure(storage, message, f"{type(exc).__name__}: {exc}", attempts, rt.worker)
+        raise
+    # The previous batch's upload ran while this one generated; settle its ack now.
+    acks.drain()
+    future = rt.sink.submit(storage, message, generated.images, {
+        "device": f"{rt.spec.device}:{rt.spec.slot}",
+        "worker": rt.worker,
+        "generate_s": round(generated.generate_s, 4),
+    })
+    acks.expect(task.request.id, future)
+    log.info(json.dumps({"event": "batch", "run": message.run_id, "batch": message.batch_id,
+                         "queue": message.shape.queue, "items": len(message.items),
+                         "generate_s": round(generated.generate_s, 3)}))
+    return {"batch_id": message.batch_id, "items": len(message.items)}
+
+
+def build_worker_app(spec: ChildSpec) -> Celery:
+    global _runtime
+    _runtime = Runtime(spec=spec, host=PipelineHost(backend=spec.backend, compile_mode=spec.compile,
+                                                     offload=spec.offload))
+    app = make_celery(spec.broker_url, spec.transport_options)
+    app.steps["consumer"].add(acks.DeferredAckStep)
+    app.task(name=TASK_NAME, base=BatchTask, bind=True)(generate_batch)
+    return app
+
+
+def preload(spec: ChildSpec) -> None:
+    for model in spec.models:
+        runtime().host.pipeline(model, spec.dtype)
+
+
+@signals.worker_shutting_down.connect
+def _flush_on_shutdown(**_):
+    # Warm shutdown: the batch in hand finishes, then its images must be stored.
+    if _runtime is not None:
+        _runtime.sink.flush()
