@@ -275,5 +275,16 @@ def fetch(
     out.print(f"{result.images} images in {result.dest} ({result.downloaded} downloaded)")
 
 
+def _register_command_groups() -> None:
+    import importlib
+
+    for name in COMMAND_GROUPS:
+        importlib.import_module(f"diffq.commands.{name}").register(app)
+
+
+# Modules under diffq/commands/, each adding its commands to `app`.
+COMMAND_GROUPS: list[str] = []
+_register_command_groups()
+
 if __name__ == "__main__":
     app()

@@ -1,0 +1,1 @@
+"""Command groups beyond the core ones in diffq/cli.py; each module has `register(app)`."""
