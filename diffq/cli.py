@@ -275,6 +275,41 @@ def fetch(
     out.print(f"{result.images} images in {result.dest} ({result.downloaded} downloaded)")
 
 
+Broker = Annotated[Optional[str], typer.Option("--broker", help="Broker URL (or DIFFQ_BROKER_URL)")]
+
+
+def _requeue(kind: str, out_dir: str, broker: str | None) -> None:
+    from diffq.producer import resume as requeue
+    from diffq.producer.results import NotARun
+
+    broker = broker or get_settings().broker_url
+    if not broker:
+        _fail("no broker: pass --broker URL or set DIFFQ_BROKER_URL")
+    try:
+        result = getattr(requeue, kind)(out_dir, broker)
+    except NotARun as exc:
+        _fail(str(exc))
+    out.print(f"{result.out}: re-enqueued {result.items} items in {result.batches} batches")
+
+
+@app.command()
+def resume(
+    out_dir: Annotated[str, typer.Argument(metavar="OUT", help="Run folder")],
+    broker: Broker = None,
+) -> None:
+    """Re-enqueue exactly the items that are neither done nor failed (read from OUT, not the broker)."""
+    _requeue("resume", out_dir, broker)
+
+
+@app.command("retry-failed")
+def retry_failed(
+    out_dir: Annotated[str, typer.Argument(metavar="OUT", help="Run folder")],
+    broker: Broker = None,
+) -> None:
+    """Re-enqueue the items that failed after every retry."""
+    _requeue("retry_failed", out_dir, broker)
+
+
 def _register_command_groups() -> None:
     import importlib
 
@@ -283,7 +318,7 @@ def _register_command_groups() -> None:
 
 
 # Modules under diffq/commands/, each adding its commands to `app`.
-COMMAND_GROUPS: list[str] = []
+COMMAND_GROUPS: list[str] = ["fleet"]
 _register_command_groups()
 
 if __name__ == "__main__":

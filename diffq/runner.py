@@ -133,7 +133,6 @@ def run(
 
     tracker = ProgressTracker(storage)
     reenqueued = 0
-    attempt = 0
     supervisor.start()
     publishing = threading.Thread(target=publish_all, name="diffq-publish", daemon=True)
     publishing.start()
@@ -167,8 +166,7 @@ def run(
                 if (supervisor.deaths > deaths_seen and "result" in submitted
                         and publisher.depth() == 0 and now - last_progress > max(5.0, 3 * batch_time)):
                     deaths_seen = supervisor.deaths
-                    attempt += 1
-                    for message in missing_batches(storage, tracker.done_ids | tracker.failed_ids, attempt):
+                    for message in missing_batches(storage, tracker.done_ids | tracker.failed_ids):
                         publisher.publish(message)
                         reenqueued += len(message.items)
                     last_progress = now

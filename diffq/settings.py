@@ -20,6 +20,8 @@ class Settings(BaseSettings):
     metrics_port: int | None = None
     log_json: bool = False
     task_max_retries: int = Field(default=3, ge=0)
+    # Celery retry countdown: base * 2**attempt seconds, capped at 30 s.
+    retry_backoff_s: float = Field(default=2.0, ge=0)
 
 
 def get_settings() -> Settings:

@@ -1,25 +1,77 @@
-"""Re-enqueue what the run folder says is missing: items neither done nor failed.
+"""Re-enqueue what the run folder says is left: `resume` and `retry-failed`.
 
-The plan (every batch as submitted) minus the records is the work left. Used by the
-embedded runner after a worker died with a batch in hand, and by `diffq resume`.
+The plan (every batch as submitted) minus the records is the work left; the broker
+is never asked. Batch ids of re-enqueued work derive from the items they carry, so
+running the same resume twice publishes the same batch ids, and the second copy of
+a batch finds the first one's record and does nothing.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import hashlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 from diffq.contract import BatchMessage
-from diffq.producer.submit import read_plan
-from diffq.storage import Storage
+from diffq.producer.results import ProgressTracker, read_manifest
+from diffq.producer.submit import CeleryPublisher, read_plan
+from diffq.storage import Storage, open_storage
 
 
-def missing_batches(storage: Storage, skip_ids: set[str], attempt: int) -> Iterator[BatchMessage]:
-    """Plan batches reduced to their unfinished items, under fresh batch ids.
+def _derived_id(batch_id: str, tag: str, item_ids: list[str]) -> str:
+    digest = hashlib.sha1("\x00".join(item_ids).encode()).hexdigest()[:8]
+    return f"{batch_id}.{tag}{digest}"
 
-    A fresh id per attempt (`<batch>.r<n>`) keeps each attempt's record separate;
-    items already stored are filtered out, so nothing is recorded twice.
-    """
+
+def select_batches(storage: Storage, wanted: Callable[[str], bool], tag: str) -> Iterator[BatchMessage]:
+    """Plan batches reduced to the items `wanted` accepts, under derived batch ids."""
     for message in read_plan(storage):
-        items = [item for item in message.items if item.id not in skip_ids]
+        items = [item for item in message.items if wanted(item.id)]
         if items:
-            yield message.model_copy(update={"items": items, "batch_id": f"{message.batch_id}.r{attempt}"})
+            batch_id = _derived_id(message.batch_id, tag, [item.id for item in items])
+            yield message.model_copy(update={"items": items, "batch_id": batch_id})
+
+
+def missing_batches(storage: Storage, skip_ids: set[str]) -> Iterator[BatchMessage]:
+    return select_batches(storage, lambda item_id: item_id not in skip_ids, "r")
+
+
+@dataclass
+class Requeued:
+    out: str
+    items: int
+    batches: int
+
+
+def _publish(storage: Storage, messages: Iterator[BatchMessage], broker_url: str,
+             transport_options: dict | None) -> Requeued:
+    publisher = CeleryPublisher(broker_url, transport_options)
+    items = batches = 0
+    try:
+        for message in messages:
+            publisher.publish(message)
+            items += len(message.items)
+            batches += 1
+    finally:
+        publisher.close()
+    return Requeued(out=storage.url, items=items, batches=batches)
+
+
+def resume(out: str, broker_url: str, transport_options: dict | None = None) -> Requeued:
+    """Re-enqueue exactly the items that are neither done nor failed."""
+    storage = open_storage(out)
+    read_manifest(storage)
+    tracker = ProgressTracker(storage)
+    tracker.refresh()
+    return _publish(storage, missing_batches(storage, tracker.done_ids | tracker.failed_ids),
+                    broker_url, transport_options)
+
+
+def retry_failed(out: str, broker_url: str, transport_options: dict | None = None) -> Requeued:
+    """Re-enqueue the items that failed (and are not done since)."""
+    storage = open_storage(out)
+    read_manifest(storage)
+    tracker = ProgressTracker(storage)
+    tracker.refresh()
+    failed = tracker.failed_ids - tracker.done_ids
+    return _publish(storage, select_batches(storage, failed.__contains__, "f"), broker_url, transport_options)

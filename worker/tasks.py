@@ -20,7 +20,7 @@ from diffq.broker import TASK_NAME, make_celery
 from diffq.contract import BatchMessage
 from diffq.settings import get_settings
 from diffq.storage import Storage, open_storage
-from diffq.worker import acks
+from diffq.worker import acks, faults
 from diffq.worker.models import ModelUnavailable
 from diffq.worker.pipeline_host import CompileUnsupported, PipelineHost
 from diffq.worker.process import ChildSpec, hostname
@@ -28,12 +28,12 @@ from diffq.worker.sink import Sink
 
 log = logging.getLogger("diffq.worker")
 
-# Errors no retry can fix: fail the batch's items at once.
-PERMANENT_ERRORS = (ModelUnavailable, CompileUnsupported, ValueError)
-
-
 class OutNotAllowed(PermissionError):
     pass
+
+
+# Errors no retry can fix: fail the batch's items at once.
+PERMANENT_ERRORS = (ModelUnavailable, CompileUnsupported, OutNotAllowed)
 
 
 @dataclass
@@ -87,6 +87,18 @@ def write_failure(storage: Storage, message: BatchMessage, error: str, attempts:
                       content_type="application/json", if_absent=True)
 
 
+def split(task: Task, message: BatchMessage) -> list[BatchMessage]:
+    """Halve a failing batch so a poison item ends up failing alone."""
+    middle = len(message.items) // 2
+    halves = [message.items[:middle], message.items[middle:]]
+    children = [message.model_copy(update={"items": items, "batch_id": f"{message.batch_id}.s{i}"})
+                for i, items in enumerate(halves)]
+    for child in children:
+        task.app.send_task(TASK_NAME, kwargs={"batch": child.model_dump(mode="json")},
+                           queue=message.shape.queue, routing_key=message.shape.queue)
+    return children
+
+
 def generate_batch(task: Task, batch: dict) -> dict:
     rt = runtime()
     acks.drain()
@@ -95,17 +107,24 @@ def generate_batch(task: Task, batch: dict) -> dict:
     if storage.exists(layout.record_key(message.batch_id)):
         # A redelivery of a batch that was fully stored: nothing to do.
         return {"batch_id": message.batch_id, "skipped": True}
-    attempts = task.request.retries + 1
+    retries = task.request.retries
     try:
+        faults.check(message.items)
         generated = rt.host.generate(message.shape, message.params, message.items)
     except PERMANENT_ERRORS as exc:
-        write_failure(storage, message, f"{type(exc).__name__}: {exc}", attempts, rt.worker)
-        raise
+        write_failure(storage, message, f"{type(exc).__name__}: {exc}", retries + 1, rt.worker)
+        return {"batch_id": message.batch_id, "failed": len(message.items)}
     except Exception as exc:
-        if task.request.retries < get_settings().task_max_retries:
-            raise task.retry(exc=exc, countdown=min(30, 2 ** task.request.retries))
-        write_failure(storage, message, f"{type(exc).__name__}: {exc}", attempts, rt.worker)
-        raise
+        settings = get_settings()
+        if retries < settings.task_max_retries:
+            raise task.retry(exc=exc, countdown=min(30.0, settings.retry_backoff_s * 2**retries))
+        if len(message.items) > 1:
+            children = split(task, message)
+            log.warning("batch %s failed %d times; split into %s", message.batch_id, retries + 1,
+                        [child.batch_id for child in children])
+            return {"batch_id": message.batch_id, "split": [child.batch_id for child in children]}
+        write_failure(storage, message, f"{type(exc).__name__}: {exc}", retries + 1, rt.worker)
+        return {"batch_id": message.batch_id, "failed": len(message.items)}
     # The previous batch's upload ran while this one generated; settle its ack now.
     acks.drain()
     future = rt.sink.submit(storage, message, generated.images, {
