@@ -45,6 +45,11 @@ class CompileMode(str, Enum):
     defer_fuse = "defer-fuse"
 
 
+class Routing(str, Enum):
+    compile_aware = "compile-aware"
+    round_robin = "round-robin"
+
+
 class Dtype(str, Enum):
     float32 = "float32"
     bfloat16 = "bfloat16"
@@ -64,7 +69,7 @@ Format = Annotated[ImageFormat, typer.Option("--format", help="Image file format
 DtypeOpt = Annotated[Dtype, typer.Option("--dtype", help="Pipeline dtype (part of the shape key)")]
 DeviceOpt = Annotated[Device, typer.Option("--device", help="Device kind, from the backend table")]
 Compile = Annotated[CompileMode, typer.Option("--compile", help="none | full (whole transformer) | regional (repeated blocks) | defer-fuse (TPU)")]
-CompileCache = Annotated[Optional[str], typer.Option("--compile-cache", help="Shared compile-cache directory")]
+CompileCache = Annotated[Optional[str], typer.Option("--compile-cache", help="Compile cache: a shared directory used in place, or s3://… / gs://… / file://… mirrored locally (pull before warmup, push after compiling)")]
 Offload = Annotated[Optional[str], typer.Option("--offload", help="'model': enable_model_cpu_offload()")]
 RunId = Annotated[Optional[str], typer.Option("--run-id", help="Run id (default: random)")]
 SeedBase = Annotated[Optional[str], typer.Option("--seed-base", help="Derive item seeds from this instead of the run id (reproducible reruns)")]
@@ -82,9 +87,11 @@ def _generation(batch_size, steps, guidance_scale, max_sequence_length, height, 
 
 
 def _devices(device: Device, workers: int, cores: str | None, chips: str | None, gpus: str | None) -> list[int]:
-    from diffq.worker.backends import parse_devices
+    from diffq.worker.backends import get_backend, parse_devices
 
-    spec = {"neuron": cores, "tpu": chips, "cuda": gpus}.get(device.value)
+    # Which option lists this kind's devices is the backend table's business.
+    option = get_backend(device.value).device_option
+    spec = {"--cores": cores, "--chips": chips, "--gpus": gpus}.get(option)
     return parse_devices(spec) if spec else list(range(workers))
 
 
@@ -123,6 +130,7 @@ def run(
     compile: Compile = CompileMode.none,
     compile_cache: CompileCache = None,
     offload: Offload = None,
+    warmup: Annotated[Optional[str], typer.Option("--warmup", help="Compile before consuming: 'auto' (every shape of the run) or HxW[,HxW…]")] = None,
     threads: Annotated[int, typer.Option("--threads", min=1, help="Torch threads per worker")] = 1,
     run_id: RunId = None,
     seed_base: SeedBase = None,
@@ -138,7 +146,7 @@ def run(
         result = run_embedded(
             prompts, out_, model=model, devices=_devices(device, workers, cores, chips, gpus),
             device=device.value, compile=compile.value, compile_cache=compile_cache, offload=offload,
-            threads=threads, progress=progress, console=err, run_id=run_id, seed_base=seed_base,
+            warmup=[w for w in (warmup or "").split(",") if w], threads=threads, progress=progress, console=err, run_id=run_id, seed_base=seed_base,
             **_generation(batch_size, steps, guidance_scale, max_sequence_length, height, width, format, dtype),
         )
     except (InputError, RunExists, ModelUnavailable, RunFailed, ValueError) as exc:
@@ -199,8 +207,12 @@ def worker(
     dtype: DtypeOpt = Dtype.float32,
     compile: Compile = CompileMode.none,
     compile_cache: CompileCache = None,
+    compile_cache_local: Annotated[Optional[str], typer.Option("--compile-cache-local", help="Where a URL compile cache is mirrored on this host (default under /tmp)")] = None,
+    warmup: Annotated[Optional[str], typer.Option("--warmup", help="Compile before consuming: 'auto' (every served shape) or HxW[,HxW…]")] = None,
+    warmup_only: Annotated[bool, typer.Option("--warmup-only", help="Compile the warmup shapes, push the compile cache, print a JSON report per process, exit")] = False,
     offload: Offload = None,
     threads: Annotated[int, typer.Option("--threads", min=1, help="Torch threads per process")] = 1,
+    routing: Annotated[Routing, typer.Option("--routing", help="compile-aware: drain compiled shapes before taking a new one; round-robin: Celery's default")] = Routing.compile_aware,
     plan: Annotated[bool, typer.Option("--plan", help="Print each child's pinning and queues as JSON; start nothing")] = False,
     loglevel: Annotated[str, typer.Option("--loglevel", help="Celery log level")] = "INFO",
 ) -> None:
@@ -225,7 +237,10 @@ def worker(
     try:
         specs = plan_children(device=device.value, devices=_devices(device, workers, cores, chips, gpus),
                               broker_url=broker, queues=names, threads=threads, compile=compile.value,
-                              compile_cache=compile_cache or settings.compile_cache, offload=offload,
+                              compile_cache=compile_cache or settings.compile_cache,
+                              compile_cache_local=compile_cache_local, offload=offload,
+                              warmup=[w for w in (warmup or ("auto" if warmup_only else "")).split(",") if w],
+                              warmup_only=warmup_only, routing=routing.value,
                               models=models, dtype=dtype.value,
                               allowed_out_prefixes=settings.allowed_out_prefixes, loglevel=loglevel)
     except ValueError as exc:
@@ -239,11 +254,21 @@ def worker(
 @app.command()
 def status(
     out_dir: Annotated[str, typer.Argument(metavar="OUT", help="Run folder")],
-    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output (with --watch: one line per refresh)")] = False,
+    watch: Annotated[bool, typer.Option("--watch", "-w", help="Live progress until nothing is pending (Ctrl-C to stop)")] = False,
+    interval: Annotated[float, typer.Option("--interval", min=0.1, help="Seconds between refreshes with --watch")] = 2.0,
 ) -> None:
     """Progress of a run, read from its run folder alone (no broker needed)."""
     from diffq.producer.results import NotARun, status as run_status
 
+    if watch:
+        from diffq.producer.watch import watch as watch_run
+
+        try:
+            watch_run(out_dir, interval=interval, console=out, as_json=as_json)
+        except NotARun as exc:
+            _fail(str(exc))
+        return
     try:
         st = run_status(out_dir)
     except NotARun as exc:
@@ -264,12 +289,24 @@ def status(
 def fetch(
     out_dir: Annotated[str, typer.Argument(metavar="OUT", help="Run folder")],
     dest: Annotated[Path, typer.Argument(help="Local folder (HF imagefolder layout)")],
+    only_new: Annotated[bool, typer.Option("--only-new", help="Fetch only items not yet in DEST/metadata.jsonl (no size checks)")] = False,
+    progress: Annotated[bool, typer.Option("--progress/--no-progress", help="Show a progress bar")] = True,
 ) -> None:
-    """Download finished images and write DEST/metadata.jsonl (loadable as an HF imagefolder)."""
+    """Download finished images and write DEST/metadata.jsonl (loadable as an HF imagefolder).
+
+    Resumable: a second call fetches only what is missing.
+    """
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
     from diffq.producer.results import NotARun, fetch as fetch_run
 
+    bar = Progress(TextColumn("[bold]fetch"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                   console=err, disable=not progress, transient=True)
+    task = bar.add_task("fetch", total=None)
     try:
-        result = fetch_run(out_dir, dest)
+        with bar:
+            result = fetch_run(out_dir, dest, only_new=only_new,
+                               on_progress=lambda done, total: bar.update(task, completed=done, total=total))
     except NotARun as exc:
         _fail(str(exc))
     out.print(f"{result.images} images in {result.dest} ({result.downloaded} downloaded)")
@@ -318,7 +355,7 @@ def _register_command_groups() -> None:
 
 
 # Modules under diffq/commands/, each adding its commands to `app`.
-COMMAND_GROUPS: list[str] = ["fleet"]
+COMMAND_GROUPS: list[str] = ["fleet", "data"]
 _register_command_groups()
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ static-shape backend, so it names the queue a batch goes to.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import re
 from typing import Literal
@@ -62,6 +63,7 @@ def model_slug(model: str) -> str:
     return f"{tail}-{digest}"
 
 
+@functools.lru_cache(maxsize=4096)
 def queue_name(shape: ShapeKey) -> str:
     """``diffq.<model>.<H>x<W>.b<B>.l<L>.<cfg|nocfg>.<dtype>``.
 

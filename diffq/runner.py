@@ -86,6 +86,7 @@ def run(
     compile: str = "none",
     compile_cache: str | None = None,
     offload: str | None = None,
+    warmup: list[str] | None = None,
     threads: int = 1,
     progress: bool = True,
     console: Console | None = None,
@@ -115,6 +116,7 @@ def run(
         compile=compile,
         compile_cache=compile_cache,
         offload=offload,
+        warmup=warmup or [],
         models=[model],
         dtype=options.dtype,
     )

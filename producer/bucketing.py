@@ -8,6 +8,7 @@ compiled batch size.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
@@ -32,16 +33,20 @@ class Batch:
     index: int = 0  # position among its shape's batches, for a readable batch id
 
 
+@functools.lru_cache(maxsize=4096)
+def _shape(options: RunOptions, height: int, width: int, cfg: bool) -> ShapeKey:
+    return ShapeKey(model=options.model, height=height, width=width, batch_size=options.batch_size,
+                    max_sequence_length=options.max_sequence_length, cfg=cfg, dtype=options.dtype)
+
+
 def shape_of(prompt: Prompt, options: RunOptions) -> ShapeKey:
-    return ShapeKey(
-        model=options.model,
-        height=prompt.height,
-        width=prompt.width,
-        batch_size=options.batch_size,
-        max_sequence_length=options.max_sequence_length,
-        cfg=prompt.guidance_scale > 1.0,
-        dtype=options.dtype,
-    )
+    # Cached: a run has a handful of shapes and millions of rows.
+    return _shape(options, prompt.height, prompt.width, prompt.guidance_scale > 1.0)
+
+
+@functools.lru_cache(maxsize=4096)
+def _params(steps: int, guidance_scale: float, fmt: str) -> BatchParams:
+    return BatchParams(num_inference_steps=steps, guidance_scale=guidance_scale, format=fmt)
 
 
 class Bucketer:
@@ -53,11 +58,7 @@ class Bucketer:
 
     def _group(self, prompt: Prompt) -> Batch:
         shape = shape_of(prompt, self.options)
-        params = BatchParams(
-            num_inference_steps=prompt.num_inference_steps,
-            guidance_scale=prompt.guidance_scale,
-            format=self.options.format,
-        )
+        params = _params(prompt.num_inference_steps, prompt.guidance_scale, self.options.format)
         batch = self._open.get((shape, params))
         if batch is None:
             index = self._counts.get(shape, 0)
@@ -69,7 +70,8 @@ class Bucketer:
         """Add one prompt; returns a batch when it fills up."""
         batch = self._group(prompt)
         seed = prompt.seed if prompt.seed is not None else derive_seed(self.seed_base, prompt.id)
-        batch.items.append(BatchItem(id=prompt.id, prompt=prompt.prompt, seed=seed))
+        # Rows were validated by the source; skip re-validating each item.
+        batch.items.append(BatchItem.model_construct(id=prompt.id, prompt=prompt.prompt, seed=seed))
         if len(batch.items) == self.options.batch_size:
             del self._open[(batch.shape, batch.params)]
             return batch

@@ -44,3 +44,31 @@ def assert_run_complete(out: str, prompts_path: Path, steps: int, model: str) ->
     images = [k for k in storage.list("images/")]
     assert len(images) == len(expected)
     return records
+
+
+def start_workers(broker: str, queues: list[str], model: str, n: int = 2, **spec_fields):
+    """n real worker processes (spawned, pinned, solo pool) on `queues`."""
+    from diffq.worker.supervisor import Supervisor, plan_children
+
+    spec_fields.setdefault("loglevel", "ERROR")
+    supervisor = Supervisor(plan_children(device="cpu", devices=list(range(n)), broker_url=broker,
+                                          queues=queues, models=[model], **spec_fields))
+    supervisor.start()
+    return supervisor
+
+
+def wait_until(out: str, supervisor, predicate, timeout: float = 300.0):
+    """Poll the run folder until `predicate(status)` holds; restarts dead workers meanwhile."""
+    import time
+
+    from diffq.producer.results import status
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        st = status(out)
+        if predicate(st):
+            return st
+        supervisor.poll()
+        assert not supervisor.all_fatal, "workers could not start"
+        time.sleep(0.25)
+    raise AssertionError(f"timed out after {timeout}s: {status(out)}")

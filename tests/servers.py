@@ -21,6 +21,7 @@ import urllib.error
 import urllib.request
 import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -118,35 +119,81 @@ class ServerProcess:
         self.stop()
 
 
+@dataclass(frozen=True)
+class TLSFiles:
+    ca: Path
+    cert: Path
+    key: Path
+
+
+def make_tls_files(folder: Path) -> TLSFiles:
+    """A throwaway CA and a server certificate for 127.0.0.1 (openssl CLI)."""
+    openssl = shutil.which("openssl")
+    if openssl is None:
+        pytest.skip("openssl is not installed")
+    folder.mkdir(parents=True, exist_ok=True)
+    ca, ca_key = folder / "ca.pem", folder / "ca.key"
+    cert, key, csr = folder / "server.pem", folder / "server.key", folder / "server.csr"
+    ext = folder / "san.ext"
+    ext.write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
+    quiet = dict(check=True, capture_output=True)
+    subprocess.run([openssl, "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj",
+                    "/CN=diffq-test-ca", "-keyout", str(ca_key), "-out", str(ca)], **quiet)
+    subprocess.run([openssl, "req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=127.0.0.1",
+                    "-keyout", str(key), "-out", str(csr)], **quiet)
+    subprocess.run([openssl, "x509", "-req", "-in", str(csr), "-CA", str(ca), "-CAkey", str(ca_key),
+                    "-CAcreateserial", "-days", "2", "-extfile", str(ext), "-out", str(cert)], **quiet)
+    return TLSFiles(ca=ca, cert=cert, key=key)
+
+
 class RedisServer(ServerProcess):
     """A private redis-server; appendonly=True makes its data survive restart()."""
 
     name = "redis"
 
-    def __init__(self, workdir: Path, port: int | None = None, *, appendonly: bool = False):
+    def __init__(self, workdir: Path, port: int | None = None, *, appendonly: bool = False,
+                 password: str | None = None, tls: TLSFiles | None = None):
         super().__init__(workdir, port)
         self.appendonly = appendonly
+        self.password = password
+        self.tls = tls
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        auth = f":{self.password}@" if self.password else ""
+        if self.tls:
+            return f"rediss://{auth}127.0.0.1:{self.port}/0?ssl_cert_reqs=required&ssl_ca_certs={self.tls.ca}"
+        return f"redis://{auth}127.0.0.1:{self.port}/0"
 
     def command(self) -> list[str]:
         binary = shutil.which("redis-server")
         if binary is None:
             pytest.skip("redis-server is not installed (apt-get install redis-server)")
-        return [
-            binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+        command = [
+            binary, "--bind", "127.0.0.1", "--save", "",
             "--appendonly", "yes" if self.appendonly else "no", "--dir", str(self.workdir),
         ]
+        if self.password:
+            command += ["--requirepass", self.password]
+        if self.tls:
+            command += ["--port", "0", "--tls-port", str(self.port), "--tls-cert-file", str(self.tls.cert),
+                        "--tls-key-file", str(self.tls.key), "--tls-ca-cert-file", str(self.tls.ca),
+                        "--tls-auth-clients", "no"]
+        else:
+            command += ["--port", str(self.port)]
+        return command
 
     def ready(self) -> bool:
-        # +PONG, not just an open port: while loading its AOF Redis answers -LOADING.
+        # +PONG (or an auth demand), not just an open port: while loading its AOF
+        # Redis answers -LOADING.
+        import redis
+
         try:
-            with socket.create_connection(("127.0.0.1", self.port), timeout=1) as s:
-                s.sendall(b"PING\r\n")
-                return s.recv(64).startswith(b"+PONG")
-        except OSError:
+            client = redis.Redis.from_url(self.url, socket_timeout=1, socket_connect_timeout=1)
+            return bool(client.ping())
+        except redis.exceptions.BusyLoadingError:
+            return False
+        except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError):
             return False
 
 
@@ -263,8 +310,10 @@ def make_redis_server(tmp_path_factory):
     """Factory: make_redis_server(appendonly=True) -> a started RedisServer, stopped after the test."""
     servers: list[RedisServer] = []
 
-    def make(*, appendonly: bool = False) -> RedisServer:
-        server = RedisServer(tmp_path_factory.mktemp("redis"), appendonly=appendonly)
+    def make(*, appendonly: bool = False, password: str | None = None, tls: bool = False) -> RedisServer:
+        workdir = tmp_path_factory.mktemp("redis")
+        tls_files = make_tls_files(workdir / "tls") if tls else None
+        server = RedisServer(workdir, appendonly=appendonly, password=password, tls=tls_files)
         servers.append(server)
         server.start()
         return server

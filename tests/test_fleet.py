@@ -2,29 +2,14 @@
 on local disk, S3 (moto server over HTTP) and GCS (fake-gcs-server over HTTP)."""
 
 import json
-import time
-
 import pytest
 from PIL import Image
 
 from diffq.producer.results import fetch, status
 from diffq.producer.submit import submit
-from diffq.worker.supervisor import Supervisor, plan_children
-from helpers import assert_run_complete, expected_rows
+from helpers import assert_run_complete, expected_rows, start_workers, wait_until
 
 pytestmark = pytest.mark.slow
-
-
-def wait_for_done(out: str, total: int, supervisor: Supervisor, timeout: float = 240.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        st = status(out)
-        if st.done + st.failed >= total:
-            return st
-        supervisor.poll()
-        assert not supervisor.all_fatal, "workers could not start"
-        time.sleep(0.3)
-    raise AssertionError(f"run not finished in {timeout}s: {status(out)}")
 
 
 @pytest.fixture
@@ -48,12 +33,9 @@ def test_submit_two_workers_status_fetch(where, request, tmp_path, prompts_file,
     st = status(out)
     assert (st.total, st.done, st.failed) == (10, 0, 0)
 
-    specs = plan_children(device="cpu", devices=[0, 1], broker_url=redis_server,
-                          queues=sorted(result.queues), models=[tiny_model])
-    supervisor = Supervisor(specs)
-    supervisor.start()
+    supervisor = start_workers(redis_server, sorted(result.queues), tiny_model)
     try:
-        st = wait_for_done(out, 10, supervisor)
+        st = wait_until(out, supervisor, lambda s: s.done + s.failed >= 10, timeout=240)
     finally:
         supervisor.stop(timeout=60)
     assert (st.done, st.failed, st.pending) == (10, 0, 0)

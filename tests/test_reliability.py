@@ -15,8 +15,7 @@ from diffq.producer.resume import resume, retry_failed
 from diffq.producer.results import status
 from diffq.producer.submit import submit
 from diffq.storage import open_storage
-from diffq.worker.supervisor import Supervisor, plan_children
-from helpers import assert_run_complete
+from helpers import assert_run_complete, start_workers, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.chaos]
 
@@ -25,24 +24,6 @@ def write_prompts(path, n, poison_at=()):
     rows = [{"id": f"i{i:04d}", "prompt": ("POISON " if i in poison_at else "") + f"prompt {i}"} for i in range(n)]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
-
-
-def start_workers(broker, queues, model, n=2):
-    supervisor = Supervisor(plan_children(device="cpu", devices=list(range(n)), broker_url=broker,
-                                          queues=queues, models=[model], loglevel="ERROR"))
-    supervisor.start()
-    return supervisor
-
-
-def wait_until(out, supervisor, predicate, timeout=300.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        st = status(out)
-        if predicate(st):
-            return st
-        supervisor.poll()
-        time.sleep(0.25)
-    raise AssertionError(f"timed out: {status(out)}")
 
 
 @pytest.fixture
@@ -145,3 +126,30 @@ def test_resume_reenqueues_exactly_what_is_missing(tmp_path, make_redis_server, 
     again = resume(out, server.url)
     assert (again.items, again.batches) == (0, 0)
     assert_run_complete(out, prompts, steps=2, model=tiny_model)
+
+
+def test_s3_outage_delays_the_run_and_loses_nothing(tmp_path, s3_bucket, s3_server, redis_server, tiny_model,
+                                                     monkeypatch, fast_redelivery):
+    from proxy import CuttableProxy
+
+    proxy = CuttableProxy(s3_server.port)
+    proxy.start()
+    # Everything (producer, workers, status) reaches S3 through the proxy.
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", proxy.endpoint)
+    prompts = write_prompts(tmp_path / "p.jsonl", 120)
+    result = submit(prompts, s3_bucket, model=tiny_model, broker_url=redis_server, batch_size=8, steps=4)
+    supervisor = start_workers(redis_server, list(result.queues), tiny_model)
+    try:
+        wait_until(s3_bucket, supervisor, lambda s: s.done >= 16, timeout=120)
+        proxy.cut()
+        outage_s = 12.0  # the outage itself, not a wait for luck
+        time.sleep(outage_s)
+        supervisor.poll()
+        proxy.start()
+        st = wait_until(s3_bucket, supervisor, lambda s: s.done >= 120, timeout=240)
+    finally:
+        supervisor.stop(timeout=60)
+    assert (st.done, st.failed) == (120, 0)
+    assert supervisor.deaths == 0
+    assert_run_complete(s3_bucket, prompts, steps=4, model=tiny_model)
+    proxy.cut()

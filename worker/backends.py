@@ -67,6 +67,26 @@ class Backend:
     mode_env: dict[str, dict[str, str]] = field(default_factory=dict)
     # Where the cache lives when none is configured (wiped on reboot for Neuron).
     default_cache: str | None = None
+    # Older names of the cache variable, set too so either backend release finds it.
+    cache_env_aliases: tuple[str, ...] = ()
+    # Packages whose versions invalidate compiled artefacts (besides torch, diffusers).
+    cache_packages: tuple[str, ...] = ()
+    # URL schemes the backend's own cache reads and writes directly (no diffq sync).
+    native_cache_schemes: tuple[str, ...] = ()
+    # Dotted callable counting this kind's devices. Accelerators go through
+    # torch.accelerator: torch.tpu.device_count() raises for user code.
+    count_devices: str = "torch.accelerator.device_count"
+    # Static shapes: every backend compiles one whole graph per shape; Neuron
+    # rejects dynamic=True outright.
+    fullgraph: bool = True
+    dynamic: bool = False
+
+    @property
+    def compile_options(self) -> dict:
+        return {"backend": self.compile_backend, "fullgraph": self.fullgraph, "dynamic": self.dynamic}
+
+    def cache_envs(self) -> tuple[str, ...]:
+        return (self.cache_env, *self.cache_env_aliases)
 
 
 BACKENDS: dict[str, Backend] = {
@@ -79,6 +99,7 @@ BACKENDS: dict[str, Backend] = {
         default_dtype="float32",
         pin=_cpu_pin,
         device_option="--workers",
+        count_devices="os.cpu_count",
     ),
     "cuda": Backend(
         name="cuda",
@@ -89,6 +110,7 @@ BACKENDS: dict[str, Backend] = {
         default_dtype="bfloat16",
         pin=_cuda_pin,
         device_option="--gpus",
+        cache_packages=("triton",),
     ),
     "neuron": Backend(
         name="neuron",
@@ -102,6 +124,7 @@ BACKENDS: dict[str, Backend] = {
         extension="torch_neuronx",
         fallback_report="torch_neuronx.get_fallback_ops",
         default_cache="/tmp/neff_cache",
+        cache_packages=("torch-neuronx", "neuronx-cc"),
     ),
     "tpu": Backend(
         name="tpu",
@@ -114,6 +137,9 @@ BACKENDS: dict[str, Backend] = {
         device_option="--chips",
         compile_modes=("none", "full", "regional", "defer-fuse"),
         mode_env={"defer-fuse": {"TORCH_TPU_DEFER_AND_FUSE": "1"}},
+        cache_env_aliases=("TORCH_TPU_INTERNAL_TIER3_COMPILATION_CACHE_ROOT",),
+        cache_packages=("torch-tpu", "libtpu"),
+        native_cache_schemes=("gs",),
     ),
 }
 
@@ -123,6 +149,19 @@ def get_backend(name: str) -> Backend:
         return BACKENDS[name]
     except KeyError:
         raise ValueError(f"unknown device '{name}'; choose one of {', '.join(BACKENDS)}") from None
+
+
+def resolve(dotted: str):
+    """'torch.accelerator.device_count' → that callable, importing its module lazily."""
+    import importlib
+
+    module, _, name = dotted.rpartition(".")
+    return getattr(importlib.import_module(module), name)
+
+
+def device_count(backend: Backend) -> int:
+    """How many devices of this kind the process sees (after pinning: usually 1)."""
+    return int(resolve(backend.count_devices)() or 0)
 
 
 def parse_devices(spec: str) -> list[int]:

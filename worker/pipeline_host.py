@@ -8,17 +8,17 @@ generator so its image does not depend on its neighbours in the batch.
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from diffq.contract import BatchItem, BatchParams, ShapeKey
-from diffq.worker.backends import Backend
+from diffq.worker.backends import Backend, resolve
 from diffq.worker.models import resolve_model
 
 log = logging.getLogger(__name__)
@@ -44,7 +44,13 @@ class PipelineHost:
     offload: str | None = None
     _pipelines: dict = field(default_factory=dict)
     shapes_seen: set = field(default_factory=set)
+    # Per shape queue: seconds of the call that compiled it, and graphs it added.
     compile_seconds: dict = field(default_factory=dict)
+    compile_graphs: dict = field(default_factory=dict)
+    # Graphs compiled for a shape already served: must stay 0 in steady state.
+    recompiles: int = 0
+    # Called with the ShapeKey after a call compiled a new shape (cache push, metrics).
+    on_compiled: list[Callable[[ShapeKey], None]] = field(default_factory=list)
 
     def pipeline(self, model: str, dtype: str):
         key = (model, dtype)
@@ -75,7 +81,7 @@ class PipelineHost:
     def _compile(self, pipe) -> None:
         if self.compile_mode in ("none", "defer-fuse"):
             return
-        options = dict(backend=self.backend.compile_backend, fullgraph=True, dynamic=False)
+        options = self.backend.compile_options
         if self.compile_mode == "full":
             pipe.transformer.compile(**options)
         elif self.compile_mode == "regional":
@@ -121,20 +127,57 @@ class PipelineHost:
         if new_shape:
             self.shapes_seen.add(shape)
             self.set_shape_budget(len(self.shapes_seen))
+        graphs_before = graphs_compiled()
         started = time.perf_counter()
         with torch.inference_mode():
             images = pipe(**kwargs).images
         elapsed = time.perf_counter() - started
+        graphs = graphs_compiled() - graphs_before
         if new_shape and self.compile_mode != "none":
-            self.compile_seconds[shape.label] = elapsed
+            self.compile_seconds[shape.queue] = elapsed
+            self.compile_graphs[shape.queue] = graphs
+            for callback in self.on_compiled:
+                callback(shape)
+        elif graphs:
+            self.recompiles += graphs
+            log.warning("shape %s compiled %d more graph(s) after its first batch", shape.label, graphs)
         return Generated(images=images[: len(items)], generate_s=elapsed, compiled=new_shape)
+
+    def warmup(self, shapes: list[ShapeKey]) -> None:
+        """Compile `shapes` before consuming, so no batch waits on a compile."""
+        self.set_shape_budget(len(self.shapes_seen | set(shapes)))
+        for shape in shapes:
+            if shape in self.shapes_seen:
+                continue
+            # guidance_scale > 1 is what turns CFG on (and doubles the traced batch);
+            # steps do not change the graph, so one is enough.
+            params = BatchParams(num_inference_steps=1, guidance_scale=4.0 if shape.cfg else 1.0)
+            items = [BatchItem(id=f"warmup-{i}", prompt="warmup", seed=i) for i in range(shape.batch_size)]
+            self.generate(shape, params, items)
+            log.info("warmed %s in %.1fs", shape.label, self.compile_seconds.get(shape.queue, 0.0))
+
+    def compile_stats(self) -> dict:
+        """Compile counts and seconds, for metrics and the warmup report."""
+        from torch._dynamo.utils import counters
+
+        return {
+            "mode": self.compile_mode,
+            "backend": self.backend.compile_backend if self.compile_mode in ("full", "regional") else None,
+            "shapes": len(self.compile_seconds),
+            "graphs": graphs_compiled(),
+            "recompiles": self.recompiles,
+            "seconds": round(sum(self.compile_seconds.values()), 3),
+            "per_shape": {queue: {"seconds": round(seconds, 3), "graphs": self.compile_graphs[queue]}
+                          for queue, seconds in self.compile_seconds.items()},
+            # Inductor's persistent-cache hits and misses (the compile cache at work).
+            "cache": {k: v for k, v in counters["inductor"].items() if "cache" in k},
+        }
 
     def fallback_ops(self) -> list[str]:
         """Ops the backend ran on CPU instead of the device (Neuron reports them)."""
         if not self.backend.fallback_report:
             return []
-        module, _, name = self.backend.fallback_report.rpartition(".")
-        return list(getattr(importlib.import_module(module), name)())
+        return [str(op) for op in resolve(self.backend.fallback_report)()]
 
 
 def graphs_compiled() -> int:

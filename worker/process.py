@@ -9,14 +9,25 @@ This module itself must stay torch-free: the supervisor imports it.
 from __future__ import annotations
 
 import importlib
+import json
+import logging
 import os
+import re
 import socket
 import sys
+import time
 import warnings
 
-from pydantic import BaseModel, ConfigDict, Field
+from typing import Literal
 
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from diffq.contract import ShapeKey
 from diffq.worker.backends import Backend, get_backend
+from diffq.worker.compile_cache import CachePlan, CacheSync, plan_cache
+from diffq.worker.routing import shape_from_queue
+
+log = logging.getLogger("diffq.worker")
 
 # Exit code for a child that can never succeed (bad model, bad option): the
 # supervisor must not restart it in a loop.
@@ -36,16 +47,37 @@ class ChildSpec(BaseModel):
     compile: str = "none"
     offload: str | None = None
     compile_cache: str | None = None
+    # Where a remote (URL) compile cache is mirrored on this host; default under /tmp.
+    compile_cache_local: str | None = None
+    # 'auto' (every served shape) or HxW sizes: compiled before consuming.
     warmup: list[str] = Field(default_factory=list)
+    # compile-aware: drain already-compiled shapes before taking a new one.
+    routing: Literal["compile-aware", "round-robin"] = "compile-aware"
+    # Compile, push the cache, print a JSON report and exit 0 (bake a cache in CI).
+    warmup_only: bool = False
+    # Debug hook: write the environment as seen before `import torch` to this file.
+    env_report: str | None = None
     # Loaded before consuming, so a missing model fails the process at once.
     models: list[str] = Field(default_factory=list)
     dtype: str = "float32"
     allowed_out_prefixes: list[str] = Field(default_factory=list)
     loglevel: str = "WARNING"
 
+    @field_validator("warmup")
+    @classmethod
+    def _warmup_entries(cls, entries: list[str]) -> list[str]:
+        for entry in entries:
+            if entry != "auto" and not re.fullmatch(r"\d+x\d+", entry):
+                raise ValueError(f"warmup entry '{entry}' is neither 'auto' nor HxW (e.g. 1024x1024)")
+        return entries
+
     @property
     def backend(self) -> Backend:
         return get_backend(self.device)
+
+    @property
+    def cache(self) -> CachePlan:
+        return plan_cache(self.compile_cache, self.backend, self.compile_cache_local)
 
     def env(self) -> dict[str, str]:
         """What this child adds to its environment before `import torch`."""
@@ -53,14 +85,29 @@ class ChildSpec(BaseModel):
         env = dict(backend.base_env)
         env.update(backend.pin(self.slot, self.threads))
         env.update(backend.mode_env.get(self.compile, {}))
-        cache = self.compile_cache or backend.default_cache
-        if cache and "://" not in cache:
-            env[backend.cache_env] = cache
+        env.update(self.cache.env)
         env["DIFFQ_WORKER_NAME"] = self.name
         return env
 
+    def warmup_shapes(self) -> list[ShapeKey]:
+        """The served shapes to compile before consuming; an HxW no queue serves is an error."""
+        if not self.warmup:
+            return []
+        served = [s for s in (shape_from_queue(q, self.models) for q in self.queues) if s is not None]
+        if "auto" in self.warmup:
+            return served
+        shapes = []
+        for entry in self.warmup:
+            height, width = (int(x) for x in entry.split("x"))
+            matching = [s for s in served if (s.height, s.width) == (height, width)]
+            if not matching:
+                raise ValueError(f"--warmup {entry}: no served queue of the loaded model has that size")
+            shapes += [s for s in matching if s not in shapes]
+        return shapes
+
     def plan(self) -> dict:
         backend = self.backend
+        cache = self.cache
         return {
             "name": self.name,
             "device": backend.torch_device,
@@ -69,7 +116,11 @@ class ChildSpec(BaseModel):
             "queues": self.queues,
             "compile": self.compile,
             "compile_backend": backend.compile_backend,
+            "compile_options": backend.compile_options if self.compile in ("full", "regional") else None,
             "cache_env": backend.cache_env,
+            "cache_dir": cache.local_dir,
+            "cache_remote": cache.remote,
+            "warmup": [shape.queue for shape in self.warmup_shapes()],
             "dist_backend": backend.dist_backend,
         }
 
@@ -84,11 +135,56 @@ QUIET_ENV = {"TRANSFORMERS_VERBOSITY": "error", "DIFFUSERS_VERBOSITY": "error",
              "HF_HUB_DISABLE_PROGRESS_BARS": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 
+def _write_env_report(path: str) -> None:
+    report = {"env": dict(os.environ), "torch_imported": "torch" in sys.modules, "pid": os.getpid()}
+    with open(path + ".tmp", "w") as f:
+        json.dump(report, f)
+    os.replace(path + ".tmp", path)
+
+
+def warm_start(spec: ChildSpec) -> dict:
+    """Load models, sync the compile cache and compile the warmup shapes; before consuming.
+
+    Runs after `import torch` and `build_worker_app`. Returns a JSON-able report.
+    """
+    from diffq.worker.tasks import preload, runtime
+
+    host = runtime().host
+    started = time.perf_counter()
+    cache = spec.cache
+    sync = CacheSync(cache.remote, cache.local_dir) if cache.remote else None
+    if sync:
+        try:
+            sync.pull()
+        except Exception as exc:  # a missing cache costs compile time, not the worker
+            log.warning("compile cache pull from %s failed: %s", cache.remote, exc)
+    preload(spec)
+    loaded = time.perf_counter()
+    host.warmup(spec.warmup_shapes())
+    if sync:
+        try:
+            sync.push()
+        except Exception as exc:  # another worker will compile it: not fatal
+            log.warning("compile cache push to %s failed: %s", cache.remote, exc)
+        host.on_compiled.append(lambda _shape: sync.push_in_background())
+    return {
+        "worker": spec.name,
+        "load_s": round(loaded - started, 3),
+        "warmup_s": round(time.perf_counter() - loaded, 3),
+        "compile": host.compile_stats(),
+        "cache": {"dir": cache.local_dir, "remote": cache.remote,
+                  "pulled": sync.pulled if sync else 0, "pushed": sync.pushed if sync else 0},
+        "fallback_ops": host.fallback_ops(),
+    }
+
+
 def child_main(spec_json: str) -> None:
     spec = ChildSpec.model_validate_json(spec_json)
     for name, value in QUIET_ENV.items():
         os.environ.setdefault(name, value)
     os.environ.update(spec.env())
+    if spec.env_report:
+        _write_env_report(spec.env_report)
     warnings.filterwarnings("ignore", message=".*superuser privileges.*")
 
     import torch  # noqa: E402 - deliberately after pinning
@@ -97,14 +193,30 @@ def child_main(spec_json: str) -> None:
     if spec.backend.extension:
         importlib.import_module(spec.backend.extension)
 
-    from diffq.worker.tasks import build_worker_app, preload
+    from diffq.settings import get_settings
+    from diffq.worker import metrics
+    from diffq.worker.tasks import build_worker_app
 
+    settings = get_settings()
+    if settings.log_json:
+        from diffq.worker.logs import install_json_logging
+
+        install_json_logging(spec.loglevel)
+    if settings.metrics_port is not None:
+        # One scrape endpoint per process: base port + device slot.
+        metrics.start_server(settings.metrics_port + spec.slot)
     app = build_worker_app(spec)
     try:
-        preload(spec)
-    except Exception as exc:  # a model that cannot load will not load on retry either
-        print(f"diffq worker {spec.name}: {exc}", file=sys.stderr, flush=True)
+        report = warm_start(spec)
+    except Exception as exc:  # a model or compile that fails now fails on retry too
+        print(f"diffq worker {spec.name}: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
         sys.exit(EXIT_FATAL)
+    for shape, figures in report.get("compile", {}).get("per_shape", {}).items():
+        metrics.observe_compile(shape, figures["seconds"])
+    if spec.warmup or spec.warmup_only:
+        print(json.dumps({"event": "warm", **report}), flush=True)
+    if spec.warmup_only:
+        return
     argv = [
         "--quiet",
         "worker",

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -18,6 +19,8 @@ from dataclasses import dataclass
 from diffq import layout
 from diffq.contract import BatchMessage
 from diffq.storage import Storage
+
+log = logging.getLogger(__name__)
 
 _PIL_FORMATS = {"png": "PNG", "jpeg": "JPEG", "webp": "WEBP"}
 _CONTENT_TYPES = {"png": "image/png", "jpeg": "image/jpeg", "webp": "image/webp"}
@@ -39,12 +42,36 @@ class BatchOutcome:
 
 
 class Sink:
-    def __init__(self, threads: int = 4):
+    def __init__(self, threads: int = 4, retry_for_s: float = 600.0):
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="diffq-sink")
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="diffq-io")
+        self.retry_for_s = retry_for_s
 
     def submit(self, storage: Storage, message: BatchMessage, images: list, record_extra: dict) -> Future:
-        return self._writer.submit(self._store, storage, message, images, record_extra)
+        return self._writer.submit(self._store_with_retry, storage, message, images, record_extra)
+
+    def _store_with_retry(self, storage: Storage, message: BatchMessage, images: list,
+                          record_extra: dict) -> BatchOutcome:
+        """Outlast a storage outage instead of regenerating the batch.
+
+        The clients retry each request themselves; this outer loop covers outages
+        longer than their budget (botocore's standard mode gives up quickly once many
+        threads retry at once). Writes are idempotent (if_absent), so a retry after a
+        partial attempt is safe. Past `retry_for_s` the error reaches the ack, which
+        hands the batch back to the broker.
+        """
+        deadline = time.monotonic() + self.retry_for_s
+        attempt = 0
+        while True:
+            try:
+                return self._store(storage, message, images, record_extra)
+            except Exception as exc:
+                attempt += 1
+                if time.monotonic() >= deadline:
+                    raise
+                delay = min(15.0, 0.5 * 2**attempt)
+                log.warning("storing batch %s failed (%r); retry %d in %.1fs", message.batch_id, exc, attempt, delay)
+                time.sleep(delay)
 
     def _store(self, storage: Storage, message: BatchMessage, images: list, record_extra: dict) -> BatchOutcome:
         started = time.perf_counter()
@@ -57,6 +84,7 @@ class Sink:
 
         results = list(self._pool.map(put, range(len(images))))
         finished_at = time.time()
+        images_s = round(time.perf_counter() - started, 4)
         lines = []
         for item, key in zip(message.items, keys):
             lines.append(json.dumps({
@@ -73,6 +101,8 @@ class Sink:
                 "batch_id": message.batch_id,
                 "queue": message.shape.queue,
                 "finished_at": finished_at,
+                # Encoding + storing this batch's images (overlapped with the next batch).
+                "store_s": images_s,
                 **record_extra,
             }))
         # One record per batch id: a redelivered batch finds it and writes nothing.

@@ -30,6 +30,7 @@ class Child:
     restarts: int = 0
     next_start: float = 0.0
     fatal: bool = False
+    finished: bool = False  # a --warmup-only child that exited 0
 
 
 def plan_children(
@@ -43,11 +44,14 @@ def plan_children(
     **spec_fields,
 ) -> list[ChildSpec]:
     """One child per device index, each pinned to it by the backend table."""
-    return [
+    specs = [
         ChildSpec(name=f"{name_prefix}-{device}{slot}", device=device, slot=slot, threads=threads,
                   broker_url=broker_url, queues=queues, **spec_fields)
         for slot in devices
     ]
+    if specs:
+        specs[0].warmup_shapes()  # an unserved --warmup size fails here, before spawning
+    return specs
 
 
 class Supervisor:
@@ -72,7 +76,10 @@ class Supervisor:
         now = time.monotonic()
         for child in self.children:
             proc = child.process
-            if child.fatal or proc is None or proc.is_alive():
+            if child.fatal or child.finished or proc is None or proc.is_alive():
+                continue
+            if proc.exitcode == 0 and child.spec.warmup_only:
+                child.finished = True
                 continue
             if child.next_start == 0.0:
                 self.deaths += 1
@@ -93,6 +100,11 @@ class Supervisor:
     @property
     def all_fatal(self) -> bool:
         return all(child.fatal for child in self.children)
+
+    @property
+    def all_done(self) -> bool:
+        """Every child finished its warmup-only run or failed for good."""
+        return all(child.fatal or child.finished for child in self.children)
 
     def alive(self) -> int:
         return sum(1 for c in self.children if c.process is not None and c.process.is_alive())
@@ -131,6 +143,8 @@ class Supervisor:
                 self.poll()
                 if self.all_fatal:
                     return EXIT_FATAL
+                if self.all_done:
+                    return EXIT_FATAL if any(child.fatal for child in self.children) else 0
                 time.sleep(poll_interval)
             self.stop()
             return 0

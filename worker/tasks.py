@@ -8,6 +8,7 @@ run goes on.
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import logging
 import time
@@ -20,7 +21,7 @@ from diffq.broker import TASK_NAME, make_celery
 from diffq.contract import BatchMessage
 from diffq.settings import get_settings
 from diffq.storage import Storage, open_storage
-from diffq.worker import acks, faults
+from diffq.worker import acks, faults, metrics, routing
 from diffq.worker.models import ModelUnavailable
 from diffq.worker.pipeline_host import CompileUnsupported, PipelineHost
 from diffq.worker.process import ChildSpec, hostname
@@ -99,44 +100,87 @@ def split(task: Task, message: BatchMessage) -> list[BatchMessage]:
     return children
 
 
+def retry_later(task: Task, exc: Exception):
+    """Storage trouble is not the batch's fault: retry without using up its attempts."""
+    return task.retry(exc=exc, countdown=min(30.0, get_settings().retry_backoff_s * 2 ** task.request.retries),
+                      max_retries=None)
+
+
 def generate_batch(task: Task, batch: dict) -> dict:
     rt = runtime()
     acks.drain()
     message = BatchMessage.from_json_payload(batch)
     storage = rt.storage_for(message.out)
-    if storage.exists(layout.record_key(message.batch_id)):
-        # A redelivery of a batch that was fully stored: nothing to do.
-        return {"batch_id": message.batch_id, "skipped": True}
-    retries = task.request.retries
+    # Only a redelivered or retried batch can already be stored; first deliveries
+    # skip the lookup so it does not sit between two batches on the device. (A
+    # duplicate that slips through only costs compute: every write is if_absent.)
+    if (task.request.delivery_info or {}).get("redelivered") or task.request.retries:
+        try:
+            if storage.exists(layout.record_key(message.batch_id)):
+                return {"batch_id": message.batch_id, "skipped": True}
+        except Exception as exc:
+            raise retry_later(task, exc)
+    attempts = task.request.retries + 1
+    recompiles_before = rt.host.recompiles
     try:
         faults.check(message.items)
+        started_at = time.time()
         generated = rt.host.generate(message.shape, message.params, message.items)
-    except PERMANENT_ERRORS as exc:
-        write_failure(storage, message, f"{type(exc).__name__}: {exc}", retries + 1, rt.worker)
-        return {"batch_id": message.batch_id, "failed": len(message.items)}
+        ended_at = time.time()
     except Exception as exc:
-        settings = get_settings()
-        if retries < settings.task_max_retries:
-            raise task.retry(exc=exc, countdown=min(30.0, settings.retry_backoff_s * 2**retries))
-        if len(message.items) > 1:
-            children = split(task, message)
-            log.warning("batch %s failed %d times; split into %s", message.batch_id, retries + 1,
-                        [child.batch_id for child in children])
-            return {"batch_id": message.batch_id, "split": [child.batch_id for child in children]}
-        write_failure(storage, message, f"{type(exc).__name__}: {exc}", retries + 1, rt.worker)
-        return {"batch_id": message.batch_id, "failed": len(message.items)}
-    # The previous batch's upload ran while this one generated; settle its ack now.
+        return handle_failure(task, storage, message, exc, attempts)
+    metrics.observe_batch(message.shape.queue, len(message.items), generated.generate_s)
+    if generated.compiled and rt.spec.compile != "none":
+        metrics.observe_compile(message.shape.label, generated.generate_s)
+    if rt.host.recompiles > recompiles_before:
+        metrics.observe_recompile(message.shape.label, rt.host.recompiles - recompiles_before)
+    # Back-pressure: one batch stored while the next generates, never a growing
+    # pile of images behind a slow or unreachable store.
+    if rt.last_store is not None:
+        concurrent.futures.wait([rt.last_store])
     acks.drain()
     future = rt.sink.submit(storage, message, generated.images, {
         "device": f"{rt.spec.device}:{rt.spec.slot}",
         "worker": rt.worker,
         "generate_s": round(generated.generate_s, 4),
+        # Wall-clock span of the pipeline call: the device idle gap between two
+        # batches of one worker is the next start minus this end.
+        "generate_started_at": round(started_at, 4),
+        "generate_ended_at": round(ended_at, 4),
     })
+    rt.last_store = future
+    future.add_done_callback(_observe_store)
     acks.expect(task.request.id, future)
+    routing.after_batch()
     log.info(json.dumps({"event": "batch", "run": message.run_id, "batch": message.batch_id,
                          "queue": message.shape.queue, "items": len(message.items),
                          "generate_s": round(generated.generate_s, 3)}))
     return {"batch_id": message.batch_id, "items": len(message.items)}
+
+
+def _observe_store(future: concurrent.futures.Future) -> None:
+    if future.exception() is None:
+        metrics.observe_store(future.result().store_s, future.result().bytes)
+
+
+def handle_failure(task: Task, storage: Storage, message: BatchMessage, exc: Exception, attempts: int) -> dict:
+    """Retry with backoff; then split the batch so a poison item fails alone; then record."""
+    error = f"{type(exc).__name__}: {exc}"
+    permanent = isinstance(exc, PERMANENT_ERRORS)
+    settings = get_settings()
+    if not permanent and task.request.retries < settings.task_max_retries:
+        raise task.retry(exc=exc, countdown=min(30.0, settings.retry_backoff_s * 2**task.request.retries))
+    if not permanent and len(message.items) > 1:
+        children = split(task, message)
+        log.warning("batch %s failed %d times (%s); split into %s", message.batch_id, attempts, error,
+                    [child.batch_id for child in children])
+        return {"batch_id": message.batch_id, "split": [child.batch_id for child in children]}
+    try:
+        write_failure(storage, message, error, attempts, runtime().worker)
+    except Exception as store_exc:
+        raise retry_later(task, store_exc)
+    metrics.observe_failure(message.shape.queue, len(message.items))
+    return {"batch_id": message.batch_id, "failed": len(message.items)}
 
 
 def build_worker_app(spec: ChildSpec) -> Celery:
@@ -145,6 +189,9 @@ def build_worker_app(spec: ChildSpec) -> Celery:
                                                      offload=spec.offload))
     app = make_celery(spec.broker_url, spec.transport_options)
     app.steps["consumer"].add(acks.DeferredAckStep)
+    if spec.routing == "compile-aware":
+        routing.configure(spec.queues, lambda: {shape.queue for shape in _runtime.host.shapes_seen})
+        app.steps["consumer"].add(routing.CompileAwareRouting)
     app.task(name=TASK_NAME, base=BatchTask, bind=True)(generate_batch)
     return app
 

@@ -1,0 +1,167 @@
+"""End to end vs the raw loop: diffq's steady-state images/s against the same pipeline
+called back to back in plain processes (no queue, no encode, no upload).
+
+Marginal throughput: each configuration runs N and 2N items; (2N - N) / (t2N - tN)
+cancels start-up (spawn, import, load), which is reported separately. The device
+idle gap between consecutive batches of a worker comes from the batch records
+(next generate start minus previous generate end).
+
+    python -m bench.e2e [--items 64] [--repeats 3] [--workers 1,2] [--s3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+WORKLOAD = dict(height=128, width=128, batch_size=8, steps=4, max_sequence_length=64)
+
+
+def _raw_loop(model: str, batches: int, ready, go, result) -> None:
+    import torch
+
+    torch.set_num_threads(1)
+    from diffusers import DiffusionPipeline
+    from diffusers.utils import logging as diffusers_logging
+
+    diffusers_logging.disable_progress_bar()
+    pipe = DiffusionPipeline.from_pretrained(model, local_files_only=True)
+    pipe.set_progress_bar_config(disable=True)
+    b = WORKLOAD["batch_size"]
+    prompts = [f"raw prompt {i}" for i in range(b)]
+
+    def call(seed: int) -> None:
+        generators = [torch.Generator("cpu").manual_seed(seed + i) for i in range(b)]
+        with torch.inference_mode():
+            pipe(prompt=prompts, height=WORKLOAD["height"], width=WORKLOAD["width"],
+                 num_inference_steps=WORKLOAD["steps"], max_sequence_length=WORKLOAD["max_sequence_length"],
+                 guidance_scale=1.0, generator=generators, output_type="pil")
+
+    call(0)  # warm-up, like a worker's first batch
+    ready.set()
+    go.wait()
+    started = time.perf_counter()
+    for n in range(batches):
+        call(1000 * n)
+    result.put(time.perf_counter() - started)
+
+
+def raw_loop(model: str, processes: int, items: int) -> float:
+    """Seconds for `items` images split over `processes` raw loops, run together."""
+    ctx = multiprocessing.get_context("spawn")
+    batches = items // WORKLOAD["batch_size"] // processes
+    go, result = ctx.Event(), ctx.Queue()
+    readies = [ctx.Event() for _ in range(processes)]
+    procs = [ctx.Process(target=_raw_loop, args=(model, batches, ready, go, result)) for ready in readies]
+    for proc in procs:
+        proc.start()
+    for ready in readies:
+        ready.wait()
+    go.set()
+    seconds = max(result.get() for _ in procs)
+    for proc in procs:
+        proc.join()
+    return seconds
+
+
+def write_prompts(path: Path, items: int) -> Path:
+    path.write_text("".join(json.dumps({"id": f"b{i:06d}", "prompt": f"bench prompt {i}"}) + "\n"
+                            for i in range(items)))
+    return path
+
+
+def diffq_run(model: str, workers: int, items: int, out: str, workdir: Path) -> tuple[float, list[float]]:
+    """Wall seconds of an embedded `diffq run`, and the idle gaps between batches."""
+    from diffq.producer.results import iter_records
+    from diffq.runner import run
+    from diffq.storage import open_storage
+
+    prompts = write_prompts(workdir / f"p{items}.jsonl", items)
+    started = time.perf_counter()
+    result = run(prompts, out, model=model, workers=workers, progress=False,
+                 **{k: v for k, v in WORKLOAD.items()})
+    seconds = time.perf_counter() - started
+    assert result.ok, result
+    spans: dict[str, set] = {}
+    for record in iter_records(open_storage(out)):
+        spans.setdefault(record["worker"], set()).add((record["generate_started_at"], record["generate_ended_at"]))
+    gaps = []
+    for worker_spans in spans.values():
+        ordered = sorted(worker_spans)
+        gaps += [b[0] - a[1] for a, b in zip(ordered, ordered[1:])]
+    return seconds, gaps
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--items", type=int, default=64, help="N; each configuration also runs 2N")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--workers", default="1,2")
+    parser.add_argument("--s3", action="store_true", help="also write to S3 (moto server on loopback)")
+    args = parser.parse_args(argv)
+
+    from diffq.tiny import build_tiny_pipeline
+
+    workdir = Path(tempfile.mkdtemp(prefix="diffq-bench-"))
+    model = str(build_tiny_pipeline(workdir / "tiny"))
+    n = args.items
+    targets = ["local"]
+    s3 = None
+    if args.s3:
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+        from servers import S3Server  # the same real server the tests use
+
+        s3 = S3Server(workdir / "moto")
+        s3.start()
+        import os
+
+        os.environ.update(AWS_ENDPOINT_URL=s3.endpoint, AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench",
+                          AWS_DEFAULT_REGION="us-east-1")
+        s3.make_bucket("bench")
+        targets.append("s3")
+    rows = []
+    try:
+        for workers in [int(w) for w in args.workers.split(",")]:
+            raw = []
+            for _ in range(args.repeats):
+                t1, t2 = raw_loop(model, workers, n), raw_loop(model, workers, 2 * n)
+                raw.append(n / (t2 - t1))
+            raw_rate = statistics.median(raw)
+            rows.append(dict(name=f"raw loop, {workers} process(es)", workers=workers, images_per_s=raw_rate,
+                             ratio=1.0, startup_s=None, idle_gap_ms=None,
+                             command=f"python -m bench.e2e --items {n} --workers {workers}"))
+            for target in targets:
+                rates, startups, gaps = [], [], []
+                for repeat in range(args.repeats):
+                    def out(items: int) -> str:
+                        name = f"w{workers}-r{repeat}-n{items}"
+                        return f"s3://bench/{name}" if target == "s3" else str(workdir / name)
+
+                    t1, gaps1 = diffq_run(model, workers, n, out(n), workdir)
+                    t2, gaps2 = diffq_run(model, workers, 2 * n, out(2 * n), workdir)
+                    rates.append(n / (t2 - t1))
+                    startups.append(t1 - n / rates[-1])
+                    gaps += gaps1 + gaps2
+                rate = statistics.median(rates)
+                rows.append(dict(name=f"diffq run → {target}, {workers} worker(s)", workers=workers,
+                                 images_per_s=rate, ratio=rate / raw_rate, startup_s=statistics.median(startups),
+                                 idle_gap_ms=1000 * statistics.median(gaps) if gaps else None,
+                                 idle_gap_p90_ms=1000 * statistics.quantiles(gaps, n=10)[-1] if len(gaps) > 10 else None,
+                                 command=f"python -m bench.e2e --items {n} --workers {workers}"
+                                         + (" --s3" if target == "s3" else "")))
+    finally:
+        if s3 is not None:
+            s3.stop()
+    for row in rows:
+        print(json.dumps(row))
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,44 @@
+"""The Python API, mirroring the CLI: one import for dataset pipelines.
+
+    from diffq import api
+
+    api.submit("prompts.jsonl", "s3://bucket/r1", model=..., broker_url="redis://host:6379/0")
+    api.status("s3://bucket/r1").to_json()
+    api.export("s3://bucket/r1", "s3://bucket/datasets/r1", format="webdataset", shard_size=1000)
+
+Names resolve on first use: the embedded runner pulls in Celery and the worker
+supervisor, which a script that only exports should not pay for.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {
+    "submit": "diffq.producer.submit",       # diffq submit
+    "run": "diffq.runner",                   # diffq run (embedded broker, no servers)
+    "status": "diffq.producer.results",      # diffq status
+    "fetch": "diffq.producer.results",       # diffq fetch
+    "iter_records": "diffq.producer.results",
+    "watch": "diffq.producer.watch",         # diffq status --watch
+    "snapshots": "diffq.producer.watch",
+    "export": "diffq.producer.export",       # diffq export
+    "report": "diffq.producer.report",       # diffq report
+    "build_report": "diffq.producer.report",
+    "render_text": "diffq.producer.report",
+    "open_storage": "diffq.storage",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return __all__

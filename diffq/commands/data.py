@@ -1,0 +1,89 @@
+"""Dataset commands: `diffq export`, `diffq report`, `diffq watch` (= `status --watch`)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from enum import Enum
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+OutArg = Annotated[str, typer.Argument(metavar="OUT", help="Run folder: path, s3://… or gs://…")]
+
+
+class ExportFormat(str, Enum):
+    imagefolder = "imagefolder"
+    webdataset = "webdataset"
+    parquet = "parquet"
+
+
+def register(app: typer.Typer) -> None:
+    from diffq.cli import _fail, err, out
+
+    @app.command()
+    def export(
+        out_dir: OutArg,
+        dest: Annotated[str, typer.Argument(help="Destination: path, s3://bucket/prefix or gs://bucket/prefix")],
+        format: Annotated[ExportFormat, typer.Option("--format", "-f", help="imagefolder | webdataset (tar shards) | parquet")] = ExportFormat.imagefolder,
+        shard_size: Annotated[int, typer.Option("--shard-size", min=1, help="Images per tar / Parquet file")] = 1000,
+        progress: Annotated[bool, typer.Option("--progress/--no-progress", help="Show a progress bar")] = True,
+    ) -> None:
+        """Export finished images as a dataset, streaming (memory does not grow with the run)."""
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+        from diffq.producer.export import export as export_run
+        from diffq.producer.results import NotARun
+
+        bar = Progress(TextColumn(f"[bold]export {format.value}"), BarColumn(), MofNCompleteColumn(),
+                       TimeRemainingColumn(), console=err, disable=not progress, transient=True)
+        task = bar.add_task("export", total=None)
+        try:
+            with bar:
+                result = export_run(out_dir, dest, format=format.value, shard_size=shard_size,
+                                    on_progress=lambda done, total: bar.update(task, completed=done, total=total))
+        except NotARun as exc:
+            _fail(str(exc))
+        out.print(f"{result.images} images ({result.bytes / 1e6:.1f} MB) as {result.format} in {result.dest}"
+                  f" ({len(result.files)} files)")
+
+    @app.command()
+    def report(
+        out_dir: OutArg,
+        html: Annotated[Optional[Path], typer.Option("--html", help="Write an HTML page with plots and a contact sheet")] = None,
+        contact_sheet: Annotated[Optional[Path], typer.Option("--contact-sheet", help="Write a contact sheet PNG of a sample")] = None,
+        price_per_device_hour: Annotated[Optional[float], typer.Option("--price-per-device-hour", min=0.0, help="Price of one device-hour: prints the cost per 1,000 images")] = None,
+        as_json: Annotated[bool, typer.Option("--json", help="Headline figures as JSON")] = False,
+    ) -> None:
+        """Run report: items, shapes, images/s over time, compile vs generate vs storing, workers, devices, failures, cost."""
+        from diffq.producer.report import render_text, report as build, to_json
+        from diffq.producer.results import NotARun
+
+        try:
+            result = build(out_dir, html_path=html, contact_sheet_path=contact_sheet,
+                           price_per_device_hour=price_per_device_hour)
+        except NotARun as exc:
+            _fail(str(exc))
+        if as_json:
+            sys.stdout.write(json.dumps(to_json(result)) + "\n")
+        else:
+            sys.stdout.write(render_text(result))
+        for path in (html, contact_sheet):
+            if path:
+                err.print(f"wrote {path}")
+
+    @app.command()
+    def watch(
+        out_dir: OutArg,
+        interval: Annotated[float, typer.Option("--interval", min=0.1, help="Seconds between refreshes")] = 2.0,
+        as_json: Annotated[bool, typer.Option("--json", help="One JSON line per refresh")] = False,
+    ) -> None:
+        """Live progress of a run (same as `diffq status OUT --watch`)."""
+        from diffq.producer.results import NotARun
+        from diffq.producer.watch import watch as watch_run
+
+        try:
+            watch_run(out_dir, interval=interval, console=out, as_json=as_json)
+        except NotARun as exc:
+            _fail(str(exc))

@@ -1,0 +1,277 @@
+"""Kubernetes manifests for a worker fleet, rendered from the producer's shape keys.
+
+One Deployment and one KEDA ScaledObject per shape queue. Queue names come from
+`ShapeKey.queue` built by the producer's own `shape_of`, so the queue a worker
+consumes and the Redis list KEDA watches are the names `diffq submit` publishes to.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from diffq.contract import ShapeKey
+from diffq.producer.bucketing import RunOptions, shape_of
+from diffq.producer.sources import Prompt
+
+NAMESPACE = "diffq"
+SECRET = "diffq-broker"  # keys: broker-url (DIFFQ_BROKER_URL), redis-address, redis-password
+TRIGGER_AUTH = "diffq-redis"
+CACHE_PVC = "diffq-cache"
+CACHE_MOUNT = "/cache"
+METRICS_PORT = 9400
+DEFAULT_IMAGE = "ghcr.io/diffq/diffq-{device}:0.1.0"
+
+
+@dataclass(frozen=True)
+class DeviceProfile:
+    """What one worker pod of a device kind asks the cluster for."""
+
+    device: str
+    device_option: str | None  # --cores / --chips / --gpus; None for cpu (--workers)
+    resource: str | None  # extended resource requested once per device
+    node_selector: dict[str, str] = field(default_factory=dict)
+    tolerations: tuple[dict, ...] = ()
+    devices_per_pod: int = 1
+    # Longer than a batch including a first compile: SIGTERM is a warm shutdown
+    # that finishes the batch in hand, and the kubelet SIGKILLs after this.
+    grace_seconds: int = 600
+    cpu: str = "2"
+    memory: str = "8Gi"
+    compile: str = "none"
+
+
+PROFILES: dict[str, DeviceProfile] = {
+    # trn2.48xlarge: 16 chips, 4 logical NeuronCores each at the default LNC=2.
+    # A pod of 8 cores (2 chips) runs 8 pinned processes; --cores 0-7 indexes the
+    # cores the Neuron device plugin gave the container.
+    "neuron": DeviceProfile(
+        device="neuron", device_option="--cores", resource="aws.amazon.com/neuroncore",
+        node_selector={"node.kubernetes.io/instance-type": "trn2.48xlarge"},
+        tolerations=({"key": "aws.amazon.com/neuron", "operator": "Exists", "effect": "NoSchedule"},),
+        devices_per_pod=8, grace_seconds=1800, cpu="16", memory="128Gi", compile="regional",
+    ),
+    # GKE single-host v6e slice: 4 chips in a 2x2 topology on one node.
+    "tpu": DeviceProfile(
+        device="tpu", device_option="--chips", resource="google.com/tpu",
+        node_selector={"cloud.google.com/gke-tpu-accelerator": "tpu-v6e-slice",
+                       "cloud.google.com/gke-tpu-topology": "2x2"},
+        tolerations=({"key": "google.com/tpu", "operator": "Exists", "effect": "NoSchedule"},),
+        # The first TPU compile of a Flux-sized model can take ~1,100 s.
+        devices_per_pod=4, grace_seconds=3600, cpu="16", memory="128Gi", compile="regional",
+    ),
+    "cuda": DeviceProfile(
+        device="cuda", device_option="--gpus", resource="nvidia.com/gpu",
+        tolerations=({"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"},),
+        devices_per_pod=1, grace_seconds=900, cpu="8", memory="32Gi", compile="full",
+    ),
+    "cpu": DeviceProfile(device="cpu", device_option=None, resource=None, devices_per_pod=2,
+                         grace_seconds=300, cpu="2", memory="4Gi"),
+}
+
+
+def parse_shapes(spec: str) -> list[tuple[int, int]]:
+    """'1024x1024,768x1344' -> [(1024, 1024), (768, 1344)] (height x width)."""
+    shapes = []
+    for part in (p.strip() for p in spec.split(",")):
+        if not part:
+            continue
+        try:
+            height, width = (int(v) for v in part.lower().split("x"))
+        except ValueError:
+            raise ValueError(f"shape '{part}' is not HEIGHTxWIDTH") from None
+        shapes.append((height, width))
+    if not shapes:
+        raise ValueError("no shapes given")
+    return shapes
+
+
+def shape_keys(model: str, shapes: list[tuple[int, int]], *, batch_size: int,
+               max_sequence_length: int = 64, guidance_scale: float = 1.0,
+               dtype: str = "float32") -> list[ShapeKey]:
+    """The producer's own shape rule (`shape_of`) applied to one prompt per size."""
+    options = RunOptions(model=model, batch_size=batch_size,
+                         max_sequence_length=max_sequence_length, dtype=dtype)
+    return [shape_of(Prompt(line=0, id="fleet", prompt="-", height=h, width=w, seed=None,
+                            num_inference_steps=1, guidance_scale=guidance_scale), options)
+            for h, w in shapes]
+
+
+def k8s_name(queue: str) -> str:
+    """A DNS-1123 name for a queue: dots become dashes.
+
+    At most 52 characters, so ReplicaSet and Pod suffixes still fit in 63: a long
+    name keeps the shape part whole, shortens the model part and adds a hash.
+    """
+    parts = queue.split(".")
+    name = "-".join(parts)
+    if len(name) <= 52:
+        return name
+    tail = "-".join(parts[2:] + [hashlib.sha1(queue.encode()).hexdigest()[:6]])
+    head = "-".join(parts[:2])[: max(0, 51 - len(tail))].rstrip("-")
+    return f"{head}-{tail}" if head else tail[-52:].lstrip("-")
+
+
+@dataclass
+class FleetOptions:
+    device: str
+    image: str | None = None
+    namespace: str = NAMESPACE
+    devices_per_pod: int | None = None
+    max_replicas: int = 8
+    # Queued batches per replica before KEDA adds one.
+    batches_per_replica: int = 4
+    redis_db: int = 0
+    grace_seconds: int | None = None
+    compile: str | None = None
+    # ReadWriteMany class for the shared cache: EFS on EKS, Filestore on GKE.
+    storage_class: str = "efs-sc"
+    cache_size: str = "500Gi"
+
+    @property
+    def profile(self) -> DeviceProfile:
+        if self.device not in PROFILES:
+            raise ValueError(f"unknown device '{self.device}' (one of {', '.join(PROFILES)})")
+        return PROFILES[self.device]
+
+
+def worker_args(shape: ShapeKey, options: FleetOptions) -> list[str]:
+    """The container args after the image's `ENTRYPOINT ["diffq", "worker"]`."""
+    profile = options.profile
+    n = options.devices_per_pod or profile.devices_per_pod
+    pin = ["--workers", str(n)] if profile.device_option is None else [profile.device_option, f"0-{n - 1}"]
+    return ["--device", profile.device, *pin, "--queues", shape.queue, "--model", shape.model,
+            "--dtype", shape.dtype, "--compile", options.compile or profile.compile,
+            "--compile-cache", f"{CACHE_MOUNT}/compile"]
+
+
+def deployment(shape: ShapeKey, options: FleetOptions) -> dict:
+    profile = options.profile
+    name = k8s_name(shape.queue)
+    n = options.devices_per_pod or profile.devices_per_pod
+    labels = {"app.kubernetes.io/name": "diffq-worker", "app.kubernetes.io/instance": name,
+              "diffq/device": profile.device}
+    resources: dict = {"requests": {"cpu": profile.cpu, "memory": profile.memory},
+                       "limits": {"memory": profile.memory}}
+    if profile.resource:
+        resources["requests"][profile.resource] = n
+        resources["limits"][profile.resource] = n
+    env = [
+        {"name": "DIFFQ_BROKER_URL",
+         "valueFrom": {"secretKeyRef": {"name": SECRET, "key": "broker-url"}}},
+        {"name": "HF_HOME", "value": f"{CACHE_MOUNT}/hf"},
+        {"name": "DIFFQ_METRICS_PORT", "value": str(METRICS_PORT)},
+        {"name": "DIFFQ_LOG_JSON", "value": "true"},
+    ]
+    pod: dict = {
+        "terminationGracePeriodSeconds": options.grace_seconds or profile.grace_seconds,
+        "securityContext": {"runAsNonRoot": True, "runAsUser": 1000, "fsGroup": 1000},
+        "containers": [{
+            "name": "worker",
+            "image": options.image or DEFAULT_IMAGE.format(device=profile.device),
+            "args": worker_args(shape, options),
+            "env": env,
+            "ports": [{"name": "metrics", "containerPort": METRICS_PORT}],
+            "resources": resources,
+            "volumeMounts": [{"name": "cache", "mountPath": CACHE_MOUNT}],
+        }],
+        "volumes": [{"name": "cache", "persistentVolumeClaim": {"claimName": CACHE_PVC}}],
+    }
+    if profile.node_selector:
+        pod["nodeSelector"] = dict(profile.node_selector)
+    if profile.tolerations:
+        pod["tolerations"] = [dict(t) for t in profile.tolerations]
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": name, "namespace": options.namespace, "labels": labels,
+                     "annotations": {"diffq/queue": shape.queue}},
+        # No `replicas`: KEDA owns the count; re-applying must not reset it.
+        "spec": {
+            "selector": {"matchLabels": {"app.kubernetes.io/instance": name}},
+            # Never surge a second accelerator pod for a rollout; replace in place.
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}},
+            "template": {"metadata": {"labels": labels, "annotations": {
+                "prometheus.io/scrape": "true", "prometheus.io/port": str(METRICS_PORT)}},
+                "spec": pod},
+        },
+    }
+
+
+def scaled_object(shape: ShapeKey, options: FleetOptions) -> dict:
+    name = k8s_name(shape.queue)
+    return {
+        "apiVersion": "keda.sh/v1alpha1",
+        "kind": "ScaledObject",
+        "metadata": {"name": name, "namespace": options.namespace,
+                     "annotations": {"diffq/queue": shape.queue}},
+        "spec": {
+            "scaleTargetRef": {"name": name},
+            "minReplicaCount": 0,
+            "maxReplicaCount": options.max_replicas,
+            "pollingInterval": 15,
+            # LLEN drops to 0 while the last batches still run (they sit in
+            # `unacked`); the cooldown and the warm shutdown cover that tail.
+            "cooldownPeriod": 300,
+            "triggers": [{
+                "type": "redis",
+                "metadata": {
+                    # The Celery queue is one Redis list of exactly this name
+                    # (broker.py sets priority_steps [0]).
+                    "listName": shape.queue,
+                    "listLength": str(options.batches_per_replica),
+                    "activationListLength": "0",
+                    "databaseIndex": str(options.redis_db),
+                },
+                "authenticationRef": {"name": TRIGGER_AUTH},
+            }],
+        },
+    }
+
+
+def common(options: FleetOptions) -> list[dict]:
+    """Objects every shape shares: the RWX cache volume and KEDA's Redis credentials."""
+    return [
+        {"apiVersion": "v1", "kind": "PersistentVolumeClaim",
+         "metadata": {"name": CACHE_PVC, "namespace": options.namespace},
+         "spec": {"accessModes": ["ReadWriteMany"], "storageClassName": options.storage_class,
+                  "resources": {"requests": {"storage": options.cache_size}}}},
+        {"apiVersion": "keda.sh/v1alpha1", "kind": "TriggerAuthentication",
+         "metadata": {"name": TRIGGER_AUTH, "namespace": options.namespace},
+         "spec": {"secretTargetRef": [
+             {"parameter": "address", "name": SECRET, "key": "redis-address"},
+             {"parameter": "password", "name": SECRET, "key": "redis-password"}]}},
+    ]
+
+
+def render(shapes: list[ShapeKey], options: FleetOptions) -> dict[str, list[dict]]:
+    """File stem -> documents: `common`, then one Deployment + ScaledObject per shape queue."""
+    rendered = {"common": common(options)}
+    for shape in shapes:
+        rendered[k8s_name(shape.queue)] = [deployment(shape, options), scaled_object(shape, options)]
+    return rendered
+
+
+class _Dumper(yaml.SafeDumper):
+    # Plain YAML without &anchors/*aliases for objects used twice (pod labels).
+    def ignore_aliases(self, data) -> bool:
+        return True
+
+
+def dump(documents: list[dict], header: str = "") -> str:
+    body = "---\n".join(yaml.dump(doc, Dumper=_Dumper, sort_keys=False) for doc in documents)
+    return header + body
+
+
+def write(rendered: dict[str, list[dict]], directory: str | Path, header: str = "") -> list[Path]:
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for stem, documents in rendered.items():
+        path = directory / f"{stem}.yaml"
+        path.write_text(dump(documents, header))
+        paths.append(path)
+    return paths

@@ -1,0 +1,285 @@
+"""The backend table, pinned fact by fact against ../shared/BACKENDS.md.
+
+Each assertion names the BACKENDS.md section and row it encodes: we have no
+Trainium or TPU here, so these tests are what keeps the facts from drifting.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from typer.testing import CliRunner
+
+from diffq.contract import ShapeKey, queue_name
+from diffq.worker import compile_cache
+from diffq.worker.backends import BACKENDS, device_count, get_backend, parse_devices
+from diffq.worker.process import ChildSpec
+from diffq.worker.supervisor import Supervisor, plan_children
+
+WORKER_DIR = Path(__file__).resolve().parents[1] / "worker"
+
+
+def test_every_kind_is_in_the_table():
+    assert set(BACKENDS) == {"cpu", "cuda", "neuron", "tpu"}
+
+
+def test_device_strings():
+    # BACKENDS.md Trainium "device": "neuron"; TPU "device": "tpu".
+    assert {k: b.torch_device for k, b in BACKENDS.items()} == {
+        "cpu": "cpu", "cuda": "cuda", "neuron": "neuron", "tpu": "tpu"}
+
+
+def test_compile_backend_names_and_options():
+    # BACKENDS.md Trainium "compile": backend="neuron", fullgraph=True, dynamic=False
+    # (dynamic=True rejected); TPU "modes": backend="tpu", fullgraph=True,
+    # dynamic=False; CUDA/CPU: Inductor.
+    assert {k: b.compile_backend for k, b in BACKENDS.items()} == {
+        "cpu": "inductor", "cuda": "inductor", "neuron": "neuron", "tpu": "tpu"}
+    for backend in BACKENDS.values():
+        assert backend.compile_options == {"backend": backend.compile_backend,
+                                           "fullgraph": True, "dynamic": False}
+
+
+def test_compile_cache_variables():
+    # BACKENDS.md Trainium "NEFF cache": TORCH_NEURONX_NEFF_CACHE_DIR, default
+    # /tmp/neff_cache (wiped on reboot). TPU "compile cache":
+    # TORCH_TPU_TIER3_COMPILATION_CACHE_ROOT, older name
+    # TORCH_TPU_INTERNAL_TIER3_COMPILATION_CACHE_ROOT, local path or gs://.
+    # CUDA/CPU "cache": TORCHINDUCTOR_CACHE_DIR.
+    assert {k: b.cache_envs() for k, b in BACKENDS.items()} == {
+        "cpu": ("TORCHINDUCTOR_CACHE_DIR",),
+        "cuda": ("TORCHINDUCTOR_CACHE_DIR",),
+        "neuron": ("TORCH_NEURONX_NEFF_CACHE_DIR",),
+        "tpu": ("TORCH_TPU_TIER3_COMPILATION_CACHE_ROOT", "TORCH_TPU_INTERNAL_TIER3_COMPILATION_CACHE_ROOT"),
+    }
+    assert get_backend("neuron").default_cache == "/tmp/neff_cache"
+    assert get_backend("tpu").native_cache_schemes == ("gs",)
+    assert all(not b.native_cache_schemes for k, b in BACKENDS.items() if k != "tpu")
+
+
+def test_distributed_backends_and_dtypes():
+    # BACKENDS.md Trainium "distributed": backend="neuron"; TPU "distributed":
+    # backend="tpu_dist"; nccl for CUDA, gloo for CPU.
+    assert {k: b.dist_backend for k, b in BACKENDS.items()} == {
+        "cpu": "gloo", "cuda": "nccl", "neuron": "neuron", "tpu": "tpu_dist"}
+    assert {k: b.default_dtype for k, b in BACKENDS.items()} == {
+        "cpu": "float32", "cuda": "bfloat16", "neuron": "bfloat16", "tpu": "bfloat16"}
+
+
+def test_extensions_and_modes():
+    # BACKENDS.md Trainium "device": import torch_neuronx when autoload is off.
+    # TPU "modes": defer-and-fuse eager is TORCH_TPU_DEFER_AND_FUSE=1.
+    assert get_backend("neuron").extension == "torch_neuronx"
+    assert get_backend("tpu").compile_modes == ("none", "full", "regional", "defer-fuse")
+    assert get_backend("tpu").mode_env == {"defer-fuse": {"TORCH_TPU_DEFER_AND_FUSE": "1"}}
+    spec = ChildSpec(name="t", device="tpu", broker_url="memory://", queues=["q"], compile="defer-fuse")
+    assert spec.env()["TORCH_TPU_DEFER_AND_FUSE"] == "1"
+
+
+def test_device_count_goes_through_torch_accelerator(monkeypatch):
+    # BACKENDS.md TPU "device APIs": torch.tpu.device_count() raises for user code;
+    # use torch.accelerator.*. diffusers detects devices the same way.
+    import torch
+
+    for backend in BACKENDS.values():
+        assert "torch.tpu" not in backend.count_devices
+    for kind in ("cuda", "neuron", "tpu"):
+        assert get_backend(kind).count_devices == "torch.accelerator.device_count"
+    monkeypatch.setattr(torch.accelerator, "device_count", lambda: 4)
+    monkeypatch.setattr(torch, "tpu", SimpleNamespace(device_count=lambda: 1 / 0), raising=False)
+    assert device_count(get_backend("tpu")) == 4
+    assert device_count(get_backend("cpu")) >= 1
+
+
+def test_neuron_fallback_report_hook(monkeypatch):
+    # BACKENDS.md Trainium "CPU fallback": list ops with torch_neuronx.get_fallback_ops().
+    from diffq.worker.pipeline_host import PipelineHost
+
+    assert get_backend("neuron").fallback_report == "torch_neuronx.get_fallback_ops"
+    monkeypatch.setitem(sys.modules, "torch_neuronx",
+                        SimpleNamespace(get_fallback_ops=lambda: ["aten::_fft_r2c"]))
+    assert PipelineHost(backend=get_backend("neuron")).fallback_ops() == ["aten::_fft_r2c"]
+    assert PipelineHost(backend=get_backend("cpu")).fallback_ops() == []
+
+
+def test_pin_neuron():
+    # BACKENDS.md Trainium "pin a process to a core": NEURON_RT_VISIBLE_CORES=<i>.
+    env = get_backend("neuron").pin(5, 2)
+    assert env["NEURON_RT_VISIBLE_CORES"] == "5"
+    assert "NEURON_RT_NUM_CORES" not in env  # VISIBLE_CORES takes precedence anyway
+    assert env["OMP_NUM_THREADS"] == "2"
+
+
+def test_pin_tpu_bounds_and_distinct_ports():
+    # BACKENDS.md TPU "pin a process to a chip": TPU_VISIBLE_DEVICES (source of truth,
+    # rewrites TPU_VISIBLE_CHIPS), TPU_CHIPS_PER_PROCESS_BOUNDS=1,1,1,
+    # TPU_PROCESS_BOUNDS=1,1,1 and a distinct TPU_PROCESS_PORT per process.
+    envs = [get_backend("tpu").pin(chip, 1) for chip in range(4)]
+    for chip, env in enumerate(envs):
+        assert env["TPU_VISIBLE_DEVICES"] == env["TPU_VISIBLE_CHIPS"] == str(chip)
+        assert env["TPU_CHIPS_PER_PROCESS_BOUNDS"] == "1,1,1"
+        assert env["TPU_PROCESS_BOUNDS"] == "1,1,1"
+    assert len({env["TPU_PROCESS_PORT"] for env in envs}) == 4
+
+
+def test_pin_cuda_and_cpu():
+    assert get_backend("cuda").pin(1, 1)["CUDA_VISIBLE_DEVICES"] == "1"
+    cpu = get_backend("cpu").pin(0, 3)
+    assert cpu == {"OMP_NUM_THREADS": "3", "MKL_NUM_THREADS": "3", "DIFFQ_TORCH_THREADS": "3"}
+
+
+def test_parse_devices():
+    assert parse_devices("0-3") == [0, 1, 2, 3]
+    assert parse_devices("0,2,5-6") == [0, 2, 5, 6]
+    for bad in ("3-1", "0,0"):
+        with pytest.raises(ValueError):
+            parse_devices(bad)
+
+
+def test_no_device_branching_outside_the_table():
+    # ARCHITECTURE.md: no device if/else outside backends.py.
+    pattern = re.compile(r"""["'](neuron|tpu|cuda)["']""")
+    for path in WORKER_DIR.glob("*.py"):
+        if path.name != "backends.py":
+            assert not pattern.search(path.read_text()), f"{path.name} names a device kind"
+
+
+# --- compile cache location ---------------------------------------------------------
+
+
+def test_cache_namespace_holds_package_versions(monkeypatch):
+    import diffusers
+    import torch
+
+    ns = compile_cache.namespace(get_backend("neuron"))
+    assert ns.startswith("neuron/")
+    assert re.sub(r"[^A-Za-z0-9._-]", "-", f"torch-{torch.__version__}") in ns
+    assert f"diffusers-{diffusers.__version__}" in ns
+    assert "torch-neuronx-" in ns and "neuronx-cc-" in ns
+    assert "torch-tpu-" in compile_cache.namespace(get_backend("tpu"))
+    monkeypatch.setattr(compile_cache, "_version", lambda package: "9.9")
+    assert compile_cache.namespace(get_backend("neuron")) != ns  # an upgrade never reuses it
+
+
+def test_cache_plan_dir_url_and_native_gs(tmp_path):
+    cpu, tpu = get_backend("cpu"), get_backend("tpu")
+    shared = compile_cache.plan_cache(str(tmp_path), cpu)
+    assert shared.remote is None
+    assert shared.env == {"TORCHINDUCTOR_CACHE_DIR": f"{tmp_path}/{compile_cache.namespace(cpu)}"}
+    synced = compile_cache.plan_cache("s3://bucket/cache", cpu, local_root=str(tmp_path / "m"))
+    assert synced.remote == f"s3://bucket/cache/{compile_cache.namespace(cpu)}"
+    assert synced.env["TORCHINDUCTOR_CACHE_DIR"] == synced.local_dir == f"{tmp_path}/m/{compile_cache.namespace(cpu)}"
+    # BACKENDS.md TPU "compile cache": tier 3 takes gs:// itself: no diffq sync.
+    native = compile_cache.plan_cache("gs://bucket/cache", tpu)
+    assert native.remote is None and native.local_dir is None
+    assert set(native.env.values()) == {f"gs://bucket/cache/{compile_cache.namespace(tpu)}"}
+    # No cache configured: Neuron's documented default, nothing for the others.
+    assert compile_cache.plan_cache(None, get_backend("neuron")).env == {
+        "TORCH_NEURONX_NEFF_CACHE_DIR": "/tmp/neff_cache"}
+    assert compile_cache.plan_cache(None, cpu).env == {}
+
+
+# --- diffq worker --plan ------------------------------------------------------------
+
+QUEUE = queue_name(ShapeKey(model="/models/klein", height=32, width=32, batch_size=1,
+                            max_sequence_length=16, cfg=False))
+
+
+def worker_plan(*args: str) -> list[dict]:
+    from diffq.cli import app
+
+    result = CliRunner().invoke(app, ["worker", "--broker", "memory://", "--queues", QUEUE,
+                                      "--model", "/models/klein", "--plan", *args])
+    assert result.exit_code == 0, result.output
+    return json.loads(result.output)
+
+
+def test_plan_neuron_cores():
+    plan = worker_plan("--device", "neuron", "--cores", "0-7", "--compile", "full",
+                       "--compile-cache", "/mnt/fsx/cache", "--warmup", "32x32")
+    assert [p["env"]["NEURON_RT_VISIBLE_CORES"] for p in plan] == [str(i) for i in range(8)]
+    ns = compile_cache.namespace(get_backend("neuron"))
+    for entry in plan:
+        assert entry["device"] == "neuron" and entry["compile_backend"] == "neuron"
+        assert entry["compile_options"] == {"backend": "neuron", "fullgraph": True, "dynamic": False}
+        assert entry["cache_env"] == "TORCH_NEURONX_NEFF_CACHE_DIR"
+        assert entry["env"]["TORCH_NEURONX_NEFF_CACHE_DIR"] == f"/mnt/fsx/cache/{ns}"
+        assert entry["dist_backend"] == "neuron"
+        assert entry["queues"] == entry["warmup"] == [QUEUE]
+    assert len({p["name"] for p in plan}) == 8
+
+
+def test_plan_tpu_chips():
+    plan = worker_plan("--device", "tpu", "--chips", "0-3", "--compile", "regional",
+                       "--compile-cache", "s3://bucket/cache")
+    assert [p["env"]["TPU_VISIBLE_DEVICES"] for p in plan] == ["0", "1", "2", "3"]
+    assert len({p["env"]["TPU_PROCESS_PORT"] for p in plan}) == 4
+    for entry in plan:
+        assert entry["env"]["TPU_PROCESS_BOUNDS"] == entry["env"]["TPU_CHIPS_PER_PROCESS_BOUNDS"] == "1,1,1"
+        assert entry["compile_backend"] == "tpu" and entry["dist_backend"] == "tpu_dist"
+        assert entry["cache_remote"].startswith("s3://bucket/cache/tpu/")
+        assert entry["env"]["TORCH_TPU_TIER3_COMPILATION_CACHE_ROOT"] == entry["cache_dir"]
+
+
+def test_plan_cuda_gpus():
+    plan = worker_plan("--device", "cuda", "--gpus", "0,1")
+    assert [p["env"]["CUDA_VISIBLE_DEVICES"] for p in plan] == ["0", "1"]
+    assert {p["compile_backend"] for p in plan} == {"inductor"}
+    assert {p["cache_env"] for p in plan} == {"TORCHINDUCTOR_CACHE_DIR"}
+    assert all(p["compile_options"] is None for p in plan)  # --compile none
+
+
+def test_plan_cpu_workers():
+    plan = worker_plan("--device", "cpu", "--workers", "2", "--threads", "1")
+    assert [p["slot"] for p in plan] == [0, 1]
+    for entry in plan:
+        assert entry["env"]["OMP_NUM_THREADS"] == "1"
+        assert not any(k.startswith(("CUDA_", "NEURON_", "TPU_")) for k in entry["env"])
+        assert entry["dist_backend"] == "gloo"
+
+
+def test_plan_rejects_unserved_warmup_size():
+    from diffq.cli import app
+
+    result = CliRunner().invoke(app, ["worker", "--broker", "memory://", "--queues", QUEUE,
+                                      "--model", "/models/klein", "--warmup", "64x64", "--plan"])
+    assert result.exit_code == 2 and "64x64" in result.output
+
+
+# --- a spawned child sees its pinning before `import torch` ---------------------------
+
+
+def test_spawned_children_see_pinning_before_torch(tmp_path):
+    specs = [
+        spec.model_copy(update={"env_report": str(tmp_path / f"{spec.name}.json")})
+        for device, slots in (("neuron", [3]), ("tpu", [0, 1]), ("cuda", [1]), ("cpu", [0]))
+        for spec in plan_children(device=device, devices=slots, broker_url="memory://",
+                                  queues=["q"], threads=2, compile_cache=str(tmp_path / "cache"))
+    ]
+    supervisor = Supervisor(specs, restart=False)
+    supervisor.start()
+    try:
+        deadline = time.monotonic() + 60
+        while not all(Path(s.env_report).exists() for s in specs) and time.monotonic() < deadline:
+            time.sleep(0.1)
+    finally:
+        supervisor.stop(timeout=0)
+    seen = {s.name: json.loads(Path(s.env_report).read_text()) for s in specs}
+    for spec in specs:
+        report = seen[spec.name]
+        assert report["torch_imported"] is False
+        for name, value in spec.env().items():
+            assert report["env"][name] == value, (spec.name, name)
+    assert seen["diffq-neuron3"]["env"]["NEURON_RT_VISIBLE_CORES"] == "3"
+    assert seen["diffq-tpu1"]["env"]["TPU_VISIBLE_DEVICES"] == "1"
+    assert seen["diffq-tpu0"]["env"]["TPU_PROCESS_PORT"] != seen["diffq-tpu1"]["env"]["TPU_PROCESS_PORT"]
+    assert seen["diffq-cuda1"]["env"]["CUDA_VISIBLE_DEVICES"] == "1"
+    assert seen["diffq-cpu0"]["env"]["OMP_NUM_THREADS"] == "2"
+    assert seen["diffq-cpu0"]["env"]["TORCHINDUCTOR_CACHE_DIR"].startswith(str(tmp_path / "cache"))
+    assert len({r["pid"] for r in seen.values()}) == len(specs)

@@ -1,0 +1,86 @@
+"""Brokers other than Redis: RabbitMQ on this machine (127.0.0.1:5672, a private
+vhost per test module) and Amazon SQS through moto's server over HTTP."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import uuid
+from pathlib import Path
+
+import pytest
+
+from diffq.producer.submit import submit
+from diffq.queues import queue_report
+from helpers import assert_run_complete, start_workers, wait_until
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "prompts.jsonl"
+RABBIT = ("127.0.0.1", 5672)
+
+
+def rabbitmqctl(*args: str) -> None:
+    subprocess.run(["rabbitmqctl", "-q", *args], check=True, capture_output=True, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def amqp_url():
+    """amqp://guest:guest@127.0.0.1:5672/<private vhost>, deleted afterwards with its queues."""
+    try:
+        socket.create_connection(RABBIT, timeout=2).close()
+    except OSError:
+        pytest.skip("no RabbitMQ on 127.0.0.1:5672")
+    if shutil.which("rabbitmqctl") is None:
+        pytest.skip("rabbitmqctl not found: cannot make a private vhost")
+    vhost = f"diffq-test-{uuid.uuid4().hex[:8]}"
+    try:
+        rabbitmqctl("add_vhost", vhost)
+        rabbitmqctl("set_permissions", "-p", vhost, "guest", ".*", ".*", ".*")
+    except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as exc:
+        pytest.skip(f"rabbitmqctl cannot add a vhost here: {exc}")
+    try:
+        yield f"amqp://guest:guest@127.0.0.1:5672/{vhost}"
+    finally:
+        rabbitmqctl("delete_vhost", vhost)
+
+
+def run_workers(broker_url: str, queues: list[str], model: str, out: str, total: int,
+                timeout: float = 180.0, **spec_fields):
+    """One real worker process until every item is done or failed; returns the status."""
+    supervisor = start_workers(broker_url, queues, model, n=1, **spec_fields)
+    try:
+        return wait_until(out, supervisor, lambda s: s.done + s.failed >= total, timeout=timeout)
+    finally:
+        supervisor.stop(timeout=60)
+
+
+@pytest.mark.slow
+def test_rabbitmq_submit_depth_and_worker(amqp_url, tiny_model, tmp_path):
+    out = str(tmp_path / "run")
+    result = submit(EXAMPLES, out, model=tiny_model, broker_url=amqp_url, batch_size=4, steps=2)
+    queues = sorted(result.queues)
+    report = {q.queue: q for q in queue_report(amqp_url, queues, timeout=0.5)}
+    assert {q: report[q].depth for q in queues} == result.queues
+    st = run_workers(amqp_url, queues, tiny_model, out, result.total)
+    assert (st.done, st.failed) == (result.total, 0)
+    assert_run_complete(out, EXAMPLES, steps=2, model=tiny_model)
+    assert all(q.depth == 0 for q in queue_report(amqp_url, queues, timeout=0))
+
+
+@pytest.mark.slow
+def test_sqs_submit_depth_and_worker(s3_server, tiny_model, tmp_path):
+    """kombu's SQS transport against moto's server (the s3_server process serves SQS too)."""
+    pytest.importorskip("pycurl", reason="kombu's SQS transport needs pycurl (pip install 'kombu[sqs]')")
+    broker_url = f"sqs://testing:testing@127.0.0.1:{s3_server.port}"
+    # A per-test prefix keeps queues apart; a short wait keeps polling responsive.
+    options = {"region": "us-east-1", "queue_name_prefix": f"t{uuid.uuid4().hex[:8]}-",
+               "wait_time_seconds": 1, "polling_interval": 0.2}
+    out = str(tmp_path / "run")
+    result = submit(EXAMPLES, out, model=tiny_model, broker_url=broker_url, transport_options=options,
+                    batch_size=4, steps=2)
+    queues = sorted(result.queues)
+    report = {q.queue: q for q in queue_report(broker_url, queues, timeout=0, transport_options=options)}
+    assert {q: report[q].depth for q in queues} == result.queues
+    st = run_workers(broker_url, queues, tiny_model, out, result.total, transport_options=options)
+    assert (st.done, st.failed) == (result.total, 0)
+    assert_run_complete(out, EXAMPLES, steps=2, model=tiny_model)

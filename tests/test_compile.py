@@ -1,0 +1,226 @@
+"""Compiling per shape, warmup, the recompile limit, and the shared compile cache.
+
+Neuron and TPU cannot run here, so stand-in `torch.compile` backends are registered
+under their real names ("neuron", "tpu") that record each graph and delegate to
+"eager" (../shared/BACKENDS.md, Trainium "compile" and TPU "modes" rows: both are
+`torch.compile(m, backend=<name>, fullgraph=True, dynamic=False)`). One Inductor
+round trip checks the cache for real.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch._dynamo
+from torch._dynamo.utils import counters
+
+from diffq.contract import BatchItem, BatchParams, ShapeKey, queue_name
+from diffq.worker.backends import get_backend
+from diffq.worker.compile_cache import CacheSync
+from diffq.worker.pipeline_host import CompileUnsupported, PipelineHost
+from diffq.worker.process import ChildSpec
+
+GRAPHS: dict[str, list] = {"neuron": [], "tpu": []}
+
+
+def _stand_in(name: str):
+    def compiler(gm, example_inputs):
+        GRAPHS[name].append(gm)
+        return torch._dynamo.lookup_backend("eager")(gm, example_inputs)
+
+    return compiler
+
+
+for _name in GRAPHS:
+    if _name not in torch._dynamo.list_backends(exclude_tags=()):
+        torch._dynamo.register_backend(_stand_in(_name), name=_name)
+
+
+@pytest.fixture
+def compiled(monkeypatch):
+    """Fresh dynamo state; records the options every torch.compile call receives."""
+    calls = []
+    real_compile = torch.compile
+
+    def recording_compile(*args, **kwargs):
+        calls.append(kwargs)
+        return real_compile(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "compile", recording_compile)
+    torch._dynamo.reset()
+    counters.clear()
+    for graphs in GRAPHS.values():
+        graphs.clear()
+    # set_shape_budget raises the limits process-wide; start from and restore the default.
+    with torch._dynamo.config.patch(recompile_limit=8):
+        yield calls
+    torch._dynamo.reset()
+
+
+def stand_in(kind: str):
+    """The real table entry, but tensors stay on the CPU."""
+    return dataclasses.replace(get_backend(kind), torch_device="cpu")
+
+
+def shape(model: str, height: int, width: int = 32, batch: int = 1) -> ShapeKey:
+    return ShapeKey(model=model, height=height, width=width, batch_size=batch,
+                    max_sequence_length=16, cfg=False)
+
+
+def items(n: int) -> list[BatchItem]:
+    return [BatchItem(id=f"i{i}", prompt=f"prompt {i}", seed=i) for i in range(n)]
+
+
+def test_neuron_name_fullgraph_once_per_shape_zero_recompiles(compiled, tiny_model):
+    host = PipelineHost(backend=stand_in("neuron"), compile_mode="full")
+    small, tall = shape(tiny_model, 32), shape(tiny_model, 48)
+    host.pipeline(tiny_model, "float32")
+    assert compiled == [{"backend": "neuron", "fullgraph": True, "dynamic": False}]
+
+    host.warmup([small, tall])  # before consuming
+    assert len(GRAPHS["neuron"]) == 2
+    assert host.compile_graphs == {small.queue: 1, tall.queue: 1}
+    # Steady state: steps change (BACKENDS.md "recompiles": steps → none) and a
+    # short batch is padded, yet nothing compiles again.
+    for s, steps in ((small, 2), (tall, 3), (small, 1)):
+        generated = host.generate(s, BatchParams(num_inference_steps=steps, guidance_scale=1.0), items(1))
+        assert not generated.compiled and len(generated.images) == 1
+    assert len(GRAPHS["neuron"]) == 2
+    stats = host.compile_stats()
+    assert stats["recompiles"] == 0 and stats["graphs"] == 2 and stats["shapes"] == 2
+    assert stats["backend"] == "neuron" and stats["seconds"] > 0
+
+
+def test_tpu_name_fullgraph_on_tiny_flux(compiled, tiny_pipelines):
+    # Both tiny families trace as one graph with fullgraph=True (klein above).
+    model = tiny_pipelines["flux"]
+    host = PipelineHost(backend=stand_in("tpu"), compile_mode="full")
+    s = shape(model, 32)
+    first = host.generate(s, BatchParams(num_inference_steps=1, guidance_scale=3.5), items(1))
+    again = host.generate(s, BatchParams(num_inference_steps=2, guidance_scale=5.0), items(1))
+    assert compiled == [{"backend": "tpu", "fullgraph": True, "dynamic": False}]
+    assert first.compiled and not again.compiled
+    assert len(GRAPHS["tpu"]) == 1 and host.recompiles == 0
+
+
+def test_regional_without_repeated_blocks_is_a_clear_error():
+    # diffusers: SD3 declares no _repeated_blocks (BACKENDS.md diffusers section).
+    host = PipelineHost(backend=stand_in("neuron"), compile_mode="regional")
+    pipe = SimpleNamespace(transformer=torch.nn.Linear(2, 2))
+    with pytest.raises(CompileUnsupported, match="no repeated blocks.*--compile full"):
+        host._compile(pipe)
+
+
+class Scale(torch.nn.Module):
+    # Defined here: torch's own modules sit in dynamo's skip list when compiled in place.
+    def forward(self, x):
+        return x * 2 + 1
+
+
+class ScalePipe:
+    """Just enough pipeline for the host: one compiled module whose input shape follows height."""
+
+    def __init__(self):
+        self.transformer = Scale()
+
+    def __call__(self, prompt, height, width, generator):
+        out = self.transformer(torch.zeros(len(prompt), height // 16, 4))
+        return SimpleNamespace(images=list(out))
+
+
+def test_ninth_shape_within_raised_recompile_limit(compiled):
+    # BACKENDS.md "recompile limit": 8 by default; the 9th shape with fullgraph=True
+    # raises FailOnRecompileLimitHit. First show the limit is real here...
+    bare = torch.compile(Scale(), backend="tpu", fullgraph=True, dynamic=False)
+    with pytest.raises(torch._dynamo.exc.FailOnRecompileLimitHit):
+        for rows in range(1, 10):
+            bare(torch.zeros(rows, 4))
+    torch._dynamo.reset()  # the failed code object is now marked skipped
+    # ...then that a host serving 10 shapes raises it and never fails.
+    host = PipelineHost(backend=stand_in("tpu"), compile_mode="full")
+    pipe = ScalePipe()
+    host._compile(pipe)
+    host._pipelines[("m", "float32")] = pipe
+    shapes = [shape("m", 16 * rows) for rows in range(1, 11)]
+    host.warmup(shapes)
+    assert len(host.compile_graphs) == 10 and host.recompiles == 0
+
+
+def test_warmup_selects_served_shapes():
+    served = [shape("/m/a", 32), shape("/m/a", 48), shape("/m/a", 32, batch=4)]
+    queues = [s.queue for s in served] + [queue_name(shape("/m/other", 32)), "not-a-shape"]
+    spec = ChildSpec(name="w", broker_url="memory://", queues=queues, models=["/m/a"], warmup=["32x32"])
+    assert spec.warmup_shapes() == [served[0], served[2]]
+    assert spec.model_copy(update={"warmup": ["auto"]}).warmup_shapes() == served
+    with pytest.raises(ValueError, match="neither 'auto' nor HxW"):
+        ChildSpec(name="w", broker_url="memory://", queues=queues, warmup=["big"])
+
+
+# --- compile cache sync -------------------------------------------------------------
+
+
+def test_sync_push_is_atomic_and_first_writer_wins(s3_bucket, tmp_path):
+    remote = f"{s3_bucket}/cache"
+    a, b = CacheSync(remote, tmp_path / "a"), CacheSync(remote, tmp_path / "b")
+    for sync, content in ((a, b"A" * 1000), (b, b"B" * 1000)):
+        entry = sync.local / "fxgraph" / "ab" / "key1"
+        entry.parent.mkdir(parents=True)
+        entry.write_bytes(content)
+        (entry.parent / ".123.456.tmp").write_bytes(b"half")  # Inductor in-flight write
+        (sync.local / "locks").mkdir()
+        (sync.local / "locks" / "x.lock").write_bytes(b"")
+    threads = [threading.Thread(target=sync.push) for sync in (a, b)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert a.pushed + b.pushed == 1  # same entry from two workers: one write
+    fresh = CacheSync(remote, tmp_path / "c")
+    assert fresh.pull() == 1
+    assert sorted(key for key, _ in fresh.local_entries()) == ["fxgraph/ab/key1"]
+    assert (fresh.local / "fxgraph/ab/key1").read_bytes() in (b"A" * 1000, b"B" * 1000)
+    assert fresh.pull() == 0 and fresh.push() == 0
+
+
+def warm_worker(model: str, remote: str, local: Path) -> dict:
+    queue = queue_name(shape(model, 32))
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "diffq.cli", "worker", "--broker", "memory://", "--model", model,
+         "--queues", queue, "--compile", "regional", "--compile-cache", remote,
+         "--compile-cache-local", str(local), "--warmup-only"],
+        capture_output=True, text=True, timeout=240, env=env,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    reports = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith('{"event": "warm"')]
+    assert len(reports) == 1, proc.stdout
+    return reports[0]
+
+
+@pytest.mark.slow
+def test_inductor_cache_second_worker_compiles_nothing_new(tiny_model, tmp_path):
+    # BACKENDS.md CUDA/CPU "cache": persisting TORCHINDUCTOR_CACHE_DIR gives a fast
+    # warm start. Two fresh processes, two separate local mirrors (two hosts), one
+    # remote: the second pulls what the first pushed and misses nothing.
+    remote = (tmp_path / "remote").as_uri()
+    cold = warm_worker(tiny_model, remote, tmp_path / "host-a")
+    warm = warm_worker(tiny_model, remote, tmp_path / "host-b")
+    print(f"\ncold compile {cold['compile']['seconds']:.1f}s, warm {warm['compile']['seconds']:.1f}s, "
+          f"{cold['cache']['pushed']} entries")
+    assert cold["compile"]["cache"].get("fxgraph_cache_miss", 0) > 0
+    assert cold["cache"]["pushed"] > 0 and cold["cache"]["pulled"] == 0
+    assert warm["cache"]["pulled"] == cold["cache"]["pushed"]
+    assert warm["compile"]["cache"].get("fxgraph_cache_miss", 0) == 0
+    assert warm["compile"]["cache"]["fxgraph_cache_hit"] == cold["compile"]["cache"]["fxgraph_cache_miss"]
+    assert warm["cache"]["pushed"] == 0  # nothing new compiled
+    assert warm["compile"]["graphs"] == cold["compile"]["graphs"] and warm["compile"]["recompiles"] == 0
+    assert warm["compile"]["seconds"] < cold["compile"]["seconds"]

@@ -1,0 +1,200 @@
+"""Exports read back by the real readers: webdataset, datasets (parquet, imagefolder), PIL."""
+
+from __future__ import annotations
+
+import glob
+import io
+import json
+import tracemalloc
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from diffq import layout
+from diffq.contract import FailureRecord, RunManifest, ShapeKey, ShapeSummary
+from diffq.producer.export import export
+from diffq.storage import open_storage
+
+SHAPES = [ShapeKey(model="tiny", height=32, width=32, batch_size=8, max_sequence_length=64, cfg=False),
+          ShapeKey(model="tiny", height=32, width=48, batch_size=8, max_sequence_length=64, cfg=False)]
+
+
+def png(seed: int, shape: ShapeKey, size: int | None = None) -> bytes:
+    rng = np.random.default_rng(seed)
+    pixels = rng.integers(0, 256, (size or shape.height, size or shape.width, 3), dtype=np.uint8)
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def make_run(url: str, n: int, *, failed_batches: int = 0, distinct: int | None = None, start: float = 1.7e9,
+             workers: int = 2, image_side: int | None = None) -> list[str]:
+    """A run folder as workers leave it: manifest, images, one record per batch of 8.
+
+    Batches alternate between two shapes and between `workers` workers, one batch
+    finishing every 0.5 s; each worker's first batch takes 0.6 s, later ones 0.3 s. `distinct` reuses that many encoded images, which
+    keeps synthesising thousands of items fast. Returns the item ids done.
+    """
+    storage = open_storage(url)
+    total = n + 8 * failed_batches
+    per_shape = [sum(1 for i in range(n) if (i // 8) % 2 == k) for k in (0, 1)]
+    per_shape[0] += 8 * failed_batches
+    storage.put_bytes(layout.MANIFEST, RunManifest(
+        run_id="synth", created_at=start, source="synth.jsonl", out=url, total=total,
+        batches=-(-total // 8), plan_parts=1, defaults={"model": "tiny", "format": "png"}, diffq_version="0",
+        shapes=[ShapeSummary(shape=s, queue=s.queue, items=items, batches=-(-items // 8))
+                for s, items in zip(SHAPES, per_shape)]).model_dump_json().encode())
+    cache: dict[tuple[int, int], bytes] = {}
+    ids = [f"item.{i:05d}" for i in range(n)]  # a dot, as WebDataset keys must survive it
+    for b in range(0, n, 8):
+        lines = []
+        worker = (b // 8) % workers
+        finished = start + 10 + 0.5 * (b // 8)
+        for i in range(b, min(b + 8, n)):
+            shape = SHAPES[(i // 8) % 2]
+            key = layout.image_key(ids[i], "png")
+            slot = (i % distinct if distinct else i, shape.width)
+            data = cache.get(slot) or cache.setdefault(slot, png(slot[0], shape, image_side))
+            storage.put_bytes(key, data)
+            lines.append(json.dumps({
+                "file_name": key, "id": ids[i], "prompt": f"prompt {i}", "seed": i, "height": shape.height,
+                "width": shape.width, "steps": 2, "guidance_scale": 1.0, "model": "tiny", "run_id": "synth",
+                "batch_id": f"b{b // 8:06d}", "queue": shape.queue, "device": f"cpu:{worker}",
+                "worker": f"w{worker}@host", "generate_s": 0.6 if b < 8 * workers else 0.3,
+                "finished_at": finished}))
+        storage.put_bytes(layout.record_key(f"b{b // 8:06d}"), ("\n".join(lines) + "\n").encode())
+    for f in range(failed_batches):
+        storage.put_bytes(layout.failure_key(f"f{f}"), FailureRecord(
+            run_id="synth", batch_id=f"f{f}", item_ids=[f"failed-{f}-{k}" for k in range(8)],
+            error="RuntimeError: out of memory", attempts=3, worker="w0@host", failed_at=start + 20).model_dump_json()
+            .encode())
+    return ids
+
+
+def read_webdataset(urls: list[str]) -> list[dict]:
+    import webdataset as wds
+
+    return list(wds.WebDataset(urls, shardshuffle=False, empty_check=False).decode("pil"))
+
+
+def test_webdataset_shards_read_by_webdataset(tmp_path):
+    ids = make_run(str(tmp_path / "run"), 40)
+    result = export(str(tmp_path / "run"), tmp_path / "wds", format="webdataset", shard_size=16)
+    assert result.files == ["shard-000000.tar", "shard-000001.tar", "shard-000002.tar"] and result.images == 40
+    samples = read_webdataset(sorted(glob.glob(str(tmp_path / "wds" / "*.tar"))))
+    assert [s["json"]["id"] for s in samples] == ids
+    for sample in samples:
+        assert isinstance(sample["png"], Image.Image)
+        assert sample["png"].size == (sample["json"]["width"], sample["json"]["height"])
+    # Deterministic: a second export writes the same bytes.
+    export(str(tmp_path / "run"), tmp_path / "again", format="webdataset", shard_size=16)
+    assert (tmp_path / "wds/shard-000001.tar").read_bytes() == (tmp_path / "again/shard-000001.tar").read_bytes()
+
+
+def test_parquet_loads_with_datasets_as_images(tmp_path):
+    import datasets
+
+    ids = make_run(str(tmp_path / "run"), 30)
+    result = export(str(tmp_path / "run"), str(tmp_path / "pq"), format="parquet", shard_size=20, chunk=8)
+    assert result.files == ["part-000000.parquet", "part-000001.parquet"]
+    ds = datasets.load_dataset("parquet", data_files=sorted(glob.glob(str(tmp_path / "pq/*.parquet"))),
+                               split="train", cache_dir=str(tmp_path / "hf"))
+    assert isinstance(ds.features["image"], datasets.Image)
+    assert ds["id"] == ids and ds["seed"] == list(range(30))
+    row = ds[9]
+    assert row["image"].size == (row["width"], row["height"]) == (48, 32)
+    assert row["prompt"] == "prompt 9" and row["worker"] == "w1@host"
+
+
+def test_imagefolder_matches_fetch_and_loads(tmp_path):
+    import datasets
+
+    ids = make_run(str(tmp_path / "run"), 12)
+    export(str(tmp_path / "run"), tmp_path / "folder", format="imagefolder")
+    ds = datasets.load_dataset("imagefolder", data_dir=str(tmp_path / "folder"), split="train",
+                               cache_dir=str(tmp_path / "hf"))
+    assert sorted(ds["id"]) == ids and ds[0]["image"].size[1] == 32
+    # A second export finds every image in place and fetches nothing.
+    (tmp_path / "run/images" / f"{ids[0]}.png").unlink()
+    assert export(str(tmp_path / "run"), tmp_path / "folder", format="imagefolder").images == 12
+
+
+def test_export_between_object_stores(tmp_path, gcs_bucket, s3_bucket):
+    ids = make_run(gcs_bucket, 20, distinct=4)
+    export(gcs_bucket, s3_bucket + "/wds", format="webdataset", shard_size=8)
+    export(gcs_bucket, s3_bucket + "/pq", format="parquet", shard_size=50)
+    export(gcs_bucket, s3_bucket + "/folder", format="imagefolder")
+    dest = open_storage(s3_bucket)
+    assert sorted(dest.list("wds/")) == [f"wds/shard-00000{i}.tar" for i in range(3)]
+    for key in dest.list("wds/"):
+        dest.download_file(key, tmp_path / key)
+    assert [s["json"]["id"] for s in read_webdataset(sorted(glob.glob(str(tmp_path / "wds/*.tar"))))] == ids
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(io.BytesIO(dest.get_bytes("pq/part-000000.parquet")))
+    assert table.column("id").to_pylist() == ids
+    assert Image.open(io.BytesIO(table.column("image")[9].as_py()["bytes"])).size == (48, 32)
+    lines = dest.get_bytes("folder/metadata.jsonl").decode().splitlines()
+    assert [json.loads(line)["id"] for line in lines] == ids
+    assert dest.exists(f"folder/images/{ids[-1]}.png")
+
+
+@pytest.mark.parametrize("format", ["webdataset", "parquet"])
+def test_export_memory_does_not_grow_with_the_run(tmp_path, format):
+    n = 2100
+    make_run(str(tmp_path / "run"), n, distinct=64, image_side=48)
+    image_bytes = sum(f.stat().st_size for f in (tmp_path / "run/images").iterdir())
+    import pyarrow.parquet  # noqa: F401  (its import alone allocates ~28 MB of modules)
+
+    tracemalloc.start()
+    try:
+        result = export(str(tmp_path / "run"), tmp_path / format, format=format, shard_size=700, chunk=64)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert result.images == n and result.bytes == image_bytes and len(result.files) == 3
+    # One shard alone is a third of the image bytes; the peak is a few chunks.
+    assert peak < image_bytes / 6, f"peak {peak / 1e6:.1f} MB for {image_bytes / 1e6:.1f} MB of images"
+
+
+def test_unknown_format_is_refused(tmp_path):
+    make_run(str(tmp_path / "run"), 1)
+    with pytest.raises(ValueError, match="unknown export format"):
+        export(str(tmp_path / "run"), tmp_path / "x", format="zip")
+
+
+def test_fetch_only_new_and_progress(tmp_path):
+    from diffq.producer.results import fetch
+
+    url = str(tmp_path / "run")
+    make_run(url, 16)
+    held = open_storage(url).get_bytes(layout.record_key("b000001"))
+    open_storage(url).delete(layout.record_key("b000001"))
+    calls = []
+    assert fetch(url, tmp_path / "dest", on_progress=lambda done, total: calls.append((done, total))).downloaded == 8
+    assert calls[-1] == (8, 8)
+    open_storage(url).put_bytes(layout.record_key("b000001"), held)
+    (tmp_path / "dest/images/item.00000.png").unlink()  # only_new does not look at files already listed
+    result = fetch(url, tmp_path / "dest", only_new=True)
+    assert (result.images, result.downloaded) == (16, 8)
+    assert len((tmp_path / "dest/metadata.jsonl").read_text().splitlines()) == 16
+
+
+def test_cli_export_report_watch(tmp_path):
+    from typer.testing import CliRunner
+
+    from diffq.cli import app
+
+    url = str(tmp_path / "run")
+    make_run(url, 16, failed_batches=1)
+    runner = CliRunner()
+    result = runner.invoke(app, ["export", url, str(tmp_path / "pq"), "--format", "parquet", "--shard-size", "10"])
+    assert result.exit_code == 0, result.output
+    assert sorted(p.name for p in (tmp_path / "pq").iterdir()) == ["part-000000.parquet", "part-000001.parquet"]
+    result = runner.invoke(app, ["report", url, "--html", str(tmp_path / "r.html"), "--price-per-device-hour", "2"])
+    assert result.exit_code == 0 and "per 1,000 images at 2 per device-hour" in result.output
+    assert (tmp_path / "r.html").stat().st_size > 10_000
+    result = runner.invoke(app, ["status", url, "--watch", "--json", "--interval", "0.1"])
+    assert result.exit_code == 0 and json.loads(result.output.splitlines()[-1])["failed"] == 8
+    assert runner.invoke(app, ["export", str(tmp_path / "nothing"), str(tmp_path / "x")]).exit_code == 2

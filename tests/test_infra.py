@@ -1,0 +1,352 @@
+"""docker-compose.yml, the Dockerfiles and the Kubernetes manifests, checked offline.
+
+No Docker engine or cluster here: compose goes through the compose CLI where one is
+installed and always through the Compose JSON schema; Kubernetes objects through
+kubernetes-validate's bundled OpenAPI schemas; KEDA objects through a schema written
+from the KEDA CRDs (tests/data/README.md).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+import shlex
+import shutil
+import subprocess
+from pathlib import Path
+
+import click
+import jsonschema
+import kubernetes_validate
+import pytest
+import typer.main
+import yaml
+from typer.testing import CliRunner
+
+from diffq import fleet
+from diffq.cli import app
+from diffq.contract import ShapeKey, queue_name
+from diffq.producer.submit import make_options, validate
+
+ROOT = Path(__file__).resolve().parents[1]
+DATA = Path(__file__).parent / "data"
+COMPOSE = ROOT / "docker-compose.yml"
+K8S = ROOT / "infra" / "k8s"
+DOCKERFILES = {dev: ROOT / "infra" / "docker" / f"Dockerfile.{dev}" for dev in ("cpu", "cuda", "neuron", "tpu")}
+# The oldest Kubernetes EKS and GKE still support, and the newest schema shipped.
+K8S_VERSIONS = ("1.30.0", kubernetes_validate.latest_version())
+DIFFQ_IMAGE_ENTRYPOINT = ["diffq", "worker"]
+
+# How the committed per-shape manifests were made; regenerated and compared below.
+COMMITTED = {
+    "trn2": ["--device", "neuron", "--storage-class", "efs-sc"],
+    "tpu": ["--device", "tpu", "--storage-class", "standard-rwx"],
+}
+COMMITTED_SHAPES = ["--model", "black-forest-labs/FLUX.2-klein-4B", "--shapes", "1024x1024,768x1344",
+                    "--batch-size", "4", "--dtype", "bfloat16", "--max-sequence-length", "512"]
+
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict:
+    return yaml.safe_load(COMPOSE.read_text())
+
+
+def keda_validator():
+    return jsonschema.Draft202012Validator(json.loads((DATA / "keda.schema.json").read_text()))
+
+
+def validate_manifest(doc: dict) -> None:
+    if doc["apiVersion"].startswith("keda.sh/"):
+        keda_validator().validate(doc)
+    else:
+        for version in K8S_VERSIONS:
+            kubernetes_validate.validate(doc, version, strict=True)
+
+
+def diffq_argv(service: dict) -> list[str]:
+    entrypoint = service.get("entrypoint", DIFFQ_IMAGE_ENTRYPOINT)
+    command = service.get("command", [])
+    command = shlex.split(command) if isinstance(command, str) else command
+    return list(entrypoint) + [str(c) for c in command]
+
+
+def parse_cli(argv: list[str]):
+    """Parse argv like the `diffq` command would, without running it: every option,
+    type and choice is checked. Returns (subcommand name, its parsed params)."""
+    assert argv[0] == "diffq"
+    group = typer.main.get_command(app)
+    ctx = click.Context(group, info_name="diffq")
+    name = argv[1]
+    command = group.get_command(ctx, name)
+    assert command is not None, f"no diffq command {name!r}"
+    return name, command.make_context(name, list(argv[2:]), parent=ctx).params
+
+
+# --- docker-compose.yml -----------------------------------------------------
+
+def test_compose_matches_compose_schema(compose):
+    schema = json.loads((DATA / "compose_spec.json").read_text())
+    jsonschema.Draft201909Validator(schema).validate(compose)
+
+
+def test_compose_cli_config_accepts_file():
+    """`docker compose config` needs no daemon; neither does v1 `docker-compose config`."""
+    for cmd in (["docker", "compose"], ["docker-compose"]):
+        if shutil.which(cmd[0]) is None:
+            continue
+        probe = subprocess.run(cmd + ["version"], capture_output=True, text=True, timeout=60)
+        if probe.returncode != 0:
+            continue
+        done = subprocess.run(cmd + ["-f", str(COMPOSE), "config", "-q"], capture_output=True,
+                              text=True, timeout=60, cwd=ROOT)
+        assert done.returncode == 0, done.stderr
+        return
+    pytest.skip("no compose CLI here (neither `docker compose` nor `docker-compose`)")
+
+
+def test_compose_services_run_real_diffq_commands(compose):
+    seen = set()
+    for name, service in compose["services"].items():
+        if "build" not in service:
+            continue
+        command, params = parse_cli(diffq_argv(service))
+        seen.add(command)
+        if command == "worker":
+            assert params["model"] == "/models/tiny"
+    assert seen == {"tiny-pipeline", "worker", "submit"}
+
+
+def test_compose_worker_plan_runs(compose):
+    """The worker's exact arguments, run with --plan: the real command, nothing started."""
+    argv = diffq_argv(compose["services"]["worker"])
+    result = runner.invoke(app, argv[1:] + ["--plan"], env={"DIFFQ_BROKER_URL": "redis://redis:6379/0"})
+    assert result.exit_code == 0, result.output
+    plan = json.loads(result.output)
+    assert [child["device"] for child in plan] == ["cpu"]
+
+
+def test_compose_worker_queues_are_the_producers(compose):
+    """Workers consume exactly the queues `diffq submit` publishes the examples to."""
+    _, submit = parse_cli(diffq_argv(compose["services"]["producer"]))
+    _, worker = parse_cli(diffq_argv(compose["services"]["worker"]))
+    options, defaults = make_options(model=submit["model"], batch_size=submit["batch_size"],
+                                     steps=submit["steps"], guidance_scale=submit["guidance_scale"],
+                                     max_sequence_length=submit["max_sequence_length"],
+                                     height=submit["height"], width=submit["width"],
+                                     dtype=submit["dtype"].value)
+    plan = validate(ROOT / submit["prompts"], options, defaults)
+    assert sorted(worker["queues"].split(",")) == sorted(s.queue for s in plan.shapes)
+    assert worker["model"] == submit["model"]
+
+
+def test_compose_fleet_wiring(compose):
+    services = compose["services"]
+    redis = services["redis"]
+    assert redis["command"][redis["command"].index("--appendonly") + 1] == "yes"
+    assert any(v.endswith(":/data") for v in redis["volumes"])
+    assert "mc mb" in " ".join(services["minio-init"]["command"])
+    assert "s3://diffq/" in " ".join(services["producer"]["command"])
+    for name in ("redis", "minio", "worker", "flower"):
+        assert "healthcheck" in services[name], name
+    worker = services["worker"]
+    assert worker["deploy"]["replicas"] >= 2
+    assert worker["depends_on"]["redis"]["condition"] == "service_healthy"
+    for name in ("worker", "producer"):
+        conditions = services[name]["depends_on"]
+        assert conditions["tiny-model"]["condition"] == "service_completed_successfully"
+        assert conditions["minio-init"]["condition"] == "service_completed_successfully"
+    mounts = {v.split(":")[1]: v.split(":")[0] for v in worker["volumes"]}
+    assert mounts["/cache/compile"] in compose["volumes"] and mounts["/cache/hf"] in compose["volumes"]
+    assert worker["environment"]["HF_HOME"] == "/cache/hf"
+    assert worker["environment"]["DIFFQ_BROKER_URL"].startswith("redis://redis:")
+
+
+# --- Dockerfiles --------------------------------------------------------------
+
+def dockerfile(path: Path) -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) pairs, continuation lines joined, comments dropped."""
+    lines, current = [], ""
+    for raw in path.read_text().splitlines():
+        line = raw.strip()
+        if not current and (not line or line.startswith("#")):
+            continue
+        if line.endswith("\\"):
+            current += line[:-1] + " "
+            continue
+        current += line
+        instruction, _, args = current.partition(" ")
+        lines.append((instruction.upper(), args.strip()))
+        current = ""
+    return lines
+
+
+@pytest.mark.parametrize("device", sorted(DOCKERFILES))
+def test_dockerfile_structure(device):
+    instructions = dockerfile(DOCKERFILES[device])
+    kinds = [i for i, _ in instructions]
+    args = lambda kind: [a for i, a in instructions if i == kind]  # noqa: E731
+    assert kinds[0] in ("FROM", "ARG") and "FROM" in kinds
+    users = args("USER")
+    assert users and users[-1] not in ("root", "0") and not users[-1].startswith("0:")
+    assert kinds.index("USER") > max(i for i, k in enumerate(kinds) if k == "RUN"), "nothing runs as root after USER"
+    assert json.loads(args("ENTRYPOINT")[-1]) == DIFFQ_IMAGE_ENTRYPOINT  # exec form: SIGTERM reaches diffq
+    volumes = [v for a in args("VOLUME") for v in json.loads(a)]
+    env = " ".join(args("ENV"))
+    assert "HF_HOME=/cache/hf" in env and "/cache/hf" in volumes
+    assert "DIFFQ_COMPILE_CACHE=/cache/compile" in env and "/cache/compile" in volumes
+    runs = args("RUN")
+    assert any("useradd" in r and "chown" in r for r in runs)
+    # torch pinned, and installed before diffq so pip never swaps in another build.
+    torch_at = next(i for i, r in enumerate(runs) if "torch" in r.lower())
+    diffq_at = next(i for i, r in enumerate(runs) if re.search(r'pip install\b.*(\s\.$|"\.\[)', r))
+    assert torch_at < diffq_at
+    assert re.search(r"torch==2\.13\.0|torch-neuronx==2\.13\.\*", DOCKERFILES[device].read_text())
+
+
+def test_dockerfile_backends():
+    neuron = DOCKERFILES["neuron"].read_text()
+    assert "https://pip.repos.neuron.amazonaws.com" in neuron and "torch-neuronx" in neuron
+    assert "aws-neuronx-runtime-lib" in neuron and '".[neuron]"' in neuron
+    tpu = DOCKERFILES["tpu"].read_text()
+    assert '"torch-tpu==0.2.0"' in tpu and "libtpu" in tpu
+    assert "download.pytorch.org/whl/cpu" in DOCKERFILES["cpu"].read_text()
+
+
+# --- Kubernetes -----------------------------------------------------------------
+
+def committed_docs() -> list[tuple[Path, dict]]:
+    return [(path, doc) for path in sorted(K8S.rglob("*.yaml"))
+            for doc in yaml.safe_load_all(path.read_text()) if doc]
+
+
+def test_committed_manifests_validate():
+    docs = committed_docs()
+    kinds = {doc["kind"] for _, doc in docs}
+    assert {"Deployment", "ScaledObject", "TriggerAuthentication", "PersistentVolumeClaim",
+            "Secret", "Namespace"} <= kinds
+    for path, doc in docs:
+        try:
+            validate_manifest(doc)
+        except Exception as exc:
+            raise AssertionError(f"{path.relative_to(ROOT)} {doc['kind']}: {exc}") from exc
+
+
+@pytest.mark.parametrize("folder", sorted(COMMITTED))
+def test_committed_manifests_are_rendered(folder, tmp_path):
+    """The committed per-shape files are exactly what `diffq fleet manifests` renders."""
+    result = runner.invoke(app, ["fleet", "manifests", *COMMITTED_SHAPES, *COMMITTED[folder],
+                                 "--out", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    rendered = {p.name: p.read_text() for p in tmp_path.glob("*.yaml")}
+    committed = {p.name: p.read_text() for p in (K8S / folder).glob("*.yaml")}
+    assert rendered == committed, f"regenerate infra/k8s/{folder} (see infra/README.md)"
+
+
+def by_kind(docs: list[dict], kind: str) -> list[dict]:
+    return [d for d in docs if d["kind"] == kind]
+
+
+def render_cli(*args: str) -> list[dict]:
+    result = runner.invoke(app, ["fleet", "manifests", *args])
+    assert result.exit_code == 0, result.output
+    return [d for d in yaml.safe_load_all(result.output) if d]
+
+
+@pytest.mark.parametrize("device", ["neuron", "tpu", "cuda", "cpu"])
+def test_rendered_manifests_validate_and_match_queue_names(device):
+    docs = render_cli("--model", "/models/flux2", "--shapes", "1024x1024,768x1344", "--batch-size", "2",
+                      "--device", device, "--guidance-scale", "3.5", "--max-sequence-length", "256")
+    for doc in docs:
+        validate_manifest(doc)
+    deployments, scaled = by_kind(docs, "Deployment"), by_kind(docs, "ScaledObject")
+    assert len(deployments) == len(scaled) == 2
+    for (h, w), dep, so in zip([(1024, 1024), (768, 1344)], deployments, scaled):
+        queue = queue_name(ShapeKey(model="/models/flux2", height=h, width=w, batch_size=2,
+                                    max_sequence_length=256, cfg=True, dtype="float32"))
+        trigger = so["spec"]["triggers"][0]
+        assert trigger["type"] == "redis" and trigger["metadata"]["listName"] == queue
+        assert so["spec"]["minReplicaCount"] == 0
+        assert so["spec"]["scaleTargetRef"]["name"] == dep["metadata"]["name"]
+        container = dep["spec"]["template"]["spec"]["containers"][0]
+        args = container["args"]
+        assert args[args.index("--queues") + 1] == queue
+        # The args really parse as `diffq worker` options.
+        name, params = parse_cli(DIFFQ_IMAGE_ENTRYPOINT + args)
+        assert (name, params["device"].value, params["queues"]) == ("worker", device, queue)
+        env = {e["name"]: e for e in container["env"]}
+        assert env["DIFFQ_BROKER_URL"]["valueFrom"]["secretKeyRef"]["name"] == fleet.SECRET
+
+
+def test_neuron_cores_match_request():
+    docs = render_cli("--model", "m", "--shapes", "1024x1024", "--batch-size", "1", "--device", "neuron",
+                      "--devices-per-pod", "16")
+    pod = by_kind(docs, "Deployment")[0]["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    args = container["args"]
+    assert args[args.index("--cores") + 1] == "0-15"
+    assert container["resources"]["limits"]["aws.amazon.com/neuroncore"] == 16
+    assert container["resources"]["requests"]["aws.amazon.com/neuroncore"] == 16
+    assert pod["nodeSelector"]["node.kubernetes.io/instance-type"].startswith("trn2")
+    assert any(t["key"] == "aws.amazon.com/neuron" for t in pod["tolerations"])
+    assert pod["terminationGracePeriodSeconds"] >= 1800
+
+
+def test_tpu_selectors_and_chips():
+    docs = render_cli("--model", "m", "--shapes", "1024x1024", "--batch-size", "1", "--device", "tpu")
+    pod = by_kind(docs, "Deployment")[0]["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    assert container["args"][container["args"].index("--chips") + 1] == "0-3"
+    assert container["resources"]["limits"]["google.com/tpu"] == 4
+    assert {"cloud.google.com/gke-tpu-accelerator", "cloud.google.com/gke-tpu-topology"} <= set(pod["nodeSelector"])
+    # A first TPU compile can take ~1,100 s: the grace period must outlast it.
+    assert pod["terminationGracePeriodSeconds"] > 1100
+
+
+def test_shared_objects_fit_together():
+    docs = [doc for _, doc in committed_docs()]
+    pvc = by_kind(docs, "PersistentVolumeClaim")[0]
+    assert pvc["spec"]["accessModes"] == ["ReadWriteMany"]
+    secret = by_kind(docs, "Secret")[0]
+    auth = by_kind(docs, "TriggerAuthentication")[0]
+    for ref in auth["spec"]["secretTargetRef"]:
+        assert ref["name"] == secret["metadata"]["name"] and ref["key"] in secret["stringData"]
+    for dep in by_kind(docs, "Deployment"):
+        pod = dep["spec"]["template"]["spec"]
+        assert pod["volumes"][0]["persistentVolumeClaim"]["claimName"] == pvc["metadata"]["name"]
+        assert "replicas" not in dep["spec"], "KEDA owns the replica count"
+        env = {e["name"]: e for e in pod["containers"][0]["env"]}
+        assert env["DIFFQ_BROKER_URL"]["valueFrom"]["secretKeyRef"]["key"] in secret["stringData"]
+    for so in by_kind(docs, "ScaledObject"):
+        assert so["spec"]["triggers"][0]["authenticationRef"]["name"] == auth["metadata"]["name"]
+
+
+def test_long_queue_names_make_valid_object_names():
+    shape = ShapeKey(model="/very/long/path/to/a-model-with-an-extremely-long-folder-name-v2",
+                     height=1024, width=1344, batch_size=16, max_sequence_length=512, cfg=True,
+                     dtype="bfloat16")
+    name = fleet.k8s_name(shape.queue)
+    assert len(name) <= 52 and "1024x1344-b16-l512-cfg-bf16" in name
+    for doc in fleet.render([shape], fleet.FleetOptions(device="cuda"))[name]:
+        validate_manifest(doc)
+
+
+def test_validators_reject_mistakes():
+    """The validators are live: a typo and a non-string KEDA value both fail."""
+    docs = fleet.render(fleet.shape_keys("m", [(64, 64)], batch_size=1), fleet.FleetOptions(device="cpu"))
+    dep, so = next(docs[k] for k in docs if k != "common")
+    bad = copy.deepcopy(dep)
+    bad["spec"]["template"]["spec"]["terminationGracePeriodSecond"] = 5
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(bad, K8S_VERSIONS[0], strict=True)
+    bad = copy.deepcopy(so)
+    bad["spec"]["triggers"][0]["metadata"]["listLength"] = 4
+    with pytest.raises(jsonschema.ValidationError):
+        keda_validator().validate(bad)
+
+
+def test_fleet_manifests_rejects_bad_shapes():
+    result = runner.invoke(app, ["fleet", "manifests", "--model", "m", "--shapes", "1024", "--batch-size", "1"])
+    assert result.exit_code == 2 and "HEIGHTxWIDTH" in result.output

@@ -1,0 +1,89 @@
+"""Worker metrics over real HTTP on loopback, and the JSON log formatter."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import urllib.request
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from diffq.worker import logs, metrics
+
+
+def scrape(port: int) -> dict[tuple[str, tuple], float]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        assert response.status == 200
+        text = response.read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+@pytest.fixture(scope="module")
+def port() -> int:
+    return metrics.start_server(0, addr="127.0.0.1")
+
+
+def test_metrics_served_over_http(port):
+    queue = "diffq.tiny-abc123.64x64.b4.l64.nocfg.fp32"
+    before = scrape(port)
+    metrics.observe_batch(queue, items=3, generate_s=0.4)
+    metrics.observe_batch(queue, items=4, generate_s=0.6)
+    metrics.observe_store(0.05, 12_345)
+    metrics.observe_compile("64x64.b4", 12.0)
+    metrics.observe_compile("128x128.b4", 20.0)
+    metrics.observe_recompile("64x64.b4", 2)
+    metrics.observe_failure(queue, 2)
+    after = scrape(port)
+
+    def delta(name, **labels):
+        key = (name, tuple(sorted(labels.items())))
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    assert delta("diffq_images_total", queue=queue) == 7
+    assert delta("diffq_batches_total", queue=queue) == 2
+    assert delta("diffq_batch_seconds_count", queue=queue) == 2
+    assert delta("diffq_batch_seconds_sum", queue=queue) == pytest.approx(1.0)
+    assert delta("diffq_batch_seconds_bucket", queue=queue, le="0.5") == 1
+    assert delta("diffq_upload_bytes_total") == 12_345
+    assert delta("diffq_upload_seconds_count") == 1
+    assert delta("diffq_compiles_total", shape="64x64.b4") == 1
+    assert delta("diffq_compile_seconds_sum", shape="128x128.b4") == 20.0
+    assert delta("diffq_recompiles_total", shape="64x64.b4") == 2
+    assert delta("diffq_failures_total", queue=queue) == 2
+    assert 0 < after[("diffq_device_busy_ratio", ())] <= 1
+    assert ("process_resident_memory_bytes", ()) in after
+
+
+def test_busy_ratio_override_and_window(port):
+    metrics.set_busy_ratio(0.25)
+    assert scrape(port)[("diffq_device_busy_ratio", ())] == 0.25
+    metrics.set_busy_ratio(None)
+    window = metrics.BusyWindow(window=10.0)
+    window.started -= 10.0  # as if the process had run for the whole window
+    window.add(4.0)
+    assert window.ratio() == pytest.approx(0.4, abs=0.01)
+
+
+def test_json_log_lines():
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(logs.JsonFormatter())
+    log = logging.getLogger("diffq.test.jsonlogs")
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    log.propagate = False
+    log.info(json.dumps({"event": "batch", "run": "r1", "queue": "q", "items": 4, "generate_s": 0.2}))
+    log.warning("worker %s restarted", "w0", extra={"slot": 3})
+    try:
+        raise RuntimeError("boom")
+    except RuntimeError:
+        log.exception("failed")
+    lines = [json.loads(line) for line in stream.getvalue().splitlines()]
+    assert len(lines) == 3
+    batch, restart, failure = lines
+    assert batch["event"] == "batch" and batch["items"] == 4 and batch["level"] == "INFO" and "msg" not in batch
+    assert restart["msg"] == "worker w0 restarted" and restart["slot"] == 3
+    assert "RuntimeError: boom" in failure["exc"]

@@ -1,0 +1,115 @@
+"""Property-based: whatever the input, a clear InputError (file, line, field) or a
+valid prompt — never a traceback, never a partial enqueue; messages likewise."""
+
+from __future__ import annotations
+
+import json
+import string
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from pydantic import ValidationError
+
+from diffq.contract import BatchMessage
+from diffq.producer.sources import InputError, read_prompts
+from diffq.producer.submit import submit
+
+FIELDS = ["prompt", "id", "height", "width", "seed", "num_inference_steps", "guidance_scale", "extra"]
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats(allow_nan=True) | st.text(max_size=20),
+    lambda children: st.lists(children, max_size=3) | st.dictionaries(st.text(max_size=5), children, max_size=3),
+    max_leaves=5,
+)
+rows = st.dictionaries(st.sampled_from(FIELDS), json_values, max_size=6)
+SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+
+def read_all(path):
+    """Either every prompt, or an InputError that says where."""
+    try:
+        return list(read_prompts(path)), None
+    except InputError as error:
+        assert error.path == str(path)
+        assert str(error).startswith(str(path))
+        return None, error
+
+
+@SETTINGS
+@given(st.lists(rows, min_size=1, max_size=5))
+def test_jsonl_rows(tmp_path_factory, batch):
+    path = tmp_path_factory.mktemp("p") / "p.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in batch))
+    prompts, error = read_all(path)
+    if error is not None:
+        assert 1 <= error.line <= len(batch)
+        bad = batch[error.line - 1]
+        assert error.field is None or error.field.split(".")[0] in bad or error.field == "prompt"
+    else:
+        assert len(prompts) == len(batch)
+
+
+@SETTINGS
+@given(st.binary(max_size=200))
+def test_arbitrary_bytes_in_every_text_format(tmp_path_factory, data):
+    folder = tmp_path_factory.mktemp("p")
+    for name in ("p.jsonl", "p.csv", "p.txt"):
+        path = folder / name
+        path.write_bytes(data)
+        read_all(path)
+
+
+@SETTINGS
+@given(st.lists(st.lists(st.text(alphabet=string.printable, max_size=8), min_size=1, max_size=4), min_size=1, max_size=5),
+       st.lists(st.sampled_from(FIELDS), min_size=1, max_size=4, unique=True))
+def test_csv_tables(tmp_path_factory, table, header):
+    import csv
+
+    path = tmp_path_factory.mktemp("p") / "p.csv"
+    with path.open("w", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(header)
+        writer.writerows(table)
+    read_all(path)
+
+
+@SETTINGS
+@given(st.lists(st.fixed_dictionaries({"prompt": st.one_of(st.none(), st.text(max_size=10)),
+                                       "height": st.one_of(st.none(), st.integers(-100, 5000))}),
+                min_size=1, max_size=6))
+def test_parquet_tables(tmp_path_factory, batch):
+    path = tmp_path_factory.mktemp("p") / "p.parquet"
+    pq.write_table(pa.Table.from_pylist(batch), path)
+    prompts, error = read_all(path)
+    if error is not None:
+        assert 1 <= error.line <= len(batch)
+
+
+@SETTINGS
+@given(st.dictionaries(st.sampled_from(["schema_version", "run_id", "out", "batch_id", "shape", "params", "items",
+                                        "x"]), json_values, max_size=8))
+def test_message_schema_only_raises_validation_errors(payload):
+    with pytest.raises((ValidationError, ValueError)):
+        BatchMessage.from_json_payload(json.dumps(payload).encode())
+
+
+def test_a_bad_row_anywhere_means_nothing_is_written_or_enqueued(tmp_path):
+    class Recorder:
+        published = []
+
+        def publish(self, message):
+            self.published.append(message)
+
+        def close(self):
+            pass
+
+    path = tmp_path / "p.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"p{i}"}) + "\n" for i in range(5000))
+                    + '{"prompt": "bad", "seed": -1}\n')
+    out = tmp_path / "out"
+    recorder = Recorder()
+    with pytest.raises(InputError, match=r"p.jsonl:5001: field 'seed'"):
+        submit(path, str(out), model="m", publisher=recorder)
+    assert recorder.published == [] and not any(out.rglob("*"))

@@ -1,0 +1,113 @@
+"""Prometheus metrics of one worker process, served on its own port (base + slot).
+
+The task code calls the small `observe_*` functions; nothing here imports torch.
+Metrics live in a private registry so a process serves exactly its own series,
+plus the standard process collector (memory, CPU, open files).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
+from prometheus_client import start_http_server
+
+REGISTRY = CollectorRegistry()
+ProcessCollector(registry=REGISTRY)
+
+# Batches run from ~0.1 s (tiny CPU) to minutes (large models); compiles up to ~20 min.
+BATCH_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300, 600, 1800)
+COMPILE_BUCKETS = (1, 5, 15, 30, 60, 120, 300, 600, 1200, 1800, 3600)
+UPLOAD_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+# Busy ratio = generating seconds over the last BUSY_WINDOW seconds of wall time.
+BUSY_WINDOW = 60.0
+
+IMAGES = Counter("diffq_images", "Images generated", ["queue"], registry=REGISTRY)
+BATCHES = Counter("diffq_batches", "Batches generated", ["queue"], registry=REGISTRY)
+BATCH_SECONDS = Histogram("diffq_batch_seconds", "Generation seconds per batch", ["queue"],
+                          buckets=BATCH_BUCKETS, registry=REGISTRY)
+COMPILE_SECONDS = Histogram("diffq_compile_seconds", "Seconds of a batch that compiled a new graph",
+                            ["shape"], buckets=COMPILE_BUCKETS, registry=REGISTRY)
+COMPILES = Counter("diffq_compiles", "Graph compiles per shape", ["shape"], registry=REGISTRY)
+RECOMPILES = Counter("diffq_recompiles",
+                     "Graphs compiled for a shape already served (should stay 0 in steady state)",
+                     ["shape"], registry=REGISTRY)
+UPLOAD_SECONDS = Histogram("diffq_upload_seconds", "Seconds to encode and store one batch",
+                           buckets=UPLOAD_BUCKETS, registry=REGISTRY)
+UPLOAD_BYTES = Counter("diffq_upload_bytes", "Bytes of images stored", registry=REGISTRY)
+FAILURES = Counter("diffq_failures", "Items that failed after every retry", ["queue"], registry=REGISTRY)
+BUSY = Gauge("diffq_device_busy_ratio", "Share of recent wall time the device spent generating",
+             registry=REGISTRY)
+
+
+class BusyWindow:
+    """Generating seconds in a sliding window, read at scrape time so idle decays to 0."""
+
+    def __init__(self, window: float = BUSY_WINDOW):
+        self.window = window
+        self.started = time.monotonic()
+        self.spans: deque[tuple[float, float]] = deque()  # (end, seconds)
+        self.override: float | None = None
+        self.lock = threading.Lock()
+
+    def add(self, seconds: float) -> None:
+        with self.lock:
+            self.spans.append((time.monotonic(), seconds))
+
+    def ratio(self) -> float:
+        if self.override is not None:
+            return self.override
+        now = time.monotonic()
+        start = now - self.window
+        with self.lock:
+            while self.spans and self.spans[0][0] < start:
+                self.spans.popleft()
+            busy = sum(min(seconds, end - start) for end, seconds in self.spans)
+        return min(1.0, busy / max(1e-9, min(self.window, now - self.started)))
+
+
+_busy = BusyWindow()
+BUSY.set_function(_busy.ratio)
+
+
+def observe_batch(queue: str, items: int, generate_s: float) -> None:
+    """After a batch generated (padding excluded from `items`)."""
+    IMAGES.labels(queue).inc(items)
+    BATCHES.labels(queue).inc()
+    BATCH_SECONDS.labels(queue).observe(generate_s)
+    _busy.add(generate_s)
+
+
+def observe_store(seconds: float, nbytes: int) -> None:
+    """After the sink stored a batch's images and record."""
+    UPLOAD_SECONDS.observe(seconds)
+    UPLOAD_BYTES.inc(nbytes)
+
+
+def observe_compile(shape_label: str, seconds: float) -> None:
+    """After the batch that compiled a new shape (`Generated.compiled`)."""
+    COMPILE_SECONDS.labels(shape_label).observe(seconds)
+    COMPILES.labels(shape_label).inc()
+
+
+def observe_recompile(shape_label: str, graphs: int = 1) -> None:
+    """When a shape already served compiled again (`PipelineHost.recompiles` grew)."""
+    RECOMPILES.labels(shape_label).inc(graphs)
+
+
+def observe_failure(queue: str, n: int) -> None:
+    """After a failure record for `n` items was written."""
+    FAILURES.labels(queue).inc(n)
+
+
+def set_busy_ratio(x: float | None) -> None:
+    """Report a measured utilisation (e.g. from neuron-monitor) instead of the estimate; None reverts."""
+    _busy.override = None if x is None else max(0.0, min(1.0, float(x)))
+
+
+def start_server(port: int, addr: str = "0.0.0.0") -> int:
+    """Serve /metrics from a daemon thread; returns the bound port (0 picks a free one)."""
+    server, _thread = start_http_server(port, addr=addr, registry=REGISTRY)
+    return server.server_port
