@@ -41,7 +41,16 @@ def one(prompts: str, broker: str, out: str, batch_size: int) -> dict:
     queued = sum(redis.Redis.from_url(broker).llen(q) for q in result.queues)
     return {"prompts": result.total, "shapes": result.shapes, "batches": result.batches, "queued": queued,
             "seconds": round(seconds, 2), "prompts_per_s": round(result.total / seconds),
-            "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)}
+            "peak_rss_mb": peak_rss_mb()}
+
+
+def peak_rss_mb() -> float:
+    """This process image's high-water RSS. (ru_maxrss would carry the parent's
+    peak across fork + exec on Linux, and the bench parent has torch loaded.)"""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return round(int(line.split()[1]) / 1024, 1)
+    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
 
 
 def main(argv: list[str] | None = None) -> list[dict]:

@@ -15,6 +15,7 @@ import yaml
 
 from diffq.contract import ShapeKey
 from diffq.producer.bucketing import RunOptions, shape_of
+from diffq.worker.backends import get_backend
 from diffq.producer.sources import Prompt
 
 NAMESPACE = "diffq"
@@ -31,7 +32,6 @@ class DeviceProfile:
     """What one worker pod of a device kind asks the cluster for."""
 
     device: str
-    device_option: str | None  # --cores / --chips / --gpus; None for cpu (--workers)
     resource: str | None  # extended resource requested once per device
     node_selector: dict[str, str] = field(default_factory=dict)
     tolerations: tuple[dict, ...] = ()
@@ -49,14 +49,14 @@ PROFILES: dict[str, DeviceProfile] = {
     # A pod of 8 cores (2 chips) runs 8 pinned processes; --cores 0-7 indexes the
     # cores the Neuron device plugin gave the container.
     "neuron": DeviceProfile(
-        device="neuron", device_option="--cores", resource="aws.amazon.com/neuroncore",
+        device="neuron", resource="aws.amazon.com/neuroncore",
         node_selector={"node.kubernetes.io/instance-type": "trn2.48xlarge"},
         tolerations=({"key": "aws.amazon.com/neuron", "operator": "Exists", "effect": "NoSchedule"},),
         devices_per_pod=8, grace_seconds=1800, cpu="16", memory="128Gi", compile="regional",
     ),
     # GKE single-host v6e slice: 4 chips in a 2x2 topology on one node.
     "tpu": DeviceProfile(
-        device="tpu", device_option="--chips", resource="google.com/tpu",
+        device="tpu", resource="google.com/tpu",
         node_selector={"cloud.google.com/gke-tpu-accelerator": "tpu-v6e-slice",
                        "cloud.google.com/gke-tpu-topology": "2x2"},
         tolerations=({"key": "google.com/tpu", "operator": "Exists", "effect": "NoSchedule"},),
@@ -64,11 +64,11 @@ PROFILES: dict[str, DeviceProfile] = {
         devices_per_pod=4, grace_seconds=3600, cpu="16", memory="128Gi", compile="regional",
     ),
     "cuda": DeviceProfile(
-        device="cuda", device_option="--gpus", resource="nvidia.com/gpu",
+        device="cuda", resource="nvidia.com/gpu",
         tolerations=({"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"},),
         devices_per_pod=1, grace_seconds=900, cpu="8", memory="32Gi", compile="full",
     ),
-    "cpu": DeviceProfile(device="cpu", device_option=None, resource=None, devices_per_pod=2,
+    "cpu": DeviceProfile(device="cpu", resource=None, devices_per_pod=2,
                          grace_seconds=300, cpu="2", memory="4Gi"),
 }
 
@@ -142,7 +142,9 @@ def worker_args(shape: ShapeKey, options: FleetOptions) -> list[str]:
     """The container args after the image's `ENTRYPOINT ["diffq", "worker"]`."""
     profile = options.profile
     n = options.devices_per_pod or profile.devices_per_pod
-    pin = ["--workers", str(n)] if profile.device_option is None else [profile.device_option, f"0-{n - 1}"]
+    # The option that lists a kind's devices comes from the backend table.
+    option = get_backend(profile.device).device_option
+    pin = [option, str(n)] if option == "--workers" else [option, f"0-{n - 1}"]
     return ["--device", profile.device, *pin, "--queues", shape.queue, "--model", shape.model,
             "--dtype", shape.dtype, "--compile", options.compile or profile.compile,
             "--compile-cache", f"{CACHE_MOUNT}/compile"]

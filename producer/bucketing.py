@@ -34,14 +34,14 @@ class Batch:
 
 
 @functools.lru_cache(maxsize=4096)
-def _shape(options: RunOptions, height: int, width: int, cfg: bool) -> ShapeKey:
+def shape_for(options: RunOptions, height: int, width: int, cfg: bool) -> ShapeKey:
     return ShapeKey(model=options.model, height=height, width=width, batch_size=options.batch_size,
                     max_sequence_length=options.max_sequence_length, cfg=cfg, dtype=options.dtype)
 
 
 def shape_of(prompt: Prompt, options: RunOptions) -> ShapeKey:
     # Cached: a run has a handful of shapes and millions of rows.
-    return _shape(options, prompt.height, prompt.width, prompt.guidance_scale > 1.0)
+    return shape_for(options, prompt.height, prompt.width, prompt.guidance_scale > 1.0)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -53,27 +53,30 @@ class Bucketer:
     def __init__(self, options: RunOptions, seed_base: str):
         self.options = options
         self.seed_base = seed_base
-        self._open: dict[tuple[ShapeKey, BatchParams], Batch] = {}
-        self._counts: dict[ShapeKey, int] = {}
+        # Keyed by plain tuples: hashing a pydantic model per row costs more than
+        # everything else bucketing does.
+        self._open: dict[tuple, Batch] = {}
+        self._counts: dict[tuple, int] = {}
 
-    def _group(self, prompt: Prompt) -> Batch:
-        shape = shape_of(prompt, self.options)
-        params = _params(prompt.num_inference_steps, prompt.guidance_scale, self.options.format)
-        batch = self._open.get((shape, params))
+    def _group(self, prompt: Prompt) -> tuple[tuple, Batch]:
+        shape_key = (prompt.height, prompt.width, prompt.guidance_scale > 1.0)
+        group = (*shape_key, prompt.num_inference_steps, prompt.guidance_scale)
+        batch = self._open.get(group)
         if batch is None:
-            index = self._counts.get(shape, 0)
-            self._counts[shape] = index + 1
-            batch = self._open[(shape, params)] = Batch(shape, params, index=index)
-        return batch
+            index = self._counts.get(shape_key, 0)
+            self._counts[shape_key] = index + 1
+            params = _params(prompt.num_inference_steps, prompt.guidance_scale, self.options.format)
+            batch = self._open[group] = Batch(shape_of(prompt, self.options), params, index=index)
+        return group, batch
 
     def add(self, prompt: Prompt) -> Batch | None:
         """Add one prompt; returns a batch when it fills up."""
-        batch = self._group(prompt)
+        group, batch = self._group(prompt)
         seed = prompt.seed if prompt.seed is not None else derive_seed(self.seed_base, prompt.id)
         # Rows were validated by the source; skip re-validating each item.
         batch.items.append(BatchItem.model_construct(id=prompt.id, prompt=prompt.prompt, seed=seed))
         if len(batch.items) == self.options.batch_size:
-            del self._open[(batch.shape, batch.params)]
+            del self._open[group]
             return batch
         return None
 

@@ -22,8 +22,8 @@ from diffq import __version__, layout
 from diffq.broker import TASK_NAME, make_celery
 from diffq.contract import BatchMessage, RunManifest, ShapeKey, ShapeSummary
 from diffq.storage import Storage, open_storage
-from diffq.producer.bucketing import Batch, RunOptions, bucket, shape_of
-from diffq.producer.sources import Defaults, IdChecker, read_prompts
+from diffq.producer.bucketing import Batch, RunOptions, bucket, shape_for
+from diffq.producer.sources import Defaults, IdChecker, InputError, read_prompts
 
 PLAN_PART_BATCHES = 2000
 
@@ -114,29 +114,26 @@ class Plan:
 
 def validate(path: str | Path, options: RunOptions, defaults: Defaults) -> Plan:
     ids = IdChecker(path)
+    # Plain tuple keys per row; shape keys are built once per shape at the end.
     per_group: Counter = Counter()
-    per_shape: Counter = Counter()
-    shapes: dict[str, ShapeKey] = {}
     total = 0
     for prompt in read_prompts(path, defaults):
         ids.check(prompt)
-        shape = shape_of(prompt, options)
-        shapes[shape.queue] = shape
-        per_shape[shape.queue] += 1
-        per_group[(shape.queue, prompt.num_inference_steps, prompt.guidance_scale)] += 1
+        per_group[(prompt.height, prompt.width, prompt.guidance_scale > 1.0,
+                   prompt.num_inference_steps, prompt.guidance_scale)] += 1
         total += 1
     if total == 0:
-        from diffq.producer.sources import InputError
-
         raise InputError(path, None, None, "no prompts in file")
-    batches_per_shape: Counter = Counter()
-    for (queue, _, _), count in per_group.items():
-        batches_per_shape[queue] += math.ceil(count / options.batch_size)
-    summaries = [
-        ShapeSummary(shape=shapes[q], queue=q, items=per_shape[q], batches=batches_per_shape[q])
-        for q in sorted(shapes)
-    ]
-    return Plan(total=total, batches=sum(batches_per_shape.values()), shapes=summaries)
+    items: Counter = Counter()
+    batches: Counter = Counter()
+    shapes: dict[str, ShapeKey] = {}
+    for (height, width, cfg, _, _), count in per_group.items():
+        shape = shape_for(options, height, width, cfg)
+        shapes[shape.queue] = shape
+        items[shape.queue] += count
+        batches[shape.queue] += math.ceil(count / options.batch_size)
+    summaries = [ShapeSummary(shape=shapes[q], queue=q, items=items[q], batches=batches[q]) for q in sorted(shapes)]
+    return Plan(total=total, batches=sum(batches.values()), shapes=summaries)
 
 
 def make_options(*, model: str, batch_size: int = 4, steps: int = 4, guidance_scale: float = 1.0,

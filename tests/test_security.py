@@ -28,10 +28,11 @@ def test_worker_refuses_out_outside_allowed_prefixes(tmp_path):
                      allowed_out_prefixes=[str(tmp_path / "allowed")])
     runtime = Runtime(spec=spec, host=PipelineHost(backend=get_backend("cpu")))
     assert runtime.storage_for(str(tmp_path / "allowed" / "run1")).url.endswith("run1")
-    for hostile in (str(tmp_path / "elsewhere"), "s3://other-bucket/x", "/etc"):
+    for hostile in (str(tmp_path / "elsewhere"), "s3://other-bucket/x", "/etc",
+                    str(tmp_path / "allowed-evil" / "run"), str(tmp_path / "allowed" / ".." / "escaped")):
         with pytest.raises(OutNotAllowed):
             runtime.storage_for(hostile)
-    assert not (tmp_path / "elsewhere").exists()
+    assert not (tmp_path / "elsewhere").exists() and not (tmp_path / "escaped").exists()
 
 
 @pytest.mark.slow

@@ -2,8 +2,8 @@
 
 A batch message is validated on receipt, generated on the process's pipeline host,
 and handed to the sink; its ack waits for the sink (see acks.py). Failures retry
-with backoff (Celery's retry); after the cap a failure record is stored and the
-run goes on.
+with backoff (Celery's retry), then the batch is halved until a poison item fails
+alone with a failure record, and the run goes on.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from diffq.worker.sink import Sink
 
 log = logging.getLogger("diffq.worker")
 
+
 class OutNotAllowed(PermissionError):
     pass
 
@@ -50,11 +51,14 @@ class Runtime:
         return f"{self.spec.name}@{hostname()}"
 
     def storage_for(self, out: str) -> Storage:
-        allowed = self.spec.allowed_out_prefixes
-        if allowed and not any(out.startswith(prefix) for prefix in allowed):
-            raise OutNotAllowed(f"run folder {out} is outside this worker's allowed prefixes")
         if out not in self.storages:
-            self.storages[out] = open_storage(out)
+            # Check the normalised URL (resolved path, no '..'), on a path boundary:
+            # '/data/runs-evil' is not under '/data/runs'.
+            storage = open_storage(out)
+            allowed = [prefix.rstrip("/") for prefix in self.spec.allowed_out_prefixes]
+            if allowed and not any(storage.url == p or storage.url.startswith(p + "/") for p in allowed):
+                raise OutNotAllowed(f"run folder {storage.url} is outside this worker's allowed prefixes")
+            self.storages[out] = storage
         return self.storages[out]
 
 
