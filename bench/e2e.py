@@ -12,13 +12,15 @@ idle gap between consecutive batches of a worker comes from the batch records
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import multiprocessing
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
+
+from bench import s3_bucket
 
 WORKLOAD = dict(height=128, width=128, batch_size=8, steps=4, max_sequence_length=64)
 
@@ -111,22 +113,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     workdir = Path(tempfile.mkdtemp(prefix="diffq-bench-"))
     model = str(build_tiny_pipeline(workdir / "tiny"))
     n = args.items
-    targets = ["local"]
-    s3 = None
-    if args.s3:
-        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-        from servers import S3Server  # the same real server the tests use
-
-        s3 = S3Server(workdir / "moto")
-        s3.start()
-        import os
-
-        os.environ.update(AWS_ENDPOINT_URL=s3.endpoint, AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench",
-                          AWS_DEFAULT_REGION="us-east-1")
-        s3.make_bucket("bench")
-        targets.append("s3")
+    targets = ["local", "s3"] if args.s3 else ["local"]
     rows = []
-    try:
+    with contextlib.ExitStack() as stack:
+        bucket = stack.enter_context(s3_bucket(workdir)) if args.s3 else None
         for workers in [int(w) for w in args.workers.split(",")]:
             raw = []
             for _ in range(args.repeats):
@@ -141,7 +131,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 for repeat in range(args.repeats):
                     def out(items: int) -> str:
                         name = f"w{workers}-r{repeat}-n{items}"
-                        return f"s3://bench/{name}" if target == "s3" else str(workdir / name)
+                        return f"{bucket}/{name}" if target == "s3" else str(workdir / name)
 
                     t1, gaps1 = diffq_run(model, workers, n, out(n), workdir)
                     t2, gaps2 = diffq_run(model, workers, 2 * n, out(2 * n), workdir)
@@ -155,9 +145,6 @@ def main(argv: list[str] | None = None) -> list[dict]:
                                  idle_gap_p90_ms=1000 * statistics.quantiles(gaps, n=10)[-1] if len(gaps) > 10 else None,
                                  command=f"python -m bench.e2e --items {n} --workers {workers}"
                                          + (" --s3" if target == "s3" else "")))
-    finally:
-        if s3 is not None:
-            s3.stop()
     for row in rows:
         print(json.dumps(row))
     return rows

@@ -17,6 +17,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench import redis_server
+
 SIZES = [(64, 64), (128, 128), (64, 128), (128, 64), (256, 256), (96, 96), (160, 160), (192, 192)]
 
 
@@ -63,18 +65,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
         print(json.dumps(one(*args.one, args.batch_size)))
         return []
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-    from servers import RedisServer  # the same private server the tests use
-
     workdir = Path(tempfile.mkdtemp(prefix="diffq-bench-producer-"))
     rows = []
-    server = RedisServer(workdir / "redis")
-    server.start()
-    try:
+    with redis_server(workdir) as broker:
         for n in [int(s) for s in args.sizes.split(",")]:
             prompts = write_prompts(workdir / f"p{n}.jsonl", n)
             proc = subprocess.run([sys.executable, "-m", "bench.producer", "--batch-size", str(args.batch_size),
-                                   "--one", str(prompts), server.url, str(workdir / f"run{n}")],
+                                   "--one", str(prompts), broker, str(workdir / f"run{n}")],
                                   capture_output=True, text=True, check=True)
             row = json.loads(proc.stdout.strip().splitlines()[-1])
             row["command"] = f"python -m bench.producer --sizes {n}"
@@ -82,9 +79,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             print(json.dumps(row), flush=True)
             import redis
 
-            redis.Redis.from_url(server.url).flushall()
-    finally:
-        server.stop()
+            redis.Redis.from_url(broker).flushall()
     return rows
 
 

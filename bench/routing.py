@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import tempfile
 import time
 from pathlib import Path
+
+from bench import redis_server
 
 
 def one_run(mode: str, server_url: str, model: str, workdir: Path, shapes: int, batches: int, workers: int) -> dict:
@@ -52,22 +53,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--shapes", type=int, default=4)
     parser.add_argument("--batches", type=int, default=8, help="batches per shape")
     args = parser.parse_args(argv)
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-    from servers import RedisServer
-
     from diffq.tiny import build_tiny_pipeline
 
     workdir = Path(tempfile.mkdtemp(prefix="diffq-bench-routing-"))
     model = str(build_tiny_pipeline(workdir / "tiny"))
-    server = RedisServer(workdir / "redis")
-    server.start()
     rows = []
-    try:
+    with redis_server(workdir) as broker:
         for mode in ("round-robin", "compile-aware"):
-            rows.append(one_run(mode, server.url, model, workdir, args.shapes, args.batches, args.workers))
+            rows.append(one_run(mode, broker, model, workdir, args.shapes, args.batches, args.workers))
             print(json.dumps(rows[-1]), flush=True)
-    finally:
-        server.stop()
     return rows
 
 

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+from bench import s3_bucket
 
 BATCH = 8
 
@@ -67,25 +68,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
                  "status_s": round(seconds, 2), "command": f"python -m bench.status --items {args.items}"})
     print(json.dumps(rows[-1]), flush=True)
     if args.s3_items:
-        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-        import os
-
-        from servers import S3Server
-
-        server = S3Server(workdir / "moto")
-        server.start()
-        try:
-            os.environ.update(AWS_ENDPOINT_URL=server.endpoint, AWS_ACCESS_KEY_ID="bench",
-                              AWS_SECRET_ACCESS_KEY="bench", AWS_DEFAULT_REGION="us-east-1")
-            server.make_bucket("bench")
-            synthesise("s3://bench/run", args.s3_items)
-            seconds, done = timed_status("s3://bench/run")
-            rows.append({"where": "s3 (moto, loopback)", "items": args.s3_items, "record_files": args.s3_items // BATCH,
-                         "done": done, "status_s": round(seconds, 2),
-                         "command": f"python -m bench.status --s3-items {args.s3_items}"})
-            print(json.dumps(rows[-1]), flush=True)
-        finally:
-            server.stop()
+        with s3_bucket(workdir) as bucket:
+            out = f"{bucket}/run"
+            synthesise(out, args.s3_items)
+            seconds, done = timed_status(out)
+        rows.append({"where": "s3 (moto, loopback)", "items": args.s3_items, "record_files": args.s3_items // BATCH,
+                     "done": done, "status_s": round(seconds, 2),
+                     "command": f"python -m bench.status --s3-items {args.s3_items}"})
+        print(json.dumps(rows[-1]), flush=True)
     return rows
 
 
