@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from enum import Enum
@@ -213,10 +214,17 @@ def worker(
     offload: Offload = None,
     threads: Annotated[int, typer.Option("--threads", min=1, help="Torch threads per process")] = 1,
     routing: Annotated[Routing, typer.Option("--routing", help="compile-aware: drain compiled shapes before taking a new one; round-robin: Celery's default")] = Routing.compile_aware,
+    tp: Annotated[int, typer.Option("--tp", min=1, help="Tensor-parallel degree: groups of N devices, each group one consumer (models larger than one device)")] = 1,
+    master_port: Annotated[int, typer.Option("--master-port", help="Rendezvous port of the first --tp group (group g uses this + g)")] = 29500,
     plan: Annotated[bool, typer.Option("--plan", help="Print each child's pinning and queues as JSON; start nothing")] = False,
     loglevel: Annotated[str, typer.Option("--loglevel", help="Celery log level")] = "INFO",
 ) -> None:
-    """Start one pinned worker process per device, consuming shape queues until SIGTERM."""
+    """Start one pinned worker process per device, consuming shape queues until SIGTERM.
+
+    With --tp N, N devices form one tensor-parallel group: rank 0 consumes and the
+    group generates each batch together (e.g. --device neuron --cores 0-7 --tp 4:
+    two groups of four NeuronCores).
+    """
     from diffq.worker.supervisor import Supervisor, plan_children
 
     settings = get_settings()
@@ -241,12 +249,25 @@ def worker(
                               compile_cache_local=compile_cache_local, offload=offload,
                               warmup=[w for w in (warmup or ("auto" if warmup_only else "")).split(",") if w],
                               warmup_only=warmup_only, routing=routing.value,
-                              models=models, dtype=dtype.value,
+                              models=models, dtype=dtype.value, tp=tp, master_port=master_port,
                               allowed_out_prefixes=settings.allowed_out_prefixes, loglevel=loglevel)
     except ValueError as exc:
         _fail(str(exc))
     if plan:
-        out.print_json(json.dumps([spec.plan() for spec in specs]))
+        if tp == 1:
+            out.print_json(json.dumps([spec.plan() for spec in specs]))
+        else:
+            from diffq.worker.tensor_parallel import sharding_plan
+
+            groups = [specs[i:i + tp] for i in range(0, len(specs), tp)]
+            out.print_json(json.dumps([{
+                "group": ranks[0].group,
+                "world_size": tp,
+                "devices": ranks[0].group_slots,
+                "master": f"{ranks[0].master_addr}:{ranks[0].master_port}",
+                "sharding": dataclasses.asdict(sharding_plan(ranks[0].backend, tp)),
+                "ranks": [spec.plan() for spec in ranks],
+            } for ranks in groups]))
         return
     raise typer.Exit(Supervisor(specs).serve_forever())
 

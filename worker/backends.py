@@ -31,6 +31,18 @@ def _neuron_pin(core: int, threads: int) -> dict[str, str]:
     return {"NEURON_RT_VISIBLE_CORES": str(core), **_cpu_pin(core, threads)}
 
 
+def _cuda_pin_group(devices: list[int], threads: int) -> dict[str, str]:
+    return {"CUDA_VISIBLE_DEVICES": ",".join(map(str, devices)), **_cpu_pin(devices[0], threads)}
+
+
+def _neuron_pin_group(cores: list[int], threads: int) -> dict[str, str]:
+    # Every rank sees the group's cores (an inclusive range) and uses core LOCAL_RANK,
+    # as under torchrun; the range form cannot say a gap.
+    if cores != list(range(cores[0], cores[0] + len(cores))):
+        raise ValueError(f"a Neuron tensor-parallel group needs consecutive cores, got {cores}")
+    return {"NEURON_RT_VISIBLE_CORES": f"{cores[0]}-{cores[-1]}", **_cpu_pin(cores[0], threads)}
+
+
 def _tpu_pin(chip: int, threads: int) -> dict[str, str]:
     # TPU_VISIBLE_DEVICES is torch_tpu's source of truth (it rewrites
     # TPU_VISIBLE_CHIPS to match); independent one-chip processes also need the
@@ -43,6 +55,27 @@ def _tpu_pin(chip: int, threads: int) -> dict[str, str]:
         "TPU_PROCESS_PORT": str(TPU_BASE_PORT + chip),
         **_cpu_pin(chip, threads),
     }
+
+
+def _tpu_group_env(rank: int, chips: list[int]) -> dict[str, str]:
+    # libtpu's multi-process recipe on one host: each rank keeps its one chip (the
+    # pin above) and its own port, and learns the others' addresses and its task id.
+    # torch_tpu also ships a launcher (_internal...singlehost_wrapper) that is
+    # internal and unstable, so the recipe is spelled out here instead.
+    return {
+        "TPU_PROCESS_BOUNDS": _tpu_process_bounds(len(chips)),
+        "TPU_PROCESS_ADDRESSES": ",".join(f"localhost:{TPU_BASE_PORT + chip}" for chip in chips),
+        "CLOUD_TPU_TASK_ID": str(rank),
+    }
+
+
+def _tpu_process_bounds(processes: int) -> str:
+    # One process per chip laid out like the host's chips: 2 → 2x1, 4 → 2x2 (v5e/v6e-4), 8 → 2x4.
+    if processes <= 2:
+        return f"{processes},1,1"
+    if processes % 2:
+        raise ValueError(f"a TPU group of {processes} chips has no 2-D process layout; use 1, 2, 4 or 8")
+    return f"2,{processes // 2},1"
 
 
 @dataclass(frozen=True)
@@ -76,6 +109,15 @@ class Backend:
     # Dotted callable counting this kind's devices. Accelerators go through
     # torch.accelerator: torch.tpu.device_count() raises for user code.
     count_devices: str = "torch.accelerator.device_count"
+    # diffusers' TensorParallelConfig shards on this device (cuda, neuron, tpu, xpu);
+    # elsewhere a group's ranks hold replicated weights.
+    tensor_parallel: bool = True
+    # Extra env for rank `rank` of a group over these devices (multi-process launch).
+    group_env: Callable[[int, list[int]], dict[str, str]] | None = None
+    # Pinning for every rank of a group when each rank sees all of the group's devices
+    # and binds device LOCAL_RANK (what transformers' and diffusers' TP loaders expect
+    # on cuda and neuron). None: each rank is pinned to its own device, index 0 (TPU).
+    pin_group: Callable[[list[int], int], dict[str, str]] | None = None
     # Static shapes: every backend compiles one whole graph per shape; Neuron
     # rejects dynamic=True outright.
     fullgraph: bool = True
@@ -100,6 +142,7 @@ BACKENDS: dict[str, Backend] = {
         pin=_cpu_pin,
         device_option="--workers",
         count_devices="os.cpu_count",
+        tensor_parallel=False,
     ),
     "cuda": Backend(
         name="cuda",
@@ -109,6 +152,7 @@ BACKENDS: dict[str, Backend] = {
         dist_backend="nccl",
         default_dtype="bfloat16",
         pin=_cuda_pin,
+        pin_group=_cuda_pin_group,
         device_option="--gpus",
         cache_packages=("triton",),
     ),
@@ -120,6 +164,7 @@ BACKENDS: dict[str, Backend] = {
         dist_backend="neuron",
         default_dtype="bfloat16",
         pin=_neuron_pin,
+        pin_group=_neuron_pin_group,
         device_option="--cores",
         extension="torch_neuronx",
         fallback_report="torch_neuronx.get_fallback_ops",
@@ -140,6 +185,7 @@ BACKENDS: dict[str, Backend] = {
         cache_env_aliases=("TORCH_TPU_INTERNAL_TIER3_COMPILATION_CACHE_ROOT",),
         cache_packages=("torch-tpu", "libtpu"),
         native_cache_schemes=("gs",),
+        group_env=_tpu_group_env,
     ),
 }
 

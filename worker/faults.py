@@ -2,11 +2,15 @@
 
 DIFFQ_FAULT_POISON=<text>: any batch holding a prompt that contains <text> raises in
 generation, as a prompt that crashes a real pipeline would.
+
+DIFFQ_FAULT_KILL_RANK=<rank>:<marker file>: the tensor-parallel rank <rank> SIGKILLs
+itself on receiving a batch, once per marker file (the restarted group runs on).
 """
 
 from __future__ import annotations
 
 import os
+import signal
 
 from diffq.contract import BatchItem
 
@@ -19,3 +23,17 @@ def check(items: list[BatchItem]) -> None:
     poison = os.environ.get("DIFFQ_FAULT_POISON")
     if poison and any(poison in item.prompt for item in items):
         raise PoisonedPrompt(f"prompt containing {poison!r} makes generation fail")
+
+
+def check_rank(rank: int, items: list[BatchItem]) -> None:
+    spec = os.environ.get("DIFFQ_FAULT_KILL_RANK")
+    if not spec:
+        return
+    target, _, marker = spec.partition(":")
+    if int(target) != rank:
+        return
+    try:
+        os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return
+    os.kill(os.getpid(), signal.SIGKILL)

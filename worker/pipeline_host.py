@@ -35,6 +35,8 @@ class Generated:
     images: list
     generate_s: float
     compiled: bool  # this call compiled a new graph
+    # Extra record fields (a tensor-parallel group's agreement).
+    record_extra: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -51,6 +53,10 @@ class PipelineHost:
     recompiles: int = 0
     # Called with the ShapeKey after a call compiled a new shape (cache push, metrics).
     on_compiled: list[Callable[[ShapeKey], None]] = field(default_factory=list)
+    # Rank 0 of a tensor-parallel group (worker/tensor_parallel.py): each batch is
+    # announced to the other ranks first and their images checked after. Other ranks
+    # hold a group too, for sharded loading, but never announce.
+    group: object = None
 
     def pipeline(self, model: str, dtype: str):
         key = (model, dtype)
@@ -66,10 +72,20 @@ class PipelineHost:
 
         source = resolve_model(model)
         started = time.perf_counter()
+        sharded = {}
+        if self.group is not None:
+            from diffq.worker.tensor_parallel import sharded_components
+
+            sharded = sharded_components(source, DTYPES[dtype], self.group)
         pipe = DiffusionPipeline.from_pretrained(source, dtype=DTYPES[dtype],
-                                                 local_files_only=Path(source).is_dir())
+                                                 local_files_only=Path(source).is_dir(), **sharded)
         if self.offload == "model":
             pipe.enable_model_cpu_offload(device=self.backend.torch_device)
+        elif sharded:
+            # Sharded components already sit on this rank's device; move the rest.
+            for name, component in pipe.components.items():
+                if name not in sharded and hasattr(component, "to"):
+                    component.to(self.backend.torch_device)
         else:
             pipe.to(self.backend.torch_device)
         pipe.set_progress_bar_config(disable=True)
@@ -127,11 +143,20 @@ class PipelineHost:
         if new_shape:
             self.shapes_seen.add(shape)
             self.set_shape_budget(len(self.shapes_seen))
+        leader = self.group is not None and self.group.leader
+        if leader:
+            self.group.announce(shape, params, items)
         graphs_before = graphs_compiled()
         started = time.perf_counter()
-        with torch.inference_mode():
-            images = pipe(**kwargs).images
+        try:
+            with torch.inference_mode():
+                images = pipe(**kwargs).images
+        except Exception:
+            if leader:
+                self.group.agree(None)  # keep the other ranks in step
+            raise
         elapsed = time.perf_counter() - started
+        record_extra = self.group.agree(images) if leader else {}
         graphs = graphs_compiled() - graphs_before
         if new_shape and self.compile_mode != "none":
             self.compile_seconds[shape.queue] = elapsed
@@ -141,7 +166,8 @@ class PipelineHost:
         elif graphs:
             self.recompiles += graphs
             log.warning("shape %s compiled %d more graph(s) after its first batch", shape.label, graphs)
-        return Generated(images=images[: len(items)], generate_s=elapsed, compiled=new_shape)
+        return Generated(images=images[: len(items)], generate_s=elapsed, compiled=new_shape,
+                         record_extra=record_extra)
 
     def warmup(self, shapes: list[ShapeKey]) -> None:
         """Compile `shapes` before consuming, so no batch waits on a compile."""

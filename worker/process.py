@@ -62,6 +62,14 @@ class ChildSpec(BaseModel):
     dtype: str = "float32"
     allowed_out_prefixes: list[str] = Field(default_factory=list)
     loglevel: str = "WARNING"
+    # Tensor-parallel group membership (worker/tensor_parallel.py). world_size 1 is
+    # an independent worker; otherwise rank 0 consumes and the others follow it.
+    rank: int = 0
+    world_size: int = 1
+    group: int = 0  # index of the group on this host
+    group_slots: list[int] = Field(default_factory=list)  # the group's devices, in rank order
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29500
 
     @field_validator("warmup")
     @classmethod
@@ -83,10 +91,29 @@ class ChildSpec(BaseModel):
         """What this child adds to its environment before `import torch`."""
         backend = self.backend
         env = dict(backend.base_env)
-        env.update(backend.pin(self.slot, self.threads))
+        if self.world_size > 1 and backend.pin_group:
+            env.update(backend.pin_group(self.group_slots, self.threads))
+        else:
+            env.update(backend.pin(self.slot, self.threads))
         env.update(backend.mode_env.get(self.compile, {}))
         env.update(self.cache.env)
+        if self.world_size > 1:
+            env.update(self.rank_env())
         env["DIFFQ_WORKER_NAME"] = self.name
+        return env
+
+    def rank_env(self) -> dict[str, str]:
+        """torchrun's variables (env:// rendezvous) plus the backend's multi-process launch env."""
+        env = {
+            "RANK": str(self.rank),
+            "LOCAL_RANK": str(self.rank),
+            "WORLD_SIZE": str(self.world_size),
+            "LOCAL_WORLD_SIZE": str(self.world_size),
+            "MASTER_ADDR": self.master_addr,
+            "MASTER_PORT": str(self.master_port),
+        }
+        if self.backend.group_env:
+            env.update(self.backend.group_env(self.rank, self.group_slots))
         return env
 
     def warmup_shapes(self) -> list[ShapeKey]:
@@ -122,6 +149,8 @@ class ChildSpec(BaseModel):
             "cache_remote": cache.remote,
             "warmup": [shape.queue for shape in self.warmup_shapes()],
             "dist_backend": backend.dist_backend,
+            **({"group": self.group, "rank": self.rank, "world_size": self.world_size,
+                "consumes": self.rank == 0} if self.world_size > 1 else {}),
         }
 
 
@@ -195,7 +224,6 @@ def child_main(spec_json: str) -> None:
 
     from diffq.settings import get_settings
     from diffq.worker import metrics
-    from diffq.worker.tasks import build_worker_app
 
     settings = get_settings()
     if settings.log_json:
@@ -205,12 +233,29 @@ def child_main(spec_json: str) -> None:
     if settings.metrics_port is not None:
         # One scrape endpoint per process: base port + device slot.
         metrics.start_server(settings.metrics_port + spec.slot)
-    app = build_worker_app(spec)
+    group = _join_group(spec) if spec.world_size > 1 else None
+    if group is not None and not group.leader:
+        sys.exit(_follow(spec, group))
+    try:
+        _consume(spec, group)
+    finally:
+        if group is not None:
+            group.stop()  # the other ranks exit with it
+
+
+def _consume(spec: ChildSpec, group) -> None:
+    """Warm start, then a Celery solo-pool worker on the spec's queues until shutdown."""
+    from diffq.worker import metrics
+    from diffq.worker.tasks import build_worker_app
+
+    app = build_worker_app(spec, group=group)
     try:
         report = warm_start(spec)
     except Exception as exc:  # a model or compile that fails now fails on retry too
+        from diffq.worker.tensor_parallel import EXIT_GROUP_BROKEN, GroupBroken
+
         print(f"diffq worker {spec.name}: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
-        sys.exit(EXIT_FATAL)
+        sys.exit(EXIT_GROUP_BROKEN if isinstance(exc, GroupBroken) else EXIT_FATAL)
     for shape, figures in report.get("compile", {}).get("per_shape", {}).items():
         metrics.observe_compile(shape, figures["seconds"])
     if spec.warmup or spec.warmup_only:
@@ -233,3 +278,31 @@ def child_main(spec_json: str) -> None:
         app.worker_main(argv)
     except SystemExit as exc:
         sys.exit(exc.code)
+
+
+def _join_group(spec: ChildSpec):
+    from diffq.worker.tensor_parallel import EXIT_GROUP_BROKEN, GroupBroken, join
+
+    try:
+        return join(spec.rank, spec.world_size, spec.backend)
+    except GroupBroken as exc:
+        print(f"diffq worker {spec.name}: {exc}", file=sys.stderr, flush=True)
+        sys.exit(EXIT_GROUP_BROKEN)
+
+
+def _follow(spec: ChildSpec, group) -> int:
+    """A rank > 0: no consumer of its own; it generates what rank 0 announces."""
+    import signal
+
+    from diffq.worker.pipeline_host import PipelineHost
+    from diffq.worker.tensor_parallel import follow
+
+    # Rank 0 decides when the group stops (after its warm shutdown finishes the batch
+    # in hand, which needs this rank); a SIGTERM here would break that batch.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    host = PipelineHost(backend=spec.backend, compile_mode=spec.compile, offload=spec.offload, group=group)
+    try:
+        return follow(group, host, spec.models, spec.dtype)
+    except Exception as exc:
+        print(f"diffq worker {spec.name}: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        return EXIT_FATAL

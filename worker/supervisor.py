@@ -1,5 +1,8 @@
 """The supervisor: one spawned, pinned process per device; restart; warm shutdown.
 
+With --tp N the processes come in groups of N ranks (worker/tensor_parallel.py):
+a group starts, dies and restarts as one unit.
+
 The supervisor never imports torch and never touches a device, and children are
 *spawned*, never forked: Neuron, TPU and CUDA runtimes cannot be re-initialised in
 a forked child. SIGTERM is forwarded to every child, which finishes the batch in
@@ -27,10 +30,26 @@ _spawn = multiprocessing.get_context("spawn")
 class Child:
     spec: ChildSpec
     process: multiprocessing.process.BaseProcess | None = None
+
+    @property
+    def alive(self) -> bool:
+        return self.process is not None and self.process.is_alive()
+
+
+@dataclass
+class Unit:
+    """What restarts as one: a single worker, or every rank of a tensor-parallel group."""
+
+    children: list[Child]
     restarts: int = 0
     next_start: float = 0.0
     fatal: bool = False
-    finished: bool = False  # a --warmup-only child that exited 0
+    finished: bool = False  # a --warmup-only unit that exited 0
+    kill_at: float | None = None  # tearing down a broken group: SIGKILL what is left then
+
+    @property
+    def name(self) -> str:
+        return self.children[0].spec.name
 
 
 def plan_children(
@@ -41,24 +60,50 @@ def plan_children(
     queues: list[str],
     name_prefix: str = "diffq",
     threads: int = 1,
+    tp: int = 1,
+    master_port: int = 29500,
     **spec_fields,
 ) -> list[ChildSpec]:
-    """One child per device index, each pinned to it by the backend table."""
-    specs = [
-        ChildSpec(name=f"{name_prefix}-{device}{slot}", device=device, slot=slot, threads=threads,
-                  broker_url=broker_url, queues=queues, **spec_fields)
-        for slot in devices
-    ]
+    """One child per device index, each pinned to it by the backend table.
+
+    With tp > 1 the devices are cut into groups of `tp` consecutive devices; each
+    group is one consumer whose ranks rendezvous on their own port.
+    """
+    if tp < 1 or len(devices) % tp:
+        raise ValueError(f"--tp {tp} must divide the {len(devices)} devices given")
+    specs = []
+    for group, start in enumerate(range(0, len(devices), tp)):
+        slots = devices[start:start + tp]
+        for rank, slot in enumerate(slots):
+            name = f"{name_prefix}-{device}{slot}" if tp == 1 else f"{name_prefix}-{device}-tp{group}-r{rank}"
+            membership = ({} if tp == 1 else
+                          {"rank": rank, "world_size": tp, "group": group, "group_slots": slots,
+                           "master_port": master_port + group})
+            specs.append(ChildSpec(name=name, device=device, slot=slot, threads=threads, broker_url=broker_url,
+                                   queues=queues, **membership, **spec_fields))
     if specs:
         specs[0].warmup_shapes()  # an unserved --warmup size fails here, before spawning
+        if tp > 1:
+            for spec in specs[:tp]:
+                spec.env()  # e.g. a TPU group size with no process layout fails here
+            if specs[0].offload:
+                raise ValueError("--offload cannot be combined with --tp: the group shards the model instead")
     return specs
 
 
 class Supervisor:
-    def __init__(self, specs: list[ChildSpec], *, restart: bool = True, max_backoff: float = 30.0):
+    def __init__(self, specs: list[ChildSpec], *, restart: bool = True, max_backoff: float = 30.0,
+                 group_grace: float = 60.0):
         self.children = [Child(spec) for spec in specs]
+        units: dict[tuple, list[Child]] = {}
+        for index, child in enumerate(self.children):
+            key = ("group", child.spec.group) if child.spec.world_size > 1 else ("single", index)
+            units.setdefault(key, []).append(child)
+        self.units = [Unit(members) for members in units.values()]
         self.restart = restart
         self.max_backoff = max_backoff
+        # How long rank 0 of a broken group gets to hand its batch back before SIGKILL.
+        self.group_grace = group_grace
         self.deaths = 0
         self._stopping = False
 
@@ -72,39 +117,63 @@ class Supervisor:
             self._start(child)
 
     def poll(self) -> None:
-        """Restart children that died, with backoff; give up on fatal exits."""
+        """Restart units that died, with backoff; give up on fatal exits."""
         now = time.monotonic()
-        for child in self.children:
-            proc = child.process
-            if child.fatal or child.finished or proc is None or proc.is_alive():
-                continue
-            if proc.exitcode == 0 and child.spec.warmup_only:
-                child.finished = True
-                continue
-            if child.next_start == 0.0:
-                self.deaths += 1
-                if proc.exitcode == EXIT_FATAL:
-                    child.fatal = True
-                    log.error("%s exited with a fatal error; not restarting", child.spec.name)
-                    continue
-                if self._stopping or not self.restart:
-                    continue
-                backoff = min(self.max_backoff, 0.5 * 2 ** min(child.restarts, 6))
-                child.next_start = now + backoff
-                log.warning("%s died (exit %s); restarting in %.1fs", child.spec.name, proc.exitcode, backoff)
-            if now >= child.next_start and not self._stopping:
-                child.restarts += 1
-                child.next_start = 0.0
+        for unit in self.units:
+            self._poll_unit(unit, now)
+
+    def _poll_unit(self, unit: Unit, now: float) -> None:
+        if unit.fatal or unit.finished or any(child.process is None for child in unit.children):
+            return
+        alive = [child for child in unit.children if child.alive]
+        if len(alive) == len(unit.children):
+            return
+        if alive:
+            self._tear_down(unit, alive, now)
+            return
+        unit.kill_at = None
+        codes = [child.process.exitcode for child in unit.children]
+        if all(code == 0 and child.spec.warmup_only for code, child in zip(codes, unit.children)):
+            unit.finished = True
+            return
+        if unit.next_start == 0.0:
+            self.deaths += 1
+            if EXIT_FATAL in codes:
+                unit.fatal = True
+                log.error("%s exited with a fatal error; not restarting", unit.name)
+                return
+            if self._stopping or not self.restart:
+                unit.next_start = float("inf")  # counted once, never restarted
+                return
+            backoff = min(self.max_backoff, 0.5 * 2 ** min(unit.restarts, 6))
+            unit.next_start = now + backoff
+            log.warning("%s died (exit %s); restarting in %.1fs", unit.name, codes, backoff)
+        if now >= unit.next_start and not self._stopping:
+            unit.restarts += 1
+            unit.next_start = 0.0
+            for child in unit.children:
                 self._start(child)
+
+    def _tear_down(self, unit: Unit, alive: list[Child], now: float) -> None:
+        """A rank died: the group cannot run without it. Rank 0 gets a warm stop so the
+        batch in hand goes back to the broker; the other ranks hold nothing and are killed."""
+        if unit.kill_at is None:
+            unit.kill_at = now + self.group_grace
+            log.warning("%s lost a rank; stopping the rest of the group", unit.name)
+            for child in alive:
+                os.kill(child.process.pid, signal.SIGTERM if child.spec.rank == 0 else signal.SIGKILL)
+        elif now >= unit.kill_at:
+            for child in alive:
+                os.kill(child.process.pid, signal.SIGKILL)
 
     @property
     def all_fatal(self) -> bool:
-        return all(child.fatal for child in self.children)
+        return all(unit.fatal for unit in self.units)
 
     @property
     def all_done(self) -> bool:
-        """Every child finished its warmup-only run or failed for good."""
-        return all(child.fatal or child.finished for child in self.children)
+        """Every unit finished its warmup-only run or failed for good."""
+        return all(unit.fatal or unit.finished for unit in self.units)
 
     def alive(self) -> int:
         return sum(1 for c in self.children if c.process is not None and c.process.is_alive())
@@ -144,7 +213,7 @@ class Supervisor:
                 if self.all_fatal:
                     return EXIT_FATAL
                 if self.all_done:
-                    return EXIT_FATAL if any(child.fatal for child in self.children) else 0
+                    return EXIT_FATAL if any(unit.fatal for unit in self.units) else 0
                 time.sleep(poll_interval)
             self.stop()
             return 0

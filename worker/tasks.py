@@ -15,6 +15,8 @@ import time
 from dataclasses import dataclass, field
 
 from celery import Celery, Task, signals
+from celery.exceptions import Reject
+from celery.worker import state as worker_state
 
 from diffq import layout
 from diffq.broker import TASK_NAME, make_celery
@@ -26,6 +28,7 @@ from diffq.worker.models import ModelUnavailable
 from diffq.worker.pipeline_host import CompileUnsupported, PipelineHost
 from diffq.worker.process import ChildSpec, hostname
 from diffq.worker.sink import Sink
+from diffq.worker.tensor_parallel import EXIT_GROUP_BROKEN, GroupBroken
 
 log = logging.getLogger("diffq.worker")
 
@@ -131,6 +134,12 @@ def generate_batch(task: Task, batch: dict) -> dict:
         started_at = time.time()
         generated = rt.host.generate(message.shape, message.params, message.items)
         ended_at = time.time()
+    except GroupBroken as exc:
+        # A rank of this worker's tensor-parallel group died: hand the batch back at
+        # once (not a failed attempt) and stop, so the supervisor restarts the group.
+        log.warning("%s; batch %s goes back to the queue", exc, message.batch_id)
+        worker_state.should_stop = EXIT_GROUP_BROKEN
+        raise Reject(str(exc), requeue=True) from exc
     except Exception as exc:
         return handle_failure(task, storage, message, exc, attempts)
     metrics.observe_batch(message.shape.queue, len(message.items), generated.generate_s)
@@ -151,6 +160,7 @@ def generate_batch(task: Task, batch: dict) -> dict:
         # batches of one worker is the next start minus this end.
         "generate_started_at": round(started_at, 4),
         "generate_ended_at": round(ended_at, 4),
+        **generated.record_extra,
     })
     rt.last_store = future
     future.add_done_callback(_observe_store)
@@ -187,10 +197,10 @@ def handle_failure(task: Task, storage: Storage, message: BatchMessage, exc: Exc
     return {"batch_id": message.batch_id, "failed": len(message.items)}
 
 
-def build_worker_app(spec: ChildSpec) -> Celery:
+def build_worker_app(spec: ChildSpec, group=None) -> Celery:
     global _runtime
     _runtime = Runtime(spec=spec, host=PipelineHost(backend=spec.backend, compile_mode=spec.compile,
-                                                     offload=spec.offload))
+                                                     offload=spec.offload, group=group))
     app = make_celery(spec.broker_url, spec.transport_options)
     app.steps["consumer"].add(acks.DeferredAckStep)
     if spec.routing == "compile-aware":
