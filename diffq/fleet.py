@@ -130,6 +130,8 @@ class FleetOptions:
     # ReadWriteMany class for the shared cache: EFS on EKS, Filestore on GKE.
     storage_class: str = "efs-sc"
     cache_size: str = "500Gi"
+    # Tensor-parallel degree: a pod's devices form groups of `tp` ranks (one consumer each).
+    tp: int = 1
 
     @property
     def profile(self) -> DeviceProfile:
@@ -145,7 +147,10 @@ def worker_args(shape: ShapeKey, options: FleetOptions) -> list[str]:
     # The option that lists a kind's devices comes from the backend table.
     option = get_backend(profile.device).device_option
     pin = [option, str(n)] if option == "--workers" else [option, f"0-{n - 1}"]
-    return ["--device", profile.device, *pin, "--queues", shape.queue, "--model", shape.model,
+    if n % options.tp:
+        raise ValueError(f"--tp {options.tp} must divide the {n} devices per pod")
+    tp = ["--tp", str(options.tp)] if options.tp > 1 else []
+    return ["--device", profile.device, *pin, *tp, "--queues", shape.queue, "--model", shape.model,
             "--dtype", shape.dtype, "--compile", options.compile or profile.compile,
             "--compile-cache", f"{CACHE_MOUNT}/compile"]
 

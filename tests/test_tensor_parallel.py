@@ -223,3 +223,19 @@ def test_killing_a_rank_mid_batch_produces_it_exactly_once(tmp_path, redis_serve
         image = Image.open(io.BytesIO(open_storage(out).get_bytes(line["file_name"])))
         assert image.size == (128, 128)
         assert line["tp_ranks_agree"]
+
+
+def test_fleet_manifests_run_one_group_per_pod():
+    """A Trn2 pod of 8 cores with --tp 8: its container args are one 8-rank group."""
+    from diffq import fleet
+
+    options = fleet.FleetOptions(device="neuron", devices_per_pod=8, tp=8)
+    (shape,) = fleet.shape_keys("black-forest-labs/FLUX.2-dev", [(1024, 1024)], batch_size=1,
+                                max_sequence_length=512, guidance_scale=4.0, dtype="bfloat16")
+    args = fleet.worker_args(shape, options)
+    result = CliRunner().invoke(app, ["worker", "--broker", "redis://127.0.0.1:1/0", *args, "--plan"])
+    assert result.exit_code == 0, result.output
+    (group,) = json.loads(result.output)
+    assert group["world_size"] == 8 and group["ranks"][0]["queues"] == [shape.queue]
+    with pytest.raises(ValueError, match="--tp 3 must divide"):
+        fleet.worker_args(shape, fleet.FleetOptions(device="neuron", devices_per_pod=8, tp=3))

@@ -24,6 +24,7 @@ def manifests(
     image: Annotated[Optional[str], typer.Option("--image", help="Worker image (default ghcr.io/diffq/diffq-<device>)")] = None,
     namespace: Annotated[str, typer.Option("--namespace")] = "diffq",
     devices_per_pod: Annotated[Optional[int], typer.Option("--devices-per-pod", min=1, help="Cores / chips / GPUs per pod")] = None,
+    tp: Annotated[int, typer.Option("--tp", min=1, help="Tensor-parallel degree: each pod's devices form groups of N ranks (see `diffq worker --tp`)")] = 1,
     max_replicas: Annotated[int, typer.Option("--max-replicas", min=1)] = 8,
     batches_per_replica: Annotated[int, typer.Option("--batches-per-replica", min=1, help="KEDA listLength target")] = 4,
     redis_db: Annotated[int, typer.Option("--redis-db", min=0, help="Redis database index of the broker")] = 0,
@@ -41,7 +42,7 @@ def manifests(
                                      devices_per_pod=devices_per_pod, max_replicas=max_replicas,
                                      batches_per_replica=batches_per_replica, redis_db=redis_db,
                                      grace_seconds=grace_seconds, compile=compile,
-                                     storage_class=storage_class)
+                                     storage_class=storage_class, tp=tp)
         keys = fleet.shape_keys(model, fleet.parse_shapes(shapes), batch_size=batch_size,
                                 max_sequence_length=max_sequence_length,
                                 guidance_scale=guidance_scale, dtype=dtype)
