@@ -13,7 +13,9 @@ import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
+import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from diffq.contract import MAX_PROMPT_CHARS
@@ -72,9 +74,12 @@ class PromptRow(BaseModel):
         return value
 
 
-@dataclass(frozen=True)
-class Prompt:
-    """A validated row with every default applied: what bucketing consumes."""
+class Prompt(NamedTuple):
+    """A validated row with every default applied: what bucketing consumes.
+
+    A named tuple, not a frozen dataclass: built twice per row (validation and
+    publishing), and a frozen dataclass costs ~5x more to build.
+    """
 
     line: int
     id: str
@@ -99,9 +104,15 @@ def _jsonl_rows(path: Path) -> Iterator[tuple[int, dict]]:
             if not line.strip():
                 continue
             try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise InputError(path, line_no, None, f"not valid JSON ({exc.msg} at column {exc.colno})") from None
+                row = orjson.loads(line)  # ~4x faster than json.loads on short rows
+            except orjson.JSONDecodeError:
+                # orjson is stricter (NaN, lone surrogates): the standard parser decides,
+                # so what is accepted and every error message stay as they were.
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise InputError(path, line_no, None,
+                                     f"not valid JSON ({exc.msg} at column {exc.colno})") from None
             if not isinstance(row, dict):
                 raise InputError(path, line_no, None, f"expected a JSON object, got {type(row).__name__}")
             yield line_no, row
@@ -210,15 +221,15 @@ def read_prompts(path: str | Path, defaults: Defaults = Defaults()) -> Iterator[
             if value % defaults.size_multiple:
                 raise InputError(path, line, name, f"{value} is not a multiple of {defaults.size_multiple}")
         item_id, guidance = get("id"), get("guidance_scale")
-        yield Prompt(
-            line=line,
-            id=item_id if item_id is not None else generated_id(line),
-            prompt=row["prompt"],
-            height=height,
-            width=width,
-            seed=get("seed"),
-            num_inference_steps=get("num_inference_steps") or defaults.num_inference_steps,
-            guidance_scale=float(guidance) if guidance is not None else defaults.guidance_scale,
+        yield Prompt(  # positional: the field order of Prompt
+            line,
+            item_id if item_id is not None else generated_id(line),
+            row["prompt"],
+            height,
+            width,
+            get("seed"),
+            get("num_inference_steps") or defaults.num_inference_steps,
+            float(guidance) if guidance is not None else defaults.guidance_scale,
         )
 
 
