@@ -57,7 +57,11 @@ class CeleryPublisher:
 
 
 class RedisLists:
-    """LPUSH of kombu Redis transport envelopes in a non-transactional pipeline."""
+    """LPUSH of kombu Redis transport envelopes in a non-transactional pipeline.
+
+    One LPUSH per list per flush, with every message buffered for it: the same
+    order on the list as one LPUSH each, without redis-py's cost per command.
+    """
 
     def __init__(self, channel: kombu_redis.Channel, batch_size: int):
         self._channel = channel
@@ -67,6 +71,7 @@ class RedisLists:
         client = self._stack.enter_context(channel.conn_or_acquire())
         self._pipeline = self._stack.enter_context(client.pipeline(transaction=False))
         self._buffered = 0
+        self._pending: dict[str, list[bytes]] = {}  # list name -> envelopes, oldest first
         self._lists: dict[str, str] = {}
 
     def _list(self, queue: str) -> str:
@@ -90,15 +95,22 @@ class RedisLists:
         envelope = orjson.dumps({"body": base64.b64encode(body).decode("ascii"),
                                  "content-encoding": "utf-8", "content-type": "application/json",
                                  "headers": headers, "properties": properties})
-        self._pipeline.lpush(self._list(queue), envelope)
+        name = self._list(queue)
+        pending = self._pending.get(name)
+        if pending is None:
+            pending = self._pending[name] = []
+        pending.append(envelope)
         self._buffered += 1
         if self._buffered >= self._batch_size:
             self.flush()
 
     def flush(self) -> None:
         if self._buffered:
-            self._pipeline.execute()
+            for name, envelopes in self._pending.items():
+                self._pipeline.lpush(name, *envelopes)
+            self._pending.clear()
             self._buffered = 0
+            self._pipeline.execute()
 
     def close(self) -> None:
         try:
