@@ -5,7 +5,7 @@ more than reading, checking and bucketing the rows. Here each message is one
 orjson call over plain values that were already validated: the row by its source,
 the shape and parameters by pydantic once per group. The first message of every
 queue still goes through `BatchMessage`, which catches a bad run id or OUT before
-anything is published. The Celery envelope is `as_task_v2`'s own output, taken
+anything is published, and every message is held to `MAX_MESSAGE_BYTES`. The Celery envelope is `as_task_v2`'s own output, taken
 once as a template (tests compare it field by field with what Celery builds).
 """
 
@@ -20,7 +20,7 @@ from celery import Celery
 from pydantic import BaseModel
 
 from diffq.broker import TASK_NAME
-from diffq.contract import SCHEMA_VERSION, BatchMessage, ShapeKey
+from diffq.contract import MAX_MESSAGE_BYTES, SCHEMA_VERSION, BatchMessage, ShapeKey
 from diffq.producer.bucketing import Batch
 
 
@@ -72,6 +72,9 @@ class BatchEncoder:
         bid = f"{id_prefix}{batch.index:07d}"
         data = orjson.dumps({**self._head, "batch_id": bid, "shape": self._dump(shape),
                              "params": self._dump(batch.params), "items": batch.items})
+        if len(data) > MAX_MESSAGE_BYTES:  # workers and the broker's memory count on it
+            raise ValueError(f"batch {bid} would be a {len(data):,}-byte message, over the "
+                             f"{MAX_MESSAGE_BYTES:,}-byte limit: use a smaller batch size or shorter prompts")
         if queue not in self._checked:
             BatchMessage.model_validate_json(data)
             self._checked.add(queue)

@@ -26,7 +26,7 @@ from diffq.contract import BatchMessage, RunManifest, ShapeKey, ShapeSummary
 from diffq.storage import Storage, open_storage
 from diffq.producer.bucketing import RunOptions, bucket, shape_for
 from diffq.producer.messages import BatchEncoder, EncodedBatch
-from diffq.producer.publish import CeleryPublisher  # noqa: F401 (imported from here by runner, resume)
+from diffq.producer.publish import CeleryPublisher
 from diffq.producer.sources import Defaults, IdChecker, InputError, Prompt, read_prompts
 
 PLAN_PART_BATCHES = 2000

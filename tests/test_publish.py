@@ -224,3 +224,13 @@ def test_submit_enqueues_every_prompt_once_and_plan_matches(make_redis_server, t
     check_received(drain(server.url, sorted(result.queues), len(sent)), sent)
     assert sum(redis.Redis.from_url(server.url).llen(q) for q in result.queues) == 0
     assert {item.id for m in plan for item in m.items} == {row["id"] for row in rows}
+
+
+def test_an_oversized_batch_is_refused_before_anything_is_written(make_redis_server, tmp_path):
+    server = make_redis_server()
+    path = tmp_path / "p.jsonl"
+    path.write_text("".join(json.dumps({"prompt": "x" * 16_000}) + "\n" for _ in range(40)))
+    out = tmp_path / "out"
+    with pytest.raises(ValueError, match="over the 262,144-byte limit"):
+        submit(path, str(out), model="m", broker_url=server.url, batch_size=32)
+    assert redis.Redis.from_url(server.url).dbsize() == 0 and not out.exists()
