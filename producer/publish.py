@@ -61,6 +61,8 @@ class RedisLists:
 
     One LPUSH per list per flush, with every message buffered for it: the same
     order on the list as one LPUSH each, without redis-py's cost per command.
+    kombu's `_put` would also PEXPIRE a queue declared with `x-expires`; diffq's
+    shape queues are declared without it.
     """
 
     def __init__(self, channel: kombu_redis.Channel, batch_size: int):

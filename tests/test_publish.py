@@ -234,3 +234,9 @@ def test_an_oversized_batch_is_refused_before_anything_is_written(make_redis_ser
     with pytest.raises(ValueError, match="over the 262,144-byte limit"):
         submit(path, str(out), model="m", broker_url=server.url, batch_size=32)
     assert redis.Redis.from_url(server.url).dbsize() == 0 and not out.exists()
+
+
+def test_shape_queues_carry_nothing_the_raw_push_would_skip():
+    # kombu's Redis `_put` adds PEXPIRE for x-expires queues; the raw LPUSH does not.
+    queue = make_celery("redis://127.0.0.1:1/0").amqp.queues[encoded(1)[0].queue]
+    assert queue.expires is None and queue.message_ttl is None and not queue.queue_arguments
