@@ -1,29 +1,33 @@
 """Submit: validate the whole file, write the manifest and plan, publish batches.
 
-Two streaming passes over the input. The first validates every row (nothing is
-written or enqueued if any row is bad) and counts shapes; the second buckets and
-publishes. Each plan part is stored before its batches are published, so the run
-folder always knows every batch the broker might hold.
+One streaming pass over the input validates every row and counts shapes while it
+buckets and encodes the batches into a local spill file; only once the last row
+passed (nothing is written or enqueued if any row is bad) are the manifest, the
+plan and the messages sent. Each plan part is stored before its batches are
+published, so the run folder always knows every batch the broker might hold.
 """
 
 from __future__ import annotations
 
-import hashlib
+import contextlib
 import json
 import math
+import pickle
+import tempfile
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from diffq import __version__, layout
-from diffq.broker import TASK_NAME, make_celery
 from diffq.contract import BatchMessage, RunManifest, ShapeKey, ShapeSummary
 from diffq.storage import Storage, open_storage
-from diffq.producer.bucketing import Batch, RunOptions, bucket, shape_for
-from diffq.producer.sources import Defaults, IdChecker, InputError, read_prompts
+from diffq.producer.bucketing import RunOptions, bucket, shape_for
+from diffq.producer.messages import BatchEncoder, EncodedBatch
+from diffq.producer.publish import CeleryPublisher
+from diffq.producer.sources import Defaults, IdChecker, InputError, Prompt, read_prompts
 
 PLAN_PART_BATCHES = 2000
 
@@ -48,61 +52,6 @@ class SubmitResult:
         return f"{self.total} items, {self.shapes} shapes, {self.batches} batches"
 
 
-def batch_id(shape: ShapeKey, index: int) -> str:
-    digest = hashlib.sha1(shape.queue.encode()).hexdigest()[:6]
-    return f"{shape.height}x{shape.width}-{digest}-{index:07d}"
-
-
-def to_message(batch: Batch, run_id: str, out: str) -> BatchMessage:
-    return BatchMessage(
-        run_id=run_id,
-        out=out,
-        batch_id=batch_id(batch.shape, batch.index),
-        shape=batch.shape,
-        params=batch.params,
-        items=batch.items,
-    )
-
-
-class CeleryPublisher:
-    """Publishes batch messages to their shape queues in pipelined batches.
-
-    Celery builds each message (`as_task_v2`, the same format `send_task` sends) and
-    kombu's `Producer.batch` flushes them in groups, one round trip per group on
-    Redis instead of one per message (~950 msg/s for `apply_async` in a loop vs
-    ~8,800 msg/s, ../shared/CELERY.md). Transports without batching publish at once.
-    """
-
-    def __init__(self, broker_url: str, transport_options: dict | None = None, batch_size: int = 1000):
-        self.app = make_celery(broker_url, transport_options)
-        self._connection = self.app.connection_for_write()
-        self._producer = self._connection.Producer(serializer="json")
-        self._batch = self._producer.batch(max_size=batch_size)
-        self._batch.__enter__()
-        self._declared: set[str] = set()
-
-    def publish(self, message: BatchMessage) -> None:
-        name = message.shape.queue
-        queue = self.app.amqp.queues[name]  # created on first use, routed by its own name
-        headers, properties, body, _ = self.app.amqp.as_task_v2(
-            uuid.uuid4().hex, TASK_NAME, args=(), kwargs={"batch": message.model_dump(mode="json")},
-            # Keep stored messages lean: Redis holds ~3 KB per message otherwise.
-            argsrepr="", kwargsrepr=f"{message.run_id}/{message.batch_id}",
-        )
-        declare = None if name in self._declared else [queue]
-        self._declared.add(name)
-        # The default exchange routes by queue name (AMQP and kombu's virtual
-        # transports alike) and spares Redis a routing-table lookup per message.
-        self._producer.publish(body, exchange="", routing_key=name, headers=headers,
-                               serializer="json", declare=declare, retry=True, **properties)
-
-    def close(self) -> None:
-        try:
-            self._batch.__exit__(None, None, None)  # flushes what is still buffered
-        finally:
-            self._connection.release()
-
-
 @dataclass
 class Plan:
     """What the validation pass learned: enough to write the manifest up front."""
@@ -112,28 +61,47 @@ class Plan:
     shapes: list[ShapeSummary]
 
 
+class Validation:
+    """What the validation pass learns from each row: unique ids, counts per group."""
+
+    def __init__(self, path: str | Path, options: RunOptions):
+        self.path, self.options = path, options
+        self._ids = IdChecker(path)
+        # Plain tuple keys per row; shape keys are built once per shape at the end.
+        self._per_group: Counter = Counter()
+        self._total = 0
+
+    def check(self, prompts: Iterable[Prompt]) -> Iterator[Prompt]:
+        """Passes each prompt on once it is counted and its id is known unique."""
+        check, per_group = self._ids.check, self._per_group
+        for prompt in prompts:
+            check(prompt)
+            per_group[(prompt.height, prompt.width, prompt.guidance_scale > 1.0,
+                       prompt.num_inference_steps, prompt.guidance_scale)] += 1
+            self._total += 1
+            yield prompt
+
+    def plan(self) -> Plan:
+        if self._total == 0:
+            raise InputError(self.path, None, None, "no prompts in file")
+        items: Counter = Counter()
+        batches: Counter = Counter()
+        shapes: dict[str, ShapeKey] = {}
+        for (height, width, cfg, _, _), count in self._per_group.items():
+            shape = shape_for(self.options, height, width, cfg)
+            shapes[shape.queue] = shape
+            items[shape.queue] += count
+            batches[shape.queue] += math.ceil(count / self.options.batch_size)
+        summaries = [ShapeSummary(shape=shapes[q], queue=q, items=items[q], batches=batches[q])
+                     for q in sorted(shapes)]
+        return Plan(total=self._total, batches=sum(batches.values()), shapes=summaries)
+
+
 def validate(path: str | Path, options: RunOptions, defaults: Defaults) -> Plan:
-    ids = IdChecker(path)
-    # Plain tuple keys per row; shape keys are built once per shape at the end.
-    per_group: Counter = Counter()
-    total = 0
-    for prompt in read_prompts(path, defaults):
-        ids.check(prompt)
-        per_group[(prompt.height, prompt.width, prompt.guidance_scale > 1.0,
-                   prompt.num_inference_steps, prompt.guidance_scale)] += 1
-        total += 1
-    if total == 0:
-        raise InputError(path, None, None, "no prompts in file")
-    items: Counter = Counter()
-    batches: Counter = Counter()
-    shapes: dict[str, ShapeKey] = {}
-    for (height, width, cfg, _, _), count in per_group.items():
-        shape = shape_for(options, height, width, cfg)
-        shapes[shape.queue] = shape
-        items[shape.queue] += count
-        batches[shape.queue] += math.ceil(count / options.batch_size)
-    summaries = [ShapeSummary(shape=shapes[q], queue=q, items=items[q], batches=batches[q]) for q in sorted(shapes)]
-    return Plan(total=total, batches=sum(batches.values()), shapes=summaries)
+    validation = Validation(path, options)
+    for _ in validation.check(read_prompts(path, defaults)):
+        pass
+    return validation.plan()
 
 
 def make_options(*, model: str, batch_size: int = 4, steps: int = 4, guidance_scale: float = 1.0,
@@ -149,8 +117,8 @@ def make_options(*, model: str, batch_size: int = 4, steps: int = 4, guidance_sc
     )
 
 
-def write_plan_part(storage: Storage, part: int, messages: list[BatchMessage]) -> None:
-    body = "".join(message.to_json() + "\n" for message in messages).encode()
+def write_plan_part(storage: Storage, part: int, messages: list[EncodedBatch]) -> None:
+    body = b"".join(message.json + b"\n" for message in messages)
     storage.put_bytes(layout.plan_key(part), body, content_type="application/jsonl")
 
 
@@ -193,10 +161,95 @@ def submit(
                                      max_sequence_length=max_sequence_length, height=height,
                                      width=width, format=format, dtype=dtype,
                                      size_multiple=size_multiple)
-    plan = plan or validate(prompts, options, defaults)
-
     storage = open_storage(out)
     run_id = run_id or uuid.uuid4().hex[:12]
+    seed_base = seed_base or run_id
+    encoder = BatchEncoder(run_id, storage.url)
+
+    def encoded(prompts_in: Iterable[Prompt]) -> Iterator[EncodedBatch]:
+        return map(encoder.encode, bucket(prompts_in, options, seed_base))
+
+    with contextlib.ExitStack() as stack:
+        if plan is None:
+            # One read of the file: rows are validated, bucketed and encoded together,
+            # and the encoded plan parts wait on local disk until the last row passed.
+            validation = Validation(prompts, options)
+            spill = stack.enter_context(PlanSpill())
+            for part in plan_parts(encoded(validation.check(read_prompts(prompts, defaults)))):
+                spill.add(part)
+            plan = validation.plan()
+            parts = spill.parts()
+        else:  # validated by the caller
+            parts = plan_parts(encoded(read_prompts(prompts, defaults)))
+        manifest = write_manifest(storage, prompts, plan, run_id, defaults={
+            "model": model, "batch_size": batch_size, "steps": steps,
+            "guidance_scale": guidance_scale, "max_sequence_length": max_sequence_length,
+            "height": height, "width": width, "format": format, "dtype": dtype,
+            "seed_base": seed_base})
+        if publisher is None:
+            if not broker_url:
+                raise ValueError("submit needs a broker URL (--broker or DIFFQ_BROKER_URL)")
+            publisher = CeleryPublisher(broker_url, transport_options)
+            stack.callback(publisher.close)  # sends what is still buffered
+        # Any publisher takes BatchMessage models; ours also takes them ready-encoded.
+        publish_encoded = getattr(publisher, "publish_encoded", None)
+        result = SubmitResult(out=manifest.out, run_id=run_id, total=plan.total, batches=0)
+        for index, part in enumerate(parts):
+            write_plan_part(storage, index, part)
+            for message in part:
+                if publish_encoded is not None:
+                    publish_encoded(message)
+                else:
+                    publisher.publish(BatchMessage.model_validate_json(message.json))
+                result.batches += 1
+                result.queues[message.queue] = result.queues.get(message.queue, 0) + 1
+                if on_published:
+                    on_published(message.items)
+    return result
+
+
+def plan_parts(batches: Iterable[EncodedBatch]) -> Iterator[list[EncodedBatch]]:
+    part: list[EncodedBatch] = []
+    for message in batches:
+        part.append(message)
+        if len(part) == PLAN_PART_BATCHES:
+            yield part
+            part = []
+    if part:
+        yield part
+
+
+class PlanSpill:
+    """Encoded plan parts parked in an unnamed local temporary file (gone on close).
+
+    Keeps memory flat however long the file, at the cost of the plan's size on
+    local disk (~140 MB per million prompts at batch 8) until submit returns.
+    """
+
+    def __init__(self):
+        self._file = tempfile.TemporaryFile(prefix="diffq-plan-")
+
+    def add(self, part: list[EncodedBatch]) -> None:
+        pickle.dump([tuple(message) for message in part], self._file, protocol=pickle.HIGHEST_PROTOCOL)
+
+    def parts(self) -> Iterator[list[EncodedBatch]]:
+        self._file.seek(0)
+        while True:
+            try:
+                rows = pickle.load(self._file)
+            except EOFError:
+                return
+            yield [EncodedBatch(*row) for row in rows]
+
+    def __enter__(self) -> PlanSpill:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._file.close()
+
+
+def write_manifest(storage: Storage, prompts: str | Path, plan: Plan, run_id: str, defaults: dict) -> RunManifest:
+    """Stores the manifest; `RunExists` if OUT already holds one."""
     manifest = RunManifest(
         run_id=run_id,
         created_at=time.time(),
@@ -206,45 +259,10 @@ def submit(
         batches=plan.batches,
         plan_parts=math.ceil(plan.batches / PLAN_PART_BATCHES),
         shapes=plan.shapes,
-        defaults={"model": model, "batch_size": batch_size, "steps": steps,
-                  "guidance_scale": guidance_scale, "max_sequence_length": max_sequence_length,
-                  "height": height, "width": width, "format": format, "dtype": dtype,
-                  "seed_base": seed_base or run_id},
+        defaults=defaults,
         diffq_version=__version__,
     )
     body = json.dumps(manifest.model_dump(mode="json"), indent=2).encode()
     if not storage.put_bytes(layout.MANIFEST, body, content_type="application/json", if_absent=True):
         raise RunExists(f"{storage.url} already holds a run; use a new OUT, or `diffq resume {storage.url}`")
-
-    own_publisher = publisher is None
-    if own_publisher:
-        if not broker_url:
-            raise ValueError("submit needs a broker URL (--broker or DIFFQ_BROKER_URL)")
-        publisher = CeleryPublisher(broker_url, transport_options)
-    result = SubmitResult(out=storage.url, run_id=run_id, total=plan.total, batches=0)
-    pending: list[BatchMessage] = []
-    part = 0
-
-    def flush() -> None:
-        nonlocal part, pending
-        write_plan_part(storage, part, pending)
-        for message in pending:
-            publisher.publish(message)
-            result.batches += 1
-            result.queues[message.shape.queue] = result.queues.get(message.shape.queue, 0) + 1
-            if on_published:
-                on_published(len(message.items))
-        part += 1
-        pending = []
-
-    try:
-        for batch in bucket(read_prompts(prompts, defaults), options, manifest.defaults["seed_base"]):
-            pending.append(to_message(batch, run_id, storage.url))
-            if len(pending) == PLAN_PART_BATCHES:
-                flush()
-        if pending:
-            flush()
-    finally:
-        if own_publisher:
-            publisher.close()
-    return result
+    return manifest

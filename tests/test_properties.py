@@ -113,3 +113,16 @@ def test_a_bad_row_anywhere_means_nothing_is_written_or_enqueued(tmp_path):
     with pytest.raises(InputError, match=r"p.jsonl:5001: field 'seed'"):
         submit(path, str(out), model="m", publisher=recorder)
     assert recorder.published == [] and not any(out.rglob("*"))
+
+
+plain_values = st.none() | st.booleans() | st.integers(-2, 2**64) | st.floats(-1, 101) | st.just(float("nan")) \
+    | st.text(max_size=4) | st.sampled_from([" \u3000", "a\x00", "\x1b", "x" * 201])
+
+
+@SETTINGS
+@given(st.dictionaries(st.sampled_from(FIELDS), plain_values, max_size=7))
+def test_fast_row_check_accepts_only_what_pydantic_accepts(row):
+    from diffq.producer.sources import PromptRow, _plain_row
+
+    if _plain_row(row) is not None:
+        assert PromptRow.model_validate(row).model_dump(exclude_unset=True) == row

@@ -145,3 +145,29 @@ def test_derived_seeds_are_stable_and_distinct():
     assert len({derive_seed("run1", str(i)) for i in range(1000)}) == 1000
     assert derive_seed("run1", "a") != derive_seed("run2", "a")
     assert 0 <= derive_seed("run1", "a") < 2**63
+
+
+def test_duplicate_generated_and_explicit_ids_and_hash_collisions(tmp_path, monkeypatch):
+    path = tmp_path / "dup.jsonl"
+    path.write_text('{"prompt": "a"}\n{"id": "x", "prompt": "b"}\n{"id": "line-00000001", "prompt": "c"}\n')
+    checker = IdChecker(path)
+    with pytest.raises(InputError, match=r"dup.jsonl:3: field 'id': duplicate id 'line-00000001' "
+                                         r"\(first seen on line 1\)"):
+        for prompt in read_prompts(path):
+            checker.check(prompt)
+    # Every id hashing alike: only the true duplicate (line 4) is refused.
+    monkeypatch.setattr("builtins.hash", lambda value: 7)
+    path.write_text('{"id": "x", "prompt": "a"}\n{"id": "y", "prompt": "b"}\n{"prompt": "c"}\n'
+                    '{"id": "y", "prompt": "d"}\n')
+    checker = IdChecker(path)
+    with pytest.raises(InputError, match=r"dup.jsonl:4: field 'id': duplicate id 'y' \(first seen on line 2\)"):
+        for prompt in read_prompts(path):
+            checker.check(prompt)
+
+
+def test_derived_seeds_are_the_documented_sha256():
+    import hashlib
+
+    for seed_base, item_id in [("run1", "a"), ("r", "é ✓"), ("", "")]:
+        digest = hashlib.sha256(f"{seed_base}\x00{item_id}".encode()).digest()
+        assert derive_seed(seed_base, item_id) == int.from_bytes(digest[:8], "big") >> 1
