@@ -78,18 +78,12 @@ def write_prompts(path: Path, items: int) -> Path:
     return path
 
 
-def diffq_run(model: str, workers: int, items: int, out: str, workdir: Path) -> tuple[float, list[float]]:
-    """Wall seconds of an embedded `diffq run`, and the idle gaps between batches."""
+def idle_gaps(out: str) -> list[float]:
+    """Seconds between one batch's generate end and the same worker's next start, from
+    the records in `out` (any writer of records with worker + generate_*_at fields)."""
     from diffq.producer.results import iter_records
-    from diffq.runner import run
     from diffq.storage import open_storage
 
-    prompts = write_prompts(workdir / f"p{items}.jsonl", items)
-    started = time.perf_counter()
-    result = run(prompts, out, model=model, workers=workers, progress=False,
-                 **{k: v for k, v in WORKLOAD.items()})
-    seconds = time.perf_counter() - started
-    assert result.ok, result
     spans: dict[str, set] = {}
     for record in iter_records(open_storage(out)):
         spans.setdefault(record["worker"], set()).add((record["generate_started_at"], record["generate_ended_at"]))
@@ -97,7 +91,27 @@ def diffq_run(model: str, workers: int, items: int, out: str, workdir: Path) -> 
     for worker_spans in spans.values():
         ordered = sorted(worker_spans)
         gaps += [b[0] - a[1] for a, b in zip(ordered, ordered[1:])]
-    return seconds, gaps
+    return gaps
+
+
+def marginal(items: int, seconds_n: float, seconds_2n: float) -> tuple[float, float]:
+    """Images/s of the extra N items of a 2N run, and the start-up that leaves over."""
+    rate = items / (seconds_2n - seconds_n)
+    return rate, seconds_n - items / rate
+
+
+def diffq_run(model: str, workers: int, items: int, out: str, workdir: Path,
+              seed_base: str | None = None) -> tuple[float, list[float]]:
+    """Wall seconds of an embedded `diffq run`, and the idle gaps between batches."""
+    from diffq.runner import run
+
+    prompts = write_prompts(workdir / f"p{items}.jsonl", items)
+    started = time.perf_counter()
+    result = run(prompts, out, model=model, workers=workers, progress=False, seed_base=seed_base,
+                 **{k: v for k, v in WORKLOAD.items()})
+    seconds = time.perf_counter() - started
+    assert result.ok, result
+    return seconds, idle_gaps(out)
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -135,8 +149,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
                     t1, gaps1 = diffq_run(model, workers, n, out(n), workdir)
                     t2, gaps2 = diffq_run(model, workers, 2 * n, out(2 * n), workdir)
-                    rates.append(n / (t2 - t1))
-                    startups.append(t1 - n / rates[-1])
+                    rate, startup = marginal(n, t1, t2)
+                    rates.append(rate)
+                    startups.append(startup)
                     gaps += gaps1 + gaps2
                 rate = statistics.median(rates)
                 rows.append(dict(name=f"diffq run → {target}, {workers} worker(s)", workers=workers,
