@@ -28,6 +28,7 @@ test: setup
 	$(BIN)/python -m pytest -q
 
 bench: setup
+	$(BIN)/python -m pip install -q -e ".[test,bench]"  # Ray Data, for the comparison only
 	$(BIN)/python -m bench
 
 clean:

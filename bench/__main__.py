@@ -54,12 +54,14 @@ def plot(e2e: list[dict], path: Path) -> None:
     fig.savefig(path)
 
 
-SECTIONS = ("e2e", "producer", "status", "routing", "compile_cache")
+SECTIONS = ("e2e", "ray_data", "producer", "status", "routing", "compile_cache")
 
 
 def run_section(name: str, quick: bool) -> list[dict]:
-    from bench import e2e, producer, routing, status
+    from bench import e2e, producer, ray_data, routing, status
 
+    if name == "ray_data":
+        return ray_data.main(["--quick"] if quick else ["--items", "192", "--repeats", "3"])
     if name == "e2e":
         return e2e.main(["--items", "48" if quick else "192", "--repeats", "1" if quick else "3", "--s3"])
     if name == "producer":
@@ -117,7 +119,9 @@ def render(results: dict) -> str:
         gap = f"{row['idle_gap_ms']:.1f}" if row.get("idle_gap_ms") is not None else ""
         lines.append(f"| {row['name']} | {row['images_per_s']:.1f} | {row['ratio']:.2f} | {startup} | {gap} | "
                      f"`{row['command']}` |")
-    lines += ["", "![throughput](benchmarks.png)", "", "## Producer at scale", "",
+    lines += ["", "![throughput](benchmarks.png)", ""]
+    lines += ray_section(results.get("ray_data", []))
+    lines += ["", "## Producer at scale", "",
               "| prompts | shapes | batches | seconds | prompts/s | peak RSS MB | command |", "|---|---|---|---|---|---|---|"]
     for row in producer_rows:
         lines.append(f"| {row['prompts']:,} | {row['shapes']} | {row['batches']:,} | {row['seconds']} | "
@@ -140,6 +144,26 @@ def render(results: dict) -> str:
     return "\n".join(lines)
 
 
+def ray_section(rows: list[dict]) -> list[str]:
+    lines = ["## Against Ray Data", "",
+             "The same batches through `ray.data` `map_batches` over an actor pool holding the same",
+             "pipeline (same seeds, PNG encode, one file + one record line per image). The in-run rate",
+             "(first generate start to last image stored) leaves start-up out and is steadier on shared cores.",
+             "",
+             "| processes | diffq images/s | Ray images/s | diffq / Ray | in-run diffq / Ray | start-up s diffq / Ray "
+             "| idle gap ms diffq / Ray | command |",
+             "|---|---|---|---|---|---|---|---|"]
+    for row in rows:
+        lines.append(f"| {row['workers']} | {row['diffq_images_per_s']:.1f} | {row['ray_images_per_s']:.1f} | "
+                     f"{row['ratio']:.2f} | {row['diffq_in_run_images_per_s']:.1f} / "
+                     f"{row['ray_in_run_images_per_s']:.1f} ({row['in_run_ratio']:.2f}) | "
+                     f"{row['diffq_startup_s']:.1f} / {row['ray_startup_s']:.1f} | "
+                     f"{row['diffq_idle_gap_ms']:.1f} / {row['ray_idle_gap_ms']:.1f} | `{row['command']}` |")
+    if not rows:
+        lines.append("| skipped: Ray not installed (`pip install -e \".[bench]\"`) | | | | | | | |")
+    return lines
+
+
 def goals(results: dict) -> list[str]:
     """The issue's goals against this run's figures."""
     e2e = {row["name"]: row for row in results["e2e"]}
@@ -149,9 +173,14 @@ def goals(results: dict) -> list[str]:
     status = results["status"]
     routing = {row["routing"]: row for row in results["routing"]}
     ratio = re.search(r"= ([0-9.]+)", results["compile_cache"][0]["output"])
+    ray_rows = results.get("ray_data", [])
     checks = [
         ("end to end ≥ 0.97 × raw loop (local)", min(row["ratio"] for row in diffq_local) >= 0.97,
          ", ".join(f"{row['ratio']:.2f}" for row in diffq_local)),
+        ("end to end ≥ 1.0 × Ray Data, same processes (in-run rate)",
+         bool(ray_rows) and min(r["in_run_ratio"] for r in ray_rows) >= 1.0,
+         ", ".join(f"{r['workers']} proc: {r['in_run_ratio']:.2f} (marginal {r['ratio']:.2f})" for r in ray_rows)
+         or "skipped (Ray not installed)"),
         ("idle gap between batches ≤ 5 ms (median)", max(gaps) <= 5, ", ".join(f"{gap:.1f}" for gap in gaps)),
         ("producer ≥ 50,000 prompts/s", min(r["prompts_per_s"] for r in producer) >= 50_000,
          ", ".join(f"{r['prompts_per_s']:,}" for r in producer)),
@@ -176,13 +205,23 @@ LIMITS = """## What limits the figures (from profiles)
   2-worker rows, where both sides saturate the cores.
 - **S3 rows are bounded by moto**, a single Python process on the same two cores
   (~130 PUT/s measured in the storage tests), not by diffq's sink.
-- **Producer.** Per 100,000 prompts on a quiet machine: validation pass 1.45 s,
-  second read + bucketing + plan writes 2.7 s, Celery message building + kombu's
-  pipelined publish 3.0 s. Two JSON passes and Celery's message format in pure
-  Python cap it near 14k prompts/s per core. Next: orjson, publishing from a
-  second process per shape group, or raw pipelined `LPUSH` of Celery-format
-  messages (~85k prompts/s in ../shared/CELERY.md). Memory is ~70 MB at 100k;
-  the id-uniqueness set (8-byte digests) is what grows (160 MB at 1M).
+- **Producer.** One read of the file: each row is parsed (orjson), checked,
+  counted and bucketed, and messages are encoded to bytes (no pydantic or
+  `as_task_v2` per message). The encoded plan waits in a local temporary file
+  (~140 MB per 1M prompts at batch 8) until the last row passed, then manifest,
+  plan and messages go out. On Redis, kombu-format envelopes are LPUSHed with one
+  command per queue per 1,000 messages in a redis-py pipeline; other brokers use
+  kombu's `Producer.batch`. Per 100,000 prompts (profiled): reading and checking
+  rows, counting and bucketing 73%, encoding 6%, envelopes and Redis 15% — ~6 µs
+  per prompt of Python on one core, ~110k prompts/s. Memory grows only with the
+  id-uniqueness set (one 64-bit hash per id, ~75 B): ~80 MB at 100k, ~150 MB at 1M.
+- **Against Ray Data** both sides are CPU-bound and spend the same time per batch
+  (generate + gap within 2 %): diffq overlaps encoding with the next generate (short
+  gap, longer generate on saturated cores); Ray encodes in line and adds ~12 ms of
+  its own per batch. Marginal rates at N = 192 are noise on shared cores; the
+  in-run rate is the figure to read. `ray.init` costs 5–15 s once; Ray's
+  `read_json` needs a CPU slot beyond the actors' (it hangs when actors take every
+  CPU), so the benchmark feeds `from_items`, one block per batch.
 - **Status** reads one record file per batch (125,000 files for 1M items at batch
   8); listing is cheap, reading them is not. Next: a rollup object per run
   (records already counted, written by `status` itself), and record keys sharded
