@@ -339,3 +339,22 @@ def test_gcs_summary(gcs_bucket, monkeypatch):
         store(sink, message)
     store(Sink(), plan[0])
     assert counts(gcs_bucket)[:2] == (23, 0)
+
+
+def test_watch_follows_credits_as_workers_write(tmp_path):
+    from diffq.producer.watch import snapshots
+
+    out = str(tmp_path / "run")
+    plan = make_plan(out)
+    sink = Sink()
+    store(sink, plan[0])
+    left = list(plan[1:])
+    now = [0.0]
+
+    def sleep(seconds: float) -> None:
+        now[0] += seconds
+        if left:
+            store(sink, left.pop(0))  # one more batch lands each interval
+
+    seen = [s.status.done for s in snapshots(out, interval=1.0, clock=lambda: now[0], sleep=sleep)]
+    assert seen == [sum(len(m.items) for m in plan[:k]) for k in range(1, len(plan) + 1)]
