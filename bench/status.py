@@ -1,7 +1,12 @@
-"""`diffq status` at scale: a synthesised run folder of N items (records written as
-workers write them: one record file per batch of 8), read locally and from S3.
+"""`diffq status` at scale: a synthesised run folder of N items, read locally and from S3.
 
-    python -m bench.status [--items 1000000] [--s3-items 100000]
+The folder holds what workers write (one record file per batch of 8, and each
+worker process's progress segments crediting its batches, byte for byte what the
+sink leaves), plus a few batches that failed, were split, and half failed again
+(derived batches and failure files, the exact-count path that needs item ids).
+Images are not written: status never reads them.
+
+    python -m bench.status [--items 1000000] [--s3-items 100000] [--workers 16] [--failed-batches 10]
 """
 
 from __future__ import annotations
@@ -18,64 +23,110 @@ from bench import s3_bucket
 BATCH = 8
 
 
-def synthesise(out: str, items: int) -> None:
+def synthesise(out: str, items: int, workers: int = 16, failed_batches: int = 10) -> tuple[int, int]:
+    """Write the run folder; returns the (done, failed) items status must report."""
     from diffq import layout
     from diffq.contract import RunManifest, ShapeKey, ShapeSummary
+    from diffq.progress import ProgressLog
     from diffq.storage import open_storage
 
     storage = open_storage(out)
     shape = ShapeKey(model="/models/bench", height=128, width=128, batch_size=BATCH, max_sequence_length=64, cfg=False)
+    batches = items // BATCH
     manifest = RunManifest(run_id="bench", created_at=time.time(), source="bench.jsonl", out=storage.url,
-                           total=items, batches=items // BATCH, plan_parts=0,
-                           shapes=[ShapeSummary(shape=shape, queue=shape.queue, items=items, batches=items // BATCH)],
+                           total=items, batches=batches, plan_parts=0,
+                           shapes=[ShapeSummary(shape=shape, queue=shape.queue, items=items, batches=batches)],
                            defaults={}, diffq_version="bench")
     storage.put_bytes(layout.MANIFEST, manifest.model_dump_json().encode())
+    # Spread the failing batches over the run; each splits, its first half is done,
+    # its second half fails.
+    failing = {round(k * batches / failed_batches) for k in range(failed_batches)} if failed_batches else set()
 
-    def write(batch: int) -> None:
-        lines = "".join(json.dumps({"file_name": f"images/i{batch * BATCH + k}.png", "id": f"i{batch * BATCH + k}",
-                                    "prompt": "p", "seed": 1, "height": 128, "width": 128, "steps": 4,
-                                    "guidance_scale": 1.0, "model": shape.model, "run_id": "bench",
-                                    "batch_id": f"b{batch:07d}", "queue": shape.queue, "generate_s": 0.2,
-                                    "finished_at": 0.0}) + "\n" for k in range(BATCH))
-        storage.put_bytes(layout.record_key(f"b{batch:07d}"), lines.encode())
+    def item_ids(batch: int) -> list[str]:
+        return [f"i{batch * BATCH + k}" for k in range(BATCH)]
 
+    def done_batches() -> list[tuple[str, list[str]]]:
+        out = []
+        for batch in range(batches):
+            ids = item_ids(batch)
+            out.append((f"b{batch:07d}.s0", ids[:BATCH // 2]) if batch in failing else (f"b{batch:07d}", ids))
+        return out
+
+    done = done_batches()
+
+    def write_record(pair: tuple[str, list[str]]) -> None:
+        batch_id, ids = pair
+        lines = "".join(json.dumps({"file_name": f"images/{i}.png", "id": i, "prompt": "p", "seed": 1, "height": 128,
+                                    "width": 128, "steps": 4, "guidance_scale": 1.0, "model": shape.model,
+                                    "run_id": "bench", "batch_id": batch_id, "queue": shape.queue,
+                                    "generate_s": 0.2, "finished_at": 0.0}) + "\n" for i in ids)
+        storage.put_bytes(layout.record_key(batch_id), lines.encode(), if_absent=True)
+
+    def write_failure(batch: int) -> None:
+        batch_id = f"b{batch:07d}.s1"
+        storage.put_bytes(layout.failure_key(batch_id), json.dumps({
+            "run_id": "bench", "batch_id": batch_id, "item_ids": item_ids(batch)[BATCH // 2:], "error": "OOM",
+            "attempts": 3, "worker": "w", "failed_at": 0.0}).encode(), if_absent=True)
+
+    with ThreadPoolExecutor(32) as pool:
+        list(pool.map(write_record, done, chunksize=64))
+        list(pool.map(write_failure, failing))
+    # Batches go round-robin to the workers; each credits its own in its segments.
+    # The sink rewrites a segment after every batch; the last rewrite is this.
+    logs = [ProgressLog(storage, writer=f"bench-w{w:03d}") for w in range(workers)]
+    for index, (batch_id, ids) in enumerate(done):
+        logs[index % workers].add(batch_id, shape.queue, ids)
     with ThreadPoolExecutor(16) as pool:
-        list(pool.map(write, range(items // BATCH)))
+        list(pool.map(ProgressLog.flush, logs))
+    failed = len(failing) * (BATCH - BATCH // 2)
+    return items - failed, failed
 
 
-def timed_status(out: str, repeats: int = 3) -> tuple[float, int]:
+def timed_status(out: str, repeats: int = 3) -> tuple[float, int, int]:
     from diffq.producer.results import status
 
-    times, done = [], 0
+    times = []
     for _ in range(repeats):
         started = time.perf_counter()
-        done = status(out).done
+        st = status(out)
         times.append(time.perf_counter() - started)
-    return sorted(times)[len(times) // 2], done
+    return sorted(times)[len(times) // 2], st.done, st.failed
+
+
+def measure(where: str, out: str, items: int, command: str, **options) -> dict:
+    from diffq import layout
+    from diffq.storage import open_storage
+
+    started = time.perf_counter()
+    expected = synthesise(out, items, **options)
+    synth_s = time.perf_counter() - started
+    seconds, done, failed = timed_status(out)
+    assert (done, failed) == expected, f"status says {(done, failed)}, the folder holds {expected}"
+    segments = sum(1 for _ in open_storage(out).list(layout.PROGRESS_PREFIX))
+    row = {"where": where, "items": items, "record_files": len(range(items // BATCH)), "progress_segments": segments,
+           "done": done, "failed": failed, "status_s": round(seconds, 2), "synthesise_s": round(synth_s, 1),
+           "command": command}
+    print(json.dumps(row), flush=True)
+    return row
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--items", type=int, default=1_000_000)
     parser.add_argument("--s3-items", type=int, default=100_000)
+    parser.add_argument("--workers", type=int, default=16, help="worker processes that wrote the run")
+    parser.add_argument("--failed-batches", type=int, default=10, help="batches split with one half failed")
     args = parser.parse_args(argv)
+    options = {"workers": args.workers, "failed_batches": args.failed_batches}
     workdir = Path(tempfile.mkdtemp(prefix="diffq-bench-status-"))
     rows = []
-    out = str(workdir / "run")
-    synthesise(out, args.items)
-    seconds, done = timed_status(out)
-    rows.append({"where": "local", "items": args.items, "record_files": args.items // BATCH, "done": done,
-                 "status_s": round(seconds, 2), "command": f"python -m bench.status --items {args.items}"})
-    print(json.dumps(rows[-1]), flush=True)
+    if args.items:
+        rows.append(measure("local", str(workdir / "run"), args.items,
+                            f"python -m bench.status --items {args.items}", **options))
     if args.s3_items:
         with s3_bucket(workdir) as bucket:
-            out = f"{bucket}/run"
-            synthesise(out, args.s3_items)
-            seconds, done = timed_status(out)
-        rows.append({"where": "s3 (moto, loopback)", "items": args.s3_items, "record_files": args.s3_items // BATCH,
-                     "done": done, "status_s": round(seconds, 2),
-                     "command": f"python -m bench.status --s3-items {args.s3_items}"})
-        print(json.dumps(rows[-1]), flush=True)
+            rows.append(measure("s3 (moto, loopback)", f"{bucket}/run", args.s3_items,
+                                f"python -m bench.status --s3-items {args.s3_items}", **options))
     return rows
 
 

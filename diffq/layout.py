@@ -4,7 +4,16 @@
     plan/part-000000.jsonl        every batch message as submitted (resume reads these)
     images/<safe id>.<ext>        one image per item, written only if absent
     records/<batch id>.jsonl      one line per image of a finished batch (metadata.jsonl lines)
+    progress/<writer>-<n>.json    batches credited done by one worker process (or by
+                                  resume's reconciliation): what status reads, see
+                                  diffq/progress.py. Written after the record, before the
+                                  ack; a run without any is from before it existed, and
+                                  status then reads every record
     failures/<batch id>.json      items that failed after every retry
+
+Batch ids: a plan batch's id has no '.'; work derived from a batch appends a
+'.'-suffix (`<id>.s0`/`.s1` halves of a failing batch, `<id>.r<hash>` resumed,
+`<id>.f<hash>` retried failures), and carries a subset of that batch's items.
 """
 
 from __future__ import annotations
@@ -17,6 +26,7 @@ PLAN_PREFIX = "plan/"
 IMAGES_PREFIX = "images/"
 RECORDS_PREFIX = "records/"
 FAILURES_PREFIX = "failures/"
+PROGRESS_PREFIX = "progress/"
 EXTENSIONS = {"png": "png", "jpeg": "jpg", "webp": "webp"}
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.-]")
@@ -47,6 +57,10 @@ def record_key(batch_id: str) -> str:
 
 def failure_key(batch_id: str) -> str:
     return f"{FAILURES_PREFIX}{batch_id}.json"
+
+
+def progress_key(writer: str, segment: int) -> str:
+    return f"{PROGRESS_PREFIX}{writer}-{segment:06d}.json"
 
 
 def plan_key(part: int) -> str:

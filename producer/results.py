@@ -1,4 +1,8 @@
-"""Results read from the run folder alone: status and fetch. No broker involved."""
+"""Results read from the run folder alone: status and fetch. No broker involved.
+
+Status counts from the workers' progress summary (producer/progress.py); runs
+from before it, and resume (which needs every item id), read the records.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +16,7 @@ from pathlib import Path
 
 from diffq import layout
 from diffq.contract import FailureRecord, RunManifest
+from diffq.producer.progress import ProgressSummary
 from diffq.storage import NotFound, Storage, open_storage
 
 
@@ -44,7 +49,7 @@ def iter_records(storage: Storage) -> Iterator[dict]:
 
 
 class ProgressTracker:
-    """Progress from the run folder, reading each record and failure file once.
+    """Progress from every record and failure file, reading each one once.
 
     Record files never change after they are written (if_absent), so a watcher
     only needs to read the keys it has not seen.
@@ -57,6 +62,7 @@ class ProgressTracker:
         self.failed_ids: set[str] = set()
         self.done_per_queue: dict[str, int] = {}
         self.generate_s: list[float] = []
+        self.batches: dict[str, tuple[str, list[str]]] = {}  # recorded batch -> (queue, item ids)
 
     def refresh(self) -> None:
         new = [key for prefix in (layout.RECORDS_PREFIX, layout.FAILURES_PREFIX)
@@ -69,6 +75,8 @@ class ProgressTracker:
             records = list(_parse_records(body))
             if records:
                 self.generate_s.append(records[0].get("generate_s", 0.0))
+                batch_id = key[len(layout.RECORDS_PREFIX):-len(".jsonl")]
+                self.batches[batch_id] = (records[0].get("queue", ""), [record["id"] for record in records])
             for record in records:
                 if record["id"] in self.done_ids:
                     continue
@@ -83,6 +91,39 @@ class ProgressTracker:
     @property
     def failed(self) -> int:
         return len(self.failed_ids - self.done_ids)
+
+
+class RunProgress:
+    """What status and watch count from: the progress summary once the run has
+    one; until then (nothing credited yet, or a run from before the summary)
+    every record, read incrementally."""
+
+    def __init__(self, storage: Storage):
+        self.storage = storage
+        self.summary = ProgressSummary(storage)
+        self.source: ProgressSummary | ProgressTracker | None = None
+        self._scan: ProgressTracker | None = None
+
+    def refresh(self) -> None:
+        if self.summary.refresh():
+            self.source = self.summary
+            return
+        if self._scan is None:
+            self._scan = ProgressTracker(self.storage)
+        self._scan.refresh()
+        self.source = self._scan
+
+    @property
+    def done(self) -> int:
+        return self.source.done
+
+    @property
+    def failed(self) -> int:
+        return self.source.failed
+
+    @property
+    def done_per_queue(self) -> dict[str, int]:
+        return self.source.done_per_queue
 
 
 @dataclass
@@ -114,15 +155,19 @@ class Status:
         return data
 
 
+def make_status(url: str, manifest: RunManifest, progress: RunProgress | ProgressTracker) -> Status:
+    shapes = {s.queue: ShapeStatus(total=s.items, done=progress.done_per_queue.get(s.queue, 0))
+              for s in manifest.shapes}
+    return Status(out=url, run_id=manifest.run_id, total=manifest.total,
+                  done=progress.done, failed=progress.failed, shapes=shapes)
+
+
 def status(out: str) -> Status:
     storage = open_storage(out)
     manifest = read_manifest(storage)
-    tracker = ProgressTracker(storage)
-    tracker.refresh()
-    shapes = {s.queue: ShapeStatus(total=s.items, done=tracker.done_per_queue.get(s.queue, 0))
-              for s in manifest.shapes}
-    return Status(out=storage.url, run_id=manifest.run_id, total=manifest.total,
-                  done=tracker.done, failed=tracker.failed, shapes=shapes)
+    progress = RunProgress(storage)
+    progress.refresh()
+    return make_status(storage.url, manifest, progress)
 
 
 METADATA_FIELDS = ("file_name", "id", "prompt", "seed", "height", "width", "steps",

@@ -4,6 +4,10 @@ The plan (every batch as submitted) minus the records is the work left; the brok
 is never asked. Batch ids of re-enqueued work derive from the items they carry, so
 running the same resume twice publishes the same batch ids, and the second copy of
 a batch finds the first one's record and does nothing.
+
+Both read every record, so they also reconcile the progress summary with them
+(a batch recorded but never credited, its message lost, would otherwise stay
+pending in `status` forever).
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from diffq.contract import BatchMessage
+from diffq.producer.progress import reconcile
 from diffq.producer.results import ProgressTracker, read_manifest
 from diffq.producer.submit import CeleryPublisher, read_plan
 from diffq.storage import Storage, open_storage
@@ -57,12 +62,18 @@ def _publish(storage: Storage, messages: Iterator[BatchMessage], broker_url: str
     return Requeued(out=storage.url, items=items, batches=batches)
 
 
-def resume(out: str, broker_url: str, transport_options: dict | None = None) -> Requeued:
-    """Re-enqueue exactly the items that are neither done nor failed."""
-    storage = open_storage(out)
+def _scan(storage: Storage) -> ProgressTracker:
     read_manifest(storage)
     tracker = ProgressTracker(storage)
     tracker.refresh()
+    reconcile(storage, tracker.batches)
+    return tracker
+
+
+def resume(out: str, broker_url: str, transport_options: dict | None = None) -> Requeued:
+    """Re-enqueue exactly the items that are neither done nor failed."""
+    storage = open_storage(out)
+    tracker = _scan(storage)
     return _publish(storage, missing_batches(storage, tracker.done_ids | tracker.failed_ids),
                     broker_url, transport_options)
 
@@ -70,8 +81,6 @@ def resume(out: str, broker_url: str, transport_options: dict | None = None) -> 
 def retry_failed(out: str, broker_url: str, transport_options: dict | None = None) -> Requeued:
     """Re-enqueue the items that failed (and are not done since)."""
     storage = open_storage(out)
-    read_manifest(storage)
-    tracker = ProgressTracker(storage)
-    tracker.refresh()
+    tracker = _scan(storage)
     failed = tracker.failed_ids - tracker.done_ids
     return _publish(storage, select_batches(storage, failed.__contains__, "f"), broker_url, transport_options)

@@ -1,8 +1,8 @@
 """`diffq status --watch`: live progress of a run from its run folder, while workers write.
 
-Built on ProgressTracker, so each refresh lists the records and failures and reads
-only the files it has not seen: a watch costs a listing per interval, on local, S3
-or GCS alike. The rate is measured over a sliding window, so the ETA follows the
+Built on RunProgress, so each refresh lists the progress segments and failures and
+reads only what changed (a run from before progress segments: the records it has
+not seen): a watch costs a listing per interval, on local, S3 or GCS alike. The rate is measured over a sliding window, so the ETA follows the
 fleet as workers join or leave.
 """
 
@@ -22,7 +22,7 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
-from diffq.producer.results import ProgressTracker, ShapeStatus, Status, read_manifest
+from diffq.producer.results import RunProgress, Status, make_status, read_manifest
 from diffq.storage import open_storage
 
 
@@ -51,7 +51,7 @@ def snapshots(out: str, *, interval: float = 2.0, window_s: float = 30.0,
     storage = open_storage(out)
     manifest = read_manifest(storage)
     labels = {s.queue: f"{s.shape.height}x{s.shape.width} b{s.shape.batch_size}" for s in manifest.shapes}
-    tracker = ProgressTracker(storage)
+    tracker = RunProgress(storage)
     started = clock()
     samples: deque[tuple[float, int]] = deque()
     while True:
@@ -62,10 +62,7 @@ def snapshots(out: str, *, interval: float = 2.0, window_s: float = 30.0,
             samples.popleft()
         span = now - samples[0][0]
         rate = (tracker.done - samples[0][1]) / span if span > 0 else 0.0
-        status = Status(out=storage.url, run_id=manifest.run_id, total=manifest.total, done=tracker.done,
-                        failed=tracker.failed,
-                        shapes={s.queue: ShapeStatus(total=s.items, done=tracker.done_per_queue.get(s.queue, 0))
-                                for s in manifest.shapes})
+        status = make_status(storage.url, manifest, tracker)
         yield Snapshot(status=status, labels=labels, elapsed_s=now - started, images_per_s=rate)
         if status.finished:
             return

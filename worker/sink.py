@@ -4,7 +4,11 @@ Runs beside generation: the task hands over a batch and goes on to the next one.
 Batches are stored in order by one writer thread; within a batch, encoding and
 uploads run on a small pool (PIL's encoders and the storage clients release the
 GIL). Images are written only if absent, so a redelivered batch never overwrites
-what is stored; the record goes last, so a record always means its images exist.
+what is stored; then the record, so a record always means its images exist; then
+the batch is credited in this process's progress segment (diffq/progress.py),
+which is what status reads. All of it happens before the ack, so a worker that
+dies in between leaves the batch to be delivered again, and the copy that finds
+the record stored credits it (`credit`).
 """
 
 from __future__ import annotations
@@ -13,17 +17,23 @@ import io
 import json
 import logging
 import time
+from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 from diffq import layout
 from diffq.contract import BatchMessage
+from diffq.progress import ProgressLog
 from diffq.storage import Storage
 
 log = logging.getLogger(__name__)
 
 _PIL_FORMATS = {"png": "PNG", "jpeg": "JPEG", "webp": "WEBP"}
 _CONTENT_TYPES = {"png": "image/png", "jpeg": "image/jpeg", "webp": "image/webp"}
+# Progress logs kept per process (one per run folder); an evicted one is replaced
+# by a fresh log under a new writer name, which readers treat the same.
+MAX_LOGS = 64
 
 
 def encode(image, fmt: str) -> bytes:
@@ -46,12 +56,34 @@ class Sink:
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="diffq-sink")
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="diffq-io")
         self.retry_for_s = retry_for_s
+        self._logs: OrderedDict[str, ProgressLog] = OrderedDict()  # writer thread only
 
     def submit(self, storage: Storage, message: BatchMessage, images: list, record_extra: dict) -> Future:
-        return self._writer.submit(self._store_with_retry, storage, message, images, record_extra)
+        return self._writer.submit(self._store_and_credit, storage, message, images, record_extra)
 
-    def _store_with_retry(self, storage: Storage, message: BatchMessage, images: list,
+    def credit(self, storage: Storage, message: BatchMessage) -> Future:
+        """Credit a batch whose record is already stored (a redelivered copy)."""
+        return self._writer.submit(self._with_retry, message.batch_id, lambda: self._credit(storage, message))
+
+    def _store_and_credit(self, storage: Storage, message: BatchMessage, images: list,
                           record_extra: dict) -> BatchOutcome:
+        outcome = self._with_retry(message.batch_id, lambda: self._store(storage, message, images, record_extra))
+        # Credited even when the record was there already: the copy that stored it
+        # may have died before crediting it.
+        self._with_retry(message.batch_id, lambda: self._credit(storage, message))
+        return outcome
+
+    def _credit(self, storage: Storage, message: BatchMessage) -> None:
+        log = self._logs.get(storage.url)
+        if log is None:
+            log = self._logs[storage.url] = ProgressLog(storage)
+            if len(self._logs) > MAX_LOGS:
+                self._logs.popitem(last=False)
+        self._logs.move_to_end(storage.url)
+        log.add(message.batch_id, message.shape.queue, [item.id for item in message.items])
+        log.flush()
+
+    def _with_retry(self, batch_id: str, write: Callable):
         """Outlast a storage outage instead of regenerating the batch.
 
         The clients retry each request themselves; this outer loop covers outages
@@ -64,13 +96,13 @@ class Sink:
         attempt = 0
         while True:
             try:
-                return self._store(storage, message, images, record_extra)
+                return write()
             except Exception as exc:
                 attempt += 1
                 if time.monotonic() >= deadline:
                     raise
                 delay = min(15.0, 0.5 * 2**attempt)
-                log.warning("storing batch %s failed (%r); retry %d in %.1fs", message.batch_id, exc, attempt, delay)
+                log.warning("storing batch %s failed (%r); retry %d in %.1fs", batch_id, exc, attempt, delay)
                 time.sleep(delay)
 
     def _store(self, storage: Storage, message: BatchMessage, images: list, record_extra: dict) -> BatchOutcome:

@@ -124,6 +124,9 @@ def generate_batch(task: Task, batch: dict) -> dict:
     if (task.request.delivery_info or {}).get("redelivered") or task.request.retries:
         try:
             if storage.exists(layout.record_key(message.batch_id)):
+                # Credit it again (in the sink thread, acked after): the copy that
+                # stored the record may have died before crediting it for status.
+                acks.expect(task.request.id, rt.sink.credit(storage, message))
                 return {"batch_id": message.batch_id, "skipped": True}
         except Exception as exc:
             raise retry_later(task, exc)

@@ -1,0 +1,360 @@
+"""Status from the progress summary: exact counts after redeliveries, crashes between
+record and credit, splits, failures, resume and retry-failed; always equal to a full
+scan of the records. Workers are simulated with the real sink (and, for a
+redelivered batch, the real task body); storage is local, moto S3 or fake GCS."""
+
+from __future__ import annotations
+
+import json
+import random
+from types import SimpleNamespace
+
+import pytest
+from PIL import Image
+
+from diffq import layout, progress
+from diffq.contract import BatchItem, BatchMessage, BatchParams, RunManifest, ShapeKey, ShapeSummary
+from diffq.producer.progress import ProgressSummary, reconcile
+from diffq.producer.resume import missing_batches, resume, retry_failed, select_batches
+from diffq.producer.results import ProgressTracker, RunProgress, status
+from diffq.producer.submit import batch_id, write_plan_part
+from diffq.storage import open_storage
+from diffq.worker.sink import Sink
+
+SHAPES = [ShapeKey(model="tiny", height=32, width=32, batch_size=4, max_sequence_length=64, cfg=False),
+          ShapeKey(model="tiny", height=32, width=48, batch_size=4, max_sequence_length=64, cfg=False)]
+PARAMS = BatchParams(num_inference_steps=2, guidance_scale=1.0)
+
+
+@pytest.fixture(params=["local", "s3"])
+def out(request, tmp_path):
+    return str(tmp_path / "run") if request.param == "local" else request.getfixturevalue("s3_bucket")
+
+
+def make_plan(url: str, items_per_shape=(14, 9)) -> list[BatchMessage]:
+    """Manifest and plan of a run, as submit writes them; returns the plan's batches."""
+    storage = open_storage(url)
+    messages = []
+    for shape, n in zip(SHAPES, items_per_shape):
+        for index, start in enumerate(range(0, n, shape.batch_size)):
+            items = [BatchItem(id=f"{shape.width}-{i}", prompt=f"p{i}", seed=i)
+                     for i in range(start, min(start + shape.batch_size, n))]
+            messages.append(BatchMessage(run_id="r", out=url, batch_id=batch_id(shape, index), shape=shape,
+                                         params=PARAMS, items=items))
+    storage.put_bytes(layout.MANIFEST, RunManifest(
+        run_id="r", created_at=0.0, source="p.jsonl", out=url, total=sum(items_per_shape), batches=len(messages),
+        plan_parts=1, defaults={}, diffq_version="test",
+        shapes=[ShapeSummary(shape=s, queue=s.queue, items=n, batches=-(-n // s.batch_size))
+                for s, n in zip(SHAPES, items_per_shape)]).model_dump_json().encode())
+    write_plan_part(storage, 0, messages)
+    return messages
+
+
+def store(sink: Sink, message: BatchMessage):
+    """A worker generating and storing a batch (images, record, credit), as the task does."""
+    images = [Image.new("RGB", (message.shape.width, message.shape.height)) for _ in message.items]
+    return sink.submit(open_storage(message.out), message, images, {"generate_s": 0.1}).result()
+
+
+def split(message: BatchMessage) -> list[BatchMessage]:
+    middle = len(message.items) // 2
+    return [message.model_copy(update={"items": items, "batch_id": f"{message.batch_id}.s{i}"})
+            for i, items in enumerate([message.items[:middle], message.items[middle:]])]
+
+
+def fail(message: BatchMessage) -> None:
+    from diffq.worker.tasks import write_failure
+
+    write_failure(open_storage(message.out), message, "RuntimeError: poison", attempts=2, worker="w@h")
+
+
+def counts(url: str) -> tuple[int, int, dict[str, int]]:
+    """(done, failed, done per queue) from status, which must have read the summary
+    and must agree with a full scan of every record."""
+    storage = open_storage(url)
+    run = RunProgress(storage)
+    run.refresh()
+    # The summary as soon as anything is credited; before that, the records.
+    assert (run.source is run.summary) == any(storage.list(layout.PROGRESS_PREFIX))
+    scan = ProgressTracker(storage)
+    scan.refresh()
+    st = status(url)
+    summary = (st.done, st.failed, {q: s.done for q, s in st.shapes.items() if s.done})
+    assert summary == (scan.done, scan.failed, {q: n for q, n in scan.done_per_queue.items() if n})
+    return summary
+
+
+def test_normal_run_counts_from_the_summary(out):
+    plan = make_plan(out)
+    sink = Sink()
+    for message in plan[:-1]:
+        store(sink, message)
+    done, failed, per_queue = counts(out)
+    assert (done, failed) == (23 - len(plan[-1].items), 0)
+    assert per_queue == {SHAPES[0].queue: 14, SHAPES[1].queue: 9 - len(plan[-1].items)}
+    store(sink, plan[-1])
+    st = status(out)
+    assert (st.done, st.failed, st.pending, st.finished) == (23, 0, 0, True)
+    # One progress segment per worker process, nothing else read but the failures.
+    assert len(list(open_storage(out).list(layout.PROGRESS_PREFIX))) == 1
+
+
+def test_duplicate_and_redelivered_batches_count_once(out):
+    plan = make_plan(out)
+    first, second = Sink(), Sink()  # two worker processes
+    for message in plan:
+        store(first, message)
+    store(second, plan[0])  # a copy delivered twice, to another worker
+    store(first, plan[1])  # and to the same one
+    assert counts(out)[:2] == (23, 0)
+    assert len(list(open_storage(out).list(layout.PROGRESS_PREFIX))) == 2
+
+
+class NoCredits:
+    """A storage whose progress writes fail: the worker dies between record and credit."""
+
+    def __init__(self, storage):
+        self._storage = storage
+
+    def put_bytes(self, key, data, **kwargs):
+        if key.startswith(layout.PROGRESS_PREFIX):
+            raise OSError("killed before the credit")
+        return self._storage.put_bytes(key, data, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._storage, name)
+
+
+def redeliver(monkeypatch, message: BatchMessage, sink: Sink) -> dict:
+    """The real task body receiving a redelivered copy of `message`."""
+    from diffq.worker import acks, tasks
+
+    runtime = tasks.Runtime(spec=SimpleNamespace(allowed_out_prefixes=[]), host=None, sink=sink)
+    monkeypatch.setattr(tasks, "_runtime", runtime)
+    task = SimpleNamespace(request=SimpleNamespace(id="task-1", retries=0, delivery_info={"redelivered": True}))
+    result = tasks.generate_batch(task, message.model_dump(mode="json"))
+    acks._expected.pop("task-1").result()  # what the ack waits for
+    return result
+
+
+def test_crash_between_record_and_credit_heals_on_redelivery(out, monkeypatch):
+    plan = make_plan(out)
+    sink = Sink()
+    for message in plan[1:]:
+        store(sink, message)
+    dying = Sink(retry_for_s=0)
+    images = [Image.new("RGB", (32, 32)) for _ in plan[0].items]
+    future = dying.submit(NoCredits(open_storage(out)), plan[0], images, {})
+    with pytest.raises(OSError):
+        future.result()  # the ack never happens: the broker delivers the batch again
+    storage = open_storage(out)
+    assert storage.exists(layout.record_key(plan[0].batch_id))
+    summary = ProgressSummary(storage)
+    summary.refresh()
+    assert summary.done == 23 - len(plan[0].items)  # in flight until credited
+
+    assert redeliver(monkeypatch, plan[0], Sink())["skipped"]
+    assert counts(out)[:2] == (23, 0)
+
+
+def test_a_copy_not_flagged_redelivered_credits_too(tmp_path):
+    out = str(tmp_path / "run")
+    plan = make_plan(out)
+    for message in plan[1:]:
+        store(Sink(), message)
+    images = [Image.new("RGB", (32, 32)) for _ in plan[0].items]
+    with pytest.raises(OSError):
+        Sink(retry_for_s=0).submit(NoCredits(open_storage(out)), plan[0], images, {}).result()
+    outcome = store(Sink(), plan[0])  # generated again: nothing new stored but the credit
+    assert outcome.written == 0
+    assert counts(out)[:2] == (23, 0)
+
+
+def test_resume_reconciles_a_batch_whose_message_was_lost(tmp_path, redis_server):
+    out = str(tmp_path / "run")
+    plan = make_plan(out)
+    sink = Sink()
+    for message in plan[2:]:
+        store(sink, message)
+    images = [Image.new("RGB", (32, 32)) for _ in plan[0].items]
+    with pytest.raises(OSError):
+        Sink(retry_for_s=0).submit(NoCredits(open_storage(out)), plan[0], images, {}).result()
+    # The broker lost both plan[0] (recorded, never credited) and plan[1] (never run).
+    assert status(out).done == 23 - len(plan[0].items) - len(plan[1].items)
+    requeued = resume(out, redis_server)
+    assert (requeued.items, requeued.batches) == (len(plan[1].items), 1)
+    assert status(out).done == 23 - len(plan[1].items)  # plan[0] credited by resume
+    # A worker runs what resume published: the same derived batch resume computes.
+    storage = open_storage(out)
+    (resumed,) = missing_batches(storage, _done_ids(storage))
+    assert resumed.batch_id.startswith(plan[1].batch_id + ".r")
+    store(sink, resumed)
+    assert counts(out)[:2] == (23, 0)
+    assert reconcile(storage, _recorded(storage)) == 0  # nothing left to reconcile
+
+
+def _scan(storage) -> ProgressTracker:
+    tracker = ProgressTracker(storage)
+    tracker.refresh()
+    return tracker
+
+
+def _done_ids(storage) -> set[str]:
+    tracker = _scan(storage)
+    return tracker.done_ids | tracker.failed_ids
+
+
+def _recorded(storage):
+    return _scan(storage).batches
+
+
+def test_resumed_copy_overlapping_its_still_running_original_counts_once(out):
+    plan = make_plan(out)
+    sink = Sink()
+    storage = open_storage(out)
+    # Resume while plan[0] is still queued: its derived copy carries all its items...
+    resumed = [m for m in missing_batches(storage, set()) if m.batch_id.startswith(plan[0].batch_id)]
+    store(sink, resumed[0])
+    assert counts(out)[0] == len(plan[0].items)
+    # ...then the original runs too, and so does a copy of the copy.
+    store(sink, plan[0])
+    store(Sink(), resumed[0])
+    assert counts(out)[0] == len(plan[0].items)
+
+
+def test_splits_failures_and_retry_failed(out, redis_server):
+    plan = make_plan(out)
+    sink = Sink()
+    poisoned = plan[0]  # 4 items: halves of 2, then the poison item alone
+    for message in plan[1:]:
+        store(sink, message)
+    left, right = split(poisoned)
+    store(sink, left)
+    right_left, right_right = split(right)
+    store(sink, right_left)
+    fail(right_right)
+    fail(poisoned.model_copy(update={"items": right.items, "batch_id": right.batch_id + "x"}))  # an overlap
+    done, failed, _ = counts(out)
+    assert (done, failed) == (23 - 1, 1)
+
+    # The fault is fixed; retry-failed re-enqueues the poison item alone.
+    assert (retry_failed(out, redis_server).items) == 1
+    failed_ids = _scan(open_storage(out)).failed_ids - _scan(open_storage(out)).done_ids
+    (retried,) = select_batches(open_storage(out), failed_ids.__contains__, "f")
+    store(sink, retried)
+    assert counts(out)[:2] == (23, 0)
+    # A duplicate of the original batch succeeding late changes nothing.
+    store(Sink(), poisoned)
+    assert counts(out)[:2] == (23, 0)
+
+
+def test_permanent_failure_then_done_elsewhere(tmp_path):
+    out = str(tmp_path / "run")
+    plan = make_plan(out)
+    fail(plan[0])  # a plan batch fails whole (a permanent error)...
+    store(Sink(), plan[1])
+    assert counts(out)[:2] == (len(plan[1].items), len(plan[0].items))
+    store(Sink(), plan[0])  # ...and a copy of it succeeds on another worker
+    assert counts(out)[:2] == (len(plan[0].items) + len(plan[1].items), 0)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_histories_match_a_full_scan(tmp_path, seed):
+    """Splits, failures, resumes, retries and duplicates in random order, several
+    workers: the summary always equals reading every record."""
+    rng = random.Random(seed)
+    out = str(tmp_path / "run")
+    plan = make_plan(out, items_per_shape=(rng.randint(5, 20), rng.randint(1, 12)))
+    storage = open_storage(out)
+    sinks = [Sink() for _ in range(3)]
+    queue = list(plan)
+    for _ in range(60):
+        if not queue:
+            break
+        message = queue.pop(rng.randrange(len(queue)))
+        roll = rng.random()
+        if roll < 0.15 and len(message.items) > 1:
+            queue.extend(split(message))
+        elif roll < 0.25:
+            fail(message)
+        elif roll < 0.35:
+            queue.append(message)  # delivered again later
+            store(rng.choice(sinks), message)
+        elif roll < 0.45:
+            scan = _scan(storage)
+            queue.extend(missing_batches(storage, scan.done_ids | scan.failed_ids))
+            queue.append(message)
+        elif roll < 0.5:
+            scan = _scan(storage)
+            queue.extend(select_batches(storage, (scan.failed_ids - scan.done_ids).__contains__, "f"))
+            queue.append(message)
+        else:
+            store(rng.choice(sinks), message)
+        counts(out)
+
+
+def test_segments_roll_over_and_refresh_reads_only_what_changed(tmp_path, monkeypatch):
+    monkeypatch.setattr(progress, "SEGMENT_BYTES", 50)  # two credits each
+    out = str(tmp_path / "run")
+    plan = make_plan(out, items_per_shape=(40, 40))
+    sink = Sink()
+    for message in plan[:12]:
+        store(sink, message)
+    storage = open_storage(out)
+    segments = sorted(storage.list(layout.PROGRESS_PREFIX))
+    assert len(segments) > 3
+    read = []
+    get_many = storage.get_many
+    monkeypatch.setattr(storage, "get_many", lambda keys, **kw: (read.extend(keys := list(keys)), get_many(keys))[1])
+    summary = ProgressSummary(storage)
+    summary.refresh()
+    assert summary.done == 48 and sorted(read) == segments
+    read.clear()
+    for message in plan[12:]:
+        store(sink, message)
+    summary.refresh()
+    assert summary.done == 80
+    # New segments are read; sealed ones (all but perhaps the last) are not read again.
+    assert set(read) - set(segments) and not set(read) & set(segments[:-1])
+    body = json.loads(storage.get_bytes(segments[0]))
+    assert body["v"] == 1 and sum(len(v) for v in body["queues"].values()) >= 1
+
+
+def test_runs_without_progress_segments_are_read_from_the_records(tmp_path):
+    from test_export import make_run
+
+    out = str(tmp_path / "run")
+    make_run(out, 24, failed_batches=1)
+    run = RunProgress(open_storage(out))
+    run.refresh()
+    assert isinstance(run.source, ProgressTracker)
+    st = status(out)
+    assert (st.total, st.done, st.failed) == (32, 24, 8)
+
+
+def test_gcs_summary(gcs_bucket, monkeypatch):
+    plan = make_plan(gcs_bucket)
+    sink = Sink()
+    for message in plan:
+        store(sink, message)
+    store(Sink(), plan[0])
+    assert counts(gcs_bucket)[:2] == (23, 0)
+
+
+def test_watch_follows_credits_as_workers_write(tmp_path):
+    from diffq.producer.watch import snapshots
+
+    out = str(tmp_path / "run")
+    plan = make_plan(out)
+    sink = Sink()
+    store(sink, plan[0])
+    left = list(plan[1:])
+    now = [0.0]
+
+    def sleep(seconds: float) -> None:
+        now[0] += seconds
+        if left:
+            store(sink, left.pop(0))  # one more batch lands each interval
+
+    seen = [s.status.done for s in snapshots(out, interval=1.0, clock=lambda: now[0], sleep=sleep)]
+    assert seen == [sum(len(m.items) for m in plan[:k]) for k in range(1, len(plan) + 1)]
