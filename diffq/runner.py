@@ -23,6 +23,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from diffq import layout
 from diffq.broker import embedded_broker
+from diffq.producer.progress import reconcile
 from diffq.producer.resume import missing_batches
 from diffq.producer.results import ProgressTracker
 from diffq.producer.submit import CeleryPublisher, RunExists, make_options, submit, validate
@@ -181,6 +182,10 @@ def run(
         publishing.join(timeout=5)
         publisher.close()
         shutil.rmtree(broker_dir, ignore_errors=True)
+    # A worker killed between a batch's record and its progress credit, whose
+    # message this transport then lost, is counted here (records) but not yet by
+    # `diffq status` (the progress summary): credit it now.
+    reconcile(storage, tracker.batches)
     run_id = submitted["result"].run_id if "result" in submitted else ""
     return RunResult(out=storage.url, run_id=run_id, total=plan.total, done=tracker.done,
                      failed=tracker.failed, seconds=time.monotonic() - started, reenqueued=reenqueued)
