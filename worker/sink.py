@@ -16,6 +16,8 @@ from __future__ import annotations
 import io
 import json
 import logging
+import os
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -34,6 +36,20 @@ _CONTENT_TYPES = {"png": "image/png", "jpeg": "image/jpeg", "webp": "image/webp"
 # Progress logs kept per process (one per run folder); an evicted one is replaced
 # by a fresh log under a new writer name, which readers treat the same.
 MAX_LOGS = 64
+# Relative to the generating thread (0): a lower priority, never starved on a busy core.
+SINK_NICENESS = 10
+
+
+def _yield_to_generation() -> None:
+    """Lower this thread's scheduling priority (Linux: niceness is per thread).
+
+    Encoding overlaps the next batch's generation; where cores are scarce the
+    encoder should take what generation leaves, not preempt the device loop.
+    """
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), SINK_NICENESS)
+    except (AttributeError, OSError):  # not Linux, or not allowed: run at normal priority
+        pass
 
 
 def encode(image, fmt: str) -> bytes:
@@ -53,8 +69,10 @@ class BatchOutcome:
 
 class Sink:
     def __init__(self, threads: int = 4, retry_for_s: float = 600.0):
-        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="diffq-sink")
-        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="diffq-io")
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="diffq-sink",
+                                          initializer=_yield_to_generation)
+        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="diffq-io",
+                                        initializer=_yield_to_generation)
         self.retry_for_s = retry_for_s
         self._logs: OrderedDict[str, ProgressLog] = OrderedDict()  # writer thread only
 
