@@ -17,7 +17,8 @@ from diffq.contract import BatchItem, BatchMessage, BatchParams, RunManifest, Sh
 from diffq.producer.progress import ProgressSummary, reconcile
 from diffq.producer.resume import missing_batches, resume, retry_failed, select_batches
 from diffq.producer.results import ProgressTracker, RunProgress, status
-from diffq.producer.submit import batch_id, write_plan_part
+from diffq.producer.messages import EncodedBatch, batch_id
+from diffq.producer.submit import write_plan_part
 from diffq.storage import open_storage
 from diffq.worker.sink import Sink
 
@@ -46,7 +47,7 @@ def make_plan(url: str, items_per_shape=(14, 9)) -> list[BatchMessage]:
         plan_parts=1, defaults={}, diffq_version="test",
         shapes=[ShapeSummary(shape=s, queue=s.queue, items=n, batches=-(-n // s.batch_size))
                 for s, n in zip(SHAPES, items_per_shape)]).model_dump_json().encode())
-    write_plan_part(storage, 0, messages)
+    write_plan_part(storage, 0, [EncodedBatch.of(message) for message in messages])
     return messages
 
 
