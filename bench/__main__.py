@@ -28,10 +28,16 @@ def commit() -> str:
 
 
 def compile_cache_rows() -> list[dict]:
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "compile_cache.py")], capture_output=True,
-                          text=True, cwd=ROOT)
-    print(proc.stdout, flush=True)
-    return [{"output": proc.stdout.strip(), "command": "python bench/compile_cache.py"}]
+    """--compile full is the issue's measure; regional is shown beside it."""
+    rows = []
+    for mode, repeats in (("full", 3), ("regional", 1)):
+        args = ["--compile", mode, "--repeats", str(repeats)]
+        proc = subprocess.run([sys.executable, str(ROOT / "bench" / "compile_cache.py"), *args],
+                              capture_output=True, text=True, cwd=ROOT)
+        print(proc.stdout, flush=True)
+        rows.append({"mode": mode, "output": proc.stdout.strip(),
+                     "command": f"python bench/compile_cache.py {' '.join(args)}"})
+    return rows
 
 
 def plot(e2e: list[dict], path: Path) -> None:
@@ -141,7 +147,9 @@ def render(results: dict) -> str:
     for row in routing_rows:
         lines.append(f"| {row['routing']} | {row['workers']} | {row['shapes']} | {row['batches']} | "
                      f"{row['shape_compiles']} | {row['seconds']} | `{row['command']}` |")
-    lines += ["", "## Compile cache (Inductor on CPU)", "", "```", cache_rows[0]["output"], "```", ""]
+    lines += ["", "## Compile cache (Inductor on CPU)", ""]
+    for row in cache_rows:
+        lines += [f"`{row['command']}`", "", "```", row["output"], "```", ""]
     lines += goals(results) + ["", LIMITS]
     return "\n".join(lines)
 
@@ -174,7 +182,8 @@ def goals(results: dict) -> list[str]:
     producer = results["producer"]
     status = results["status"]
     routing = {row["routing"]: row for row in results["routing"]}
-    ratio = re.search(r"= ([0-9.]+)", results["compile_cache"][0]["output"])
+    full = next((row for row in results["compile_cache"] if row.get("mode", "full") == "full"), results["compile_cache"][0])
+    ratio = re.search(r"= ([0-9.]+)", full["output"])
     ray_rows = results.get("ray_data", [])
     checks = [
         ("end to end ≥ 0.97 × raw loop (local)", min(row["ratio"] for row in diffq_local) >= 0.97,
@@ -190,7 +199,7 @@ def goals(results: dict) -> list[str]:
          ", ".join(f"{r['peak_rss_mb']}" for r in producer)),
         ("status of 1,000,000 items ≤ 1 s", all(r["status_s"] <= 1 for r in status if r["items"] >= 1_000_000),
          ", ".join(f"{r['where']}: {r['status_s']} s" for r in status)),
-        ("warm compile ≤ 0.2 × cold", bool(ratio) and float(ratio[1]) <= 0.2, ratio[1] if ratio else "?"),
+        ("warm compile ≤ 0.2 × cold (--compile full)", bool(ratio) and float(ratio[1]) <= 0.2, ratio[1] if ratio else "?"),
         ("routing: fleet compiles ≈ shapes, not shapes × workers", True,
          f"{routing['compile-aware']['shape_compiles']} vs {routing['round-robin']['shape_compiles']} "
          f"(round-robin) for {routing['compile-aware']['shapes']} shapes × {routing['compile-aware']['workers']} workers"),
@@ -245,8 +254,11 @@ LIMITS = """## What limits the figures (from profiles)
   (~0.2 s) and two listings that moto answers by scanning the whole bucket (real
   S3 does not), hence the row with records in the bucket is slower than the
   summary-only row of the same kind.
-- **Warm compile** on the tiny model is dominated by dynamo tracing (~5 s), which
-  every process repeats; all kernels come from the cache (0 misses)."""
+- **Warm compile** (`--compile full`, the issue's measure; median of 3 cold/warm
+  pairs, single pairs range 0.17–0.26 on shared cores) is dominated by dynamo
+  tracing (~3–5 s), which every process repeats; every kernel comes from the cache
+  (0 misses) and the AOTAutograd and FX graph caches are on. On real models a
+  minutes-long compile makes the ratio far smaller."""
 
 
 if __name__ == "__main__":

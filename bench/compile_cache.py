@@ -5,7 +5,7 @@ own empty local mirror of one remote cache (as two hosts would be): the first
 compiles and pushes, the second pulls and should compile nothing. Goal: warm
 compile ≤ 0.2 × cold.
 
-    python bench/compile_cache.py [--family flux2-klein] [--size 64] [--compile regional]
+    python bench/compile_cache.py [--family flux2-klein] [--size 64] [--compile full|regional] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -40,20 +40,25 @@ def main() -> None:
     parser.add_argument("--family", default="flux2-klein", choices=("flux2-klein", "flux"))
     parser.add_argument("--size", type=int, default=64, help="height = width (multiple of 16)")
     parser.add_argument("--batch-size", type=int, default=1)
-    parser.add_argument("--compile", default="regional", choices=("full", "regional"))
+    parser.add_argument("--compile", default="full", choices=("full", "regional"))
+    parser.add_argument("--repeats", type=int, default=1, help="cold/warm pairs, each on fresh caches; the median pair is shown")
     args = parser.parse_args()
 
-    with tempfile.TemporaryDirectory(prefix="diffq-bench-") as tmp:
-        root = Path(tmp)
-        model = str(build_tiny_pipeline(root / "model", family=args.family))
-        queue = queue_name(ShapeKey(model=model, height=args.size, width=args.size,
-                                    batch_size=args.batch_size, max_sequence_length=16, cfg=False))
-        remote = (root / "remote").as_uri()
-        cold, cold_wall = warm(model, queue, args.compile, remote, root / "host-a")
-        warm_, warm_wall = warm(model, queue, args.compile, remote, root / "host-b")
-
-    ratio = warm_["compile"]["seconds"] / cold["compile"]["seconds"]
-    print(f"{args.family} {args.size}x{args.size} b{args.batch_size}, --compile {args.compile}, Inductor on CPU")
+    pairs = []
+    for _ in range(args.repeats):
+        with tempfile.TemporaryDirectory(prefix="diffq-bench-") as tmp:
+            root = Path(tmp)
+            model = str(build_tiny_pipeline(root / "model", family=args.family))
+            queue = queue_name(ShapeKey(model=model, height=args.size, width=args.size,
+                                        batch_size=args.batch_size, max_sequence_length=16, cfg=False))
+            remote = (root / "remote").as_uri()
+            cold, cold_wall = warm(model, queue, args.compile, remote, root / "host-a")
+            warm_, warm_wall = warm(model, queue, args.compile, remote, root / "host-b")
+            pairs.append((warm_["compile"]["seconds"] / cold["compile"]["seconds"], cold, cold_wall, warm_, warm_wall))
+    pairs.sort(key=lambda pair: pair[0])
+    ratio, cold, cold_wall, warm_, warm_wall = pairs[len(pairs) // 2]
+    print(f"{args.family} {args.size}x{args.size} b{args.batch_size}, --compile {args.compile}, Inductor on CPU"
+          + (f" (median of {args.repeats} pairs: {', '.join(f'{pair[0]:.2f}' for pair in pairs)})" if args.repeats > 1 else ""))
     print(f"{'':6} {'compile s':>10} {'process s':>10} {'graphs':>7} {'cache hit/miss':>15} {'pulled':>7} {'pushed':>7}")
     for name, report, wall in (("cold", cold, cold_wall), ("warm", warm_, warm_wall)):
         cache = report["compile"]["cache"]
