@@ -217,13 +217,15 @@ LIMITS = """## What limits the figures (from profiles)
 - **End to end vs the raw loop on CPU.** py-spy on a worker (1 worker, local): the
   main thread spends 97 % of its samples inside the pipeline call; Celery, message
   validation and the hand-over to the sink are the other 3 %, and the idle gap is
-  ~2 ms. What is left is the call itself running ~10–20 % slower in a worker than
-  in a bare loop (0.12 s vs 0.10–0.11 s per batch of 8; the same PipelineHost in a
-  bare process is within noise of the raw loop): with 2 workers on 2 cores the
-  PNG encoding (~20 ms of CPU per batch, overlapped in lower-priority threads) and
-  the runner's own polling have no spare core to run on, and the tiny model's
-  Python-bound steps feel it. On an accelerator the device generates while the
-  host CPU encodes; on 2 CPU cores they share.
+  ~2 ms. The loss is the call itself: the tiny model's steps are Python-bound, and
+  any Python work in other threads of the process competes for the GIL. Measured
+  in a bare process: `PipelineHost.generate` alone 0.090–0.109 s per batch of 8;
+  with the sink storing the previous batch meanwhile 0.102–0.123 s — the same with
+  encoding stubbed out, with storage stubbed out, and with 1 instead of 4 sink
+  threads (a bare loop beside a thread that only PNG-encodes is not slowed). Next
+  step: encode + store in a helper process (pixels through shared memory) so the
+  generating process holds the GIL alone. On accelerators the steps are
+  kernel-bound and release the GIL, so the overlap costs far less.
 - **S3 rows are bounded by moto**, a single Python process on the same two cores
   (~130 PUT/s measured in the storage tests), not by diffq's sink.
 - **Producer.** One read of the file: each row is parsed (orjson), checked,
