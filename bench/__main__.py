@@ -60,16 +60,18 @@ def plot(e2e: list[dict], path: Path) -> None:
     fig.savefig(path)
 
 
-SECTIONS = ("e2e", "ray_data", "producer", "status", "routing", "compile_cache")
+SECTIONS = ("e2e", "sink", "ray_data", "producer", "status", "routing", "compile_cache")
 
 
 def run_section(name: str, quick: bool) -> list[dict]:
-    from bench import e2e, producer, ray_data, routing, status
+    from bench import e2e, producer, ray_data, routing, sink, status
 
     if name == "ray_data":
         return ray_data.main(["--quick"] if quick else ["--items", "192", "--repeats", "3"])
     if name == "e2e":
         return e2e.main(["--items", "48" if quick else "192", "--repeats", "1" if quick else "3", "--s3"])
+    if name == "sink":
+        return sink.main(["--rounds", "2" if quick else "6"])
     if name == "producer":
         return producer.main(["--sizes", "20000" if quick else "100000,1000000"])
     if name == "status":
@@ -127,6 +129,7 @@ def render(results: dict) -> str:
         lines.append(f"| {row['name']} | {row['images_per_s']:.1f} | {row['ratio']:.2f} | {startup} | {gap} | "
                      f"`{row['command']}` |")
     lines += ["", "![throughput](benchmarks.png)", ""]
+    lines += sink_section(results.get("sink", []))
     lines += ray_section(results.get("ray_data", []))
     lines += ["", "## Producer at scale", "",
               "| prompts | shapes | batches | seconds | prompts/s | peak RSS MB | command |", "|---|---|---|---|---|---|---|"]
@@ -152,6 +155,18 @@ def render(results: dict) -> str:
         lines += [f"`{row['command']}`", "", "```", row["output"], "```", ""]
     lines += goals(results) + ["", LIMITS]
     return "\n".join(lines)
+
+
+def sink_section(rows: list[dict]) -> list[str]:
+    lines = ["## What the sink costs generation", "",
+             "One process, the same pipeline: median pipeline-call time per batch with nothing stored",
+             "(the raw loop), with the sink's encode/store threads beside it (`DIFFQ_SINK=thread`), and",
+             "with the sink in its helper process (the default). Rounds interleave the three.", "",
+             "| sink | batches | generate s (median) | × nothing stored | command |", "|---|---|---|---|---|"]
+    for row in rows:
+        lines.append(f"| {row['sink']} | {row['batches']} | {row['generate_s']:.4f} | {row['slowdown']:.3f} | "
+                     f"`{row['command']}` |")
+    return lines + [""]
 
 
 def ray_section(rows: list[dict]) -> list[str]:

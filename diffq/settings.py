@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -22,6 +24,9 @@ class Settings(BaseSettings):
     task_max_retries: int = Field(default=3, ge=0)
     # Celery retry countdown: base * 2**attempt seconds, capped at 30 s.
     retry_backoff_s: float = Field(default=2.0, ge=0)
+    # Where a worker encodes and stores images: a helper process (the generating
+    # process keeps the GIL; worker/sink_process.py) or threads beside generation.
+    sink: Literal["process", "thread"] = "process"
 
 
 def get_settings() -> Settings:

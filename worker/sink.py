@@ -76,6 +76,9 @@ class Sink:
         self.retry_for_s = retry_for_s
         self._logs: OrderedDict[str, ProgressLog] = OrderedDict()  # writer thread only
 
+    def start(self) -> None:
+        """Nothing to start: the threads are created on first use (SinkProcess starts a helper)."""
+
     def submit(self, storage: Storage, message: BatchMessage, images: list, record_extra: dict) -> Future:
         return self._writer.submit(self._store_and_credit, storage, message, images, record_extra)
 

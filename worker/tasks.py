@@ -28,6 +28,7 @@ from diffq.worker.models import ModelUnavailable
 from diffq.worker.pipeline_host import CompileUnsupported, PipelineHost
 from diffq.worker.process import ChildSpec, hostname
 from diffq.worker.sink import Sink
+from diffq.worker.sink_process import SinkProcess, make_sink
 from diffq.worker.tensor_parallel import EXIT_GROUP_BROKEN, GroupBroken
 
 log = logging.getLogger("diffq.worker")
@@ -45,7 +46,7 @@ PERMANENT_ERRORS = (ModelUnavailable, CompileUnsupported, OutNotAllowed)
 class Runtime:
     spec: ChildSpec
     host: PipelineHost
-    sink: Sink = field(default_factory=Sink)
+    sink: Sink | SinkProcess = field(default_factory=make_sink)
     storages: dict[str, Storage] = field(default_factory=dict)
     last_store: object = None  # the previous batch's sink future
 
@@ -204,6 +205,7 @@ def build_worker_app(spec: ChildSpec, group=None) -> Celery:
     global _runtime
     _runtime = Runtime(spec=spec, host=PipelineHost(backend=spec.backend, compile_mode=spec.compile,
                                                      offload=spec.offload, group=group))
+    _runtime.sink.start()  # a helper process imports while the model loads
     app = make_celery(spec.broker_url, spec.transport_options)
     app.steps["consumer"].add(acks.DeferredAckStep)
     if spec.routing == "compile-aware":

@@ -1,0 +1,92 @@
+"""What storing a batch beside generation costs the generating process.
+
+One process, one pipeline, the issue's workload. Each round generates batches back
+to back three ways, interleaved so drift hits all of them alike:
+`none` (the raw loop: nothing stored), `thread` (the sink's encode/store threads in
+the generating process, DIFFQ_SINK=thread) and `process` (the sink in its helper
+process, the default). The figure is the median pipeline-call time per batch; the
+GIL is what `thread` pays for (the tiny model's steps are Python-bound).
+
+    python -m bench.sink [--rounds 6] [--batches 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from bench.e2e import WORKLOAD
+
+MODES = ("none", "thread", "process")
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--batches", type=int, default=8, help="batches per mode per round")
+    args = parser.parse_args(argv)
+
+    import torch
+
+    torch.set_num_threads(1)
+    from diffq.contract import BatchItem, BatchMessage, BatchParams, ShapeKey
+    from diffq.storage import open_storage
+    from diffq.tiny import build_tiny_pipeline
+    from diffq.worker.backends import BACKENDS
+    from diffq.worker.pipeline_host import PipelineHost
+    from diffq.worker.sink import Sink
+    from diffq.worker.sink_process import SinkProcess
+
+    workdir = Path(tempfile.mkdtemp(prefix="diffq-bench-sink-"))
+    model = str(build_tiny_pipeline(workdir / "tiny"))
+    host = PipelineHost(backend=BACKENDS["cpu"])
+    shape = ShapeKey(model=model, height=WORKLOAD["height"], width=WORKLOAD["width"],
+                     batch_size=WORKLOAD["batch_size"], max_sequence_length=WORKLOAD["max_sequence_length"],
+                     cfg=False)
+    params = BatchParams(num_inference_steps=WORKLOAD["steps"], guidance_scale=1.0)
+    sinks = {"thread": Sink(), "process": SinkProcess()}
+    sinks["process"].start()
+    storage = open_storage(str(workdir / "out"))
+    seconds: dict[str, list[float]] = {mode: [] for mode in MODES}
+    counter = 0
+
+    def batch() -> BatchMessage:
+        items = [BatchItem(id=f"i{counter}-{n}", prompt=f"bench prompt {counter} {n}", seed=counter * 8 + n)
+                 for n in range(shape.batch_size)]
+        return BatchMessage(run_id="bench", out=storage.url, batch_id=f"b{counter}", shape=shape, params=params,
+                            items=items)
+
+    host.generate(shape, params, batch().items)  # load + first call
+    for _ in range(args.rounds):
+        for mode in MODES:
+            previous = None
+            for _ in range(args.batches):
+                counter += 1
+                message = batch()
+                started = time.perf_counter()
+                generated = host.generate(shape, params, message.items)
+                seconds[mode].append(time.perf_counter() - started)
+                if mode != "none":
+                    if previous is not None:
+                        previous.result()  # the worker's back-pressure: one batch in the sink
+                    previous = sinks[mode].submit(storage, message, generated.images, {})
+            if previous is not None:
+                previous.result()
+    for sink in sinks.values():
+        sink.close()
+    base = statistics.median(seconds["none"])
+    rows = [dict(sink=mode, batches=len(seconds[mode]), generate_s=round(statistics.median(seconds[mode]), 4),
+                 slowdown=round(statistics.median(seconds[mode]) / base, 3),
+                 command=f"python -m bench.sink --rounds {args.rounds} --batches {args.batches}")
+            for mode in MODES]
+    for row in rows:
+        print(json.dumps(row))
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,164 @@
+"""The sink's helper process (worker/sink_process.py): batches handed over as raw
+pixels come out as the same images, records and credits the threaded sink writes;
+a helper that dies fails only what it held (the acks turn into requeues) and the
+next batch gets a new helper; a worker that goes away leaves its helper to store
+what it was handed, then exit."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from multiprocessing.connection import Connection
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from diffq import layout, progress
+from diffq.contract import BatchItem, BatchMessage, BatchParams, ShapeKey
+from diffq.storage import open_storage
+from diffq.worker.sink import Sink
+from diffq.worker.sink_process import SinkError, SinkLost, SinkProcess, make_sink
+
+SHAPE = ShapeKey(model="tiny", height=24, width=40, batch_size=4, max_sequence_length=64, cfg=False)
+PARAMS = BatchParams(num_inference_steps=2, guidance_scale=1.0)
+
+
+@pytest.fixture(params=["local", "s3"])
+def out(request, tmp_path):
+    return str(tmp_path / "run") if request.param == "local" else request.getfixturevalue("s3_bucket")
+
+
+def batch(out: str, index: int, items: int = 4) -> BatchMessage:
+    return BatchMessage(run_id="r", out=out, batch_id=f"b{index:03d}", shape=SHAPE, params=PARAMS,
+                        items=[BatchItem(id=f"i{index}-{n}", prompt=f"p{n}", seed=n) for n in range(items)])
+
+
+def pictures(message: BatchMessage) -> list[Image.Image]:
+    rng = np.random.default_rng(len(message.batch_id) + int(message.batch_id[1:]))
+    return [Image.fromarray(rng.integers(0, 256, (SHAPE.height, SHAPE.width, 3), dtype=np.uint8))
+            for _ in message.items]
+
+
+def credited(out: str) -> set[str]:
+    storage = open_storage(out)
+    return {batch_id for key in storage.list(layout.PROGRESS_PREFIX)
+            for batch_id, _queue, _count, _ids in progress.parse_segment(storage.get_bytes(key))}
+
+
+def assert_stored(out: str, message: BatchMessage, images: list[Image.Image]) -> None:
+    storage = open_storage(out)
+    for item, image in zip(message.items, images):
+        stored = Image.open(io.BytesIO(storage.get_bytes(layout.image_key(item.id, "png"))))
+        assert np.array_equal(np.asarray(stored), np.asarray(image))
+    lines = [json.loads(line) for line in storage.get_bytes(layout.record_key(message.batch_id)).splitlines()]
+    assert [line["id"] for line in lines] == [item.id for item in message.items]
+    assert {line["generate_s"] for line in lines} == {0.25}
+
+
+def test_helper_stores_the_same_images_records_and_credits(out):
+    sink = SinkProcess()
+    try:
+        messages = [batch(out, i) for i in range(3)]
+        images = [pictures(message) for message in messages]
+        outcomes = [sink.submit(open_storage(out), m, im, {"generate_s": 0.25}).result(timeout=60)
+                    for m, im in zip(messages, images)]
+        assert [(o.batch_id, o.written) for o in outcomes] == [(m.batch_id, 4) for m in messages]
+        assert all(o.bytes > 0 and o.store_s > 0 for o in outcomes)
+        for message, imgs in zip(messages, images):
+            assert_stored(out, message, imgs)
+        assert credited(out) == {m.batch_id for m in messages}
+        # A redelivered copy: nothing rewritten, credited again (by the same helper).
+        again = sink.submit(open_storage(out), messages[0], pictures(batch(out, 9)), {"generate_s": 0.25})
+        assert again.result(timeout=60).written == 0
+        assert_stored(out, messages[0], images[0])
+        assert sink.credit(open_storage(out), messages[1]).result(timeout=60) is None
+    finally:
+        sink.close()
+
+
+def test_a_dead_helper_fails_what_it_held_and_the_next_batch_gets_a_new_one(tmp_path):
+    out = str(tmp_path / "run")
+    sink = SinkProcess()
+    try:
+        sink.start()
+        first = sink._helper.process
+        first.send_signal(signal.SIGSTOP)  # holds the next batch without storing it
+        held = sink.submit(open_storage(out), batch(out, 0), pictures(batch(out, 0)), {"generate_s": 0.25})
+        first.send_signal(signal.SIGKILL)
+        with pytest.raises(SinkLost):
+            held.result(60)
+        message = batch(out, 1)
+        images = pictures(message)
+        assert sink.submit(open_storage(out), message, images, {"generate_s": 0.25}).result(60).written == 4
+        assert sink._helper.process.pid != first.pid
+        assert_stored(out, message, images)
+        assert not open_storage(out).exists(layout.record_key("b000"))  # it comes back via the broker
+    finally:
+        sink.close()
+
+
+def test_a_storage_error_reaches_the_future_after_the_retries(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    out = str(blocker / "run")
+    sink = SinkProcess(retry_for_s=0)
+    try:
+        with pytest.raises(SinkError, match="run"):
+            sink.submit(open_storage(out), batch(out, 0), pictures(batch(out, 0)), {}).result(60)
+        assert sink._helper.process.poll() is None  # one bad batch does not end the helper
+    finally:
+        sink.close()
+
+
+def test_helper_stores_what_it_was_handed_when_the_worker_goes_away(tmp_path):
+    """The worker's end closes without a goodbye (SIGKILL): every batch already in
+    the socket is stored, recorded and credited, then the helper exits 0."""
+    out = str(tmp_path / "run")
+    ours, theirs = socket.socketpair()
+    helper = subprocess.Popen([sys.executable, "-m", "diffq.worker.sink_process", str(theirs.fileno()), "2", "60"],
+                              pass_fds=[theirs.fileno()])
+    theirs.close()
+    conn = Connection(ours.detach())
+    messages = [batch(out, i) for i in range(5)]
+    images = [pictures(message) for message in messages]
+    for job, (message, imgs) in enumerate(zip(messages, images)):
+        conn.send_bytes(json.dumps({"op": "store", "job": job, "out": out, "message": message.model_dump_json(),
+                                    "record_extra": {"generate_s": 0.25},
+                                    "image": {"mode": "RGB", "size": [SHAPE.width, SHAPE.height], "count": 4}}
+                                   ).encode())
+        conn.send_bytes(b"".join(image.tobytes() for image in imgs))
+    conn.close()
+    assert helper.wait(timeout=60) == 0
+    for message, imgs in zip(messages, images):
+        assert_stored(out, message, imgs)
+    assert credited(out) == {m.batch_id for m in messages}
+
+
+def test_helper_ignores_the_signals_meant_for_its_worker(tmp_path):
+    """Ctrl-C or a SIGTERM to the process group must not cut the sink off from the
+    batch the worker is finishing; the worker ends it by closing the socket."""
+    out = str(tmp_path / "run")
+    sink = SinkProcess()
+    try:
+        assert sink.submit(open_storage(out), batch(out, 0), pictures(batch(out, 0)), {}).result(60).written == 4
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            os.kill(sink._helper.process.pid, sig)
+        message = batch(out, 1)
+        images = pictures(message)
+        assert sink.submit(open_storage(out), message, images, {"generate_s": 0.25}).result(60).written == 4
+        helper = sink._helper.process
+    finally:
+        sink.close()
+    assert helper.returncode == 0
+
+
+def test_the_worker_sink_is_a_helper_process_unless_configured(monkeypatch):
+    assert isinstance(make_sink(), SinkProcess)
+    monkeypatch.setenv("DIFFQ_SINK", "thread")
+    assert isinstance(make_sink(), Sink)

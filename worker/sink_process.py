@@ -1,0 +1,269 @@
+"""The sink in a helper process, so the generating process keeps the GIL to itself.
+
+Why: on the tiny model the pipeline's steps are Python-bound, and every Python line
+the sink threads run (PIL glue, JSON, storage clients) competes with them for the
+GIL. Measured in one process (docs/BENCHMARKS.md): a pipeline call takes ~10 %
+longer while the threaded sink stores the previous batch, and as long as with no
+sink at all when the same work runs in a helper process.
+
+How: the worker sends each batch's raw pixels and message over a socket pair to a
+helper (`python -m diffq.worker.sink_process`, no torch) that runs the same `Sink`
+(encode/upload threads, images if absent, then the record, then the credit, with
+its retries). In the worker only two threads touch the socket, and they spend
+their time blocked in send/recv, which release the GIL. Every batch still gets a
+future that resolves once it is stored, so deferred acks (acks.py) work unchanged.
+
+Failure: if the helper dies, the batches it held fail (their acks turn into
+requeues, nothing is lost) and the next batch starts a new helper. When the worker
+goes away, its end of the socket closes and the helper stores what it was handed
+before exiting (those batches were never acked; their redelivered copies find the
+records). The helper ignores SIGINT/SIGTERM: the worker decides when it ends.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import logging
+import os
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from concurrent.futures import Future, wait
+from multiprocessing.connection import Connection
+
+from diffq.contract import BatchMessage
+from diffq.storage import Storage
+
+log = logging.getLogger(__name__)
+
+_CLOSE = {"op": "close"}
+
+
+class SinkLost(RuntimeError):
+    """The helper process ended before storing the batch (it will be delivered again)."""
+
+
+class SinkError(RuntimeError):
+    """Storing failed in the helper (after its retries); carries the helper's error."""
+
+
+class _Helper:
+    """One helper process and the two worker threads that talk to it."""
+
+    def __init__(self, threads: int, retry_for_s: float):
+        ours, theirs = socket.socketpair()
+        with theirs:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "diffq.worker.sink_process", str(theirs.fileno()), str(threads),
+                 str(retry_for_s)],
+                pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, close_fds=True)
+        self._conn = Connection(ours.detach())
+        self._lock = threading.Lock()
+        self._pending: dict[int, Future] = {}
+        self._jobs = itertools.count()
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.closed = False
+        threading.Thread(target=self._send_loop, name="diffq-sink-send", daemon=True).start()
+        threading.Thread(target=self._receive_loop, name="diffq-sink-receive", daemon=True).start()
+
+    def submit(self, header: dict, payload: bytes | None) -> Future:
+        future: Future = Future()
+        with self._lock:
+            if self.closed:
+                future.set_exception(SinkLost("sink helper process has ended"))
+                return future
+            job = next(self._jobs)
+            self._pending[job] = future
+        self._outbox.put(({**header, "job": job}, payload))
+        return future
+
+    def pending(self) -> list[Future]:
+        with self._lock:
+            return list(self._pending.values())
+
+    def close(self) -> None:
+        self._outbox.put((_CLOSE, None))
+
+    def _send_loop(self) -> None:
+        while True:
+            header, payload = self._outbox.get()
+            try:
+                self._conn.send_bytes(json.dumps(header).encode())
+                if payload is not None:
+                    self._conn.send_bytes(payload)
+            except OSError:
+                return  # the receive loop sees the same end and fails what is pending
+            if header is _CLOSE:
+                return
+
+    def _receive_loop(self) -> None:
+        try:
+            while True:
+                reply = json.loads(self._conn.recv_bytes())
+                with self._lock:
+                    future = self._pending.pop(reply["job"])
+                if "error" in reply:
+                    future.set_exception(SinkError(reply["error"]))
+                else:
+                    future.set_result(reply["outcome"])
+        except (EOFError, OSError):
+            pass
+        with self._lock:
+            self.closed = True
+            lost, self._pending = list(self._pending.values()), {}
+        code = self.process.wait()
+        for future in lost:
+            future.set_exception(SinkLost(f"sink helper process exited with {code} before storing the batch"))
+
+
+class SinkProcess:
+    """`Sink`'s interface (submit / credit / flush / close), stored by a helper process."""
+
+    def __init__(self, threads: int = 4, retry_for_s: float = 600.0):
+        self.threads = threads
+        self.retry_for_s = retry_for_s
+        self._helper: _Helper | None = None
+        self._lock = threading.Lock()
+
+    def start(self) -> None:
+        """Start the helper now (it imports in parallel with the model loading)."""
+        self._current()
+
+    def _current(self) -> _Helper:
+        with self._lock:
+            if self._helper is None or self._helper.closed:
+                if self._helper is not None:
+                    log.warning("sink helper exited with %s; starting a new one", self._helper.process.poll())
+                self._helper = _Helper(self.threads, self.retry_for_s)
+            return self._helper
+
+    def submit(self, storage: Storage, message: BatchMessage, images: list, record_extra: dict) -> Future:
+        first = images[0]
+        header = {
+            "op": "store", "out": storage.url, "message": message.model_dump_json(), "record_extra": record_extra,
+            "image": {"mode": first.mode, "size": list(first.size), "count": len(images)},
+        }
+        return self._outcome(self._current().submit(header, b"".join(image.tobytes() for image in images)))
+
+    def credit(self, storage: Storage, message: BatchMessage) -> Future:
+        header = {"op": "credit", "out": storage.url, "message": message.model_dump_json()}
+        return self._current().submit(header, None)
+
+    @staticmethod
+    def _outcome(reply: Future) -> Future:
+        from diffq.worker.sink import BatchOutcome
+
+        outcome: Future = Future()
+
+        def convert(done: Future) -> None:
+            if done.exception() is not None:
+                outcome.set_exception(done.exception())
+            else:
+                outcome.set_result(BatchOutcome(**done.result()))
+
+        reply.add_done_callback(convert)
+        return outcome
+
+    def flush(self) -> None:
+        """Wait for everything handed over so far."""
+        helper = self._helper
+        if helper is not None:
+            wait(helper.pending())
+
+    def close(self) -> None:
+        self.flush()
+        helper, self._helper = self._helper, None
+        if helper is not None and not helper.closed:
+            helper.close()
+            helper.process.wait()
+
+
+def make_sink():
+    """The worker's sink: a helper process (default) or threads in the worker (`DIFFQ_SINK=thread`)."""
+    from diffq.settings import get_settings
+    from diffq.worker.sink import Sink
+
+    return SinkProcess() if get_settings().sink == "process" else Sink()
+
+
+def serve(conn: Connection, threads: int, retry_for_s: float) -> None:
+    """The helper's loop: receive batches, store them with `Sink`, reply per job."""
+    from PIL import Image
+
+    from diffq.storage import open_storage
+    from diffq.worker.sink import Sink
+
+    sink = Sink(threads=threads, retry_for_s=retry_for_s)
+    storages: dict[str, Storage] = {}
+    reply_lock = threading.Lock()
+
+    def reply(job: int, done: Future) -> None:
+        if done.exception() is not None:
+            body = {"job": job, "error": f"{type(done.exception()).__name__}: {done.exception()}"}
+        else:
+            result = done.result()
+            body = {"job": job, "outcome": dataclasses.asdict(result) if result is not None else None}
+        with reply_lock:
+            try:
+                conn.send_bytes(json.dumps(body).encode())
+            except OSError:
+                pass  # the worker is gone; its batches come back to another one
+
+    while True:
+        try:
+            header = json.loads(conn.recv_bytes())
+        except (EOFError, OSError):
+            break  # the worker ended: store what was handed over, then exit
+        if header["op"] == "close":
+            break
+        payload = conn.recv_bytes() if header["op"] == "store" else None
+        try:
+            url = header["out"]
+            if url not in storages:
+                storages[url] = open_storage(url)
+            message = BatchMessage.model_validate_json(header["message"])
+            if header["op"] == "store":
+                spec = header["image"]
+                size = tuple(spec["size"])
+                step = len(payload) // spec["count"]
+                images = [Image.frombytes(spec["mode"], size, payload[i * step:(i + 1) * step])
+                          for i in range(spec["count"])]
+                future = sink.submit(storages[url], message, images, header["record_extra"])
+            else:
+                future = sink.credit(storages[url], message)
+        except Exception as exc:
+            future = Future()
+            future.set_exception(exc)
+        future.add_done_callback(lambda done, job=header["job"]: reply(job, done))
+    sink.close()
+    conn.close()
+
+
+def main(argv: list[str]) -> None:
+    fd, threads, retry_for_s = int(argv[0]), int(argv[1]), float(argv[2])
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:  # the whole helper yields to generation, like the sink threads did (sink.py)
+        from diffq.worker.sink import SINK_NICENESS
+
+        os.setpriority(os.PRIO_PROCESS, 0, SINK_NICENESS)
+    except (AttributeError, OSError):
+        pass
+    from diffq.settings import get_settings
+
+    if get_settings().log_json:
+        from diffq.worker.logs import install_json_logging
+
+        install_json_logging("INFO")
+    else:
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s sink[%(process)d] %(levelname)s %(message)s")
+    serve(Connection(fd), threads, retry_for_s)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
