@@ -6,10 +6,13 @@ queue settings can never disagree between the two sides.
 
 from __future__ import annotations
 
+import socket
+import time
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
 from celery import Celery
+from kombu.transport import filesystem
 
 from diffq.settings import get_settings
 
@@ -33,6 +36,35 @@ def embedded_broker(folder: str | Path) -> tuple[str, dict]:
         "control_folder": str(control_dir),
         "polling_interval": 0.1,
     }
+
+
+class EmbeddedTransport(filesystem.Transport):
+    """kombu's filesystem transport, but a warm shutdown takes effect between polls.
+
+    Celery drives a transport without an event loop from `synloop`, which blocks in
+    `drain_events(timeout=2.0)` and, on seeing the shutdown flag, runs one more such
+    cycle: every warm shutdown of an idle worker took ~4 s before the process even
+    began to exit (measured: the embedded run ended 5 s after its last image). Here
+    the wait is cut into polling intervals and ends as soon as the flag is set.
+    """
+
+    def drain_events(self, connection, timeout=None):
+        if timeout is None:
+            return super().drain_events(connection, timeout=timeout)
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                return super().drain_events(connection, timeout=min(self.polling_interval or timeout, timeout))
+            except socket.timeout:
+                if time.monotonic() >= deadline or _worker_stopping():
+                    raise
+
+
+def _worker_stopping() -> bool:
+    from celery.worker import state
+
+    # Exit code 0 means "stop" too, so compare by identity (0 == False).
+    return any(flag is not None and flag is not False for flag in (state.should_stop, state.should_terminate))
 
 
 def redact(url: str) -> str:
@@ -59,11 +91,14 @@ def make_celery(broker_url: str, transport_options: dict | None = None) -> Celer
         "unacked_restore_interval": 10,
         "unacked_restore_throttle": 1,
     }
-    if broker_url.startswith("filesystem"):
+    embedded = broker_url.startswith("filesystem")
+    if embedded:
         options = {}
     options.update(transport_options or {})
 
     app = Celery("diffq", broker=broker_url, set_as_current=False)
+    if embedded:
+        app.conf.broker_transport = f"{__name__}:EmbeddedTransport"
     app.conf.update(
         # JSON only: pickle is refused on both sides.
         task_serializer="json",

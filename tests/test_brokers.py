@@ -84,3 +84,28 @@ def test_sqs_submit_depth_and_worker(s3_server, tiny_model, tmp_path):
     st = run_workers(broker_url, queues, tiny_model, out, result.total, transport_options=options)
     assert (st.done, st.failed) == (result.total, 0)
     assert_run_complete(out, EXAMPLES, steps=2, model=tiny_model)
+
+
+def test_embedded_broker_wait_ends_when_the_worker_stops(tmp_path, monkeypatch):
+    """Celery's synloop waits in drain_events(timeout=2.0) and runs one more cycle
+    after a warm shutdown is flagged; the embedded transport gives up the wait as
+    soon as the flag is set (exit code 0 included), and still delivers messages."""
+    from celery.worker import state
+    from kombu import Exchange, Queue
+
+    from diffq.broker import EmbeddedTransport, embedded_broker, make_celery
+
+    url, options = embedded_broker(tmp_path / "broker")
+    app = make_celery(url, options)
+    with app.connection_for_read() as connection:
+        assert isinstance(connection.transport, EmbeddedTransport)
+        queue = Queue("diffq.test", Exchange("diffq.test"), routing_key="diffq.test")
+        received = []
+        with connection.Consumer([queue], callbacks=[lambda body, message: (received.append(body), message.ack())]):
+            connection.Producer().publish({"n": 1}, exchange=queue.exchange, routing_key="diffq.test",
+                                          declare=[queue], serializer="json")
+            connection.drain_events(timeout=30)
+            assert received == [{"n": 1}]
+            monkeypatch.setattr(state, "should_stop", 0)
+            with pytest.raises(socket.timeout):
+                connection.drain_events(timeout=3600)  # returns in one polling interval
