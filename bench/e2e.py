@@ -2,9 +2,15 @@
 called back to back in plain processes (no queue, no encode, no upload).
 
 Marginal throughput: each configuration runs N and 2N items; (2N - N) / (t2N - tN)
-cancels start-up (spawn, import, load), which is reported separately. The device
-idle gap between consecutive batches of a worker comes from the batch records
-(next generate start minus previous generate end).
+cancels start-up (spawn, import, load), which is reported separately. t is taken
+two ways: wall clock of the whole `diffq run`, and in-run, from the first batch's
+generate start to the last image stored (from the records). On shared cores the
+wall-clock start-up varies by ~±0.5 s between runs, as much as the N extra items
+take, so the in-run marginal is the steady figure; the raw loop is timed in-run
+too (after its warm-up call). Ratios are taken within each repeat (raw loop, then
+diffq right after) and the median ratio is reported. The device idle gap between
+consecutive batches of a worker comes from the batch records (next generate start
+minus previous generate end).
 
     python -m bench.e2e [--items 64] [--repeats 3] [--workers 1,2] [--s3]
 """
@@ -78,20 +84,25 @@ def write_prompts(path: Path, items: int) -> Path:
     return path
 
 
-def idle_gaps(out: str) -> list[float]:
-    """Seconds between one batch's generate end and the same worker's next start, from
-    the records in `out` (any writer of records with worker + generate_*_at fields)."""
+def timeline(out: str) -> tuple[list[float], float]:
+    """From the records in `out` (any writer of records with worker + generate_*_at +
+    finished_at fields): the idle gaps, seconds between one batch's generate end and
+    the same worker's next start; and the in-run seconds, first generate start to
+    last image stored."""
     from diffq.producer.results import iter_records
     from diffq.storage import open_storage
 
     spans: dict[str, set] = {}
+    first_start, last_stored = float("inf"), 0.0
     for record in iter_records(open_storage(out)):
         spans.setdefault(record["worker"], set()).add((record["generate_started_at"], record["generate_ended_at"]))
+        first_start = min(first_start, record["generate_started_at"])
+        last_stored = max(last_stored, record["finished_at"])
     gaps = []
     for worker_spans in spans.values():
         ordered = sorted(worker_spans)
         gaps += [b[0] - a[1] for a, b in zip(ordered, ordered[1:])]
-    return gaps
+    return gaps, last_stored - first_start
 
 
 def marginal(items: int, seconds_n: float, seconds_2n: float) -> tuple[float, float]:
@@ -101,8 +112,9 @@ def marginal(items: int, seconds_n: float, seconds_2n: float) -> tuple[float, fl
 
 
 def diffq_run(model: str, workers: int, items: int, out: str, workdir: Path,
-              seed_base: str | None = None) -> tuple[float, list[float]]:
-    """Wall seconds of an embedded `diffq run`, and the idle gaps between batches."""
+              seed_base: str | None = None) -> tuple[float, list[float], float]:
+    """Wall seconds of an embedded `diffq run`, the idle gaps between batches, and the
+    in-run seconds (first generate start to last image stored)."""
     from diffq.runner import run
 
     prompts = write_prompts(workdir / f"p{items}.jsonl", items)
@@ -111,7 +123,8 @@ def diffq_run(model: str, workers: int, items: int, out: str, workdir: Path,
                  **{k: v for k, v in WORKLOAD.items()})
     seconds = time.perf_counter() - started
     assert result.ok, result
-    return seconds, idle_gaps(out)
+    gaps, in_run = timeline(out)
+    return seconds, gaps, in_run
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -132,30 +145,45 @@ def main(argv: list[str] | None = None) -> list[dict]:
     with contextlib.ExitStack() as stack:
         bucket = stack.enter_context(s3_bucket(workdir)) if args.s3 else None
         for workers in [int(w) for w in args.workers.split(",")]:
-            raw = []
-            for _ in range(args.repeats):
+            # Each repeat times the raw loop and then every diffq target right after it,
+            # and each ratio is taken within its repeat: the machine's own drift (±10 %
+            # between minutes on shared cores) hits both sides of a ratio alike.
+            raw: list[float] = []
+            measured = {target: {"rates": [], "in_run": [], "ratios": [], "in_run_ratios": [], "startups": [],
+                                 "gaps": []} for target in targets}
+            for repeat in range(args.repeats):
                 t1, t2 = raw_loop(model, workers, n), raw_loop(model, workers, 2 * n)
                 raw.append(n / (t2 - t1))
-            raw_rate = statistics.median(raw)
-            rows.append(dict(name=f"raw loop, {workers} process(es)", workers=workers, images_per_s=raw_rate,
-                             ratio=1.0, startup_s=None, idle_gap_ms=None,
-                             command=f"python -m bench.e2e --items {n} --workers {workers}"))
-            for target in targets:
-                rates, startups, gaps = [], [], []
-                for repeat in range(args.repeats):
+                for target in targets:
                     def out(items: int) -> str:
                         name = f"w{workers}-r{repeat}-n{items}"
-                        return f"{bucket}/{name}" if target == "s3" else str(workdir / name)
+                        return f"{bucket}/{name}" if target == "s3" else str(workdir / f"{target}-{name}")
 
-                    t1, gaps1 = diffq_run(model, workers, n, out(n), workdir)
-                    t2, gaps2 = diffq_run(model, workers, 2 * n, out(2 * n), workdir)
+                    t1, gaps1, in_run1 = diffq_run(model, workers, n, out(n), workdir)
+                    t2, gaps2, in_run2 = diffq_run(model, workers, 2 * n, out(2 * n), workdir)
                     rate, startup = marginal(n, t1, t2)
-                    rates.append(rate)
-                    startups.append(startup)
-                    gaps += gaps1 + gaps2
-                rate = statistics.median(rates)
+                    in_run_rate = n / (in_run2 - in_run1)
+                    m = measured[target]
+                    m["rates"].append(rate)
+                    m["in_run"].append(in_run_rate)
+                    m["ratios"].append(rate / raw[-1])
+                    m["in_run_ratios"].append(in_run_rate / raw[-1])
+                    m["startups"].append(startup)
+                    m["gaps"] += gaps1 + gaps2
+            raw_rate = statistics.median(raw)
+            rows.append(dict(name=f"raw loop, {workers} process(es)", workers=workers, images_per_s=raw_rate,
+                             ratio=1.0, in_run_images_per_s=raw_rate, in_run_ratio=1.0, startup_s=None,
+                             idle_gap_ms=None, rates=[round(r, 1) for r in raw],
+                             command=f"python -m bench.e2e --items {n} --workers {workers}"))
+            for target, m in measured.items():
+                gaps = m["gaps"]
                 rows.append(dict(name=f"diffq run → {target}, {workers} worker(s)", workers=workers,
-                                 images_per_s=rate, ratio=rate / raw_rate, startup_s=statistics.median(startups),
+                                 images_per_s=statistics.median(m["rates"]), ratio=statistics.median(m["ratios"]),
+                                 in_run_images_per_s=statistics.median(m["in_run"]),
+                                 in_run_ratio=statistics.median(m["in_run_ratios"]),
+                                 ratios=[round(r, 2) for r in m["ratios"]],
+                                 in_run_ratios=[round(r, 2) for r in m["in_run_ratios"]],
+                                 startup_s=statistics.median(m["startups"]),
                                  idle_gap_ms=1000 * statistics.median(gaps) if gaps else None,
                                  idle_gap_p90_ms=1000 * statistics.quantiles(gaps, n=10)[-1] if len(gaps) > 10 else None,
                                  command=f"python -m bench.e2e --items {n} --workers {workers}"

@@ -29,7 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.e2e import WORKLOAD, diffq_run, idle_gaps, marginal, write_prompts
+from bench.e2e import WORKLOAD, diffq_run, marginal, timeline, write_prompts
 
 # Both sides derive per-item seeds from this, so they generate the same images.
 SEED_BASE = "bench"
@@ -95,7 +95,7 @@ class RayImageWriter:
         return {"id": np.array(ids), "padded": np.array([pad] + [0] * (len(ids) - 1))}
 
 
-def ray_run(model: str, workers: int, items: int, out: str, workdir: Path) -> tuple[float, list[float]]:
+def ray_run(model: str, workers: int, items: int, out: str, workdir: Path) -> tuple[float, list[float], float]:
     """Wall seconds of one Ray Data pass over `items` prompts, and the idle gaps between batches."""
     import ray.data
 
@@ -119,7 +119,8 @@ def ray_run(model: str, workers: int, items: int, out: str, workdir: Path) -> tu
     assert done == items, (done, items)
     if padded:
         print(f"note: Ray's batches were padded with {padded} extra image(s)", file=sys.stderr)
-    return seconds, idle_gaps(out)
+    gaps, in_run = timeline(out)
+    return seconds, gaps, in_run
 
 
 def in_run_rate(out: str) -> float:
@@ -195,8 +196,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                         return str(workdir / f"{side}-w{workers}-r{repeat}-n{items}")
 
                     kwargs = dict(seed_base=SEED_BASE) if side == "diffq" else {}
-                    t1, gaps1 = run(model, workers, n, out(n), workdir, **kwargs)
-                    t2, gaps2 = run(model, workers, 2 * n, out(2 * n), workdir, **kwargs)
+                    t1, gaps1, _ = run(model, workers, n, out(n), workdir, **kwargs)
+                    t2, gaps2, _ = run(model, workers, 2 * n, out(2 * n), workdir, **kwargs)
                     rate, startup = marginal(n, t1, t2)
                     measured[side]["rates"].append(rate)
                     measured[side]["startups"].append(startup)

@@ -5,7 +5,9 @@ to back three ways, interleaved so drift hits all of them alike:
 `none` (the raw loop: nothing stored), `thread` (the sink's encode/store threads in
 the generating process, DIFFQ_SINK=thread) and `process` (the sink in its helper
 process, the default). The figure is the median pipeline-call time per batch; the
-GIL is what `thread` pays for (the tiny model's steps are Python-bound).
+GIL is what `thread` pays for (the tiny model's steps are Python-bound). The helper's
+CPU time per batch (encode + store + record + credit) is what a worker adds on top
+of the raw loop where no core is spare (2 workers on 2 cores).
 
     python -m bench.sink [--rounds 6] [--batches 8]
 """
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import tempfile
 import time
@@ -22,6 +25,12 @@ from pathlib import Path
 from bench.e2e import WORKLOAD
 
 MODES = ("none", "thread", "process")
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (Linux /proc)."""
+    fields = open(f"/proc/{pid}/stat").read().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -61,9 +70,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
                             items=items)
 
     host.generate(shape, params, batch().items)  # load + first call
+    helper_cpu = 0.0
     for _ in range(args.rounds):
         for mode in MODES:
             previous = None
+            helper = sinks["process"]._helper.process.pid
+            cpu_before = cpu_seconds(helper)
             for _ in range(args.batches):
                 counter += 1
                 message = batch()
@@ -76,11 +88,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     previous = sinks[mode].submit(storage, message, generated.images, {})
             if previous is not None:
                 previous.result()
+            if mode == "process":
+                helper_cpu += cpu_seconds(helper) - cpu_before
     for sink in sinks.values():
         sink.close()
     base = statistics.median(seconds["none"])
     rows = [dict(sink=mode, batches=len(seconds[mode]), generate_s=round(statistics.median(seconds[mode]), 4),
                  slowdown=round(statistics.median(seconds[mode]) / base, 3),
+                 helper_cpu_ms_per_batch=(round(1000 * helper_cpu / len(seconds[mode]), 1)
+                                          if mode == "process" else None),
                  command=f"python -m bench.sink --rounds {args.rounds} --batches {args.batches}")
             for mode in MODES]
     for row in rows:

@@ -74,12 +74,17 @@ class Validation:
     def check(self, prompts: Iterable[Prompt]) -> Iterator[Prompt]:
         """Passes each prompt on once it is counted and its id is known unique."""
         check, per_group = self._ids.check, self._per_group
-        for prompt in prompts:
-            check(prompt)
-            per_group[(prompt.height, prompt.width, prompt.guidance_scale > 1.0,
-                       prompt.num_inference_steps, prompt.guidance_scale)] += 1
-            self._total += 1
-            yield prompt
+        try:
+            for prompt in prompts:
+                check(prompt)
+                per_group[(prompt.height, prompt.width, prompt.guidance_scale > 1.0,
+                           prompt.num_inference_steps, prompt.guidance_scale)] += 1
+                self._total += 1
+                yield prompt
+        except InputError:
+            self._ids.finish()  # a duplicate id on an earlier line is the first error
+            raise
+        self._ids.finish()  # ids are checked in chunks: settle the last one
 
     def plan(self) -> Plan:
         if self._total == 0:

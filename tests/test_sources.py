@@ -138,6 +138,7 @@ def test_duplicate_ids_are_refused_with_both_lines(tmp_path):
     with pytest.raises(InputError, match=r"dup.jsonl:3: field 'id': duplicate id 'x' \(first seen on line 1\)"):
         for prompt in read_prompts(path):
             checker.check(prompt)
+        checker.finish()
 
 
 def test_derived_seeds_are_stable_and_distinct():
@@ -155,6 +156,7 @@ def test_duplicate_generated_and_explicit_ids_and_hash_collisions(tmp_path, monk
                                          r"\(first seen on line 1\)"):
         for prompt in read_prompts(path):
             checker.check(prompt)
+        checker.finish()
     # Every id hashing alike: only the true duplicate (line 4) is refused.
     monkeypatch.setattr("builtins.hash", lambda value: 7)
     path.write_text('{"id": "x", "prompt": "a"}\n{"id": "y", "prompt": "b"}\n{"prompt": "c"}\n'
@@ -163,6 +165,7 @@ def test_duplicate_generated_and_explicit_ids_and_hash_collisions(tmp_path, monk
     with pytest.raises(InputError, match=r"dup.jsonl:4: field 'id': duplicate id 'y' \(first seen on line 2\)"):
         for prompt in read_prompts(path):
             checker.check(prompt)
+        checker.finish()
 
 
 def test_derived_seeds_are_the_documented_sha256():
@@ -171,3 +174,29 @@ def test_derived_seeds_are_the_documented_sha256():
     for seed_base, item_id in [("run1", "a"), ("r", "é ✓"), ("", "")]:
         digest = hashlib.sha256(f"{seed_base}\x00{item_id}".encode()).digest()
         assert derive_seed(seed_base, item_id) == int.from_bytes(digest[:8], "big") >> 1
+
+
+def test_duplicates_are_found_across_chunks_and_before_later_row_errors(tmp_path, monkeypatch):
+    """Ids are checked in chunks (IdChecker.CHUNK rows): a repeat in a later chunk is
+    still named with both lines, and a duplicate is reported before a bad row that
+    follows it in the same unchecked chunk."""
+    from diffq.producer.submit import make_options, validate
+
+    monkeypatch.setattr(IdChecker, "CHUNK", 4)
+    rows = [{"id": f"id-{i}", "prompt": f"p{i}"} for i in range(50)]
+    path = tmp_path / "many.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    options, defaults = make_options(model="tiny")
+    assert validate(path, options, defaults).total == 50
+
+    rows[36]["id"] = "id-2"  # line 37 repeats line 3, three chunks later
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    with pytest.raises(InputError, match=r"many.jsonl:37: field 'id': duplicate id 'id-2' \(first seen on line 3\)"):
+        validate(path, options, defaults)
+
+    rows[36]["id"] = "id-36"
+    rows[8]["id"] = "id-7"  # line 9 repeats line 8 ...
+    rows[10]["height"] = 100  # ... and line 11, in the same chunk, is bad too
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    with pytest.raises(InputError, match=r"many.jsonl:9: field 'id': duplicate id 'id-7' \(first seen on line 8\)"):
+        validate(path, options, defaults)
