@@ -278,6 +278,12 @@ def _consume(spec: ChildSpec, group) -> None:
         app.worker_main(argv)
     except SystemExit as exc:
         sys.exit(exc.code)
+    finally:
+        # The sink's helper process ends with its worker (and is reaped by it, not
+        # left to PID 1 of a container).
+        from diffq.worker.tasks import runtime
+
+        runtime().sink.close()
 
 
 def _join_group(spec: ChildSpec):

@@ -12,12 +12,15 @@ SIGTERM or SIGINT kills.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import logging
 import multiprocessing
 import os
 import signal
 import time
 from dataclasses import dataclass
+from multiprocessing import resource_tracker
 
 from diffq.worker.process import EXIT_FATAL, ChildSpec, child_main
 
@@ -196,8 +199,17 @@ class Supervisor:
             if child.process is not None:
                 child.process.join(5)
 
+    def own_pids(self) -> set[int]:
+        pids = {child.process.pid for child in self.children if child.process is not None}
+        tracker = getattr(resource_tracker._resource_tracker, "_pid", None)
+        return pids | ({tracker} if tracker else set())
+
     def serve_forever(self, poll_interval: float = 0.5) -> int:
-        """Run until SIGTERM/SIGINT; forward it as a warm shutdown. Returns an exit code."""
+        """Run until SIGTERM/SIGINT; forward it as a warm shutdown. Returns an exit code.
+
+        The fleet supervisor (PID 1 of a worker container) also adopts and reaps the
+        orphans of workers that were killed: their sink helpers, Inductor compile
+        workers. Without it they stay zombies until the container ends."""
         stop_requests = []
 
         def on_signal(signum, _frame):
@@ -207,9 +219,11 @@ class Supervisor:
 
         previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
         try:
+            become_subreaper()
             self.start()
             while not stop_requests:
                 self.poll()
+                reap_orphans(self.own_pids())
                 if self.all_fatal:
                     return EXIT_FATAL
                 if self.all_done:
@@ -220,3 +234,34 @@ class Supervisor:
         finally:
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
+
+
+PR_SET_CHILD_SUBREAPER = 36  # linux/prctl.h
+
+
+def become_subreaper() -> bool:
+    """Orphaned descendants come to this process instead of PID 1 (Linux only)."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        return libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def reap_orphans(own: set[int]) -> list[int]:
+    """Reap exited children that are not our own workers (adopted orphans).
+
+    Our workers are left to multiprocessing, which reads their exit codes; WNOWAIT
+    peeks at the next exited child without reaping it, so one of ours still waiting
+    for that ends this round (it is reaped by the next `poll`).
+    """
+    reaped = []
+    while True:
+        try:
+            info = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        except ChildProcessError:
+            return reaped
+        if info is None or info.si_pid == 0 or info.si_pid in own:
+            return reaped
+        os.waitpid(info.si_pid, 0)
+        reaped.append(info.si_pid)
