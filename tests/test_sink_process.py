@@ -162,3 +162,23 @@ def test_the_worker_sink_is_a_helper_process_unless_configured(monkeypatch):
     assert isinstance(make_sink(), SinkProcess)
     monkeypatch.setenv("DIFFQ_SINK", "thread")
     assert isinstance(make_sink(), Sink)
+
+
+def test_a_helper_that_cannot_start_falls_back_to_threads(tmp_path, monkeypatch, caplog):
+    """A helper that dies again and again without storing anything (broken install)
+    must not turn every batch into a requeue forever: after MAX_FAILED_STARTS the
+    worker stores in threads itself, and says so."""
+    monkeypatch.setattr(SinkProcess, "HELPER_MODULE", "diffq.worker.no_such_module")
+    out = str(tmp_path / "run")
+    sink = SinkProcess()
+    try:
+        for index in range(SinkProcess.MAX_FAILED_STARTS):
+            with pytest.raises(SinkLost):
+                sink.submit(open_storage(out), batch(out, index), pictures(batch(out, index)), {}).result(60)
+        message = batch(out, 9)
+        images = pictures(message)
+        assert sink.submit(open_storage(out), message, images, {"generate_s": 0.25}).result(60).written == 4
+        assert_stored(out, message, images)
+        assert "storing in threads" in caplog.text
+    finally:
+        sink.close()

@@ -55,12 +55,11 @@ class SinkError(RuntimeError):
 class _Helper:
     """One helper process and the two worker threads that talk to it."""
 
-    def __init__(self, threads: int, retry_for_s: float):
+    def __init__(self, module: str, threads: int, retry_for_s: float):
         ours, theirs = socket.socketpair()
         with theirs:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "diffq.worker.sink_process", str(theirs.fileno()), str(threads),
-                 str(retry_for_s)],
+                [sys.executable, "-m", module, str(theirs.fileno()), str(threads), str(retry_for_s)],
                 pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, close_fds=True)
         self._conn = Connection(ours.detach())
         self._lock = threading.Lock()
@@ -68,6 +67,7 @@ class _Helper:
         self._jobs = itertools.count()
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self.closed = False
+        self.replied = False  # a helper that never replied may be unable to start at all
         threading.Thread(target=self._send_loop, name="diffq-sink-send", daemon=True).start()
         threading.Thread(target=self._receive_loop, name="diffq-sink-receive", daemon=True).start()
 
@@ -105,6 +105,7 @@ class _Helper:
         try:
             while True:
                 reply = json.loads(self._conn.recv_bytes())
+                self.replied = True
                 with self._lock:
                     future = self._pending.pop(reply["job"])
                 if "error" in reply:
@@ -124,35 +125,59 @@ class _Helper:
 class SinkProcess:
     """`Sink`'s interface (submit / credit / flush / close), stored by a helper process."""
 
+    HELPER_MODULE = __name__
+    # Helpers in a row that died without storing anything: the helper cannot run here
+    # (broken install, no fork allowed); store in threads instead of requeueing forever.
+    MAX_FAILED_STARTS = 3
+
     def __init__(self, threads: int = 4, retry_for_s: float = 600.0):
         self.threads = threads
         self.retry_for_s = retry_for_s
         self._helper: _Helper | None = None
+        self._failed_starts = 0
+        self._fallback = None  # a threaded Sink, once the helper proved unable to run
         self._lock = threading.Lock()
 
     def start(self) -> None:
         """Start the helper now (it imports in parallel with the model loading)."""
         self._current()
 
-    def _current(self) -> _Helper:
+    def _current(self) -> _Helper | None:
+        """The live helper, started if needed; None once fallen back to threads."""
         with self._lock:
+            if self._fallback is not None:
+                return None
             if self._helper is None or self._helper.closed:
                 if self._helper is not None:
+                    self._failed_starts = 0 if self._helper.replied else self._failed_starts + 1
+                    if self._failed_starts >= self.MAX_FAILED_STARTS:
+                        from diffq.worker.sink import Sink
+
+                        log.error("the sink helper process exited %d times without storing anything (last "
+                                  "exit %s); storing in threads in this process from now on",
+                                  self._failed_starts, self._helper.process.poll())
+                        self._fallback = Sink(self.threads, self.retry_for_s)
+                        return None
                     log.warning("sink helper exited with %s; starting a new one", self._helper.process.poll())
-                self._helper = _Helper(self.threads, self.retry_for_s)
+                self._helper = _Helper(self.HELPER_MODULE, self.threads, self.retry_for_s)
             return self._helper
 
     def submit(self, storage: Storage, message: BatchMessage, images: list, record_extra: dict) -> Future:
+        helper = self._current()
+        if helper is None:
+            return self._fallback.submit(storage, message, images, record_extra)
         first = images[0]
         header = {
             "op": "store", "out": storage.url, "message": message.model_dump_json(), "record_extra": record_extra,
             "image": {"mode": first.mode, "size": list(first.size), "count": len(images)},
         }
-        return self._outcome(self._current().submit(header, b"".join(image.tobytes() for image in images)))
+        return self._outcome(helper.submit(header, b"".join(image.tobytes() for image in images)))
 
     def credit(self, storage: Storage, message: BatchMessage) -> Future:
-        header = {"op": "credit", "out": storage.url, "message": message.model_dump_json()}
-        return self._current().submit(header, None)
+        helper = self._current()
+        if helper is None:
+            return self._fallback.credit(storage, message)
+        return helper.submit({"op": "credit", "out": storage.url, "message": message.model_dump_json()}, None)
 
     @staticmethod
     def _outcome(reply: Future) -> Future:
@@ -174,9 +199,13 @@ class SinkProcess:
         helper = self._helper
         if helper is not None:
             wait(helper.pending())
+        if self._fallback is not None:
+            self._fallback.flush()
 
     def close(self) -> None:
         self.flush()
+        if self._fallback is not None:
+            self._fallback.close()
         helper, self._helper = self._helper, None
         if helper is not None and not helper.closed:
             helper.close()
