@@ -84,10 +84,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 seconds[mode].append(time.perf_counter() - started)
                 if mode != "none":
                     if previous is not None:
-                        previous.result()  # the worker's back-pressure: one batch in the sink
+                        previous.stored.result()  # the worker's back-pressure: one batch in the sink
                     previous = sinks[mode].submit(storage, message, generated.images, {})
             if previous is not None:
-                previous.result()
+                previous.credited.result()
             if mode == "process":
                 helper_cpu += cpu_seconds(helper) - cpu_before
     for sink in sinks.values():

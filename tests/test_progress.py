@@ -54,7 +54,9 @@ def make_plan(url: str, items_per_shape=(14, 9)) -> list[BatchMessage]:
 def store(sink: Sink, message: BatchMessage):
     """A worker generating and storing a batch (images, record, credit), as the task does."""
     images = [Image.new("RGB", (message.shape.width, message.shape.height)) for _ in message.items]
-    return sink.submit(open_storage(message.out), message, images, {"generate_s": 0.1}).result()
+    handed = sink.submit(open_storage(message.out), message, images, {"generate_s": 0.1})
+    handed.credited.result()  # what the ack waits for
+    return handed.stored.result()
 
 
 def split(message: BatchMessage) -> list[BatchMessage]:
@@ -145,9 +147,10 @@ def test_crash_between_record_and_credit_heals_on_redelivery(out, monkeypatch):
         store(sink, message)
     dying = Sink(retry_for_s=0)
     images = [Image.new("RGB", (32, 32)) for _ in plan[0].items]
-    future = dying.submit(NoCredits(open_storage(out)), plan[0], images, {})
+    handed = dying.submit(NoCredits(open_storage(out)), plan[0], images, {})
+    assert handed.stored.result().written == len(plan[0].items)
     with pytest.raises(OSError):
-        future.result()  # the ack never happens: the broker delivers the batch again
+        handed.credited.result()  # the ack never happens: the broker delivers the batch again
     storage = open_storage(out)
     assert storage.exists(layout.record_key(plan[0].batch_id))
     summary = ProgressSummary(storage)
@@ -165,7 +168,7 @@ def test_a_copy_not_flagged_redelivered_credits_too(tmp_path):
         store(Sink(), message)
     images = [Image.new("RGB", (32, 32)) for _ in plan[0].items]
     with pytest.raises(OSError):
-        Sink(retry_for_s=0).submit(NoCredits(open_storage(out)), plan[0], images, {}).result()
+        Sink(retry_for_s=0).submit(NoCredits(open_storage(out)), plan[0], images, {}).credited.result()
     outcome = store(Sink(), plan[0])  # generated again: nothing new stored but the credit
     assert outcome.written == 0
     assert counts(out)[:2] == (23, 0)
@@ -179,7 +182,7 @@ def test_resume_reconciles_a_batch_whose_message_was_lost(tmp_path, redis_server
         store(sink, message)
     images = [Image.new("RGB", (32, 32)) for _ in plan[0].items]
     with pytest.raises(OSError):
-        Sink(retry_for_s=0).submit(NoCredits(open_storage(out)), plan[0], images, {}).result()
+        Sink(retry_for_s=0).submit(NoCredits(open_storage(out)), plan[0], images, {}).credited.result()
     # The broker lost both plan[0] (recorded, never credited) and plan[1] (never run).
     assert status(out).done == 23 - len(plan[0].items) - len(plan[1].items)
     requeued = resume(out, redis_server)
@@ -359,3 +362,65 @@ def test_watch_follows_credits_as_workers_write(tmp_path):
 
     seen = [s.status.done for s in snapshots(out, interval=1.0, clock=lambda: now[0], sleep=sleep)]
     assert seen == [sum(len(m.items) for m in plan[:k]) for k in range(1, len(plan) + 1)]
+
+
+class RewriteLimited:
+    """A store that allows one write of an object per `min_rewrite_interval_s` (GCS:
+    about 1 s); counts the progress segment writes."""
+
+    def __init__(self, storage, interval: float):
+        self._storage = storage
+        self.min_rewrite_interval_s = interval
+        self.segment_writes = 0
+
+    def put_bytes(self, key, data, **kwargs):
+        if key.startswith(layout.PROGRESS_PREFIX):
+            self.segment_writes += 1
+        return self._storage.put_bytes(key, data, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._storage, name)
+
+
+def test_credits_within_the_rewrite_interval_are_written_together(out):
+    """Images and records are stored at once (back-pressure waits on those), but a
+    credit waits for the store's next allowed rewrite of the segment, and so does
+    the batch's ack; a warm shutdown (flush) writes what is waiting."""
+    plan = make_plan(out)
+    storage = RewriteLimited(open_storage(out), interval=3600)
+    sink = Sink()
+    images = {m.batch_id: [Image.new("RGB", (m.shape.width, m.shape.height)) for _ in m.items] for m in plan}
+    handed = [sink.submit(storage, m, images[m.batch_id], {}) for m in plan]
+    assert [h.stored.result(timeout=60).written for h in handed] == [len(m.items) for m in plan]
+    handed[0].credited.result(timeout=60)  # the first write is free
+    assert not any(h.credited.done() for h in handed[1:])  # acks held: not credited yet
+    assert storage.segment_writes == 1
+    summary = ProgressSummary(open_storage(out))
+    summary.refresh()
+    assert summary.done == len(plan[0].items)  # the rest is in flight until credited
+    sink.flush()
+    assert all(h.credited.result(timeout=0) is None for h in handed)
+    assert storage.segment_writes == 2
+    assert counts(out)[:2] == (23, 0)
+
+
+def test_waiting_credits_are_written_when_the_interval_has_passed(tmp_path):
+    out = str(tmp_path / "run")
+    plan = make_plan(out)
+    storage = RewriteLimited(open_storage(out), interval=0.2)
+    sink = Sink()
+    handed = [sink.submit(storage, m, [Image.new("RGB", (32, 32)) for _ in m.items], {}) for m in plan]
+    for h in handed:
+        h.credited.result(timeout=60)  # no flush: the timer writes them
+    assert counts(out)[:2] == (23, 0)
+    assert storage.segment_writes <= len(plan)
+
+
+def test_gcs_declares_its_rewrite_limit():
+    # "There is a maximum rate of one write per second to the same object name"
+    # (cloud.google.com/storage/quotas): the sink batches credits to respect it.
+    from diffq.storage.gcs import GCSStorage
+    from diffq.storage.local import LocalStorage
+
+    assert GCSStorage.min_rewrite_interval_s == 1.0
+    assert LocalStorage.min_rewrite_interval_s == 0.0

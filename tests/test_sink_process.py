@@ -45,6 +45,15 @@ def pictures(message: BatchMessage) -> list[Image.Image]:
             for _ in message.items]
 
 
+def store(sink, out: str, message: BatchMessage, images: list, extra: dict | None = None):
+    """Hand a batch over and wait as the worker does: stored (back-pressure), then
+    credited (the ack); returns the BatchOutcome."""
+    handed = sink.submit(open_storage(out), message, images, extra or {})
+    outcome = handed.stored.result(timeout=60)
+    assert handed.credited.result(timeout=60) is None
+    return outcome
+
+
 def credited(out: str) -> set[str]:
     storage = open_storage(out)
     return {batch_id for key in storage.list(layout.PROGRESS_PREFIX)
@@ -66,7 +75,7 @@ def test_helper_stores_the_same_images_records_and_credits(out):
     try:
         messages = [batch(out, i) for i in range(3)]
         images = [pictures(message) for message in messages]
-        outcomes = [sink.submit(open_storage(out), m, im, {"generate_s": 0.25}).result(timeout=60)
+        outcomes = [store(sink, out, m, im, {"generate_s": 0.25})
                     for m, im in zip(messages, images)]
         assert [(o.batch_id, o.written) for o in outcomes] == [(m.batch_id, 4) for m in messages]
         assert all(o.bytes > 0 and o.store_s > 0 for o in outcomes)
@@ -74,8 +83,7 @@ def test_helper_stores_the_same_images_records_and_credits(out):
             assert_stored(out, message, imgs)
         assert credited(out) == {m.batch_id for m in messages}
         # A redelivered copy: nothing rewritten, credited again (by the same helper).
-        again = sink.submit(open_storage(out), messages[0], pictures(batch(out, 9)), {"generate_s": 0.25})
-        assert again.result(timeout=60).written == 0
+        assert store(sink, out, messages[0], pictures(batch(out, 9)), {"generate_s": 0.25}).written == 0
         assert_stored(out, messages[0], images[0])
         assert sink.credit(open_storage(out), messages[1]).result(timeout=60) is None
     finally:
@@ -92,10 +100,12 @@ def test_a_dead_helper_fails_what_it_held_and_the_next_batch_gets_a_new_one(tmp_
         held = sink.submit(open_storage(out), batch(out, 0), pictures(batch(out, 0)), {"generate_s": 0.25})
         first.send_signal(signal.SIGKILL)
         with pytest.raises(SinkLost):
-            held.result(60)
+            held.stored.result(60)
+        with pytest.raises(SinkLost):
+            held.credited.result(60)
         message = batch(out, 1)
         images = pictures(message)
-        assert sink.submit(open_storage(out), message, images, {"generate_s": 0.25}).result(60).written == 4
+        assert store(sink, out, message, images, {"generate_s": 0.25}).written == 4
         assert sink._helper.process.pid != first.pid
         assert_stored(out, message, images)
         assert not open_storage(out).exists(layout.record_key("b000"))  # it comes back via the broker
@@ -110,7 +120,7 @@ def test_a_storage_error_reaches_the_future_after_the_retries(tmp_path):
     sink = SinkProcess(retry_for_s=0)
     try:
         with pytest.raises(SinkError, match="run"):
-            sink.submit(open_storage(out), batch(out, 0), pictures(batch(out, 0)), {}).result(60)
+            store(sink, out, batch(out, 0), pictures(batch(out, 0)), {})
         assert sink._helper.process.poll() is None  # one bad batch does not end the helper
     finally:
         sink.close()
@@ -146,12 +156,12 @@ def test_helper_ignores_the_signals_meant_for_its_worker(tmp_path):
     out = str(tmp_path / "run")
     sink = SinkProcess()
     try:
-        assert sink.submit(open_storage(out), batch(out, 0), pictures(batch(out, 0)), {}).result(60).written == 4
+        assert store(sink, out, batch(out, 0), pictures(batch(out, 0)), {}).written == 4
         for sig in (signal.SIGINT, signal.SIGTERM):
             os.kill(sink._helper.process.pid, sig)
         message = batch(out, 1)
         images = pictures(message)
-        assert sink.submit(open_storage(out), message, images, {"generate_s": 0.25}).result(60).written == 4
+        assert store(sink, out, message, images, {"generate_s": 0.25}).written == 4
         helper = sink._helper.process
     finally:
         sink.close()
@@ -174,10 +184,10 @@ def test_a_helper_that_cannot_start_falls_back_to_threads(tmp_path, monkeypatch,
     try:
         for index in range(SinkProcess.MAX_FAILED_STARTS):
             with pytest.raises(SinkLost):
-                sink.submit(open_storage(out), batch(out, index), pictures(batch(out, index)), {}).result(60)
+                store(sink, out, batch(out, index), pictures(batch(out, index)), {})
         message = batch(out, 9)
         images = pictures(message)
-        assert sink.submit(open_storage(out), message, images, {"generate_s": 0.25}).result(60).written == 4
+        assert store(sink, out, message, images, {"generate_s": 0.25}).written == 4
         assert_stored(out, message, images)
         assert "storing in threads" in caplog.text
     finally:

@@ -8,7 +8,10 @@ what is stored; then the record, so a record always means its images exist; then
 the batch is credited in this process's progress segment (diffq/progress.py),
 which is what status reads. All of it happens before the ack, so a worker that
 dies in between leaves the batch to be delivered again, and the copy that finds
-the record stored credits it (`credit`).
+the record stored credits it (`credit`). Where the store limits rewrites of one
+object (GCS: about one a second), credits that arrive within that interval are
+written together; the worker's back-pressure waits only for images + record
+(`Handed.stored`), the ack for the write holding the credit (`Handed.credited`).
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from diffq import layout
 from diffq.contract import BatchMessage
@@ -67,6 +70,27 @@ class BatchOutcome:
     store_s: float
 
 
+@dataclass
+class Handed:
+    """A batch handed to the sink. `stored`: its images and record are stored (what
+    the worker's back-pressure waits for; result: BatchOutcome). `credited`: its
+    progress credit is stored too (what the ack waits for)."""
+
+    stored: Future
+    credited: Future
+
+
+@dataclass
+class _Credits:
+    """One run folder's progress log and the credits waiting for its next write."""
+
+    storage: Storage
+    log: ProgressLog
+    waiting: list = field(default_factory=list)  # futures resolved by the next write
+    next_write: float = 0.0  # monotonic time the segment may be rewritten
+    timer: threading.Timer | None = None
+
+
 class Sink:
     def __init__(self, threads: int = 4, retry_for_s: float = 600.0):
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="diffq-sink",
@@ -74,35 +98,70 @@ class Sink:
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="diffq-io",
                                         initializer=_yield_to_generation)
         self.retry_for_s = retry_for_s
-        self._logs: OrderedDict[str, ProgressLog] = OrderedDict()  # writer thread only
+        self._credits: OrderedDict[str, _Credits] = OrderedDict()  # writer thread only
 
     def start(self) -> None:
         """Nothing to start: the threads are created on first use (SinkProcess starts a helper)."""
 
-    def submit(self, storage: Storage, message: BatchMessage, images: list, record_extra: dict) -> Future:
-        return self._writer.submit(self._store_and_credit, storage, message, images, record_extra)
+    def submit(self, storage: Storage, message: BatchMessage, images: list, record_extra: dict) -> Handed:
+        handed = Handed(stored=Future(), credited=Future())
+        self._writer.submit(self._store_and_credit, storage, message, images, record_extra, handed)
+        return handed
 
     def credit(self, storage: Storage, message: BatchMessage) -> Future:
         """Credit a batch whose record is already stored (a redelivered copy)."""
-        return self._writer.submit(self._with_retry, message.batch_id, lambda: self._credit(storage, message))
+        credited: Future = Future()
+        self._writer.submit(self._credit, storage, message, credited)
+        return credited
 
-    def _store_and_credit(self, storage: Storage, message: BatchMessage, images: list,
-                          record_extra: dict) -> BatchOutcome:
-        outcome = self._with_retry(message.batch_id, lambda: self._store(storage, message, images, record_extra))
+    def _store_and_credit(self, storage: Storage, message: BatchMessage, images: list, record_extra: dict,
+                          handed: Handed) -> None:
+        try:
+            outcome = self._with_retry(message.batch_id, lambda: self._store(storage, message, images, record_extra))
+        except Exception as exc:
+            handed.stored.set_exception(exc)
+            handed.credited.set_exception(exc)
+            return
+        handed.stored.set_result(outcome)
         # Credited even when the record was there already: the copy that stored it
         # may have died before crediting it.
-        self._with_retry(message.batch_id, lambda: self._credit(storage, message))
-        return outcome
+        self._credit(storage, message, handed.credited)
 
-    def _credit(self, storage: Storage, message: BatchMessage) -> None:
-        log = self._logs.get(storage.url)
-        if log is None:
-            log = self._logs[storage.url] = ProgressLog(storage)
-            if len(self._logs) > MAX_LOGS:
-                self._logs.popitem(last=False)
-        self._logs.move_to_end(storage.url)
-        log.add(message.batch_id, message.shape.queue, [item.id for item in message.items])
-        log.flush()
+    def _credit(self, storage: Storage, message: BatchMessage, credited: Future) -> None:
+        """Add the credit; write the segment now, or when the store allows the next
+        rewrite of it (GCS: once a second), for every credit waiting by then."""
+        credits = self._credits.get(storage.url)
+        if credits is None:
+            credits = self._credits[storage.url] = _Credits(storage, ProgressLog(storage))
+            if len(self._credits) > MAX_LOGS:
+                self._write_credits(self._credits.popitem(last=False)[1])
+        self._credits.move_to_end(storage.url)
+        credits.log.add(message.batch_id, message.shape.queue, [item.id for item in message.items])
+        credits.waiting.append(credited)
+        delay = credits.next_write - time.monotonic()
+        if delay <= 0:
+            self._write_credits(credits)
+        elif credits.timer is None:
+            credits.timer = threading.Timer(delay, self._writer.submit, args=(self._write_credits, credits))
+            credits.timer.daemon = True
+            credits.timer.start()
+
+    def _write_credits(self, credits: _Credits) -> None:
+        if credits.timer is not None:
+            credits.timer.cancel()
+            credits.timer = None
+        waiting, credits.waiting = credits.waiting, []
+        if not waiting:
+            return
+        try:
+            self._with_retry("progress", credits.log.flush)
+        except Exception as exc:  # the acks turn into requeues; redelivered copies credit again
+            for future in waiting:
+                future.set_exception(exc)
+        else:
+            for future in waiting:
+                future.set_result(None)
+        credits.next_write = time.monotonic() + credits.storage.min_rewrite_interval_s
 
     def _with_retry(self, batch_id: str, write: Callable):
         """Outlast a storage outage instead of regenerating the batch.
@@ -169,9 +228,14 @@ class Sink:
         )
 
     def flush(self) -> None:
-        """Wait for everything handed over so far."""
-        self._writer.submit(lambda: None).result()
+        """Wait for everything handed over so far, credits written at once."""
+        self._writer.submit(self._write_all).result()
+
+    def _write_all(self) -> None:
+        for credits in self._credits.values():
+            self._write_credits(credits)
 
     def close(self) -> None:
+        self.flush()
         self._writer.shutdown(wait=True)
         self._pool.shutdown(wait=True)

@@ -63,7 +63,7 @@ class _Helper:
                 pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, close_fds=True)
         self._conn = Connection(ours.detach())
         self._lock = threading.Lock()
-        self._pending: dict[int, Future] = {}
+        self._pending: dict[int, dict[str, Future]] = {}  # job -> stage -> future
         self._jobs = itertools.count()
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self.closed = False
@@ -71,20 +71,22 @@ class _Helper:
         threading.Thread(target=self._send_loop, name="diffq-sink-send", daemon=True).start()
         threading.Thread(target=self._receive_loop, name="diffq-sink-receive", daemon=True).start()
 
-    def submit(self, header: dict, payload: bytes | None) -> Future:
-        future: Future = Future()
+    def submit(self, header: dict, payload: bytes | None, stages: tuple[str, ...]) -> dict[str, Future]:
+        """Send a job; one future per stage the helper reports ("stored", "credited")."""
+        futures = {stage: Future() for stage in stages}
         with self._lock:
             if self.closed:
-                future.set_exception(SinkLost("sink helper process has ended"))
-                return future
+                for future in futures.values():
+                    future.set_exception(SinkLost("sink helper process has ended"))
+                return futures
             job = next(self._jobs)
-            self._pending[job] = future
+            self._pending[job] = futures
         self._outbox.put(({**header, "job": job}, payload))
-        return future
+        return futures
 
     def pending(self) -> list[Future]:
         with self._lock:
-            return list(self._pending.values())
+            return [future for futures in self._pending.values() for future in futures.values()]
 
     def close(self) -> None:
         self._outbox.put((_CLOSE, None))
@@ -107,7 +109,10 @@ class _Helper:
                 reply = json.loads(self._conn.recv_bytes())
                 self.replied = True
                 with self._lock:
-                    future = self._pending.pop(reply["job"])
+                    futures = self._pending[reply["job"]]
+                    future = futures.pop(reply["stage"])
+                    if not futures:
+                        del self._pending[reply["job"]]
                 if "error" in reply:
                     future.set_exception(SinkError(reply["error"]))
                 else:
@@ -116,7 +121,8 @@ class _Helper:
             pass
         with self._lock:
             self.closed = True
-            lost, self._pending = list(self._pending.values()), {}
+            lost = [future for futures in self._pending.values() for future in futures.values()]
+            self._pending = {}
         code = self.process.wait()
         for future in lost:
             future.set_exception(SinkLost(f"sink helper process exited with {code} before storing the batch"))
@@ -162,7 +168,10 @@ class SinkProcess:
                 self._helper = _Helper(self.HELPER_MODULE, self.threads, self.retry_for_s)
             return self._helper
 
-    def submit(self, storage: Storage, message: BatchMessage, images: list, record_extra: dict) -> Future:
+    def submit(self, storage: Storage, message: BatchMessage, images: list, record_extra: dict):
+        """Returns a `Handed` (worker/sink.py): `stored`, then `credited`."""
+        from diffq.worker.sink import Handed
+
         helper = self._current()
         if helper is None:
             return self._fallback.submit(storage, message, images, record_extra)
@@ -171,13 +180,15 @@ class SinkProcess:
             "op": "store", "out": storage.url, "message": message.model_dump_json(), "record_extra": record_extra,
             "image": {"mode": first.mode, "size": list(first.size), "count": len(images)},
         }
-        return self._outcome(helper.submit(header, b"".join(image.tobytes() for image in images)))
+        futures = helper.submit(header, b"".join(image.tobytes() for image in images), ("stored", "credited"))
+        return Handed(stored=self._outcome(futures["stored"]), credited=futures["credited"])
 
     def credit(self, storage: Storage, message: BatchMessage) -> Future:
         helper = self._current()
         if helper is None:
             return self._fallback.credit(storage, message)
-        return helper.submit({"op": "credit", "out": storage.url, "message": message.model_dump_json()}, None)
+        return helper.submit({"op": "credit", "out": storage.url, "message": message.model_dump_json()}, None,
+                             ("credited",))["credited"]
 
     @staticmethod
     def _outcome(reply: Future) -> Future:
@@ -231,12 +242,12 @@ def serve(conn: Connection, threads: int, retry_for_s: float) -> None:
     storages: dict[str, Storage] = {}
     reply_lock = threading.Lock()
 
-    def reply(job: int, done: Future) -> None:
+    def reply(job: int, stage: str, done: Future) -> None:
         if done.exception() is not None:
-            body = {"job": job, "error": f"{type(done.exception()).__name__}: {done.exception()}"}
+            body = {"job": job, "stage": stage, "error": f"{type(done.exception()).__name__}: {done.exception()}"}
         else:
             result = done.result()
-            body = {"job": job, "outcome": dataclasses.asdict(result) if result is not None else None}
+            body = {"job": job, "stage": stage, "outcome": dataclasses.asdict(result) if result is not None else None}
         with reply_lock:
             try:
                 conn.send_bytes(json.dumps(body).encode())
@@ -262,13 +273,16 @@ def serve(conn: Connection, threads: int, retry_for_s: float) -> None:
                 step = len(payload) // spec["count"]
                 images = [Image.frombytes(spec["mode"], size, payload[i * step:(i + 1) * step])
                           for i in range(spec["count"])]
-                future = sink.submit(storages[url], message, images, header["record_extra"])
+                handed = sink.submit(storages[url], message, images, header["record_extra"])
+                stages = {"stored": handed.stored, "credited": handed.credited}
             else:
-                future = sink.credit(storages[url], message)
+                stages = {"credited": sink.credit(storages[url], message)}
         except Exception as exc:
-            future = Future()
-            future.set_exception(exc)
-        future.add_done_callback(lambda done, job=header["job"]: reply(job, done))
+            failed: Future = Future()
+            failed.set_exception(exc)
+            stages = dict.fromkeys(("stored", "credited") if header["op"] == "store" else ("credited",), failed)
+        for stage, future in stages.items():
+            future.add_done_callback(lambda done, job=header["job"], stage=stage: reply(job, stage, done))
     sink.close()
     conn.close()
 

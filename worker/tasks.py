@@ -48,7 +48,7 @@ class Runtime:
     host: PipelineHost
     sink: Sink | SinkProcess = field(default_factory=make_sink)
     storages: dict[str, Storage] = field(default_factory=dict)
-    last_store: object = None  # the previous batch's sink future
+    last_store: object = None  # the previous batch's `stored` future (back-pressure)
 
     @property
     def worker(self) -> str:
@@ -156,7 +156,7 @@ def generate_batch(task: Task, batch: dict) -> dict:
     if rt.last_store is not None:
         concurrent.futures.wait([rt.last_store])
     acks.drain()
-    future = rt.sink.submit(storage, message, generated.images, {
+    handed = rt.sink.submit(storage, message, generated.images, {
         "device": f"{rt.spec.device}:{rt.spec.slot}",
         "worker": rt.worker,
         "generate_s": round(generated.generate_s, 4),
@@ -166,9 +166,9 @@ def generate_batch(task: Task, batch: dict) -> dict:
         "generate_ended_at": round(ended_at, 4),
         **generated.record_extra,
     })
-    rt.last_store = future
-    future.add_done_callback(_observe_store)
-    acks.expect(task.request.id, future)
+    rt.last_store = handed.stored
+    handed.stored.add_done_callback(_observe_store)
+    acks.expect(task.request.id, handed.credited)
     routing.after_batch()
     log.info(json.dumps({"event": "batch", "run": message.run_id, "batch": message.batch_id,
                          "queue": message.shape.queue, "items": len(message.items),

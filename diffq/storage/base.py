@@ -76,6 +76,9 @@ class Storage(ABC):
     url: str
     #: Objects per listing request; lowered in tests to exercise pagination.
     page_size: int = 1000
+    #: Shortest time between two writes of one object that the store sustains; the
+    #: sink batches progress credits to respect it (worker/sink.py).
+    min_rewrite_interval_s: float = 0.0
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.url!r})"

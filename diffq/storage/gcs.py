@@ -37,6 +37,8 @@ class GCSStorage(BucketStorage):
     """
 
     scheme = "gs"
+    # GCS sustains about one write per second to the same object name (more gets 429s).
+    min_rewrite_interval_s = 1.0
 
     def _make_client(self):
         if os.environ.get("STORAGE_EMULATOR_HOST"):
