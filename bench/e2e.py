@@ -127,11 +127,17 @@ def diffq_run(model: str, workers: int, items: int, out: str, workdir: Path,
     return seconds, gaps, in_run
 
 
-def main(argv: list[str] | None = None) -> list[dict]:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--items", type=int, default=64, help="N; each configuration also runs 2N")
+def marginal_arguments(doc: str, items: int) -> argparse.ArgumentParser:
+    """The options every marginal-throughput benchmark takes: N, repeats, process counts."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--items", type=int, default=items, help="N; each configuration also runs 2N")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--workers", default="1,2")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    parser = marginal_arguments(__doc__, items=64)
     parser.add_argument("--s3", action="store_true", help="also write to S3 (moto server on loopback)")
     args = parser.parse_args(argv)
 

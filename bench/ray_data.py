@@ -20,7 +20,6 @@ returns no rows.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -29,7 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.e2e import WORKLOAD, diffq_run, marginal, timeline, write_prompts
+from bench.e2e import WORKLOAD, diffq_run, marginal, marginal_arguments, timeline, write_prompts
 
 # Both sides derive per-item seeds from this, so they generate the same images.
 SEED_BASE = "bench"
@@ -123,20 +122,6 @@ def ray_run(model: str, workers: int, items: int, out: str, workdir: Path) -> tu
     return seconds, gaps, in_run
 
 
-def in_run_rate(out: str) -> float:
-    """Images/s from a run's own records: first generate start to last image stored.
-
-    Start-up (spawn, imports, load) is outside that span by construction, so this
-    companion to the marginal rate does not carry its seconds of noise.
-    """
-    from diffq.producer.results import iter_records
-    from diffq.storage import open_storage
-
-    records = list(iter_records(open_storage(out)))
-    span = max(r["finished_at"] for r in records) - min(r["generate_started_at"] for r in records)
-    return len(records) / span
-
-
 def start_ray(cpus: int) -> float:
     """A local Ray cluster with `cpus` CPU slots, quiet; returns its start-up seconds."""
     # No usage report from a benchmark (and no network here to send it to).
@@ -156,10 +141,7 @@ def start_ray(cpus: int) -> float:
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--items", type=int, default=192, help="N; each configuration also runs 2N")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--workers", default="1,2")
+    parser = marginal_arguments(__doc__, items=192)
     parser.add_argument("--quick", action="store_true", help="N = 48 and one repeat (a smoke run)")
     args = parser.parse_args(argv)
     if args.quick:
@@ -197,12 +179,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
                     kwargs = dict(seed_base=SEED_BASE) if side == "diffq" else {}
                     t1, gaps1, _ = run(model, workers, n, out(n), workdir, **kwargs)
-                    t2, gaps2, _ = run(model, workers, 2 * n, out(2 * n), workdir, **kwargs)
+                    t2, gaps2, in_run2 = run(model, workers, 2 * n, out(2 * n), workdir, **kwargs)
                     rate, startup = marginal(n, t1, t2)
                     measured[side]["rates"].append(rate)
                     measured[side]["startups"].append(startup)
                     measured[side]["gaps"] += gaps1 + gaps2
-                    measured[side]["in_run"].append(in_run_rate(out(2 * n)))
+                    # In-run rate of the 2N run: first generate start to last image stored.
+                    measured[side]["in_run"].append(2 * n / in_run2)
             summary = {side: dict(images_per_s=statistics.median(m["rates"]),
                                   startup_s=statistics.median(m["startups"]),
                                   idle_gap_ms=1000 * statistics.median(m["gaps"]) if m["gaps"] else None,

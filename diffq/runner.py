@@ -66,13 +66,21 @@ class BoundedPublisher:
         with os.scandir(self.queue_dir) as entries:
             return sum(1 for entry in entries if entry.name.endswith(".msg"))
 
-    def publish(self, message) -> None:
+    def _wait_for_room(self) -> None:
         # A backlog of 4 batches per worker outlasts a 0.2 s poll; polling faster
         # only takes CPU from the workers on small machines.
         while self.depth() >= self.max_backlog:
             if self.stop.wait(0.2):
                 raise RunFailed("run stopped")
+
+    def publish(self, message) -> None:
+        self._wait_for_room()
         self.inner.publish(message)
+
+    def publish_encoded(self, encoded) -> None:
+        """The producer's ready-encoded batches (no pydantic round trip per batch)."""
+        self._wait_for_room()
+        self.inner.publish_encoded(encoded)
 
     def close(self) -> None:
         self.inner.close()

@@ -59,6 +59,13 @@ def _params(steps: int, guidance_scale: float, fmt: str) -> BatchParams:
     return BatchParams(num_inference_steps=steps, guidance_scale=guidance_scale, format=fmt)
 
 
+def group_key(prompt: Prompt) -> tuple:
+    """(height, width, cfg, steps, guidance): rows that may share a batch. Its first
+    three fields are what decides the shape (`shape_for`); the validation pass counts
+    batches per group with the same key the bucketer batches by."""
+    return prompt.height, prompt.width, prompt.guidance_scale > 1.0, prompt.num_inference_steps, prompt.guidance_scale
+
+
 class Bucketer:
     def __init__(self, options: RunOptions, seed_base: str):
         self.options = options
@@ -69,8 +76,8 @@ class Bucketer:
         self._counts: dict[tuple, int] = {}
 
     def _group(self, prompt: Prompt) -> tuple[tuple, Batch]:
-        shape_key = (prompt.height, prompt.width, prompt.guidance_scale > 1.0)
-        group = (*shape_key, prompt.num_inference_steps, prompt.guidance_scale)
+        group = group_key(prompt)
+        shape_key = group[:3]
         batch = self._open.get(group)
         if batch is None:
             index = self._counts.get(shape_key, 0)

@@ -39,9 +39,13 @@ class EncodedBatch(NamedTuple):
                    message.to_json().encode())
 
 
-def batch_id(shape: ShapeKey, index: int) -> str:
+def batch_id_prefix(shape: ShapeKey) -> str:
     digest = hashlib.sha1(shape.queue.encode()).hexdigest()[:6]
-    return f"{shape.height}x{shape.width}-{digest}-{index:07d}"
+    return f"{shape.height}x{shape.width}-{digest}-"
+
+
+def batch_id(shape: ShapeKey, index: int) -> str:
+    return f"{batch_id_prefix(shape)}{index:07d}"
 
 
 class BatchEncoder:
@@ -67,7 +71,7 @@ class BatchEncoder:
         named = self._queues.get(id(shape))
         if named is None:
             self._dump(shape)  # holds the shape, so its id() is not reused
-            named = self._queues[id(shape)] = (shape.queue, batch_id(shape, 0)[:-7])
+            named = self._queues[id(shape)] = (shape.queue, batch_id_prefix(shape))
         queue, id_prefix = named
         bid = f"{id_prefix}{batch.index:07d}"
         data = orjson.dumps({**self._head, "batch_id": bid, "shape": self._dump(shape),

@@ -259,7 +259,8 @@ class IdChecker:
     there are O(log n) of them (a Python set of hashes costs ~70 bytes an id: 75 MB
     more RSS per million prompts). A hash seen before is confirmed by reading the
     file again, which finds the first line and tells a true duplicate from two ids
-    whose hashes collide. The check lags by up to `CHUNK` rows: `finish()` settles
+    whose hashes collide (the pending chunk keeps its ids, so one pass up to the
+    repeat suffices). The check lags by up to `CHUNK` rows: `finish()` settles
     it, and is called before any other row error is reported, so the first bad row
     is always the one named.
     """
@@ -271,11 +272,13 @@ class IdChecker:
         self.path = path
         self._hashes = array("q")
         self._lines = array("q")
+        self._ids: list[str] = []  # the pending chunk's ids, for the error message
         self._runs: list = []  # sorted int64 arrays, sizes roughly halving
 
     def check(self, prompt: Prompt) -> None:
         self._hashes.append(hash(prompt.id))  # str hashes are SipHash, computed once per string
         self._lines.append(prompt.line)
+        self._ids.append(prompt.id)
         if len(self._hashes) >= self.CHUNK:
             self.finish()
 
@@ -285,7 +288,10 @@ class IdChecker:
 
         if not self._hashes:
             return
-        chunk = np.frombuffer(self._hashes, dtype=np.int64)
+        # Taken before checking: after an error nothing is left to check twice.
+        hashes, lines, ids = self._hashes, self._lines, self._ids
+        self._hashes, self._lines, self._ids = array("q"), array("q"), []
+        chunk = np.frombuffer(hashes, dtype=np.int64)
         order = np.argsort(chunk, kind="stable")  # equal hashes keep row order
         ranked = chunk[order]
         seen_before = np.zeros(len(chunk), dtype=bool)
@@ -294,7 +300,7 @@ class IdChecker:
             at = np.minimum(np.searchsorted(run, chunk), len(run) - 1)
             seen_before |= run[at] == chunk
         for index in np.flatnonzero(seen_before):  # row order; empty unless a repeat
-            self._confirm(int(self._lines[index]))
+            self._confirm(int(lines[index]), ids[index])
         self._runs.append(ranked)
         # Merge runs of similar size (O(log n) runs to search), but not past MAX_RUN:
         # a merge briefly holds both inputs and the result.
@@ -304,12 +310,10 @@ class IdChecker:
             merged = np.concatenate([self._runs[-1], newer])
             merged.sort(kind="stable")  # two sorted runs: timsort merges them in linear time
             self._runs[-1] = merged
-        self._hashes, self._lines = array("q"), array("q")
 
-    def _confirm(self, line: int) -> None:
+    def _confirm(self, line: int, item_id: str) -> None:
         """Raise for the row at `line` if an earlier row has its id (else: a collision)."""
-        # Every row up to `line` was valid, so its id is the raw one or generated.
-        item_id = next(self._row_id(row_line, raw) for row_line, raw in iter_raw_rows(self.path) if row_line == line)
+        # Every row before `line` was valid, so its id is the raw one or generated.
         for row_line, raw in iter_raw_rows(self.path):
             if row_line >= line:
                 return

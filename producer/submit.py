@@ -24,7 +24,7 @@ from pathlib import Path
 from diffq import __version__, layout
 from diffq.contract import BatchMessage, RunManifest, ShapeKey, ShapeSummary
 from diffq.storage import Storage, open_storage
-from diffq.producer.bucketing import RunOptions, bucket, shape_for
+from diffq.producer.bucketing import RunOptions, bucket, group_key, shape_for
 from diffq.producer.messages import BatchEncoder, EncodedBatch
 from diffq.producer.publish import CeleryPublisher
 from diffq.producer.sources import Defaults, IdChecker, InputError, Prompt, read_prompts
@@ -77,8 +77,7 @@ class Validation:
         try:
             for prompt in prompts:
                 check(prompt)
-                per_group[(prompt.height, prompt.width, prompt.guidance_scale > 1.0,
-                           prompt.num_inference_steps, prompt.guidance_scale)] += 1
+                per_group[group_key(prompt)] += 1
                 self._total += 1
                 yield prompt
         except InputError:

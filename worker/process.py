@@ -245,10 +245,20 @@ def child_main(spec_json: str) -> None:
 
 def _consume(spec: ChildSpec, group) -> None:
     """Warm start, then a Celery solo-pool worker on the spec's queues until shutdown."""
-    from diffq.worker import metrics
-    from diffq.worker.tasks import build_worker_app
+    from diffq.worker.tasks import build_worker_app, runtime
 
-    app = build_worker_app(spec, group=group)
+    app = build_worker_app(spec, group=group)  # starts the sink's helper process
+    try:
+        _warm_and_serve(app, spec)
+    finally:
+        # On every way out (warm shutdown, failed warm start, --warmup-only) the
+        # helper ends with its worker and is reaped by it, not left to PID 1.
+        runtime().sink.close()
+
+
+def _warm_and_serve(app, spec: ChildSpec) -> None:
+    from diffq.worker import metrics
+
     try:
         report = warm_start(spec)
     except Exception as exc:  # a model or compile that fails now fails on retry too
@@ -262,7 +272,7 @@ def _consume(spec: ChildSpec, group) -> None:
         print(json.dumps({"event": "warm", **report}), flush=True)
     if spec.warmup_only:
         return
-    argv = [
+    app.worker_main([
         "--quiet",
         "worker",
         "--pool=solo",
@@ -273,17 +283,7 @@ def _consume(spec: ChildSpec, group) -> None:
         f"--loglevel={spec.loglevel}",
         "--without-mingle",
         "--without-gossip",
-    ]
-    try:
-        app.worker_main(argv)
-    except SystemExit as exc:
-        sys.exit(exc.code)
-    finally:
-        # The sink's helper process ends with its worker (and is reaped by it, not
-        # left to PID 1 of a container).
-        from diffq.worker.tasks import runtime
-
-        runtime().sink.close()
+    ])
 
 
 def _join_group(spec: ChildSpec):

@@ -84,7 +84,6 @@ class Handed:
 class _Credits:
     """One run folder's progress log and the credits waiting for its next write."""
 
-    storage: Storage
     log: ProgressLog
     waiting: list = field(default_factory=list)  # futures resolved by the next write
     next_write: float = 0.0  # monotonic time the segment may be rewritten
@@ -132,7 +131,7 @@ class Sink:
         rewrite of it (GCS: once a second), for every credit waiting by then."""
         credits = self._credits.get(storage.url)
         if credits is None:
-            credits = self._credits[storage.url] = _Credits(storage, ProgressLog(storage))
+            credits = self._credits[storage.url] = _Credits(ProgressLog(storage))
             if len(self._credits) > MAX_LOGS:
                 self._write_credits(self._credits.popitem(last=False)[1])
         self._credits.move_to_end(storage.url)
@@ -161,7 +160,7 @@ class Sink:
         else:
             for future in waiting:
                 future.set_result(None)
-        credits.next_write = time.monotonic() + credits.storage.min_rewrite_interval_s
+        credits.next_write = time.monotonic() + credits.log.storage.min_rewrite_interval_s
 
     def _with_retry(self, batch_id: str, write: Callable):
         """Outlast a storage outage instead of regenerating the batch.

@@ -37,7 +37,9 @@ from concurrent.futures import Future, wait
 from multiprocessing.connection import Connection
 
 from diffq.contract import BatchMessage
-from diffq.storage import Storage
+from diffq.settings import get_settings
+from diffq.storage import Storage, open_storage
+from diffq.worker.sink import SINK_NICENESS, BatchOutcome, Handed, Sink
 
 log = logging.getLogger(__name__)
 
@@ -157,8 +159,6 @@ class SinkProcess:
                 if self._helper is not None:
                     self._failed_starts = 0 if self._helper.replied else self._failed_starts + 1
                     if self._failed_starts >= self.MAX_FAILED_STARTS:
-                        from diffq.worker.sink import Sink
-
                         log.error("the sink helper process exited %d times without storing anything (last "
                                   "exit %s); storing in threads in this process from now on",
                                   self._failed_starts, self._helper.process.poll())
@@ -170,8 +170,6 @@ class SinkProcess:
 
     def submit(self, storage: Storage, message: BatchMessage, images: list, record_extra: dict):
         """Returns a `Handed` (worker/sink.py): `stored`, then `credited`."""
-        from diffq.worker.sink import Handed
-
         helper = self._current()
         if helper is None:
             return self._fallback.submit(storage, message, images, record_extra)
@@ -192,8 +190,6 @@ class SinkProcess:
 
     @staticmethod
     def _outcome(reply: Future) -> Future:
-        from diffq.worker.sink import BatchOutcome
-
         outcome: Future = Future()
 
         def convert(done: Future) -> None:
@@ -225,9 +221,6 @@ class SinkProcess:
 
 def make_sink():
     """The worker's sink: a helper process (default) or threads in the worker (`DIFFQ_SINK=thread`)."""
-    from diffq.settings import get_settings
-    from diffq.worker.sink import Sink
-
     return SinkProcess() if get_settings().sink == "process" else Sink()
 
 
@@ -235,8 +228,6 @@ def serve(conn: Connection, threads: int, retry_for_s: float) -> None:
     """The helper's loop: receive batches, store them with `Sink`, reply per job."""
     from PIL import Image
 
-    from diffq.storage import open_storage
-    from diffq.worker.sink import Sink
 
     sink = Sink(threads=threads, retry_for_s=retry_for_s)
     storages: dict[str, Storage] = {}
@@ -292,13 +283,9 @@ def main(argv: list[str]) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:  # the whole helper yields to generation, like the sink threads did (sink.py)
-        from diffq.worker.sink import SINK_NICENESS
-
         os.setpriority(os.PRIO_PROCESS, 0, SINK_NICENESS)
     except (AttributeError, OSError):
         pass
-    from diffq.settings import get_settings
-
     if get_settings().log_json:
         from diffq.worker.logs import install_json_logging
 

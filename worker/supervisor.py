@@ -179,11 +179,11 @@ class Supervisor:
         return all(unit.fatal or unit.finished for unit in self.units)
 
     def alive(self) -> int:
-        return sum(1 for c in self.children if c.process is not None and c.process.is_alive())
+        return sum(1 for child in self.children if child.alive)
 
     def signal_all(self, signum: int) -> None:
         for child in self.children:
-            if child.process is not None and child.process.is_alive():
+            if child.alive:
                 os.kill(child.process.pid, signum)
 
     def stop(self, timeout: float = 600.0) -> None:
