@@ -18,14 +18,14 @@ import tempfile
 import time
 from pathlib import Path
 
-from diffq.contract import ShapeKey, queue_name
-from diffq.tiny import build_tiny_pipeline
+from diffq.core.contract import ShapeKey, queue_name
+from diffq.app.tiny import build_tiny_pipeline
 
 
 def warm(model: str, queue: str, compile_mode: str, remote: str, local: Path) -> tuple[dict, float]:
     started = time.perf_counter()
     proc = subprocess.run(
-        [sys.executable, "-m", "diffq.cli", "worker", "--broker", "memory://", "--model", model,
+        [sys.executable, "-m", "diffq", "worker", "--broker", "memory://", "--model", model,
          "--queues", queue, "--compile", compile_mode, "--compile-cache", remote,
          "--compile-cache-local", str(local), "--warmup-only"],
         capture_output=True, text=True, check=True,

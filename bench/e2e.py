@@ -89,8 +89,8 @@ def timeline(out: str) -> tuple[list[float], float]:
     finished_at fields): the idle gaps, seconds between one batch's generate end and
     the same worker's next start; and the in-run seconds, first generate start to
     last image stored."""
-    from diffq.producer.results import iter_records
-    from diffq.storage import open_storage
+    from diffq.core.runfolder import iter_records
+    from diffq.core.storage import open_storage
 
     spans: dict[str, set] = {}
     first_start, last_stored = float("inf"), 0.0
@@ -115,7 +115,7 @@ def diffq_run(model: str, workers: int, items: int, out: str, workdir: Path,
               seed_base: str | None = None) -> tuple[float, list[float], float]:
     """Wall seconds of an embedded `diffq run`, the idle gaps between batches, and the
     in-run seconds (first generate start to last image stored)."""
-    from diffq.runner import run
+    from diffq.app.runner import run
 
     prompts = write_prompts(workdir / f"p{items}.jsonl", items)
     started = time.perf_counter()
@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--s3", action="store_true", help="also write to S3 (moto server on loopback)")
     args = parser.parse_args(argv)
 
-    from diffq.tiny import build_tiny_pipeline
+    from diffq.app.tiny import build_tiny_pipeline
 
     workdir = Path(tempfile.mkdtemp(prefix="diffq-bench-"))
     model = str(build_tiny_pipeline(workdir / "tiny"))

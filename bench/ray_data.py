@@ -60,7 +60,7 @@ class RayImageWriter:
         import numpy as np
         import torch
 
-        from diffq import layout
+        from diffq.core import layout
         from diffq.producer.sources import derive_seed
         from diffq.worker.sink import encode
 
@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         print("bench.ray_data skipped: Ray is not installed (pip install -e \".[bench]\")", file=sys.stderr)
         return []
 
-    from diffq.tiny import build_tiny_pipeline
+    from diffq.app.tiny import build_tiny_pipeline
 
     workdir = Path(tempfile.mkdtemp(prefix="diffq-bench-ray-"))
     model = str(build_tiny_pipeline(workdir / "tiny"))

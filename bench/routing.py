@@ -18,9 +18,10 @@ from bench import redis_server
 
 
 def one_run(mode: str, server_url: str, model: str, workdir: Path, shapes: int, batches: int, workers: int) -> dict:
-    from diffq.producer.results import iter_records, status
+    from diffq.core.runfolder import iter_records
+    from diffq.results.status import status
     from diffq.producer.submit import submit
-    from diffq.storage import open_storage
+    from diffq.core.storage import open_storage
     from diffq.worker.supervisor import Supervisor, plan_children
 
     sizes = [32 + 16 * i for i in range(shapes)]
@@ -53,7 +54,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--shapes", type=int, default=4)
     parser.add_argument("--batches", type=int, default=8, help="batches per shape")
     args = parser.parse_args(argv)
-    from diffq.tiny import build_tiny_pipeline
+    from diffq.app.tiny import build_tiny_pipeline
 
     workdir = Path(tempfile.mkdtemp(prefix="diffq-bench-routing-"))
     model = str(build_tiny_pipeline(workdir / "tiny"))

@@ -42,9 +42,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     import torch
 
     torch.set_num_threads(1)
-    from diffq.contract import BatchItem, BatchMessage, BatchParams, ShapeKey
-    from diffq.storage import open_storage
-    from diffq.tiny import build_tiny_pipeline
+    from diffq.core.contract import BatchItem, BatchMessage, BatchParams, ShapeKey
+    from diffq.core.storage import open_storage
+    from diffq.app.tiny import build_tiny_pipeline
     from diffq.worker.backends import BACKENDS
     from diffq.worker.pipeline_host import PipelineHost
     from diffq.worker.sink import Sink

@@ -27,10 +27,10 @@ BATCH = 8
 def synthesise(out: str, items: int, workers: int = 16, failed_batches: int = 10,
                records: bool = True) -> tuple[int, int]:
     """Write the run folder; returns the (done, failed) items status must report."""
-    from diffq import layout
-    from diffq.contract import RunManifest, ShapeKey, ShapeSummary
-    from diffq.progress import ProgressLog
-    from diffq.storage import open_storage
+    from diffq.core import layout
+    from diffq.core.contract import RunManifest, ShapeKey, ShapeSummary
+    from diffq.core.progress import ProgressLog
+    from diffq.core.storage import open_storage
 
     storage = open_storage(out)
     shape = ShapeKey(model="/models/bench", height=128, width=128, batch_size=BATCH, max_sequence_length=64, cfg=False)
@@ -86,7 +86,7 @@ def synthesise(out: str, items: int, workers: int = 16, failed_batches: int = 10
 
 
 def timed_status(out: str, repeats: int = 3) -> tuple[float, int, int]:
-    from diffq.producer.results import status
+    from diffq.results.status import status
 
     times = []
     for _ in range(repeats):
@@ -97,8 +97,8 @@ def timed_status(out: str, repeats: int = 3) -> tuple[float, int, int]:
 
 
 def measure(where: str, out: str, items: int, command: str, **options) -> dict:
-    from diffq import layout
-    from diffq.storage import open_storage
+    from diffq.core import layout
+    from diffq.core.storage import open_storage
 
     started = time.perf_counter()
     expected = synthesise(out, items, **options)

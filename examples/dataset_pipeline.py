@@ -14,7 +14,7 @@ import tempfile
 from pathlib import Path
 
 from diffq import api
-from diffq.tiny import build_tiny_pipeline
+from diffq.app.tiny import build_tiny_pipeline
 
 
 def main(workdir: Path) -> None:

@@ -12,7 +12,7 @@ import functools
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
-from diffq.contract import BatchParams, ShapeKey
+from diffq.core.contract import BatchParams, ShapeKey
 from diffq.producer.sources import Prompt, derive_seed
 
 

@@ -19,8 +19,8 @@ import orjson
 from celery import Celery
 from pydantic import BaseModel
 
-from diffq.broker import TASK_NAME
-from diffq.contract import MAX_MESSAGE_BYTES, SCHEMA_VERSION, BatchMessage, ShapeKey
+from diffq.core.broker import TASK_NAME
+from diffq.core.contract import MAX_MESSAGE_BYTES, SCHEMA_VERSION, BatchMessage, ShapeKey
 from diffq.producer.bucketing import Batch
 
 

@@ -18,8 +18,8 @@ import contextlib
 import orjson
 from kombu.transport import redis as kombu_redis
 
-from diffq.broker import make_celery
-from diffq.contract import BatchMessage
+from diffq.core.broker import make_celery
+from diffq.core.contract import BatchMessage
 from diffq.producer.messages import EncodedBatch, TaskMessages, dashed, new_task_id
 
 

@@ -16,11 +16,11 @@ import hashlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from diffq.contract import BatchMessage
-from diffq.producer.progress import reconcile
-from diffq.producer.results import ProgressTracker, read_manifest
+from diffq.core.contract import BatchMessage
+from diffq.core.progress import reconcile
+from diffq.core.runfolder import ProgressTracker, read_manifest
 from diffq.producer.submit import CeleryPublisher, read_plan
-from diffq.storage import Storage, open_storage
+from diffq.core.storage import Storage, open_storage
 
 
 def _derived_id(batch_id: str, tag: str, item_ids: list[str]) -> str:

@@ -20,7 +20,7 @@ from typing import NamedTuple
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from diffq.contract import MAX_PROMPT_CHARS
+from diffq.core.contract import MAX_PROMPT_CHARS
 
 FORMATS = ("jsonl", "csv", "txt", "parquet")
 _SUFFIXES = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl", ".csv": "csv",

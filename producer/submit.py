@@ -21,9 +21,10 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from diffq import __version__, layout
-from diffq.contract import BatchMessage, RunManifest, ShapeKey, ShapeSummary
-from diffq.storage import Storage, open_storage
+from diffq import __version__
+from diffq.core import layout
+from diffq.core.contract import BatchMessage, RunManifest, ShapeKey, ShapeSummary
+from diffq.core.storage import Storage, open_storage
 from diffq.producer.bucketing import RunOptions, bucket, group_key, shape_for
 from diffq.producer.messages import BatchEncoder, EncodedBatch
 from diffq.producer.publish import CeleryPublisher

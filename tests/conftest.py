@@ -11,7 +11,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 @pytest.fixture(scope="session")
 def tiny_pipelines(tmp_path_factory):
     """Both tiny families, built once per session, offline."""
-    from diffq.tiny import FAMILIES, build_tiny_pipeline
+    from diffq.app.tiny import FAMILIES, build_tiny_pipeline
 
     root = tmp_path_factory.mktemp("tiny")
     return {family: str(build_tiny_pipeline(root / family, family=family)) for family in FAMILIES}

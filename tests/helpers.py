@@ -8,8 +8,8 @@ from pathlib import Path
 
 from PIL import Image
 
-from diffq.producer.results import iter_records
-from diffq.storage import open_storage
+from diffq.core.runfolder import iter_records
+from diffq.core.storage import open_storage
 
 
 def expected_rows(prompts_path: Path, height: int = 128, width: int = 128) -> dict[str, dict]:
@@ -61,7 +61,7 @@ def wait_until(out: str, supervisor, predicate, timeout: float = 300.0):
     """Poll the run folder until `predicate(status)` holds; restarts dead workers meanwhile."""
     import time
 
-    from diffq.producer.results import status
+    from diffq.results.status import status
 
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

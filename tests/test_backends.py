@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import pytest
 from typer.testing import CliRunner
 
-from diffq.contract import ShapeKey, queue_name
+from diffq.core.contract import ShapeKey, queue_name
 from diffq.worker import compile_cache
 from diffq.worker.backends import BACKENDS, device_count, get_backend, parse_devices
 from diffq.worker.process import ChildSpec
@@ -192,7 +192,7 @@ QUEUE = queue_name(ShapeKey(model="/models/klein", height=32, width=32, batch_si
 
 
 def worker_plan(*args: str) -> list[dict]:
-    from diffq.cli import app
+    from diffq.app.cli import app
 
     result = CliRunner().invoke(app, ["worker", "--broker", "memory://", "--queues", QUEUE,
                                       "--model", "/models/klein", "--plan", *args])
@@ -245,7 +245,7 @@ def test_plan_cpu_workers():
 
 
 def test_plan_rejects_unserved_warmup_size():
-    from diffq.cli import app
+    from diffq.app.cli import app
 
     result = CliRunner().invoke(app, ["worker", "--broker", "memory://", "--queues", QUEUE,
                                       "--model", "/models/klein", "--warmup", "64x64", "--plan"])

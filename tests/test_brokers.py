@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from diffq.producer.submit import submit
-from diffq.queues import queue_report
+from diffq.app.queues import queue_report
 from helpers import assert_run_complete, start_workers, wait_until
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "prompts.jsonl"
@@ -93,7 +93,7 @@ def test_embedded_broker_wait_ends_when_the_worker_stops(tmp_path, monkeypatch):
     from celery.worker import state
     from kombu import Exchange, Queue
 
-    from diffq.broker import EmbeddedTransport, embedded_broker, make_celery
+    from diffq.core.broker import EmbeddedTransport, embedded_broker, make_celery
 
     url, options = embedded_broker(tmp_path / "broker")
     app = make_celery(url, options)

@@ -3,7 +3,7 @@
 import pytest
 from typer.testing import CliRunner
 
-from diffq.cli import app
+from diffq.app.cli import app
 
 CONTRACT = {
     "tiny-pipeline": ["--family"],

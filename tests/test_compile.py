@@ -23,7 +23,7 @@ import torch
 import torch._dynamo
 from torch._dynamo.utils import counters
 
-from diffq.contract import BatchItem, BatchParams, ShapeKey, queue_name
+from diffq.core.contract import BatchItem, BatchParams, ShapeKey, queue_name
 from diffq.worker.backends import get_backend
 from diffq.worker.compile_cache import CacheSync
 from diffq.worker.pipeline_host import CompileUnsupported, PipelineHost
@@ -195,7 +195,7 @@ def warm_worker(model: str, remote: str, local: Path) -> dict:
     queue = queue_name(shape(model, 32))
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.run(
-        [sys.executable, "-m", "diffq.cli", "worker", "--broker", "memory://", "--model", model,
+        [sys.executable, "-m", "diffq", "worker", "--broker", "memory://", "--model", model,
          "--queues", queue, "--compile", "regional", "--compile-cache", remote,
          "--compile-cache-local", str(local), "--warmup-only"],
         capture_output=True, text=True, timeout=240, env=env,

@@ -6,8 +6,8 @@ import tracemalloc
 import pytest
 from pydantic import ValidationError
 
-from diffq import layout
-from diffq.contract import MAX_MESSAGE_BYTES, BatchItem, BatchMessage, BatchParams, ShapeKey, queue_name
+from diffq.core import layout
+from diffq.core.contract import MAX_MESSAGE_BYTES, BatchItem, BatchMessage, BatchParams, ShapeKey, queue_name
 from diffq.producer.bucketing import Bucketer, RunOptions, bucket
 from diffq.producer.sources import Prompt
 

@@ -6,14 +6,14 @@ import sys
 
 import pytest
 
-from diffq.producer.results import status
+from diffq.results.status import status
 from helpers import assert_run_complete
 
 pytestmark = pytest.mark.slow
 
 
 def diffq(*args, check=True):
-    proc = subprocess.run([sys.executable, "-m", "diffq.cli", *args], capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([sys.executable, "-m", "diffq", *args], capture_output=True, text=True, timeout=600)
     if check and proc.returncode != 0:
         raise AssertionError(f"diffq {' '.join(args)} exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}")
     return proc

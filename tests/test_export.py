@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from diffq import layout
-from diffq.contract import FailureRecord, RunManifest, ShapeKey, ShapeSummary
-from diffq.producer.export import export
-from diffq.storage import open_storage
+from diffq.core import layout
+from diffq.core.contract import FailureRecord, RunManifest, ShapeKey, ShapeSummary
+from diffq.results.export import export
+from diffq.core.storage import open_storage
 
 SHAPES = [ShapeKey(model="tiny", height=32, width=32, batch_size=8, max_sequence_length=64, cfg=False),
           ShapeKey(model="tiny", height=32, width=48, batch_size=8, max_sequence_length=64, cfg=False)]
@@ -165,7 +165,7 @@ def test_unknown_format_is_refused(tmp_path):
 
 
 def test_fetch_only_new_and_progress(tmp_path):
-    from diffq.producer.results import fetch
+    from diffq.results.fetch import fetch
 
     url = str(tmp_path / "run")
     make_run(url, 16)
@@ -184,7 +184,7 @@ def test_fetch_only_new_and_progress(tmp_path):
 def test_cli_export_report_watch(tmp_path):
     from typer.testing import CliRunner
 
-    from diffq.cli import app
+    from diffq.app.cli import app
 
     url = str(tmp_path / "run")
     make_run(url, 16, failed_batches=1)

@@ -5,7 +5,8 @@ import json
 import pytest
 from PIL import Image
 
-from diffq.producer.results import fetch, status
+from diffq.results.fetch import fetch
+from diffq.results.status import status
 from diffq.producer.submit import submit
 from helpers import assert_run_complete, expected_rows, start_workers, wait_until
 

@@ -24,9 +24,9 @@ import typer.main
 import yaml
 from typer.testing import CliRunner
 
-from diffq import fleet
-from diffq.cli import app
-from diffq.contract import ShapeKey, queue_name
+from diffq.app import fleet
+from diffq.app.cli import app
+from diffq.core.contract import ShapeKey, queue_name
 from diffq.producer.submit import make_options, validate
 
 ROOT = Path(__file__).resolve().parents[1]

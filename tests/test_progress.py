@@ -12,14 +12,15 @@ from types import SimpleNamespace
 import pytest
 from PIL import Image
 
-from diffq import layout, progress
-from diffq.contract import BatchItem, BatchMessage, BatchParams, RunManifest, ShapeKey, ShapeSummary
-from diffq.producer.progress import ProgressSummary, reconcile
+from diffq.core import layout, progress
+from diffq.core.contract import BatchItem, BatchMessage, BatchParams, RunManifest, ShapeKey, ShapeSummary
+from diffq.core.progress import ProgressSummary, reconcile
 from diffq.producer.resume import missing_batches, resume, retry_failed, select_batches
-from diffq.producer.results import ProgressTracker, RunProgress, status
+from diffq.core.runfolder import ProgressTracker
+from diffq.results.status import RunProgress, status
 from diffq.producer.messages import EncodedBatch, batch_id
 from diffq.producer.submit import write_plan_part
-from diffq.storage import open_storage
+from diffq.core.storage import open_storage
 from diffq.worker.sink import Sink
 
 SHAPES = [ShapeKey(model="tiny", height=32, width=32, batch_size=4, max_sequence_length=64, cfg=False),
@@ -346,7 +347,7 @@ def test_gcs_summary(gcs_bucket, monkeypatch):
 
 
 def test_watch_follows_credits_as_workers_write(tmp_path):
-    from diffq.producer.watch import snapshots
+    from diffq.results.watch import snapshots
 
     out = str(tmp_path / "run")
     plan = make_plan(out)
@@ -419,8 +420,8 @@ def test_waiting_credits_are_written_when_the_interval_has_passed(tmp_path):
 def test_gcs_declares_its_rewrite_limit():
     # "There is a maximum rate of one write per second to the same object name"
     # (cloud.google.com/storage/quotas): the sink batches credits to respect it.
-    from diffq.storage.gcs import GCSStorage
-    from diffq.storage.local import LocalStorage
+    from diffq.core.storage.gcs import GCSStorage
+    from diffq.core.storage.local import LocalStorage
 
     assert GCSStorage.min_rewrite_interval_s == 1.0
     assert LocalStorage.min_rewrite_interval_s == 0.0

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from diffq.contract import BatchMessage
+from diffq.core.contract import BatchMessage
 from diffq.producer.sources import InputError, read_prompts
 from diffq.producer.submit import submit
 

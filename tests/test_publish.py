@@ -14,8 +14,8 @@ import redis
 from celery.contrib.testing.worker import start_worker
 from kombu import Consumer
 
-from diffq.broker import TASK_NAME, embedded_broker, make_celery
-from diffq.contract import BatchItem, BatchMessage
+from diffq.core.broker import TASK_NAME, embedded_broker, make_celery
+from diffq.core.contract import BatchItem, BatchMessage
 from diffq.producer.bucketing import RunOptions, bucket
 from diffq.producer.messages import BatchEncoder, EncodedBatch, TaskMessages, batch_id
 from diffq.producer.publish import CeleryPublisher
@@ -209,7 +209,7 @@ def test_bad_last_row_leaves_redis_and_out_empty(make_redis_server, tmp_path):
 
 def test_submit_enqueues_every_prompt_once_and_plan_matches(make_redis_server, tmp_path):
     from diffq.producer.submit import read_plan
-    from diffq.storage import open_storage
+    from diffq.core.storage import open_storage
 
     server = make_redis_server()
     path = tmp_path / "p.jsonl"

@@ -14,9 +14,9 @@ import pytest
 import redis
 from typer.testing import CliRunner
 
-from diffq.cli import app
+from diffq.app.cli import app
 from diffq.producer.submit import submit
-from diffq.queues import PRIORITY_SEP, queue_report
+from diffq.app.queues import PRIORITY_SEP, queue_report
 from diffq.worker.supervisor import Supervisor, plan_children
 from servers import free_port
 
@@ -29,7 +29,7 @@ IDLE_QUEUE = "diffq.idle-000000.64x64.b1.l64.nocfg.fp32"
 @pytest.fixture(scope="module")
 def worker(redis_server):
     """One real spawned worker process consuming IDLE_QUEUE; yields its Celery hostname."""
-    from diffq.broker import make_celery
+    from diffq.core.broker import make_celery
 
     supervisor = Supervisor(plan_children(device="cpu", devices=[0], broker_url=redis_server,
                                           queues=[IDLE_QUEUE], models=[], name_prefix="qtest"),

@@ -12,9 +12,9 @@ import time
 import pytest
 
 from diffq.producer.resume import resume, retry_failed
-from diffq.producer.results import status
+from diffq.results.status import status
 from diffq.producer.submit import submit
-from diffq.storage import open_storage
+from diffq.core.storage import open_storage
 from helpers import assert_run_complete, start_workers, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.chaos]

@@ -9,7 +9,7 @@ import re
 import pytest
 from PIL import Image
 
-from diffq.producer.report import build_report, render_text, report, to_json
+from diffq.results.report import build_report, render_text, report, to_json
 from test_export import make_run
 
 

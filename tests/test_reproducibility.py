@@ -14,9 +14,9 @@ import json
 import numpy as np
 from PIL import Image
 
-from diffq.producer.results import iter_records
-from diffq.runner import run
-from diffq.storage import open_storage
+from diffq.core.runfolder import iter_records
+from diffq.app.runner import run
+from diffq.core.storage import open_storage
 
 
 def _pixels(out: str) -> dict[str, tuple[int, np.ndarray]]:

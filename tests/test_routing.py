@@ -8,9 +8,9 @@ import random
 
 import pytest
 
-from diffq.producer.results import iter_records
+from diffq.core.runfolder import iter_records
 from diffq.producer.submit import submit
-from diffq.storage import open_storage
+from diffq.core.storage import open_storage
 from diffq.worker.routing import choose_queues
 from helpers import start_workers, wait_until
 

@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from diffq.contract import BatchItem, BatchMessage, BatchParams, ShapeKey
-from diffq.producer.results import status
+from diffq.core.contract import BatchItem, BatchMessage, BatchParams, ShapeKey
+from diffq.results.status import status
 from diffq.producer.submit import submit
 from diffq.worker.process import ChildSpec
 from helpers import assert_run_complete, start_workers, wait_until
@@ -59,7 +59,7 @@ def test_credentials_never_leak_and_tls_works(tmp_path, make_redis_server, tiny_
     # Nor does what the workers logged, nor `diffq status`.
     captured = capfd.readouterr()
     assert SECRET not in captured.out + captured.err
-    proc = subprocess.run([sys.executable, "-m", "diffq.cli", "status", out, "--json"],
+    proc = subprocess.run([sys.executable, "-m", "diffq", "status", out, "--json"],
                           capture_output=True, text=True, check=True)
     assert SECRET not in proc.stdout + proc.stderr
     # And no message still queued holds it (the run folder URL is all they carry).
@@ -73,7 +73,7 @@ def test_credentials_never_leak_and_tls_works(tmp_path, make_redis_server, tiny_
 
 
 def test_message_schema_carries_no_broker_and_rejects_credentials_in_out():
-    from diffq.storage import StorageError, open_storage
+    from diffq.core.storage import StorageError, open_storage
 
     with pytest.raises(StorageError) as info:
         open_storage(f"s3://AKIA:{SECRET}@bucket/prefix")

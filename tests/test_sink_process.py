@@ -19,9 +19,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from diffq import layout, progress
-from diffq.contract import BatchItem, BatchMessage, BatchParams, ShapeKey
-from diffq.storage import open_storage
+from diffq.core import layout, progress
+from diffq.core.contract import BatchItem, BatchMessage, BatchParams, ShapeKey
+from diffq.core.storage import open_storage
 from diffq.worker.sink import Sink
 from diffq.worker.sink_process import SinkError, SinkLost, SinkProcess, make_sink
 

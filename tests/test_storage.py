@@ -1,4 +1,4 @@
-"""diffq.storage against a local directory, moto's S3 server and fake-gcs-server."""
+"""diffq.core.storage against a local directory, moto's S3 server and fake-gcs-server."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from diffq.storage import (
+from diffq.core.storage import (
     GCSStorage,
     LocalStorage,
     NotFound,
@@ -20,7 +20,7 @@ from diffq.storage import (
     open_storage,
     validate_key,
 )
-from diffq.storage.base import TMP_PREFIX
+from diffq.core.storage.base import TMP_PREFIX
 
 BIG = 9 * 1024 * 1024  # over the 8 MiB multipart (S3) / resumable (GCS) threshold
 

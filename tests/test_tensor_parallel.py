@@ -15,9 +15,9 @@ import pytest
 from PIL import Image
 from typer.testing import CliRunner
 
-from diffq.cli import app
+from diffq.app.cli import app
 from diffq.producer.submit import submit
-from diffq.storage import open_storage
+from diffq.core.storage import open_storage
 from diffq.worker.backends import get_backend
 from diffq.worker.supervisor import Supervisor, plan_children
 from diffq.worker.tensor_parallel import Group, shard_load_kwargs, sharded_components, sharding_plan
@@ -227,7 +227,7 @@ def test_killing_a_rank_mid_batch_produces_it_exactly_once(tmp_path, redis_serve
 
 def test_fleet_manifests_run_one_group_per_pod():
     """A Trn2 pod of 8 cores with --tp 8: its container args are one 8-rank group."""
-    from diffq import fleet
+    from diffq.app import fleet
 
     options = fleet.FleetOptions(device="neuron", devices_per_pod=8, tp=8)
     (shape,) = fleet.shape_keys("black-forest-labs/FLUX.2-dev", [(1024, 1024)], batch_size=1,

@@ -9,7 +9,7 @@ import torch
 from diffusers import DiffusionPipeline, Flux2KleinPipeline, FluxPipeline
 from PIL import Image
 
-from diffq.tiny import FAMILIES, build_tiny_pipeline
+from diffq.app.tiny import FAMILIES, build_tiny_pipeline
 
 torch.set_num_threads(1)
 

@@ -7,9 +7,9 @@ import json
 
 from rich.console import Console
 
-from diffq import layout
-from diffq.producer.watch import snapshots, watch
-from diffq.storage import open_storage
+from diffq.core import layout
+from diffq.results.watch import snapshots, watch
+from diffq.core.storage import open_storage
 from test_export import make_run
 
 

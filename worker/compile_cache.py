@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
 
-from diffq.storage import Storage, open_storage
-from diffq.storage.base import TMP_PREFIX
+from diffq.core.storage import Storage, open_storage
+from diffq.core.storage.base import TMP_PREFIX
 from diffq.worker.backends import Backend
 
 log = logging.getLogger(__name__)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import signal
 
-from diffq.contract import BatchItem
+from diffq.core.contract import BatchItem
 
 
 class PoisonedPrompt(RuntimeError):

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from diffq.contract import BatchItem, BatchParams, ShapeKey
+from diffq.core.contract import BatchItem, BatchParams, ShapeKey
 from diffq.worker.backends import Backend, resolve
 from diffq.worker.models import resolve_model
 

@@ -22,7 +22,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from diffq.contract import ShapeKey
+from diffq.core.contract import ShapeKey
 from diffq.worker.backends import Backend, get_backend
 from diffq.worker.compile_cache import CachePlan, CacheSync, plan_cache
 from diffq.worker.routing import shape_from_queue
@@ -222,7 +222,7 @@ def child_main(spec_json: str) -> None:
     if spec.backend.extension:
         importlib.import_module(spec.backend.extension)
 
-    from diffq.settings import get_settings
+    from diffq.core.settings import get_settings
     from diffq.worker import metrics
 
     settings = get_settings()

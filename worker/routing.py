@@ -1,6 +1,6 @@
 """Shapes from queue names: which graphs a worker's queues will need.
 
-The queue name is the shape key (`diffq.contract.queue_name`) with the model as a
+The queue name is the shape key (`diffq.core.contract.queue_name`) with the model as a
 slug, so it parses back to a `ShapeKey` given the models the worker loads. Used to
 warm up exactly the graphs the served queues need, and to route by compiled shape.
 """
@@ -12,7 +12,7 @@ import re
 
 from celery import bootsteps
 
-from diffq.contract import ShapeKey, model_slug
+from diffq.core.contract import ShapeKey, model_slug
 
 _QUEUE_RE = re.compile(
     r"diffq\.(?P<slug>[a-z0-9-]+)\.(?P<height>\d+)x(?P<width>\d+)\.b(?P<batch>\d+)"

@@ -27,10 +27,10 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from diffq import layout
-from diffq.contract import BatchMessage
-from diffq.progress import ProgressLog
-from diffq.storage import Storage
+from diffq.core import layout
+from diffq.core.contract import BatchMessage
+from diffq.core.progress import ProgressLog
+from diffq.core.storage import Storage
 
 log = logging.getLogger(__name__)
 

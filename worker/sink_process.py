@@ -36,9 +36,9 @@ import threading
 from concurrent.futures import Future, wait
 from multiprocessing.connection import Connection
 
-from diffq.contract import BatchMessage
-from diffq.settings import get_settings
-from diffq.storage import Storage, open_storage
+from diffq.core.contract import BatchMessage
+from diffq.core.settings import get_settings
+from diffq.core.storage import Storage, open_storage
 from diffq.worker.sink import SINK_NICENESS, BatchOutcome, Handed, Sink
 
 log = logging.getLogger(__name__)

@@ -18,11 +18,11 @@ from celery import Celery, Task, signals
 from celery.exceptions import Reject
 from celery.worker import state as worker_state
 
-from diffq import layout
-from diffq.broker import TASK_NAME, make_celery
-from diffq.contract import BatchMessage
-from diffq.settings import get_settings
-from diffq.storage import Storage, open_storage
+from diffq.core import layout
+from diffq.core.broker import TASK_NAME, make_celery
+from diffq.core.contract import BatchMessage
+from diffq.core.settings import get_settings
+from diffq.core.storage import Storage, open_storage
 from diffq.worker import acks, faults, metrics, routing
 from diffq.worker.models import ModelUnavailable
 from diffq.worker.pipeline_host import CompileUnsupported, PipelineHost

@@ -27,7 +27,7 @@ import logging
 from dataclasses import dataclass
 from datetime import timedelta
 
-from diffq.contract import BatchItem, BatchParams, ShapeKey
+from diffq.core.contract import BatchItem, BatchParams, ShapeKey
 from diffq.worker.backends import Backend
 
 log = logging.getLogger(__name__)

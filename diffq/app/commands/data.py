@@ -20,7 +20,7 @@ class ExportFormat(str, Enum):
 
 
 def register(app: typer.Typer) -> None:
-    from diffq.cli import _fail, err, out
+    from diffq.app.cli import _fail, err, out
 
     @app.command()
     def export(
@@ -33,8 +33,8 @@ def register(app: typer.Typer) -> None:
         """Export finished images as a dataset, streaming (memory does not grow with the run)."""
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-        from diffq.producer.export import export as export_run
-        from diffq.producer.results import NotARun
+        from diffq.results.export import export as export_run
+        from diffq.core.runfolder import NotARun
 
         bar = Progress(TextColumn(f"[bold]export {format.value}"), BarColumn(), MofNCompleteColumn(),
                        TimeRemainingColumn(), console=err, disable=not progress, transient=True)
@@ -57,8 +57,8 @@ def register(app: typer.Typer) -> None:
         as_json: Annotated[bool, typer.Option("--json", help="Headline figures as JSON")] = False,
     ) -> None:
         """Run report: items, shapes, images/s over time, compile vs generate vs storing, workers, devices, failures, cost."""
-        from diffq.producer.report import render_text, report as build, to_json
-        from diffq.producer.results import NotARun
+        from diffq.results.report import render_text, report as build, to_json
+        from diffq.core.runfolder import NotARun
 
         try:
             result = build(out_dir, html_path=html, contact_sheet_path=contact_sheet,
@@ -80,8 +80,8 @@ def register(app: typer.Typer) -> None:
         as_json: Annotated[bool, typer.Option("--json", help="One JSON line per refresh")] = False,
     ) -> None:
         """Live progress of a run (same as `diffq status OUT --watch`)."""
-        from diffq.producer.results import NotARun
-        from diffq.producer.watch import watch as watch_run
+        from diffq.core.runfolder import NotARun
+        from diffq.results.watch import watch as watch_run
 
         try:
             watch_run(out_dir, interval=interval, console=out, as_json=as_json)

@@ -28,10 +28,10 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from diffq import layout
-from diffq.contract import FailureRecord
-from diffq.producer.results import _parse_records, read_manifest
-from diffq.storage import Storage, open_storage
+from diffq.core import layout
+from diffq.core.contract import FailureRecord
+from diffq.core.runfolder import parse_records, read_manifest
+from diffq.core.storage import Storage, open_storage
 
 
 @dataclass
@@ -163,7 +163,7 @@ def build_report(out: str, *, price_per_device_hour: float | None = None, sample
     keys = sorted(k for k in storage.list(layout.RECORDS_PREFIX) if k.endswith(".jsonl"))
     for _, body in storage.get_many(keys):
         new = []
-        for record in _parse_records(body):
+        for record in parse_records(body):
             digest = hashlib.blake2b(record["id"].encode(), digest_size=8).digest()
             if digest not in seen:
                 seen.add(digest)

@@ -14,7 +14,7 @@ from urllib.parse import urlsplit, urlunsplit
 from celery import Celery
 from kombu.transport import filesystem
 
-from diffq.settings import get_settings
+from diffq.core.settings import get_settings
 
 TASK_NAME = "diffq.generate_batch"
 

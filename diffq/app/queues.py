@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import asdict, dataclass
 
-from diffq.broker import make_celery
+from diffq.core.broker import make_celery
 
 PREFIX = "diffq."
 # kombu's Redis priority sub-lists are '<queue>\x06\x16<priority>'.

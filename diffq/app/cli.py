@@ -13,7 +13,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from diffq.settings import get_settings
+from diffq.core.settings import get_settings
 
 app = typer.Typer(no_args_is_help=True, add_completion=False,
                   help="Shape-bucketed diffusers image generation over Celery queues.")
@@ -103,7 +103,7 @@ def tiny_pipeline(
     seed: Annotated[int, typer.Option("--seed", help="Weight seed")] = 0,
 ) -> None:
     """Write a tiny random-weight pipeline that loads and runs offline (tests, demo, benchmarks)."""
-    from diffq.tiny import build_tiny_pipeline
+    from diffq.app.tiny import build_tiny_pipeline
 
     path = build_tiny_pipeline(directory, family=family.value, seed=seed)
     size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
@@ -140,7 +140,7 @@ def run(
     """Run everything locally (embedded broker, no servers) and wait; exit 0 only if every item was produced."""
     from diffq.producer.sources import InputError
     from diffq.producer.submit import RunExists
-    from diffq.runner import RunFailed, run as run_embedded
+    from diffq.app.runner import RunFailed, run as run_embedded
     from diffq.worker.models import ModelUnavailable
 
     try:
@@ -234,8 +234,8 @@ def worker(
     names = [q for q in (queues or "").split(",") if q]
     models = [model] if model else []
     if run:
-        from diffq.producer.results import read_manifest
-        from diffq.storage import open_storage
+        from diffq.core.runfolder import read_manifest
+        from diffq.core.storage import open_storage
 
         manifest = read_manifest(open_storage(run))
         names += [s.queue for s in manifest.shapes if s.queue not in names]
@@ -280,10 +280,11 @@ def status(
     interval: Annotated[float, typer.Option("--interval", min=0.1, help="Seconds between refreshes with --watch")] = 2.0,
 ) -> None:
     """Progress of a run, read from its run folder alone (no broker needed)."""
-    from diffq.producer.results import NotARun, status as run_status
+    from diffq.core.runfolder import NotARun
+    from diffq.results.status import status as run_status
 
     if watch:
-        from diffq.producer.watch import watch as watch_run
+        from diffq.results.watch import watch as watch_run
 
         try:
             watch_run(out_dir, interval=interval, console=out, as_json=as_json)
@@ -319,7 +320,8 @@ def fetch(
     """
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-    from diffq.producer.results import NotARun, fetch as fetch_run
+    from diffq.core.runfolder import NotARun
+    from diffq.results.fetch import fetch as fetch_run
 
     bar = Progress(TextColumn("[bold]fetch"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
                    console=err, disable=not progress, transient=True)
@@ -338,7 +340,7 @@ Broker = Annotated[Optional[str], typer.Option("--broker", help="Broker URL (or 
 
 def _requeue(kind: str, out_dir: str, broker: str | None) -> None:
     from diffq.producer import resume as requeue
-    from diffq.producer.results import NotARun
+    from diffq.core.runfolder import NotARun
 
     broker = broker or get_settings().broker_url
     if not broker:
@@ -372,7 +374,7 @@ def _register_command_groups() -> None:
     import importlib
 
     for name in COMMAND_GROUPS:
-        importlib.import_module(f"diffq.commands.{name}").register(app)
+        importlib.import_module(f"diffq.app.commands.{name}").register(app)
 
 
 # Modules under diffq/commands/, each adding its commands to `app`.

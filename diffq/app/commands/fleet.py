@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from diffq.settings import get_settings
+from diffq.core.settings import get_settings
 
 fleet_app = typer.Typer(no_args_is_help=True, help="Render Kubernetes manifests for a worker fleet.")
 
@@ -35,7 +35,7 @@ def manifests(
 ) -> None:
     """Per-shape worker Deployment + KEDA ScaledObject YAML from the producer's shape keys,
     plus the shared cache PVC and KEDA's Redis TriggerAuthentication."""
-    from diffq import fleet
+    from diffq.app import fleet
 
     try:
         options = fleet.FleetOptions(device=device, image=image, namespace=namespace,
@@ -67,7 +67,7 @@ def queues(
     """Depth of each diffq shape queue and how many workers consume it."""
     from kombu.exceptions import OperationalError
 
-    from diffq.queues import queue_report
+    from diffq.app.queues import queue_report
 
     broker = broker or get_settings().broker_url
     if not broker:

@@ -16,17 +16,17 @@ import importlib
 
 _EXPORTS = {
     "submit": "diffq.producer.submit",       # diffq submit
-    "run": "diffq.runner",                   # diffq run (embedded broker, no servers)
+    "run": "diffq.app.runner",                   # diffq run (embedded broker, no servers)
     "status": "diffq.producer.results",      # diffq status
     "fetch": "diffq.producer.results",       # diffq fetch
     "iter_records": "diffq.producer.results",
-    "watch": "diffq.producer.watch",         # diffq status --watch
-    "snapshots": "diffq.producer.watch",
-    "export": "diffq.producer.export",       # diffq export
-    "report": "diffq.producer.report",       # diffq report
-    "build_report": "diffq.producer.report",
-    "render_text": "diffq.producer.report",
-    "open_storage": "diffq.storage",
+    "watch": "diffq.results.watch",         # diffq status --watch
+    "snapshots": "diffq.results.watch",
+    "export": "diffq.results.export",       # diffq export
+    "report": "diffq.results.report",       # diffq report
+    "build_report": "diffq.results.report",
+    "render_text": "diffq.results.report",
+    "open_storage": "diffq.core.storage",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -22,8 +22,9 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
-from diffq.producer.results import RunProgress, Status, make_status, read_manifest
-from diffq.storage import open_storage
+from diffq.results.status import RunProgress, Status, make_status
+from diffq.core.runfolder import read_manifest
+from diffq.core.storage import open_storage
 
 
 @dataclass

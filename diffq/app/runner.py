@@ -21,13 +21,13 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from diffq import layout
-from diffq.broker import embedded_broker
-from diffq.producer.progress import reconcile
+from diffq.core import layout
+from diffq.core.broker import embedded_broker
+from diffq.core.progress import reconcile
 from diffq.producer.resume import missing_batches
-from diffq.producer.results import ProgressTracker
+from diffq.core.runfolder import ProgressTracker
 from diffq.producer.submit import CeleryPublisher, RunExists, make_options, submit, validate
-from diffq.storage import open_storage
+from diffq.core.storage import open_storage
 from diffq.worker.backends import get_backend
 from diffq.worker.models import resolve_model
 from diffq.worker.supervisor import Supervisor, plan_children

@@ -24,9 +24,10 @@ from dataclasses import dataclass, field
 from itertools import chain, islice
 from pathlib import Path
 
-from diffq import layout
-from diffq.storage import Storage, open_storage
-from diffq.producer.results import METADATA_FIELDS, _parse_records, read_manifest
+from diffq.core import layout
+from diffq.core.storage import Storage, open_storage
+from diffq.results.fetch import METADATA_FIELDS
+from diffq.core.runfolder import parse_records, read_manifest
 
 FORMATS = ("imagefolder", "webdataset", "parquet")
 DEFAULT_SHARD_SIZE = 1000
@@ -67,7 +68,7 @@ def iter_records_ordered(storage: Storage, window: int = RECORD_WINDOW) -> Itera
         chunk = keys[start:start + window]
         bodies = dict(storage.get_many(chunk))
         for key in chunk:
-            for record in _parse_records(bodies.pop(key)):
+            for record in parse_records(bodies.pop(key)):
                 digest = hashlib.blake2b(record["id"].encode(), digest_size=8).digest()
                 if digest not in seen:
                     seen.add(digest)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import yaml
 
-from diffq.contract import ShapeKey
+from diffq.core.contract import ShapeKey
 from diffq.producer.bucketing import RunOptions, shape_of
 from diffq.worker.backends import get_backend
 from diffq.producer.sources import Prompt

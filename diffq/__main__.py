@@ -1,0 +1,5 @@
+"""`python -m diffq …` is the `diffq` command."""
+
+from diffq.app.cli import app
+
+app()

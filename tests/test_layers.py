@@ -1,0 +1,146 @@
+"""The import contract, checked on the real import graph of the source tree.
+
+Layers, bottom up: `diffq.core` (the base) < `diffq.producer`, `diffq.worker`,
+`diffq.results` (independent of each other) < `diffq.app` (composes them).
+An import that runs upward or across fails here, and so does an import cycle
+between modules at module level (imports inside functions are deferred on purpose:
+the CLI keeps torch and Celery out of commands that do not need them).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+# Where each package lives in the tree (pyproject's package-dir remaps two of them).
+FOLDERS = {"diffq": ROOT / "diffq", "diffq.producer": ROOT / "producer", "diffq.worker": ROOT / "worker"}
+
+LAYER = {"diffq.core": 0, "diffq.producer": 1, "diffq.worker": 1, "diffq.results": 1, "diffq.app": 2, "diffq": 3}
+# What each layer may import besides itself; the root package (`diffq`, which holds
+# only `__version__`) is open to all.
+ALLOWED = {
+    "diffq.core": {"diffq", "diffq.core"},
+    "diffq.producer": {"diffq", "diffq.core"},
+    "diffq.worker": {"diffq", "diffq.core"},
+    "diffq.results": {"diffq", "diffq.core"},
+    "diffq.app": {"diffq", "diffq.core", "diffq.producer", "diffq.worker", "diffq.results"},
+    "diffq": set(LAYER),
+}
+
+
+def _modules() -> dict[str, Path]:
+    found: dict[str, Path] = {}
+    for package, folder in FOLDERS.items():
+        for path in folder.rglob("*.py"):
+            rel = path.relative_to(folder).with_suffix("")
+            parts = [p for p in rel.parts if p != "__init__"]
+            if package == "diffq" and parts and parts[0] in ("producer", "worker"):
+                continue
+            found[".".join([package, *parts])] = path
+    return found
+
+
+MODULES = _modules()
+
+
+def layer_of(module: str) -> str:
+    for name in sorted(LAYER, key=len, reverse=True):
+        if module == name or module.startswith(name + "."):
+            return name
+    raise AssertionError(module)
+
+
+def _resolve(module: str, path: Path, node: ast.ImportFrom) -> str:
+    if not node.level:
+        return node.module or ""
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    for _ in range(node.level - 1):
+        package = package.rpartition(".")[0]
+    return f"{package}.{node.module}" if node.module else package
+
+
+def imports(module: str, path: Path, *, top_level_only: bool) -> set[str]:
+    """The diffq modules `module` imports (a `from pkg import name` counts `pkg.name`
+    when that is a module)."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    nodes = tree.body if top_level_only else list(ast.walk(tree))
+    if top_level_only:  # module level includes `if`/`try` blocks, not function bodies
+        stack, nodes = list(tree.body), []
+        while stack:
+            node = stack.pop()
+            nodes.append(node)
+            if isinstance(node, (ast.If, ast.Try)):
+                stack.extend(ast.iter_child_nodes(node))
+    found: set[str] = set()
+    for node in nodes:
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = _resolve(module, path, node)
+            names = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in MODULES else base for alias in node.names]
+        else:
+            continue
+        found.update(name for name in names if name == "diffq" or name.startswith("diffq."))
+    found.discard(module)
+    return found
+
+
+def test_the_tree_is_read():
+    assert {"diffq.core.contract", "diffq.producer.submit", "diffq.worker.sink", "diffq.results.status",
+            "diffq.app.cli"} <= set(MODULES)
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_no_upward_or_sideways_import(module):
+    mine = layer_of(module)
+    bad = sorted(target for target in imports(module, MODULES[module], top_level_only=False)
+                 if target in MODULES and layer_of(target) not in ALLOWED[mine] | {mine})
+    assert not bad, f"{module} ({mine}) imports {bad}"
+
+
+def test_no_import_cycles_at_module_level():
+    graph = {module: {t for t in imports(module, path, top_level_only=True) if t in MODULES}
+             for module, path in MODULES.items()}
+    # A package's __init__ is imported by its submodules implicitly; only explicit edges count.
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    on_stack: set[str] = set()
+    stack: list[str] = []
+    cycles: list[list[str]] = []
+
+    def visit(node: str) -> None:  # Tarjan's strongly connected components
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for target in graph[node]:
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in on_stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    assert not cycles, f"import cycles: {cycles}"
+
+
+def test_the_contract_catches_an_upward_import(tmp_path):
+    """The check can fail: a base module importing the worker is reported."""
+    path = tmp_path / "bad.py"
+    path.write_text("from diffq.worker import sink\n")
+    targets = imports("diffq.core.bad", path, top_level_only=False)
+    assert "diffq.worker.sink" in targets and layer_of("diffq.worker.sink") not in ALLOWED["diffq.core"]
