@@ -8,6 +8,7 @@ listed first. Distances are compared as exact fractions, so a requested size hal
 
 from __future__ import annotations
 
+import bisect
 import functools
 import math
 import re
@@ -48,18 +49,25 @@ class SizeBuckets:
     def __init__(self, sizes: tuple[tuple[int, int], ...], spec: str):
         self.sizes = sizes
         self.spec = spec
-        self._logs = [math.log(h / w) for h, w in sizes]
+        # Sorted by log aspect ratio (all distinct: parse_buckets refuses repeats), so
+        # the nearest bucket is one of the two around a requested ratio.
+        self._order = sorted(range(len(sizes)), key=lambda i: math.log(sizes[i][0] / sizes[i][1]))
+        self._logs = [math.log(sizes[i][0] / sizes[i][1]) for i in self._order]
         self.nearest = functools.lru_cache(maxsize=65536)(self._nearest)
 
     def _nearest(self, height: int, width: int) -> tuple[int, int]:
-        # Floats find the nearest buckets (real sizes are often all distinct, so this
-        # runs per row); exact fractions decide between those within rounding of it.
+        # Real sizes are often nearly all distinct, so this runs per row: floats pick
+        # the neighbour; exact fractions decide when the two are within rounding.
+        logs = self._logs
         asked = math.log(height / width)
-        distances = [abs(asked - log) for log in self._logs]
-        best = min(distances)
-        close = [i for i, d in enumerate(distances) if d <= best + _ROUNDING]
-        if len(close) == 1:
-            return self.sizes[close[0]]
+        at = bisect.bisect_left(logs, asked)
+        if at == 0:
+            return self.sizes[self._order[0]]
+        if at == len(logs):
+            return self.sizes[self._order[-1]]
+        below, above = asked - logs[at - 1], logs[at] - asked
+        if abs(below - above) > _ROUNDING:
+            return self.sizes[self._order[at - 1 if below < above else at]]
         ratio = Fraction(height, width)
 
         def key(index: int):
@@ -67,7 +75,7 @@ class SizeBuckets:
             r = ratio / Fraction(bh, bw)
             return r if r >= 1 else 1 / r, -bh * bw, index  # exp(|log r|), exact
 
-        return self.sizes[min(close, key=key)]
+        return self.sizes[min(self._order[at - 1:at + 1], key=key)]
 
     def __repr__(self) -> str:
         return f"SizeBuckets({self.spec!r})"

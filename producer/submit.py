@@ -37,6 +37,7 @@ PLAN_PART_BATCHES = 2000
 # sizes copied from real datasets are often nearly all distinct, and the manifest
 # must stay small (`requested_sizes` counts them all).
 MAX_REQUESTED_SIZES = 64
+_SIDE_BITS = 15  # a side is at most 16384: (height << 15 | width) orders as (height, width)
 
 
 class RunExists(RuntimeError):
@@ -102,8 +103,9 @@ class Validation:
         self._ids = IdChecker(path)
         # Plain tuple keys per row; shape keys are built once per shape at the end.
         self._per_group: Counter = Counter()
-        # With size buckets: (bucket height, width, cfg, requested height, width) -> rows.
-        self._requested: Counter = Counter()
+        # With size buckets, per (bucket height, width, cfg): packed requested size -> rows.
+        # One small int key per distinct size: copied sizes are often nearly all distinct.
+        self._requested: dict[tuple, Counter] = {}
         self._total = 0
 
     def check(self, prompts: Iterable[Prompt]) -> Iterator[Prompt]:
@@ -115,7 +117,10 @@ class Validation:
                 group = group_key(prompt)
                 per_group[group] += 1
                 if prompt.requested_height is not None:
-                    requested[group[:3] + (prompt.requested_height, prompt.requested_width)] += 1
+                    sizes = requested.get(group[:3])
+                    if sizes is None:
+                        sizes = requested[group[:3]] = Counter()
+                    sizes[prompt.requested_height << _SIDE_BITS | prompt.requested_width] += 1
                 self._total += 1
                 yield prompt
         except InputError:
@@ -134,14 +139,13 @@ class Validation:
             shapes[shape.queue] = shape
             items[shape.queue] += count
             batches[shape.queue] += math.ceil(count / self.options.batch_size)
-        asked: dict[str, Counter] = {}
-        for (height, width, cfg, asked_height, asked_width), count in self._requested.items():
-            queue = shape_for(self.options, height, width, cfg).queue
-            asked.setdefault(queue, Counter())[asked_height, asked_width] += count
+        asked = {shape_for(self.options, *key).queue: sizes for key, sizes in self._requested.items()}
+        mask = (1 << _SIDE_BITS) - 1
         summaries = [ShapeSummary(shape=shapes[q], queue=q, items=items[q], batches=batches[q],
-                                  requested=[RequestedSize(height=h, width=w, items=n) for (h, w), n in
-                                             heapq.nsmallest(MAX_REQUESTED_SIZES, asked.get(q, {}).items(),
-                                                             key=lambda e: (-e[1], e[0]))],
+                                  requested=[RequestedSize(height=size >> _SIDE_BITS, width=size & mask, items=n)
+                                             for size, n in heapq.nsmallest(MAX_REQUESTED_SIZES,
+                                                                            asked.get(q, {}).items(),
+                                                                            key=lambda e: (-e[1], e[0]))],
                                   requested_sizes=len(asked.get(q, ())))
                      for q in sorted(shapes)]
         return Plan(total=self._total, batches=sum(batches.values()), shapes=summaries)
@@ -165,6 +169,9 @@ def make_options(*, model: str, batch_size: int = 4, steps: int = 4, guidance_sc
     """
     if fit not in FITS:
         raise ValueError(f"--fit: '{fit}' is not one of {', '.join(FITS)}")
+    if fit != "none" and not size_buckets:
+        raise ValueError(f"--fit {fit} needs --size-buckets: without buckets every image is "
+                         "generated at the size its row asks for")
     return (
         RunOptions(model=model, batch_size=batch_size, max_sequence_length=max_sequence_length,
                    dtype=dtype, format=format, fit=fit),
@@ -172,6 +179,13 @@ def make_options(*, model: str, batch_size: int = 4, steps: int = 4, guidance_sc
                  guidance_scale=guidance_scale, size_multiple=size_multiple,
                  size_buckets=parse_buckets(size_buckets, size_multiple) if size_buckets else None),
     )
+
+
+def plan(prompts: str | Path, *, model: str, **generation) -> Plan:
+    """`diffq plan`: what `submit` with these options would publish (the same
+    validation pass, the same errors); nothing is written or enqueued."""
+    options, defaults = make_options(model=model, **generation)
+    return validate(prompts, options, defaults)
 
 
 def write_plan_part(storage: Storage, part: int, messages: list[EncodedBatch]) -> None:

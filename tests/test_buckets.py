@@ -115,6 +115,8 @@ def test_a_bad_spec_is_refused_before_anything_is_read_or_enqueued(make_redis_se
     assert result.exit_code == 2 and "has the aspect ratio of 512x512" in result.output
     result = cli("plan", path, "--model", "m", "--size-buckets", "512x512", "--fit", "squash")
     assert result.exit_code == 2 and "squash" in result.output
+    result = cli("plan", path, "--model", "m", "--fit", "crop")
+    assert result.exit_code == 2 and "--fit crop needs --size-buckets" in result.output
 
 
 def test_shape_options_are_on_submit_run_and_plan():
@@ -198,8 +200,9 @@ def test_plan_without_buckets_and_its_text(tmp_path):
     assert [(s["height"], s["width"], s["items"], s["batches"], s["padded_slots"]) for s in plan["shapes"]] == [
         (128, 64, 5, 2, 3), (64, 64, 5, 2, 3)]
     assert all("requested" not in s for s in plan["shapes"])
-    options, defaults = make_options(model="m", batch_size=4)
-    assert [s.queue for s in validate(path, options, defaults).shapes] == [s["queue"] for s in plan["shapes"]]
+    from diffq import api
+
+    assert api.plan(path, model="m", batch_size=4).to_json() == plan  # the Python API, same figures
     text = cli("plan", path, "--model", "m", "--batch-size", "4").stdout
     assert re.search(r"128x64 .*5 .*2 .*3 \(37\.5%\) .*diffq\.m-", text)
     assert re.search(r"total .*10 .*4 .*6 \(37\.5%\) .*2 queues", text)

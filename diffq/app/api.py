@@ -16,6 +16,7 @@ import importlib
 
 _EXPORTS = {
     "submit": "diffq.producer.submit",       # diffq submit
+    "plan": "diffq.producer.submit",         # diffq plan (validate, count shapes; nothing written)
     "run": "diffq.app.runner",                   # diffq run (embedded broker, no servers)
     "status": "diffq.producer.results",      # diffq status
     "fetch": "diffq.producer.results",       # diffq fetch

@@ -37,19 +37,18 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Validate PROMPTS like submit (same errors) and print its shapes, batches, padding and compiles; enqueue and write nothing."""
         from diffq.producer.sources import InputError
-        from diffq.producer.submit import make_options, validate
+        from diffq.producer.submit import plan as plan_file
 
         try:
-            options, defaults = make_options(model=model, **_generation(
+            result = plan_file(prompts, model=model, **_generation(
                 batch_size, steps, guidance_scale, max_sequence_length, height, width, format, dtype,
                 size_buckets, fit))
-            result = validate(prompts, options, defaults)
         except (InputError, ValueError) as exc:
             _fail(str(exc))
         if as_json:
             sys.stdout.write(json.dumps(result.to_json()) + "\n")
             return
-        _print_plan(out, result.to_json(), options.batch_size)
+        _print_plan(out, result.to_json(), batch_size)
 
 
 def _print_plan(console, plan: dict, batch_size: int) -> None:
