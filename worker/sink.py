@@ -55,6 +55,21 @@ def _yield_to_generation() -> None:
         pass
 
 
+def fit_image(image, fit: str, height: int | None, width: int | None):
+    """The image to store for an item that asked for height x width (size buckets).
+
+    "resize" stretches the bucket's image to the requested size; "crop" scales it to
+    cover the requested size and cuts the centre (PIL's ImageOps.fit); "none" keeps it.
+    """
+    if fit == "none" or height is None or image.size == (width, height):
+        return image
+    from PIL import Image, ImageOps
+
+    if fit == "resize":
+        return image.resize((width, height), Image.Resampling.LANCZOS)
+    return ImageOps.fit(image, (width, height), Image.Resampling.LANCZOS)
+
+
 def encode(image, fmt: str) -> bytes:
     buffer = io.BytesIO()
     options = {"compress_level": 1} if fmt == "png" else {"quality": 90}
@@ -189,8 +204,11 @@ class Sink:
         fmt = message.params.format
         keys = [layout.image_key(item.id, fmt) for item in message.items]
 
+        fit = message.params.fit
+
         def put(index: int) -> tuple[bool, int]:
-            data = encode(images[index], fmt)
+            item = message.items[index]
+            data = encode(fit_image(images[index], fit, item.requested_height, item.requested_width), fmt)
             return storage.put_bytes(keys[index], data, content_type=_CONTENT_TYPES[fmt], if_absent=True), len(data)
 
         results = list(self._pool.map(put, range(len(images))))
@@ -205,6 +223,10 @@ class Sink:
                 "seed": item.seed,
                 "height": message.shape.height,
                 "width": message.shape.width,
+                # The size the row asked for (size buckets); the generated one without.
+                "requested_height": item.requested_height or message.shape.height,
+                "requested_width": item.requested_width or message.shape.width,
+                **({"fit": fit} if fit != "none" else {}),
                 "steps": message.params.num_inference_steps,
                 "guidance_scale": message.params.guidance_scale,
                 "model": message.shape.model,

@@ -51,6 +51,12 @@ class Routing(str, Enum):
     round_robin = "round-robin"
 
 
+class Fit(str, Enum):
+    none = "none"
+    resize = "resize"
+    crop = "crop"
+
+
 class Dtype(str, Enum):
     float32 = "float32"
     bfloat16 = "bfloat16"
@@ -64,8 +70,8 @@ BatchSize = Annotated[int, typer.Option("--batch-size", "-b", min=1, help="Image
 Steps = Annotated[int, typer.Option("--steps", min=1, help="Default num_inference_steps")]
 Guidance = Annotated[float, typer.Option("--guidance-scale", min=0.0, help="Default guidance scale (> 1 turns CFG on)")]
 SeqLen = Annotated[int, typer.Option("--max-sequence-length", min=1, help="Text tokens per prompt (padded)")]
-Height = Annotated[int, typer.Option("--height", min=16, help="Default image height (multiple of 16)")]
-Width = Annotated[int, typer.Option("--width", min=16, help="Default image width (multiple of 16)")]
+Height = Annotated[int, typer.Option("--height", min=16, help="Default image height (multiple of 16, any with --size-buckets)")]
+Width = Annotated[int, typer.Option("--width", min=16, help="Default image width (multiple of 16, any with --size-buckets)")]
 Format = Annotated[ImageFormat, typer.Option("--format", help="Image file format")]
 DtypeOpt = Annotated[Dtype, typer.Option("--dtype", help="Pipeline dtype (part of the shape key)")]
 DeviceOpt = Annotated[Device, typer.Option("--device", help="Device kind, from the backend table")]
@@ -73,6 +79,8 @@ Compile = Annotated[CompileMode, typer.Option("--compile", help="none | full (wh
 CompileCache = Annotated[Optional[str], typer.Option("--compile-cache", help="Compile cache: a shared directory used in place, or s3://… / gs://… / file://… mirrored locally (pull before warmup, push after compiling)")]
 Offload = Annotated[Optional[str], typer.Option("--offload", help="'model': enable_model_cpu_offload()")]
 RunId = Annotated[Optional[str], typer.Option("--run-id", help="Run id (default: random)")]
+SizeBucketsOpt = Annotated[Optional[str], typer.Option("--size-buckets", help="HxW[,HxW…] and/or a preset (aspect-1024, aspect-512, aspect-256): each row is generated at the bucket of nearest aspect ratio; requested sizes need not be multiples of 16")]
+FitOpt = Annotated[Fit, typer.Option("--fit", help="With --size-buckets: store the bucket's image as is (none), resized to the requested size (resize), or scaled and centre-cropped to it (crop)")]
 SeedBase = Annotated[Optional[str], typer.Option("--seed-base", help="Derive item seeds from this instead of the run id (reproducible reruns)")]
 
 
@@ -81,10 +89,11 @@ def _fail(message: str, code: int = 2) -> None:
     raise typer.Exit(code)
 
 
-def _generation(batch_size, steps, guidance_scale, max_sequence_length, height, width, format, dtype) -> dict:
+def _generation(batch_size, steps, guidance_scale, max_sequence_length, height, width, format, dtype,
+                size_buckets: str | None = None, fit: Fit = Fit.none) -> dict:
     return dict(batch_size=batch_size, steps=steps, guidance_scale=guidance_scale,
                 max_sequence_length=max_sequence_length, height=height, width=width,
-                format=format.value, dtype=dtype.value)
+                format=format.value, dtype=dtype.value, size_buckets=size_buckets, fit=fit.value)
 
 
 def _devices(device: Device, workers: int, cores: str | None, chips: str | None, gpus: str | None) -> list[int]:
@@ -124,6 +133,8 @@ def run(
     width: Width = 128,
     format: Format = ImageFormat.png,
     dtype: DtypeOpt = Dtype.float32,
+    size_buckets: SizeBucketsOpt = None,
+    fit: FitOpt = Fit.none,
     device: DeviceOpt = Device.cpu,
     cores: Annotated[Optional[str], typer.Option("--cores", help="NeuronCores, e.g. 0-7")] = None,
     chips: Annotated[Optional[str], typer.Option("--chips", help="TPU chips, e.g. 0-3")] = None,
@@ -148,7 +159,8 @@ def run(
             prompts, out_, model=model, devices=_devices(device, workers, cores, chips, gpus),
             device=device.value, compile=compile.value, compile_cache=compile_cache, offload=offload,
             warmup=[w for w in (warmup or "").split(",") if w], threads=threads, progress=progress, console=err, run_id=run_id, seed_base=seed_base,
-            **_generation(batch_size, steps, guidance_scale, max_sequence_length, height, width, format, dtype),
+            **_generation(batch_size, steps, guidance_scale, max_sequence_length, height, width, format, dtype,
+                          size_buckets, fit),
         )
     except (InputError, RunExists, ModelUnavailable, RunFailed, ValueError) as exc:
         _fail(str(exc))
@@ -174,6 +186,8 @@ def submit(
     width: Width = 128,
     format: Format = ImageFormat.png,
     dtype: DtypeOpt = Dtype.float32,
+    size_buckets: SizeBucketsOpt = None,
+    fit: FitOpt = Fit.none,
     run_id: RunId = None,
     seed_base: SeedBase = None,
 ) -> None:
@@ -187,7 +201,7 @@ def submit(
     try:
         result = submit_run(prompts, out_, model=model, broker_url=broker, run_id=run_id, seed_base=seed_base,
                             **_generation(batch_size, steps, guidance_scale, max_sequence_length, height,
-                                          width, format, dtype))
+                                          width, format, dtype, size_buckets, fit))
     except (InputError, RunExists, ValueError) as exc:
         _fail(str(exc))
     out.print(result.out)
@@ -378,7 +392,7 @@ def _register_command_groups() -> None:
 
 
 # Modules under diffq/commands/, each adding its commands to `app`.
-COMMAND_GROUPS: list[str] = ["fleet", "data"]
+COMMAND_GROUPS: list[str] = ["fleet", "data", "plan"]
 _register_command_groups()
 
 if __name__ == "__main__":

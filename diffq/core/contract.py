@@ -104,6 +104,12 @@ class BatchItem(Strict):
     id: str = Field(min_length=1, max_length=200)
     prompt: str = Field(max_length=MAX_PROMPT_CHARS)
     seed: int = Field(ge=0, lt=2**63)
+    # Size buckets: the size the row asked for (the shape's size is what is generated).
+    requested_height: int | None = Field(default=None, gt=0, le=16384)
+    requested_width: int | None = Field(default=None, gt=0, le=16384)
+
+
+FITS = ("none", "resize", "crop")
 
 
 class BatchParams(Strict):
@@ -112,6 +118,9 @@ class BatchParams(Strict):
     num_inference_steps: int = Field(gt=0, le=1000)
     guidance_scale: float = Field(ge=0, le=100)
     format: Literal["png", "jpeg", "webp"] = "png"
+    # What the sink stores for an item whose requested size differs from the shape's:
+    # the bucket's image as generated, resized, or scaled and centre-cropped to it.
+    fit: Literal["none", "resize", "crop"] = "none"
 
 
 class BatchMessage(Strict):
@@ -186,11 +195,22 @@ class FailureRecord(Strict):
     failed_at: float
 
 
+class RequestedSize(Strict):
+    """With size buckets: how many of a shape's items asked for this size."""
+
+    height: int
+    width: int
+    items: int
+
+
 class ShapeSummary(Strict):
     shape: ShapeKey
     queue: str
     items: int
     batches: int
+    # Size buckets: the most common sizes asked for, and how many distinct ones (0 without).
+    requested: list[RequestedSize] = Field(default_factory=list)
+    requested_sizes: int = 0
 
 
 class RunManifest(Strict):

@@ -74,6 +74,14 @@ class ShapeFigures:
     queue: str
     total: int
     done: int = 0
+    # Size buckets: (height, width, items) of the sizes asked for; empty without.
+    requested: list[tuple[int, int, int]] = field(default_factory=list)
+    requested_sizes: int = 0  # distinct sizes asked for (the manifest keeps the commonest)
+
+    def requested_text(self, limit: int = 8) -> str:
+        shown = ", ".join(f"{h}x{w} ({n})" for h, w, n in self.requested[:limit])
+        more = self.requested_sizes - min(limit, len(self.requested))
+        return shown + (f", +{more} more sizes" if more > 0 else "")
 
 
 @dataclass
@@ -153,7 +161,9 @@ def build_report(out: str, *, price_per_device_hour: float | None = None, sample
     """Read the run folder once (records, failures) and compute every figure of the report."""
     storage = open_storage(out)
     manifest = read_manifest(storage)
-    shapes = {s.queue: ShapeFigures(label=f"{s.shape.height}x{s.shape.width}", queue=s.queue, total=s.items)
+    shapes = {s.queue: ShapeFigures(label=f"{s.shape.height}x{s.shape.width}", queue=s.queue, total=s.items,
+                                    requested=[(r.height, r.width, r.items) for r in s.requested],
+                                    requested_sizes=s.requested_sizes)
               for s in manifest.shapes}
     workers: dict[str, WorkerFigures] = {}
     batches: list[Batch] = []
@@ -212,7 +222,10 @@ def render_text(report: Report) -> str:
         lines.append(f"cost       {report.cost_per_1000:.4f} per 1,000 images "
                      f"at {report.price_per_device_hour:g} per device-hour")
     lines += ["", "shapes"]
-    lines += [f"  {s.label:>11}  {s.done:>7}/{s.total:<7} {s.queue}" for s in report.shapes]
+    for s in report.shapes:
+        lines.append(f"  {s.label:>11}  {s.done:>7}/{s.total:<7} {s.queue}")
+        if s.requested:  # size buckets: generated at s.label, asked for at these sizes
+            lines.append(f"  {'':>11}  requested {s.requested_text()}")
     lines += ["", "workers     device   images  batches  img/s  compile_s  generate_s  storing/idle_s"]
     lines += [f"  {w.worker:<10} {w.device:<7} {w.images:>6} {w.batches:>8} {w.images_per_s:>6.2f} "
               f"{w.compile_s:>10.1f} {w.generate_s - w.compile_s:>11.1f} {w.other_s:>15.1f}" for w in report.workers]
@@ -325,7 +338,8 @@ def render_html(report: Report, sheet_png: bytes | None = None) -> str:
     devices = _table(["device", "workers", "images", "device-hours"],
                      [[name, d["workers"], d["images"], f"{d['active_s'] / 3600:.4f}"]
                       for name, d in report.per_device().items()])
-    shapes = _table(["shape", "done", "total", "queue"], [[s.label, s.done, s.total, s.queue] for s in report.shapes])
+    shapes = _table(["shape", "done", "total", "queue", "requested sizes (items)"],
+                    [[s.label, s.done, s.total, s.queue, s.requested_text() or "as generated"] for s in report.shapes])
     failures = (_table(["batch", "items", "attempts", "worker", "error"],
                        [[f.batch_id, len(f.item_ids), f.attempts, f.worker, f.error[:200]]
                         for f in report.failures[:50]]) if report.failures else "<p>none</p>")
@@ -374,7 +388,8 @@ def to_json(report: Report) -> dict:
             "workers": [{"worker": w.worker, "device": w.device, "images": w.images, "batches": w.batches,
                          "compile_s": w.compile_s, "generate_s": w.generate_s, "active_s": w.active_s}
                         for w in report.workers],
-            "shapes": [{"shape": s.label, "queue": s.queue, "done": s.done, "total": s.total}
+            "shapes": [{"shape": s.label, "queue": s.queue, "done": s.done, "total": s.total,
+                        "requested": [{"height": h, "width": w, "items": n} for h, w, n in s.requested]}
                        for s in report.shapes],
             "failures": dict(report.errors)}
 
