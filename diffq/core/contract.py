@@ -20,7 +20,10 @@ SCHEMA_VERSION = 1
 MAX_MESSAGE_BYTES = 256 * 1024
 MAX_PROMPT_CHARS = 16_000
 IMAGE_FORMATS = ("png", "jpeg", "webp")
-DTYPES = ("float32", "bfloat16", "float16")
+# Pipeline dtypes, each with its short tag in queue names: the one list of them
+# (CLI choices, the shape key, queue names and the worker's torch dtypes read it).
+DTYPE_TAGS = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+Dtype = Literal[tuple(DTYPE_TAGS)]
 
 
 class Strict(BaseModel):
@@ -41,7 +44,7 @@ class ShapeKey(Strict):
     # > 1. For distilled models that ignore it this only splits queues, never mixes
     # graphs, so the conservative rule is safe.
     cfg: bool
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    dtype: Dtype = "float32"
 
     @property
     def queue(self) -> str:
@@ -70,7 +73,7 @@ def queue_name(shape: ShapeKey) -> str:
     Only ``[a-z0-9.-]``: a plain Redis list (what KEDA's redis-list scaler reads),
     a valid RabbitMQ queue, and under SQS's 80 characters (kombu maps '.' to '-').
     """
-    dtype = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[shape.dtype]
+    dtype = DTYPE_TAGS[shape.dtype]
     return (
         f"diffq.{model_slug(shape.model)}.{shape.height}x{shape.width}"
         f".b{shape.batch_size}.l{shape.max_sequence_length}"
