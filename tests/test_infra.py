@@ -334,33 +334,27 @@ def test_tpu_selectors_and_chips():
         assert [v["name"] for v in other["volumes"]] == ["cache"]
 
 
-def test_every_backend_is_deployable_or_says_it_is_not():
+def test_every_backend_is_deployable_or_says_it_is_not(monkeypatch):
     """A backend cannot be half-added: its pod facts are a required field of its table row."""
-    import dataclasses as dc
+    import dataclasses
 
-    from diffq.worker.backends import BACKENDS, Backend, K8sPod
+    from diffq.worker import backends
 
-    for name, backend in BACKENDS.items():
-        assert backend.k8s is None or isinstance(backend.k8s, K8sPod), name
+    keys = fleet.shape_keys("m", [(64, 64)], batch_size=1)
+    for name, backend in backends.BACKENDS.items():
+        assert backend.k8s is None or isinstance(backend.k8s, backends.K8sPod), name
         if backend.k8s is not None:
-            for doc in fleet.render(fleet.shape_keys("m", [(64, 64)], batch_size=1),
-                                    fleet.FleetOptions(device=name))[fleet.k8s_name(
-                                        fleet.shape_keys("m", [(64, 64)], batch_size=1)[0].queue)]:
+            for doc in fleet.render(keys, fleet.FleetOptions(device=name))[fleet.k8s_name(keys[0].queue)]:
                 validate_manifest(doc)
-    required = {f.name for f in dc.fields(Backend) if f.default is dc.MISSING and f.default_factory is dc.MISSING}
+    fields = dataclasses.fields(backends.Backend)
+    required = {f.name for f in fields if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
     assert "k8s" in required
     with pytest.raises(TypeError, match="k8s"):
-        Backend(**{f: getattr(BACKENDS["cpu"], f) for f in required - {"k8s"}})
-    hidden = dc.replace(BACKENDS["cpu"], name="cpu", k8s=None)
-    import diffq.worker.backends as backends_module
-
-    original = backends_module.BACKENDS["cpu"]
-    backends_module.BACKENDS["cpu"] = hidden
-    try:
-        with pytest.raises(ValueError, match="not deployable"):
-            fleet.render(fleet.shape_keys("m", [(64, 64)], batch_size=1), fleet.FleetOptions(device="cpu"))
-    finally:
-        backends_module.BACKENDS["cpu"] = original
+        backends.Backend(**{f: getattr(backends.BACKENDS["cpu"], f) for f in required - {"k8s"}})
+    # Explicitly not deployable: rendering says so instead of guessing a pod.
+    monkeypatch.setitem(backends.BACKENDS, "cpu", dataclasses.replace(backends.BACKENDS["cpu"], k8s=None))
+    with pytest.raises(ValueError, match="--device cpu is not deployable"):
+        fleet.render(keys, fleet.FleetOptions(device="cpu"))
 
 
 def test_shared_objects_fit_together():

@@ -160,7 +160,8 @@ def test_nothing_touches_the_device_before_init_process_group(monkeypatch):
     assert neuron.rank_device == "torch.neuron.current_device" and not neuron.bind_local_rank
     group = join(0, 1, neuron)
     try:
-        assert calls == [("init", "gloo"), ("current_device",)]
+        # ...and the device is bound to it before DeviceMesh could pick LOCAL_RANK.
+        assert calls == [("init", "gloo"), ("current_device",), ("set_device", 5)]
         assert group.device == "neuron:5"
     finally:
         dist.destroy_process_group()

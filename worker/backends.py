@@ -395,7 +395,7 @@ BACKENDS: dict[str, Backend] = {
             node_selector={"cloud.google.com/gke-tpu-accelerator": "tpu-v6e-slice",
                            "cloud.google.com/gke-tpu-topology": "2x2"},
             tolerations=({"key": "google.com/tpu", "operator": "Exists", "effect": "NoSchedule"},),
-            # The first TPU compile of a Flux-sized model can take ~1,100 s.
+            # Grace outlasts a first TPU compile of a Flux-sized model (README, "Running on TPU").
             devices_per_pod=4, grace_seconds=3600, cpu="16", memory="128Gi", compile="regional",
             # torch_tpu's tier-2 compile cache lives in /dev/shm.
             shm_size="32Gi", generation="v6e",

@@ -174,7 +174,12 @@ def join(rank: int, world_size: int, backend: Backend) -> Group:
         raise GroupBroken(f"rank {rank}/{world_size} could not join its group: {exc}") from exc
     group = Group(rank, world_size, backend, control)
     if backend.rank_device:
-        group.device = f"{backend.torch_device}:{resolve(backend.rank_device)()}"
+        # Bound before the mesh: DeviceMesh sets device LOCAL_RANK on a device it finds
+        # uninitialised (torch/distributed/device_mesh.py), out of range for a rank that
+        # sees one core.
+        index = int(resolve(backend.rank_device)())
+        torch.accelerator.set_device_index(index)
+        group.device = f"{backend.torch_device}:{index}"
     plan = sharding_plan(backend, world_size)
     if plan.transformer == "tensor-parallel":
         from torch.distributed.device_mesh import init_device_mesh
