@@ -23,7 +23,8 @@ from dataclasses import dataclass
 from multiprocessing import resource_tracker
 
 from diffq.worker.backends import get_backend
-from diffq.worker.process import EXIT_FATAL, ChildSpec, child_main
+from diffq.worker.process import child_main
+from diffq.worker.spec import EXIT_FATAL, ChildSpec
 
 log = logging.getLogger(__name__)
 
