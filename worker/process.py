@@ -69,6 +69,8 @@ def child_main(spec_json: str) -> None:
     spec = ChildSpec.model_validate_json(spec_json)
     for name, value in QUIET_ENV.items():
         os.environ.setdefault(name, value)
+    for name in spec.unset_env():
+        os.environ.pop(name, None)
     os.environ.update(spec.env())
     if spec.env_report:
         _write_env_report(spec.env_report)

@@ -20,7 +20,10 @@ SCHEMA_VERSION = 1
 MAX_MESSAGE_BYTES = 256 * 1024
 MAX_PROMPT_CHARS = 16_000
 IMAGE_FORMATS = ("png", "jpeg", "webp")
-DTYPES = ("float32", "bfloat16", "float16")
+# Pipeline dtypes, each with its short tag in queue names: the one list of them
+# (CLI choices, the shape key, queue names and the worker's torch dtypes read it).
+DTYPE_TAGS = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+Dtype = Literal[tuple(DTYPE_TAGS)]
 
 
 class Strict(BaseModel):
@@ -41,7 +44,7 @@ class ShapeKey(Strict):
     # > 1. For distilled models that ignore it this only splits queues, never mixes
     # graphs, so the conservative rule is safe.
     cfg: bool
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    dtype: Dtype = "float32"
 
     @property
     def queue(self) -> str:
@@ -63,11 +66,10 @@ def model_slug(model: str) -> str:
     return f"{tail}-{digest}"
 
 
-# The queue name's dtype part; `shape_from_queue` reads it back.
-_DTYPE_TAGS = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+# The queue name's dtype part is DTYPE_TAGS's; `shape_from_queue` reads it back.
 _QUEUE_RE = re.compile(
     r"diffq\.(?P<slug>[a-z0-9-]+)\.(?P<height>\d+)x(?P<width>\d+)\.b(?P<batch>\d+)"
-    r"\.l(?P<seq>\d+)\.(?P<cfg>cfg|nocfg)\.(?P<dtype>" + "|".join(_DTYPE_TAGS.values()) + ")"
+    r"\.l(?P<seq>\d+)\.(?P<cfg>cfg|nocfg)\.(?P<dtype>" + "|".join(DTYPE_TAGS.values()) + ")"
 )
 
 
@@ -81,7 +83,7 @@ def queue_name(shape: ShapeKey) -> str:
     return (
         f"diffq.{model_slug(shape.model)}.{shape.height}x{shape.width}"
         f".b{shape.batch_size}.l{shape.max_sequence_length}"
-        f".{'cfg' if shape.cfg else 'nocfg'}.{_DTYPE_TAGS[shape.dtype]}"
+        f".{'cfg' if shape.cfg else 'nocfg'}.{DTYPE_TAGS[shape.dtype]}"
     )
 
 
@@ -94,7 +96,7 @@ def shape_from_queue(queue: str, models: list[str]) -> ShapeKey | None:
     model = next((m for m in models if model_slug(m) == match["slug"]), None)
     if model is None:
         return None
-    dtype = next(name for name, tag in _DTYPE_TAGS.items() if tag == match["dtype"])
+    dtype = next(name for name, tag in DTYPE_TAGS.items() if tag == match["dtype"])
     return ShapeKey(model=model, height=int(match["height"]), width=int(match["width"]),
                     batch_size=int(match["batch"]), max_sequence_length=int(match["seq"]),
                     cfg=match["cfg"] == "cfg", dtype=dtype)
