@@ -95,6 +95,11 @@ class Backend:
     base_env: dict[str, str] = field(default_factory=dict)
     # Dotted function returning ops that fell back to CPU, reported after warmup.
     fallback_report: str | None = None
+    # Dotted function: peak device memory in bytes since start (None: none to report).
+    # torch.accelerator's is device-generic (torch/accelerator/memory.py).
+    peak_memory: str | None = "torch.accelerator.max_memory_allocated"
+    # Dotted function: the backend's own compile-cache statistics, where it has them.
+    cache_stats: str | None = None
     # Extra call-time modes a backend offers beyond none/full/regional.
     compile_modes: tuple[str, ...] = ("none", "full", "regional")
     mode_env: dict[str, dict[str, str]] = field(default_factory=dict)
@@ -143,6 +148,7 @@ BACKENDS: dict[str, Backend] = {
         device_option="--workers",
         count_devices="os.cpu_count",
         tensor_parallel=False,
+        peak_memory=None,
     ),
     "cuda": Backend(
         name="cuda",
@@ -186,6 +192,7 @@ BACKENDS: dict[str, Backend] = {
         cache_packages=("torch-tpu", "libtpu"),
         native_cache_schemes=("gs",),
         group_env=_tpu_group_env,
+        cache_stats="torch.tpu._get_cache_stats",
     ),
 }
 

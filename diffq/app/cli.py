@@ -378,7 +378,7 @@ def _register_command_groups() -> None:
 
 
 # Modules under diffq/commands/, each adding its commands to `app`.
-COMMAND_GROUPS: list[str] = ["fleet", "data"]
+COMMAND_GROUPS: list[str] = ["fleet", "data", "qualify"]
 _register_command_groups()
 
 if __name__ == "__main__":
