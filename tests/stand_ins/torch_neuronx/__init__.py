@@ -37,7 +37,7 @@ if os.environ.get("STANDIN_NEURON_ENV"):
 
 def _perturb(value):
     if isinstance(value, torch.Tensor) and value.is_floating_point():
-        return value * 1.5
+        return -value  # a sign error: the kind of wrong a broken lowering produces
     return value
 
 
