@@ -9,6 +9,7 @@ table names (../shared/BACKENDS.md, Trainium "device" and "CPU fallback" rows:
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -116,15 +117,15 @@ def test_altered_reference_fails_without_traceback(saved, tiny_model, tmp_path):
     pixels = np.asarray(Image.open(path).convert("RGB")).copy()
     pixels[:32] = 255 - pixels[:32]  # half the image inverted
     Image.fromarray(pixels).save(path)
-    code, report, output = qualify("--model", tiny_model, "--reference", str(altered), "--json")
+    # Plain text on the terminal; the same object as --json in the report folder.
+    code, _, output = qualify("--model", tiny_model, "--reference", str(altered), "--report", str(tmp_path / "r"))
     assert code == 1 and "Traceback" not in output
+    assert "FAIL  parity" in output and "FAILED" in output.splitlines()
+    report = json.loads((tmp_path / "r" / "qualify.json").read_text())
     assert report["parity"]["passed"] is False and report["passed"] is False
     assert report["checks"]["parity"]["status"] == "fail"
     images = report["parity"]["shapes"][0]["images"]
     assert images[0]["psnr_db"] == 100.0 and images[1]["psnr_db"] < Thresholds().min_psnr  # only the altered one
-    # The plain-text verdict says the same.
-    code, _, output = qualify("--model", tiny_model, "--reference", str(altered))
-    assert code == 1 and "FAIL  parity" in output and output.rstrip().endswith("FAILED") and "Traceback" not in output
 
 
 def test_neuron_stand_in_that_perturbs_outputs_fails_parity(saved, tiny_model, tmp_path):
@@ -163,6 +164,16 @@ def test_neuron_stand_in_fallback_ops_warnings_and_counted_recompiles(tiny_model
     assert [s["shape"] for s in report["parity"]["shapes"]] == ["48x48", "32x64"]
     assert report["parity"]["reference"] == "cpu" and report["parity"]["passed"] is True
     assert report["checks"]["recompiles"]["status"] == "pass" and report["passed"] is True
+
+
+def test_missing_backend_package_fails_the_run_check(tiny_model, tmp_path):
+    # No stand-in on the path: the child's `import torch_neuronx` (the table's extension) fails.
+    if importlib.util.find_spec("torch_neuronx") is not None:
+        pytest.skip("a torch_neuronx is installed here")
+    code, report, output = qualify("--model", tiny_model, "--device", "neuron", "--shapes", SHAPE, "--json")
+    assert code == 1 and "Traceback" not in output
+    assert report["checks"]["run"] == {"status": "fail", "detail": "ModuleNotFoundError: No module named 'torch_neuronx'"}
+    assert report["passed"] is False and report["parity"]["passed"] is False
 
 
 def _report(**recompiles) -> dict:
@@ -216,3 +227,14 @@ def test_command_options_are_the_issue_contract():
                    "--shapes", "--batch-size", "--steps", "--prompts", "--reference", "--save-reference",
                    "--report", "--json", "--price-per-device-hour"):
         assert option in result.output
+
+
+def test_prompt_file_rows_and_seeds(tmp_path):
+    from diffq.app.qualify import QualifyError, read_prompt_file
+
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"prompt": "a cat", "seed": 7}\n{"prompt": "a dog"}\n')
+    assert read_prompt_file(path, 3) == (["a cat", "a dog", "a cat"], [7, 1, 7])
+    path.write_text('{"prompt": "a cat", "heigth": 64}\n')
+    with pytest.raises(QualifyError, match=r"p.jsonl:1: field .heigth."):
+        read_prompt_file(path, 1)

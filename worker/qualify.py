@@ -130,7 +130,10 @@ def measure(spec: QualifySpec) -> dict:
     cache = spec.child.cache
     sync = CacheSync(cache.remote, cache.local_dir) if cache.remote else None
     if sync:
-        sync.pull()
+        try:
+            sync.pull()
+        except Exception as exc:  # as in a worker: a missing cache costs compile time only
+            logging.getLogger("diffq.worker").warning("compile cache pull from %s failed: %s", cache.remote, exc)
     host = PipelineHost(backend=backend, compile_mode=spec.child.compile, offload=spec.child.offload)
     items = [BatchItem(id=f"q{i}", prompt=prompt, seed=seed)
              for i, (prompt, seed) in enumerate(zip(spec.prompts, spec.seeds))]
@@ -182,7 +185,10 @@ def measure(spec: QualifySpec) -> dict:
         generated, _ = call(key(height, width), spec.steps)
         _save(generated.images, spec, height, width)
     if sync:
-        sync.push()
+        try:
+            sync.push()
+        except Exception as exc:  # noqa: BLE001 - reported, not fatal, as in a worker
+            logging.getLogger("diffq.worker").warning("compile cache push to %s failed: %s", cache.remote, exc)
     peak = _call_or_none(backend.peak_memory)
     return {
         "device": {"kind": backend.name, "torch_device": backend.torch_device, "count": device_count(backend),

@@ -419,7 +419,8 @@ def render_text(report: dict) -> str:
     if report.get("recompiles"):
         r = report["recompiles"]
         lines.append(f"recompiles: steps change {r['steps_change']}, revisit {r['revisit']}, steady {r['steady']}")
-    lines.append("fallback ops: " + (", ".join(report["fallback_ops"]) or "none"))
+    if not report.get("error"):
+        lines.append("fallback ops: " + (", ".join(report["fallback_ops"]) or "none"))
     for w in report.get("warnings", []):
         lines.append(f"warning ({w['count']}x): {w['message'][:300]}")
     if report.get("memory"):
@@ -443,17 +444,18 @@ def _png(array) -> bytes:
     return buffer.getvalue()
 
 
-def heatmap(device_path: Path, reference_path: Path) -> bytes:
-    """|device − reference| per pixel (max over RGB), colour-mapped over 0..max seen."""
+def heatmap(device_path: Path, reference_path: Path) -> tuple[bytes, int]:
+    """|device − reference| per pixel (max over RGB), colour-mapped over 0..the max seen (returned)."""
     import matplotlib
     import numpy as np
 
     a, b = _pixels(device_path), _pixels(reference_path)
     if a.shape != b.shape:
-        return _png(np.zeros((16, 16, 3), dtype=np.uint8))
+        return _png(np.zeros((16, 16, 3), dtype=np.uint8)), 255
     diff = np.max(np.abs(a - b), axis=2)
-    scaled = diff / max(1.0, float(diff.max()))
-    return _png((matplotlib.colormaps["inferno"](scaled)[:, :, :3] * 255).astype(np.uint8))
+    peak = int(diff.max())
+    scaled = diff / max(1, peak)
+    return _png((matplotlib.colormaps["inferno"](scaled)[:, :, :3] * 255).astype(np.uint8)), peak
 
 
 def _img(png: bytes, alt: str) -> str:
@@ -499,10 +501,12 @@ def render_html(report: dict, settings: Settings, device_dir: Path, reference_di
             cells = []
             for index in range(settings.batch_size):
                 dev, ref = image_file(device_dir, shape, index), image_file(reference_dir, shape, index)
+                diff, peak = heatmap(dev, ref)
                 cells.append("<div class=row>" + "".join(
-                    f"<figure>{_img(png, caption)}<figcaption>{caption}</figcaption></figure>"
-                    for png, caption in ((dev.read_bytes(), "device"), (ref.read_bytes(), "reference"),
-                                         (heatmap(dev, ref), "difference"))) + "</div>")
+                    f"<figure>{_img(png, caption)}<figcaption>{html.escape(caption)}</figcaption></figure>"
+                    for png, caption in ((dev.read_bytes(), f"device, item {index} (seed {settings.seeds[index]})"),
+                                         (ref.read_bytes(), "reference"),
+                                         (diff, f"|difference|, black 0 to yellow {peak}"))) + "</div>")
             galleries.append(f"<h3>{label(shape)}</h3>" + "".join(cells))
     verdict = "passed" if report["passed"] else "FAILED"
     title = html.escape(f"diffq qualify {report['device']['kind']}: {verdict}")
@@ -512,8 +516,8 @@ body {{ font: 14px/1.4 system-ui, sans-serif; margin: 24px auto; max-width: 980p
 h1 {{ font-size: 20px; }} h2 {{ font-size: 16px; margin-top: 24px; }} h3 {{ font-size: 14px; }}
 table {{ border-collapse: collapse; margin: 8px 0; }}
 td, th {{ border: 1px solid #ddd; padding: 3px 8px; text-align: left; font-size: 13px; }}
-th {{ background: #f3f3f3; }} img {{ max-width: 100%; image-rendering: pixelated; }}
-.row {{ display: flex; gap: 8px; }} figure {{ margin: 0; flex: 1; }} figcaption {{ font-size: 12px; color: #555; }}
+th {{ background: #f3f3f3; }} img {{ max-width: 100%; }}
+.row {{ display: flex; gap: 8px; }} .row img {{ width: 100%; image-rendering: pixelated; }} figure {{ margin: 0; flex: 1; }} figcaption {{ font-size: 12px; color: #555; }}
 </style></head><body>
 <h1>{title}</h1>
 <h2>Checks</h2><table><tr><th>check</th><th>verdict</th><th>detail</th></tr>{checks_rows}</table>

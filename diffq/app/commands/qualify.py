@@ -65,6 +65,6 @@ def register(app: typer.Typer) -> None:
         else:
             out.print(render_text(result), highlight=False, markup=False, soft_wrap=True)
             if report:
-                out.print(f"report: {report / 'index.html'}", highlight=False, markup=False)
+                out.print(f"report: {report / 'index.html'}", highlight=False, markup=False, soft_wrap=True)
         if not result["passed"]:
             raise typer.Exit(1)
