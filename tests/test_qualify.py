@@ -160,6 +160,7 @@ def test_neuron_stand_in_fallback_ops_warnings_and_counted_recompiles(tiny_model
     rc = report["recompiles"]
     assert rc["new_shapes"] == {"64x64": 1, "48x80": 1}
     assert rc["steps_change"] == 0 and rc["revisit"] == 0 and rc["steady"] == 0
+    assert [s["recompiles"] for s in report["shapes"]] == [{"steady": 0, "steps_change": 0, "revisit": 0}] * 2
     assert report["parity_shapes"] == ["48x48", "32x64"] and len(graphs) == 2 + 2
     assert [s["shape"] for s in report["parity"]["shapes"]] == ["48x48", "32x64"]
     assert report["parity"]["reference"] == "cpu" and report["parity"]["passed"] is True

@@ -6,7 +6,7 @@ the backend's extension, then drives the same `PipelineHost` a worker uses:
 
 - per shape: the first call (compile, or the per-op compile of eager Neuron/TPU),
   then `repeats` timed calls, then one call with a different `num_inference_steps`;
-  after every shape one call on the first shape again (revisit). Graphs are counted
+  after every shape one more call on each shape (revisit). Graphs are counted
   with dynamo's own counter around each call (`pipeline_host.graphs_compiled`).
 - the first call's images (same prompts and seeds as the reference) are written as
   PNG for the parent to compare; a reference run (`measure=False`) writes only those.
@@ -174,13 +174,13 @@ def measure(spec: QualifySpec) -> dict:
             "first_call_graphs": first_graphs,
             "steady_s": {"median": round(median, 4), "p90": round(percentile(steady, 90), 4),
                          "calls": len(steady)},
-            "steady_graphs": steady_graphs,
-            "steps_change_graphs": changed,
+            "recompiles": {"steady": steady_graphs, "steps_change": changed, "revisit": None},
             "images_per_s": round(spec.batch_size / median, 4) if median > 0 else None,
         })
-    revisit = None
-    if spec.measure and spec.shapes:
-        _, revisit = call(key(*spec.shapes[0]), spec.steps)
+    # Back to every shape, now that later shapes compiled in between: nothing new.
+    for entry in shapes:
+        _, entry["recompiles"]["revisit"] = call(key(entry["height"], entry["width"]), spec.steps)
+    revisit = sum(entry["recompiles"]["revisit"] for entry in shapes) if spec.measure else None
     for height, width in (spec.extra_parity_shapes if spec.measure else spec.shapes):
         generated, _ = call(key(height, width), spec.steps)
         _save(generated.images, spec, height, width)
@@ -205,7 +205,7 @@ def measure(spec: QualifySpec) -> dict:
         "load_s": round(load_s, 4),
         "shapes": shapes,
         "recompiles": {"steps_change": steps_change if spec.measure else None, "revisit": revisit,
-                       "steady": sum(s["steady_graphs"] for s in shapes),
+                       "steady": sum(s["recompiles"]["steady"] for s in shapes),
                        "new_shapes": {s["shape"]: s["first_call_graphs"] for s in shapes}},
         "fallback_ops": sorted(set(host.fallback_ops())),
         "memory": {"device_peak_bytes": int(peak) if peak is not None else None,

@@ -484,10 +484,10 @@ def render_html(report: dict, settings: Settings, device_dir: Path, reference_di
                       f"{s['images_per_device_hour']:,.0f}",
                       "-" if s.get("cost_per_1000_images") is None else f"{s['cost_per_1000_images']:.4f}"]
                      for s in report["shapes"]])
-    rc = report.get("recompiles") or {}
-    recompiles = _table(["steps change", "revisit", "steady", "new shapes (graphs)"],
-                        [[rc.get("steps_change"), rc.get("revisit"), rc.get("steady"),
-                          json.dumps(rc.get("new_shapes"))]]) if rc else "<p>not measured</p>"
+    recompiles = _table(["shape", "first call", "steady calls", "steps change", "revisit"],
+                        [[s["shape"], s["first_call_graphs"], s["recompiles"]["steady"],
+                          s["recompiles"]["steps_change"], s["recompiles"]["revisit"]]
+                         for s in report["shapes"]]) if report["shapes"] else "<p>not measured</p>"
     fallback = _table(None, [[op] for op in report["fallback_ops"]]) if report["fallback_ops"] else "<p>none</p>"
     warns = (_table(["count", "warning"], [[w["count"], w["message"][:500]] for w in report.get("warnings", [])])
              if report.get("warnings") else "<p>none</p>")
@@ -523,7 +523,7 @@ th {{ background: #f3f3f3; }} img {{ max-width: 100%; }}
 <h2>Checks</h2><table><tr><th>check</th><th>verdict</th><th>detail</th></tr>{checks_rows}</table>
 <h2>Environment</h2>{_table(None, env_rows)}
 <h2>Compile vs steady state</h2>{shapes}
-<h2>Recompiles</h2>{recompiles}
+<h2>Graphs compiled (recompile checks)</h2>{recompiles}
 <h2>Fallback ops</h2>{fallback}
 <h2>Warnings</h2>{warns}
 <h2>Parity against {html.escape(str(p['reference']))}</h2>{parity_rows}
