@@ -33,7 +33,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from diffq.worker.process import QUIET_ENV, ChildSpec
+from diffq.worker.spec import QUIET_ENV, ChildSpec
 
 # Versions reported besides the backend's own packages (backends.py cache_packages).
 PACKAGES = ("torch", "diffusers", "transformers")
@@ -228,6 +228,7 @@ def main(spec_path: str) -> int:
     logging.getLogger().addHandler(collected)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
+        warnings.filterwarnings("ignore", message=".*superuser privileges.*")  # as a worker does
         try:
             import torch  # noqa: E402 - deliberately after pinning, as in a worker
 
