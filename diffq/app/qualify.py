@@ -36,6 +36,12 @@ from diffq.worker.backends import get_backend
 
 REFERENCE_FILE = "reference.json"
 PSNR_CAP = 100.0
+DEFAULT_SHAPE = (1024, 1024)
+# What is generated when neither an option nor a saved reference says otherwise.
+GENERATION_DEFAULTS = {"batch_size": 1, "steps": 4, "guidance_scale": 1.0, "max_sequence_length": 64}
+DEFAULT_REPEATS = 5
+# Above this many pixels the CPU reference (and parity) runs at a reduced shape.
+REFERENCE_MAX_PIXELS = 512 * 512
 DEFAULT_PROMPTS = (
     "a red fox in fresh snow, morning light",
     "a lighthouse on a cliff at dusk, long exposure",
@@ -279,8 +285,8 @@ def qualify(model: str, *, device: str = "cpu", slot: int = 0, compile: str = "n
             max_sequence_length: int | None = None, prompts_file: Path | None = None,
             reference: str = "cpu", save_reference: Path | None = None, report_dir: Path | None = None,
             price_per_device_hour: float | None = None, thresholds: Thresholds = Thresholds(),
-            threads: int = 1, compile_cache: str | None = None, repeats: int = 5,
-            reference_max_pixels: int = 512 * 512, timeout: float | None = None) -> dict:
+            threads: int = 1, compile_cache: str | None = None, repeats: int = DEFAULT_REPEATS,
+            reference_max_pixels: int = REFERENCE_MAX_PIXELS, timeout: float | None = None) -> dict:
     """Run the qualification and return the report (the `--json` object)."""
     from diffq.worker.models import ModelUnavailable, resolve_model
 
@@ -352,8 +358,11 @@ def _settings(model, reference, shapes, batch_size, steps, guidance_scale, max_s
             raise QualifyError(f"--prompts cannot be combined with --reference {reference}: it holds its own prompts")
         saved.model = model  # the pipeline under test; the reference says only what to generate
         return saved
-    shapes = shapes or [(1024, 1024)]
-    batch_size = batch_size or 1
+    shapes = shapes or [DEFAULT_SHAPE]
+    given = {"batch_size": batch_size, "steps": steps, "guidance_scale": guidance_scale,
+             "max_sequence_length": max_sequence_length}
+    chosen = {name: GENERATION_DEFAULTS[name] if value is None else value for name, value in given.items()}
+    batch_size = chosen["batch_size"]
     if prompts_file is not None:
         prompts, seeds = read_prompt_file(prompts_file, batch_size)
     else:
@@ -364,10 +373,7 @@ def _settings(model, reference, shapes, batch_size, steps, guidance_scale, max_s
         small = reduced(shape, reference_max_pixels)
         if small not in parity_shapes:
             parity_shapes.append(small)
-    return Settings(model=model, prompts=prompts, seeds=seeds, shapes=shapes, parity_shapes=parity_shapes,
-                    batch_size=batch_size, steps=steps or 4,
-                    guidance_scale=1.0 if guidance_scale is None else guidance_scale,
-                    max_sequence_length=max_sequence_length or 64)
+    return Settings(model=model, prompts=prompts, seeds=seeds, shapes=shapes, parity_shapes=parity_shapes, **chosen)
 
 
 def _report(result: dict, settings: Settings, device: str, dtype: str, price: float | None) -> dict:

@@ -10,6 +10,9 @@ import typer
 
 def register(app: typer.Typer) -> None:
     from diffq.app.cli import CompileMode, Device, Dtype, Model, _devices, _fail, out
+    from diffq.app.qualify import DEFAULT_REPEATS, DEFAULT_SHAPE, GENERATION_DEFAULTS as GEN, REFERENCE_MAX_PIXELS, Thresholds
+
+    limits = Thresholds()
 
     @app.command()
     def qualify(
@@ -21,21 +24,21 @@ def register(app: typer.Typer) -> None:
         compile: Annotated[CompileMode, typer.Option("--compile", help="none | full | regional | defer-fuse (TPU)")] = CompileMode.none,
         dtype: Annotated[Optional[Dtype], typer.Option("--dtype", help="Pipeline dtype (default: the backend's)")] = None,
         offload: Annotated[Optional[str], typer.Option("--offload", help="'model': enable_model_cpu_offload()")] = None,
-        shapes: Annotated[Optional[str], typer.Option("--shapes", help="HxW[,HxW…] (default 1024x1024)")] = None,
-        batch_size: Annotated[Optional[int], typer.Option("--batch-size", "-b", min=1, help="Images per call (default 1)")] = None,
-        steps: Annotated[Optional[int], typer.Option("--steps", min=1, help="num_inference_steps (default 4)")] = None,
-        guidance_scale: Annotated[Optional[float], typer.Option("--guidance-scale", min=0.0, help="Guidance scale (default 1.0)")] = None,
-        max_sequence_length: Annotated[Optional[int], typer.Option("--max-sequence-length", min=1, help="Text tokens (default 64)")] = None,
+        shapes: Annotated[Optional[str], typer.Option("--shapes", help=f"HxW[,HxW…] (default {DEFAULT_SHAPE[0]}x{DEFAULT_SHAPE[1]})")] = None,
+        batch_size: Annotated[Optional[int], typer.Option("--batch-size", "-b", min=1, help=f"Images per call (default {GEN['batch_size']})")] = None,
+        steps: Annotated[Optional[int], typer.Option("--steps", min=1, help=f"num_inference_steps (default {GEN['steps']})")] = None,
+        guidance_scale: Annotated[Optional[float], typer.Option("--guidance-scale", min=0.0, help=f"Guidance scale (default {GEN['guidance_scale']})")] = None,
+        max_sequence_length: Annotated[Optional[int], typer.Option("--max-sequence-length", min=1, help=f"Text tokens (default {GEN['max_sequence_length']})")] = None,
         prompts: Annotated[Optional[Path], typer.Option("--prompts", help="Prompt file (.jsonl/.csv/.txt/.parquet): the first rows, with their seeds")] = None,
         reference: Annotated[str, typer.Option("--reference", help="'cpu' (the same pipeline on CPU in float32) or a DIR from --save-reference")] = "cpu",
         save_reference: Annotated[Optional[Path], typer.Option("--save-reference", help="Store this run's images and settings in DIR, for a later --reference DIR")] = None,
         report: Annotated[Optional[Path], typer.Option("--report", help="Write DIR/index.html (self-contained) and DIR/qualify.json")] = None,
         as_json: Annotated[bool, typer.Option("--json", help="Print the report as one JSON object")] = False,
         price_per_device_hour: Annotated[Optional[float], typer.Option("--price-per-device-hour", min=0.0, help="Prints the cost per 1,000 images")] = None,
-        min_psnr: Annotated[float, typer.Option("--min-psnr", help="Parity fails below this PSNR (dB)")] = 25.0,
-        max_abs_diff: Annotated[int, typer.Option("--max-abs-diff", min=0, max=255, help="Parity fails above this absolute pixel difference")] = 200,
-        repeats: Annotated[int, typer.Option("--repeats", min=1, help="Steady-state calls per shape after the first")] = 5,
-        reference_max_pixels: Annotated[int, typer.Option("--reference-max-pixels", min=256, help="Larger shapes are compared at a reduced shape of the same aspect")] = 512 * 512,
+        min_psnr: Annotated[float, typer.Option("--min-psnr", help="Parity fails below this PSNR (dB)")] = limits.min_psnr,
+        max_abs_diff: Annotated[int, typer.Option("--max-abs-diff", min=0, max=255, help="Parity fails above this absolute pixel difference")] = limits.max_abs_diff,
+        repeats: Annotated[int, typer.Option("--repeats", min=1, help="Steady-state calls per shape after the first")] = DEFAULT_REPEATS,
+        reference_max_pixels: Annotated[int, typer.Option("--reference-max-pixels", min=256, help="Larger shapes are compared at a reduced shape of the same aspect")] = REFERENCE_MAX_PIXELS,
         threads: Annotated[int, typer.Option("--threads", min=1, help="Torch threads of the device process (as --threads of diffq worker)")] = 1,
         compile_cache: Annotated[Optional[str], typer.Option("--compile-cache", help="Compile cache, as for diffq worker")] = None,
     ) -> None:
@@ -43,7 +46,7 @@ def register(app: typer.Typer) -> None:
 
         Exit code 1 when a check fails, 2 on bad input.
         """
-        from diffq.app.qualify import QualifyError, Thresholds, parse_shapes, qualify as run_qualify, render_text
+        from diffq.app.qualify import QualifyError, parse_shapes, qualify as run_qualify, render_text
         from diffq.core.settings import get_settings
 
         try:
@@ -55,7 +58,8 @@ def register(app: typer.Typer) -> None:
                 guidance_scale=guidance_scale, max_sequence_length=max_sequence_length, prompts_file=prompts,
                 reference=reference, save_reference=save_reference, report_dir=report,
                 price_per_device_hour=price_per_device_hour,
-                thresholds=Thresholds(min_psnr=min_psnr, max_abs_diff=max_abs_diff), threads=threads,
+                thresholds=Thresholds(min_psnr=min_psnr, max_abs_diff=max_abs_diff,
+                                      warn_margin_db=limits.warn_margin_db), threads=threads,
                 compile_cache=compile_cache or get_settings().compile_cache, repeats=repeats,
                 reference_max_pixels=reference_max_pixels)
         except (QualifyError, ValueError) as exc:
