@@ -179,7 +179,7 @@ def test_missing_backend_package_fails_the_run_check(tiny_model, tmp_path):
 
 
 def _report(**recompiles) -> dict:
-    return {"shapes": [{}], "fallback_ops": [], "compile": {"mode": "full"},
+    return {"shapes": [{}], "fallback_ops": [], "compile": {"mode": "full", "backend": "inductor"},
             "recompiles": {"steps_change": 0, "revisit": 0, "steady": 0, "new_shapes": {"64x64": 1}, **recompiles},
             "parity": {"reference": "cpu", "psnr_db_min": 40.0, "max_abs_diff": 12, "passed": True}}
 

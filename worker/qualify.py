@@ -153,9 +153,11 @@ def measure(spec: QualifySpec) -> dict:
     host.set_shape_budget(len(spec.shapes) + len(spec.extra_parity_shapes))
     host.pipeline(spec.model, spec.dtype)
     load_s = time.perf_counter() - started
+    # A reference run only generates images: its shapes are all parity shapes.
+    timed, images_only = (spec.shapes, spec.extra_parity_shapes) if spec.measure else ([], spec.shapes)
     shapes = []
     steps_change = 0
-    for height, width in ([] if not spec.measure else spec.shapes):
+    for height, width in timed:
         shape = key(height, width)
         first, first_graphs = call(shape, spec.steps)
         _save(first.images, spec, height, width)
@@ -181,7 +183,7 @@ def measure(spec: QualifySpec) -> dict:
     for entry in shapes:
         _, entry["recompiles"]["revisit"] = call(key(entry["height"], entry["width"]), spec.steps)
     revisit = sum(entry["recompiles"]["revisit"] for entry in shapes) if spec.measure else None
-    for height, width in (spec.extra_parity_shapes if spec.measure else spec.shapes):
+    for height, width in images_only:
         generated, _ = call(key(height, width), spec.steps)
         _save(generated.images, spec, height, width)
     if sync:
@@ -190,16 +192,16 @@ def measure(spec: QualifySpec) -> dict:
         except Exception as exc:  # noqa: BLE001 - reported, not fatal, as in a worker
             logging.getLogger("diffq.worker").warning("compile cache push to %s failed: %s", cache.remote, exc)
     peak = _call_or_none(backend.peak_memory)
+    stats = host.compile_stats()
     return {
         "device": {"kind": backend.name, "torch_device": backend.torch_device, "count": device_count(backend),
                    "slot": spec.child.slot},
-        "compile": {"mode": spec.child.compile,
-                    "backend": backend.compile_backend if spec.child.compile in ("full", "regional") else None,
-                    "options": backend.compile_options if spec.child.compile in ("full", "regional") else None,
+        "compile": {"mode": stats["mode"], "backend": stats["backend"],
+                    "options": backend.compile_options if stats["backend"] else None,
                     "cache_env": backend.cache_env,
                     "cache_dir": os.environ.get(backend.cache_env) or cache.local_dir,
                     "cache_remote": cache.remote,
-                    "cache_stats": {"dynamo": host.compile_stats()["cache"],
+                    "cache_stats": {"inductor": stats["cache"],
                                     "backend": _json_safe(_call_or_none(backend.cache_stats))}},
         "versions": versions(backend),
         "load_s": round(load_s, 4),
@@ -207,7 +209,7 @@ def measure(spec: QualifySpec) -> dict:
         "recompiles": {"steps_change": steps_change if spec.measure else None, "revisit": revisit,
                        "steady": sum(s["recompiles"]["steady"] for s in shapes),
                        "new_shapes": {s["shape"]: s["first_call_graphs"] for s in shapes}},
-        "fallback_ops": sorted(set(host.fallback_ops())),
+        "fallback_ops": list(dict.fromkeys(host.fallback_ops())),
         "memory": {"device_peak_bytes": int(peak) if peak is not None else None,
                    "host_peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024},
     }

@@ -249,12 +249,12 @@ def checks(report: dict, thresholds: Thresholds) -> dict[str, dict]:
     if extra:
         found["recompiles"] = {"status": "fail", "detail": "graphs compiled where none should: "
                                + ", ".join(f"{k} {v}" for k, v in extra.items())}
-    elif report["compile"]["mode"] in ("full", "regional") and idle:
+    elif report["compile"]["backend"] and idle:
         found["recompiles"] = {"status": "warn", "detail": f"no graph compiled for new shape(s) {', '.join(idle)}"}
     else:
         found["recompiles"] = {"status": "pass", "detail": "steps change 0, revisit 0, "
-                               + ("eager: torch.compile not used" if report["compile"]["mode"] in ("none", "defer-fuse")
-                                  else "each new shape compiled once")}
+                               + ("each new shape compiled once" if report["compile"]["backend"]
+                                  else "eager: torch.compile not used")}
     p = report["parity"]
     if p.get("error"):
         found["parity"] = {"status": "fail", "detail": p["error"]}
