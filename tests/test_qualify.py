@@ -240,3 +240,17 @@ def test_prompt_file_rows_and_seeds(tmp_path):
     path.write_text('{"prompt": "a cat", "heigth": 64}\n')
     with pytest.raises(QualifyError, match=r"p.jsonl:1: field .heigth."):
         read_prompt_file(path, 1)
+
+
+def test_backend_rows_for_memory_and_cache_stats():
+    from diffq.worker.backends import BACKENDS, resolve
+
+    # torch's device-generic allocator statistics (torch/accelerator/memory.py); the
+    # CPU has no device allocator to ask.
+    assert BACKENDS["cpu"].peak_memory is None
+    for kind in ("cuda", "neuron", "tpu"):
+        assert BACKENDS[kind].peak_memory == "torch.accelerator.max_memory_allocated"
+    assert callable(resolve(BACKENDS["cuda"].peak_memory))
+    # BACKENDS.md TPU "compile cache" row: "Stats: torch.tpu._get_cache_stats()".
+    assert BACKENDS["tpu"].cache_stats == "torch.tpu._get_cache_stats"
+    assert {kind for kind, b in BACKENDS.items() if b.cache_stats} == {"tpu"}
