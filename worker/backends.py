@@ -217,6 +217,11 @@ class Backend:
     base_env: dict[str, str] = field(default_factory=dict)
     # Dotted function returning ops that fell back to CPU, reported after warmup.
     fallback_report: str | None = None
+    # Dotted function: peak device memory in bytes since start (None: none to report).
+    # torch.accelerator's is device-generic (torch/accelerator/memory.py).
+    peak_memory: str | None = "torch.accelerator.max_memory_allocated"
+    # Dotted function: the backend's own compile-cache statistics, where it has them.
+    cache_stats: str | None = None
     # --compile values this backend offers; the CLI offers their union.
     compile_modes: tuple[str, ...] = ("none", "full", "regional")
     mode_env: dict[str, dict[str, str]] = field(default_factory=dict)
@@ -319,6 +324,7 @@ BACKENDS: dict[str, Backend] = {
         count_devices="os.cpu_count",
         tensor_parallel=False,
         k8s=K8sPod(resource=None, devices_per_pod=2, grace_seconds=300, cpu="2", memory="4Gi"),
+        peak_memory=None,
     ),
     "cuda": Backend(
         name="cuda",
@@ -400,6 +406,7 @@ BACKENDS: dict[str, Backend] = {
             # torch_tpu's tier-2 compile cache lives in /dev/shm.
             shm_size="32Gi", generation="v6e",
         ),
+        cache_stats="torch.tpu._get_cache_stats",
     ),
 }
 

@@ -28,6 +28,7 @@ _EXPORTS = {
     "build_report": "diffq.results.report",
     "render_text": "diffq.results.report",
     "open_storage": "diffq.core.storage",
+    "qualify": "diffq.app.qualify",         # diffq qualify
 }
 
 __all__ = sorted(_EXPORTS)

@@ -387,7 +387,7 @@ def _register_command_groups() -> None:
 
 
 # Modules under diffq/commands/, each adding its commands to `app`.
-COMMAND_GROUPS: list[str] = ["fleet", "data", "plan"]
+COMMAND_GROUPS: list[str] = ["fleet", "data", "plan", "qualify"]
 _register_command_groups()
 
 if __name__ == "__main__":
