@@ -23,7 +23,8 @@ from pathlib import Path
 
 from diffq import __version__
 from diffq.core import layout
-from diffq.core.contract import BatchMessage, RunManifest, ShapeKey, ShapeSummary
+from diffq.core.contract import BatchMessage, ShapeKey
+from diffq.core.records import RunManifest, ShapeSummary, parse_plan_part, plan_part
 from diffq.core.storage import Storage, open_storage
 from diffq.producer.bucketing import RunOptions, bucket, group_key, shape_for
 from diffq.producer.messages import BatchEncoder, EncodedBatch
@@ -123,15 +124,13 @@ def make_options(*, model: str, batch_size: int = 4, steps: int = 4, guidance_sc
 
 
 def write_plan_part(storage: Storage, part: int, messages: list[EncodedBatch]) -> None:
-    body = b"".join(message.json + b"\n" for message in messages)
-    storage.put_bytes(layout.plan_key(part), body, content_type="application/jsonl")
+    storage.put_bytes(layout.plan_key(part), plan_part(message.json for message in messages),
+                      content_type="application/jsonl")
 
 
 def read_plan(storage: Storage) -> Iterator[BatchMessage]:
     for key in sorted(storage.list(layout.PLAN_PREFIX)):
-        for line in storage.get_bytes(key).decode().splitlines():
-            if line:
-                yield BatchMessage.model_validate_json(line)
+        yield from parse_plan_part(storage.get_bytes(key))
 
 
 def submit(

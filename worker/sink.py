@@ -17,7 +17,6 @@ written together; the worker's back-pressure waits only for images + record
 from __future__ import annotations
 
 import io
-import json
 import logging
 import os
 import threading
@@ -27,9 +26,12 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from pydantic import ValidationError
+
 from diffq.core import layout
 from diffq.core.contract import BatchMessage
 from diffq.core.progress import ProgressLog
+from diffq.core.records import ImageRecord, jsonl
 from diffq.core.storage import Storage
 
 log = logging.getLogger(__name__)
@@ -176,6 +178,8 @@ class Sink:
         while True:
             try:
                 return write()
+            except ValidationError:  # a record that breaks its schema will not heal
+                raise
             except Exception as exc:
                 attempt += 1
                 if time.monotonic() >= deadline:
@@ -195,29 +199,16 @@ class Sink:
 
         results = list(self._pool.map(put, range(len(images))))
         finished_at = time.time()
-        images_s = round(time.perf_counter() - started, 4)
-        lines = []
-        for item, key in zip(message.items, keys):
-            lines.append(json.dumps({
-                "file_name": key,
-                "id": item.id,
-                "prompt": item.prompt,
-                "seed": item.seed,
-                "height": message.shape.height,
-                "width": message.shape.width,
-                "steps": message.params.num_inference_steps,
-                "guidance_scale": message.params.guidance_scale,
-                "model": message.shape.model,
-                "run_id": message.run_id,
-                "batch_id": message.batch_id,
-                "queue": message.shape.queue,
-                "finished_at": finished_at,
-                # Encoding + storing this batch's images (overlapped with the next batch).
-                "store_s": images_s,
-                **record_extra,
-            }))
+        store_s = round(time.perf_counter() - started, 4)
+        records = [ImageRecord(
+            file_name=key, id=item.id, prompt=item.prompt, seed=item.seed,
+            height=message.shape.height, width=message.shape.width,
+            steps=message.params.num_inference_steps, guidance_scale=message.params.guidance_scale,
+            model=message.shape.model, run_id=message.run_id, batch_id=message.batch_id,
+            queue=message.shape.queue, finished_at=finished_at, store_s=store_s, **record_extra,
+        ) for item, key in zip(message.items, keys)]
         # One record per batch id: a redelivered batch finds it and writes nothing.
-        storage.put_bytes(layout.record_key(message.batch_id), ("\n".join(lines) + "\n").encode(),
+        storage.put_bytes(layout.record_key(message.batch_id), jsonl(records),
                           content_type="application/jsonl", if_absent=True)
         return BatchOutcome(
             batch_id=message.batch_id,

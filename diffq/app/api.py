@@ -17,9 +17,9 @@ import importlib
 _EXPORTS = {
     "submit": "diffq.producer.submit",       # diffq submit
     "run": "diffq.app.runner",                   # diffq run (embedded broker, no servers)
-    "status": "diffq.producer.results",      # diffq status
-    "fetch": "diffq.producer.results",       # diffq fetch
-    "iter_records": "diffq.producer.results",
+    "status": "diffq.results.status",       # diffq status
+    "fetch": "diffq.results.fetch",         # diffq fetch
+    "iter_records": "diffq.core.runfolder",
     "watch": "diffq.results.watch",         # diffq status --watch
     "snapshots": "diffq.results.watch",
     "export": "diffq.results.export",       # diffq export

@@ -1,6 +1,7 @@
 """The queue contract shared by producer and worker: one pydantic schema, JSON only.
 
-Everything that crosses the broker or lands in a run folder is one of these models.
+Everything that crosses the broker is one of these models (the run folder's files
+are in records.py).
 The shape key is the heart of it: every field of it changes a compiled graph on a
 static-shape backend, so it names the queue a batch goes to.
 """
@@ -129,57 +130,3 @@ class BatchMessage(Strict):
         if len(payload) > MAX_MESSAGE_BYTES:
             raise ValueError(f"message of {len(payload)} bytes exceeds {MAX_MESSAGE_BYTES}")
         return cls.model_validate_json(payload)
-
-
-class ImageRecord(BaseModel):
-    """One line of a batch record and of ``metadata.jsonl`` (imagefolder layout)."""
-
-    model_config = ConfigDict(extra="allow")
-
-    file_name: str
-    id: str
-    prompt: str
-    seed: int
-    height: int
-    width: int
-    steps: int
-    guidance_scale: float
-    model: str
-    run_id: str
-    batch_id: str
-    queue: str
-    device: str
-    worker: str
-    generate_s: float
-    finished_at: float
-
-
-class FailureRecord(Strict):
-    run_id: str
-    batch_id: str
-    item_ids: list[str]
-    error: str
-    attempts: int
-    worker: str
-    failed_at: float
-
-
-class ShapeSummary(Strict):
-    shape: ShapeKey
-    queue: str
-    items: int
-    batches: int
-
-
-class RunManifest(Strict):
-    schema_version: Literal[1] = SCHEMA_VERSION
-    run_id: str
-    created_at: float
-    source: str
-    out: str
-    total: int
-    batches: int
-    plan_parts: int
-    shapes: list[ShapeSummary]
-    defaults: dict
-    diffq_version: str

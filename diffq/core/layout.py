@@ -55,6 +55,11 @@ def record_key(batch_id: str) -> str:
     return f"{RECORDS_PREFIX}{batch_id}.jsonl"
 
 
+def batch_of_record(key: str) -> str:
+    """The batch id of a record key (`record_key`'s inverse)."""
+    return key[len(RECORDS_PREFIX):-len(".jsonl")]
+
+
 def failure_key(batch_id: str) -> str:
     return f"{FAILURES_PREFIX}{batch_id}.json"
 
