@@ -131,7 +131,7 @@ def test_pin_tpu_bounds_and_distinct_ports():
 def test_pin_cuda_and_cpu():
     assert get_backend("cuda").pin(1, 1)["CUDA_VISIBLE_DEVICES"] == "1"
     cpu = get_backend("cpu").pin(0, 3)
-    assert cpu == {"OMP_NUM_THREADS": "3", "MKL_NUM_THREADS": "3", "DIFFQ_TORCH_THREADS": "3"}
+    assert cpu == {"OMP_NUM_THREADS": "3", "MKL_NUM_THREADS": "3"}
 
 
 def test_parse_devices():

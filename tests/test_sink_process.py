@@ -170,7 +170,12 @@ def test_helper_ignores_the_signals_meant_for_its_worker(tmp_path):
 
 
 def test_the_worker_sink_is_a_helper_process_unless_configured(monkeypatch):
-    assert isinstance(make_sink(), SinkProcess)
+    sink = make_sink()
+    try:
+        assert isinstance(sink, SinkProcess)
+        assert sink._helper is not None and sink._helper.process.poll() is None  # started with the worker
+    finally:
+        sink.close()
     monkeypatch.setenv("DIFFQ_SINK", "thread")
     assert isinstance(make_sink(), Sink)
 

@@ -18,7 +18,7 @@ TPU_BASE_PORT = 8476
 def _cpu_pin(slot: int, threads: int) -> dict[str, str]:
     # One worker per slot; threads split so 2 processes on 2 cores do not fight.
     n = str(threads)
-    return {"OMP_NUM_THREADS": n, "MKL_NUM_THREADS": n, "DIFFQ_TORCH_THREADS": n}
+    return {"OMP_NUM_THREADS": n, "MKL_NUM_THREADS": n}
 
 
 def _cuda_pin(device: int, threads: int) -> dict[str, str]:

@@ -36,8 +36,6 @@ from diffq.core.storage import Storage
 
 log = logging.getLogger(__name__)
 
-_PIL_FORMATS = {"png": "PNG", "jpeg": "JPEG", "webp": "WEBP"}
-_CONTENT_TYPES = {"png": "image/png", "jpeg": "image/jpeg", "webp": "image/webp"}
 # Progress logs kept per process (one per run folder); an evicted one is replaced
 # by a fresh log under a new writer name, which readers treat the same.
 MAX_LOGS = 64
@@ -59,8 +57,7 @@ def _yield_to_generation() -> None:
 
 def encode(image, fmt: str) -> bytes:
     buffer = io.BytesIO()
-    options = {"compress_level": 1} if fmt == "png" else {"quality": 90}
-    image.save(buffer, format=_PIL_FORMATS[fmt], **options)
+    image.save(buffer, format=layout.IMAGE_FORMATS[fmt].pil, **layout.IMAGE_FORMATS[fmt].options)
     return buffer.getvalue()
 
 
@@ -100,9 +97,6 @@ class Sink:
                                         initializer=_yield_to_generation)
         self.retry_for_s = retry_for_s
         self._credits: OrderedDict[str, _Credits] = OrderedDict()  # writer thread only
-
-    def start(self) -> None:
-        """Nothing to start: the threads are created on first use (SinkProcess starts a helper)."""
 
     def submit(self, storage: Storage, message: BatchMessage, images: list, record_extra: dict) -> Handed:
         handed = Handed(stored=Future(), credited=Future())
@@ -195,7 +189,8 @@ class Sink:
 
         def put(index: int) -> tuple[bool, int]:
             data = encode(images[index], fmt)
-            return storage.put_bytes(keys[index], data, content_type=_CONTENT_TYPES[fmt], if_absent=True), len(data)
+            return storage.put_bytes(keys[index], data, content_type=layout.IMAGE_FORMATS[fmt].content_type,
+                                     if_absent=True), len(data)
 
         results = list(self._pool.map(put, range(len(images))))
         finished_at = time.time()

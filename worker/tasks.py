@@ -205,7 +205,6 @@ def build_worker_app(spec: ChildSpec, group=None) -> Celery:
     global _runtime
     _runtime = Runtime(spec=spec, host=PipelineHost(backend=spec.backend, compile_mode=spec.compile,
                                                      offload=spec.offload, group=group))
-    _runtime.sink.start()  # a helper process imports while the model loads
     app = make_celery(spec.broker_url, spec.transport_options)
     app.steps["consumer"].add(acks.DeferredAckStep)
     if spec.routing == "compile-aware":

@@ -13,6 +13,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from diffq.core.layout import IMAGE_FORMATS
 from diffq.core.settings import get_settings
 
 app = typer.Typer(no_args_is_help=True, add_completion=False,
@@ -26,10 +27,7 @@ class Family(str, Enum):
     flux = "flux"
 
 
-class ImageFormat(str, Enum):
-    png = "png"
-    jpeg = "jpeg"
-    webp = "webp"
+ImageFormat = Enum("ImageFormat", {name: name for name in IMAGE_FORMATS}, type=str)
 
 
 class Device(str, Enum):

@@ -9,7 +9,6 @@ from __future__ import annotations
 import socket
 import time
 from pathlib import Path
-from urllib.parse import urlsplit, urlunsplit
 
 from celery import Celery
 from kombu.transport import filesystem
@@ -65,18 +64,6 @@ def _worker_stopping() -> bool:
 
     # Exit code 0 means "stop" too, so compare by identity (0 == False).
     return any(flag is not None and flag is not False for flag in (state.should_stop, state.should_terminate))
-
-
-def redact(url: str) -> str:
-    """The broker URL without its password, for logs, manifests and status output."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    host = parts.hostname or ""
-    if parts.port:
-        host = f"{host}:{parts.port}"
-    user = f"{parts.username}:***@" if parts.username else ":***@"
-    return urlunsplit((parts.scheme, user + host, parts.path, parts.query, parts.fragment))
 
 
 def make_celery(broker_url: str, transport_options: dict | None = None) -> Celery:

@@ -15,13 +15,13 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from diffq.core.layout import IMAGE_FORMATS
+
 SCHEMA_VERSION = 1
 # Redis keeps ~3 KB per queued message; a batch of a few prompts is ~1 KB. The cap
 # stops a runaway prompt (or a hostile producer) from filling the broker.
 MAX_MESSAGE_BYTES = 256 * 1024
 MAX_PROMPT_CHARS = 16_000
-IMAGE_FORMATS = ("png", "jpeg", "webp")
-DTYPES = ("float32", "bfloat16", "float16")
 
 
 class Strict(BaseModel):
@@ -90,7 +90,7 @@ class BatchParams(Strict):
 
     num_inference_steps: int = Field(gt=0, le=1000)
     guidance_scale: float = Field(ge=0, le=100)
-    format: Literal["png", "jpeg", "webp"] = "png"
+    format: Literal[tuple(IMAGE_FORMATS)] = "png"  # type: ignore[valid-type]
 
 
 class BatchMessage(Strict):

@@ -6,8 +6,6 @@ Its lines are the run's image records (records.ImageRecord), one per image.
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -17,13 +15,7 @@ from diffq.core import layout
 from diffq.core.records import ImageRecord, jsonl
 from diffq.core.runfolder import iter_records, read_manifest
 from diffq.core.storage import open_storage
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "wb") as handle:
-        handle.write(data)
-    os.replace(tmp, path)
+from diffq.core.storage.base import atomic_write
 
 
 def _fetched_ids(metadata: Path) -> set[str]:
@@ -70,5 +62,6 @@ def fetch(out: str, dest: str | Path, *, max_workers: int = 16, only_new: bool =
                                           todo), start=1):
             if on_progress:
                 on_progress(done, len(todo))
-    _atomic_write(dest / "metadata.jsonl", jsonl(records))
+    body = jsonl(records)
+    atomic_write(dest / "metadata.jsonl", lambda file: file.write(body))
     return FetchResult(dest=str(dest), images=len(records), downloaded=len(todo))
