@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from diffq.results.status import status
-from helpers import assert_run_complete
+from tests.helpers import assert_run_complete
 
 pytestmark = pytest.mark.slow
 

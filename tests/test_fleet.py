@@ -8,7 +8,7 @@ from PIL import Image
 from diffq.results.fetch import fetch
 from diffq.results.status import status
 from diffq.producer.submit import submit
-from helpers import assert_run_complete, expected_rows, start_workers, wait_until
+from tests.helpers import assert_run_complete, expected_rows, start_workers, wait_until
 
 pytestmark = pytest.mark.slow
 

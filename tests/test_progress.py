@@ -23,7 +23,7 @@ from diffq.producer.messages import EncodedBatch, batch_id
 from diffq.producer.submit import write_plan_part
 from diffq.core.storage import open_storage
 from diffq.worker.sink import Sink
-from helpers import MEASURED
+from tests.helpers import MEASURED
 
 SHAPES = [ShapeKey(model="tiny", height=32, width=32, batch_size=4, max_sequence_length=64, cfg=False),
           ShapeKey(model="tiny", height=32, width=48, batch_size=4, max_sequence_length=64, cfg=False)]
@@ -335,7 +335,7 @@ def test_segments_roll_over_and_refresh_reads_only_what_changed(tmp_path, monkey
 
 
 def test_a_run_with_no_segment_yet_has_nothing_done(tmp_path):
-    from test_export import make_run
+    from tests.test_export import make_run
 
     out = str(tmp_path / "run")
     make_run(out, 24, failed_batches=1)

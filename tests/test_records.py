@@ -18,7 +18,7 @@ from diffq.core.progress import ProgressSummary
 from diffq.core.records import ImageRecord, RunManifest, ShapeSummary
 from diffq.core.storage import open_storage
 from diffq.worker.sink import Sink
-from helpers import MEASURED
+from tests.helpers import MEASURED
 
 SHAPE = ShapeKey(model="tiny", height=24, width=40, batch_size=4, max_sequence_length=64, cfg=False)
 FIELDS = ImageRecord.fields()

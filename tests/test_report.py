@@ -10,7 +10,7 @@ import pytest
 from PIL import Image
 
 from diffq.results.report import build_report, render_text, report, to_json
-from test_export import make_run
+from tests.test_export import make_run
 
 
 def test_figures_from_records(tmp_path):

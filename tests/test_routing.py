@@ -12,7 +12,7 @@ from diffq.core.runfolder import iter_records
 from diffq.producer.submit import submit
 from diffq.core.storage import open_storage
 from diffq.worker.routing import choose_queues
-from helpers import start_workers, wait_until
+from tests.helpers import start_workers, wait_until
 
 SERVED = ["a", "b", "c"]
 

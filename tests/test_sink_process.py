@@ -24,7 +24,7 @@ from diffq.core.contract import BatchItem, BatchMessage, BatchParams, ShapeKey
 from diffq.core.storage import open_storage
 from diffq.worker.sink import Sink
 from diffq.worker.sink_process import SinkError, SinkLost, SinkProcess, make_sink
-from helpers import MEASURED
+from tests.helpers import MEASURED
 
 SHAPE = ShapeKey(model="tiny", height=24, width=40, batch_size=4, max_sequence_length=64, cfg=False)
 PARAMS = BatchParams(num_inference_steps=2, guidance_scale=1.0)

@@ -13,7 +13,7 @@ from diffq.core.progress import ProgressLog
 from diffq.core.records import parse_record
 from diffq.results.watch import snapshots, watch
 from diffq.core.storage import open_storage
-from test_export import make_run
+from tests.test_export import make_run
 
 
 def _hold_back(url: str, keep: int) -> Callable[[], None]:
