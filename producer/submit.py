@@ -227,7 +227,7 @@ class PlanSpill:
     """Encoded plan parts parked in an unnamed local temporary file (gone on close).
 
     Keeps memory flat however long the file, at the cost of the plan's size on
-    local disk (~140 MB per million prompts at batch 8) until submit returns.
+    local disk until submit returns.
     """
 
     def __init__(self):

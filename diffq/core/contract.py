@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from diffq.core.layout import IMAGE_FORMATS
 
 SCHEMA_VERSION = 1
-# Redis keeps ~3 KB per queued message; a batch of a few prompts is ~1 KB. The cap
+# A queued message sits in the broker's memory until a worker takes it: the cap
 # stops a runaway prompt (or a hostile producer) from filling the broker.
 MAX_MESSAGE_BYTES = 256 * 1024
 MAX_PROMPT_CHARS = 16_000
