@@ -22,7 +22,7 @@ class Dtype(str):
     """A field's Hugging Face `datasets` dtype where its Python type alone would widen it."""
 
 
-# Image sides and step counts: int32 columns, as `datasets` declares them for images.
+# Image sides and step counts fit in 32 bits: export's Parquet columns say so.
 Int32 = Annotated[int, Dtype("int32")]
 _DTYPES = {str: "string", int: "int64", float: "float64", bool: "bool"}
 
