@@ -27,7 +27,7 @@ from diffq.core.contract import BatchItem, BatchParams, ShapeKey, queue_name
 from diffq.worker.backends import get_backend
 from diffq.worker.compile_cache import CacheSync
 from diffq.worker.pipeline_host import CompileUnsupported, PipelineHost
-from diffq.worker.process import ChildSpec
+from diffq.worker.spec import ChildSpec
 
 GRAPHS: dict[str, list] = {"neuron": [], "tpu": []}
 

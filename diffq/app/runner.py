@@ -25,6 +25,7 @@ from diffq.core import layout
 from diffq.core.broker import embedded_broker
 from diffq.core.progress import ProgressSummary
 from diffq.core.runfolder import iter_records
+from diffq.core.transports import transport_for
 from diffq.producer.resume import missing_batches, scan
 from diffq.producer.submit import CeleryPublisher, RunExists, make_options, submit, validate
 from diffq.core.storage import open_storage
@@ -116,6 +117,9 @@ def run(
 
     broker_dir = Path(tempfile.mkdtemp(prefix="diffq-broker-"))
     broker_url, transport_options = embedded_broker(broker_dir)
+    # This transport loses a batch in flight when its worker dies (the table says
+    # so): the runner re-enqueues from the run folder instead.
+    reconciles = transport_for(broker_url).loses_inflight_on_kill
     backend = get_backend(device)
     specs = plan_children(
         device=backend.name,
@@ -177,7 +181,8 @@ def run(
                 # re-enqueue what the run folder says is missing. `scan` also credits
                 # a batch recorded but not credited (killed in between), which would
                 # otherwise stay pending.
-                if supervisor.deaths > deaths_seen and "result" in submitted and publisher.depth() == 0:
+                if (reconciles and supervisor.deaths > deaths_seen and "result" in submitted
+                        and publisher.depth() == 0):
                     if batch_time is None:  # read once per death, not every poll
                         batch_time = max((record.generate_s for record in iter_records(storage)), default=5.0)
                     if now - last_progress > max(5.0, 3 * batch_time):
