@@ -24,7 +24,8 @@ from pathlib import Path
 
 from diffq import __version__
 from diffq.core import layout
-from diffq.core.contract import FITS, BatchMessage, RequestedSize, RunManifest, ShapeKey, ShapeSummary
+from diffq.core.contract import FITS, BatchMessage, ShapeKey
+from diffq.core.records import RequestedSize, RunManifest, ShapeSummary, parse_plan_part, plan_part
 from diffq.core.storage import Storage, open_storage
 from diffq.producer.bucketing import RunOptions, bucket, group_key, shape_for
 from diffq.producer.messages import BatchEncoder, EncodedBatch
@@ -189,15 +190,13 @@ def plan(prompts: str | Path, *, model: str, **generation) -> Plan:
 
 
 def write_plan_part(storage: Storage, part: int, messages: list[EncodedBatch]) -> None:
-    body = b"".join(message.json + b"\n" for message in messages)
-    storage.put_bytes(layout.plan_key(part), body, content_type="application/jsonl")
+    storage.put_bytes(layout.plan_key(part), plan_part(message.json for message in messages),
+                      content_type="application/jsonl")
 
 
 def read_plan(storage: Storage) -> Iterator[BatchMessage]:
     for key in sorted(storage.list(layout.PLAN_PREFIX)):
-        for line in storage.get_bytes(key).decode().splitlines():
-            if line:
-                yield BatchMessage.model_validate_json(line)
+        yield from parse_plan_part(storage.get_bytes(key))
 
 
 def submit(
@@ -299,7 +298,7 @@ class PlanSpill:
     """Encoded plan parts parked in an unnamed local temporary file (gone on close).
 
     Keeps memory flat however long the file, at the cost of the plan's size on
-    local disk (~140 MB per million prompts at batch 8) until submit returns.
+    local disk until submit returns.
     """
 
     def __init__(self):

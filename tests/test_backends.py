@@ -142,7 +142,7 @@ def test_pin_tpu_v7_single_chip_bounds_are_4d():
 def test_pin_cuda_and_cpu():
     assert get_backend("cuda").pin(Placement(slot=1))["CUDA_VISIBLE_DEVICES"] == "1"
     cpu = get_backend("cpu").pin(Placement(slot=0, threads=3))
-    assert cpu == {"OMP_NUM_THREADS": "3", "MKL_NUM_THREADS": "3", "DIFFQ_TORCH_THREADS": "3"}
+    assert cpu == {"OMP_NUM_THREADS": "3", "MKL_NUM_THREADS": "3"}
 
 
 def test_parse_devices():

@@ -15,6 +15,7 @@ from PIL import Image
 from typer.testing import CliRunner
 
 from diffq.app.cli import app
+from tests.helpers import MEASURED
 from diffq.core.contract import BatchMessage, ShapeKey
 from diffq.core.runfolder import read_manifest
 from diffq.core.storage import open_storage
@@ -267,7 +268,7 @@ def test_fit_stores_the_image_at_the_requested_size(tmp_path, fit):
     storage = open_storage(str(tmp_path))
     sink = Sink(threads=2)
     try:
-        sink.submit(storage, message, [bucket_image(64, 128) for _ in range(3)], {"worker": "w"}).stored.result(30)
+        sink.submit(storage, message, [bucket_image(64, 128) for _ in range(3)], MEASURED).stored.result(30)
     finally:
         sink.close()
     records = {r["id"]: r for r in map(json.loads, storage.get_bytes("records/b-0.jsonl").decode().splitlines())}
@@ -300,11 +301,11 @@ def test_items_without_a_requested_size_record_the_generated_one(tmp_path):
     storage = open_storage(str(tmp_path))
     sink = Sink(threads=1)
     try:
-        sink.submit(storage, message, [bucket_image(32, 48)], {}).stored.result(30)
+        sink.submit(storage, message, [bucket_image(32, 48)], MEASURED).stored.result(30)
     finally:
         sink.close()
     record = json.loads(storage.get_bytes("records/b-1.jsonl"))
-    assert (record["requested_height"], record["requested_width"]) == (32, 48) and "fit" not in record
+    assert (record["requested_height"], record["requested_width"]) == (32, 48) and record["fit"] == "none"
 
 
 # -- end to end ----------------------------------------------------------------------

@@ -22,7 +22,7 @@ from diffq.core.storage import open_storage
 from diffq.worker.backends import get_backend
 from diffq.worker.supervisor import Supervisor, plan_children
 from diffq.worker.tensor_parallel import Group, shard_load_kwargs, sharded_components, sharding_plan
-from helpers import assert_run_complete, wait_until
+from tests.helpers import assert_run_complete, wait_until
 
 
 def plan(*args: str) -> list[dict]:

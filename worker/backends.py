@@ -112,7 +112,7 @@ class K8sPod:
 def _threads(p: Placement) -> dict[str, str]:
     # One worker per slot; threads split so 2 processes on 2 cores do not fight.
     n = str(p.threads)
-    return {"OMP_NUM_THREADS": n, "MKL_NUM_THREADS": n, "DIFFQ_TORCH_THREADS": n}
+    return {"OMP_NUM_THREADS": n, "MKL_NUM_THREADS": n}
 
 
 def _cuda_pin(p: Placement) -> dict[str, str]:

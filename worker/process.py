@@ -15,7 +15,9 @@ import os
 import sys
 import time
 import warnings
+from pathlib import Path
 
+from diffq.core.storage.base import atomic_write
 from diffq.worker.compile_cache import CacheSync
 from diffq.worker.spec import EXIT_FATAL, QUIET_ENV, ChildSpec
 
@@ -24,9 +26,7 @@ log = logging.getLogger("diffq.worker")
 
 def _write_env_report(path: str) -> None:
     report = {"env": dict(os.environ), "torch_imported": "torch" in sys.modules, "pid": os.getpid()}
-    with open(path + ".tmp", "w") as f:
-        json.dump(report, f)
-    os.replace(path + ".tmp", path)
+    atomic_write(Path(path), lambda file: file.write(json.dumps(report).encode()))
 
 
 def warm_start(rt) -> dict:

@@ -14,6 +14,7 @@ from rich.console import Console
 from rich.table import Table
 
 from diffq.app.choices import CompileMode, Device, Dtype, TpuGeneration
+from diffq.core.layout import IMAGE_FORMATS
 from diffq.core.settings import get_settings
 from diffq.worker import backends
 
@@ -28,10 +29,7 @@ class Family(str, Enum):
     flux = "flux"
 
 
-class ImageFormat(str, Enum):
-    png = "png"
-    jpeg = "jpeg"
-    webp = "webp"
+ImageFormat = Enum("ImageFormat", {name: name for name in IMAGE_FORMATS}, type=str)
 
 
 class Routing(str, Enum):

@@ -1,6 +1,7 @@
 """The queue contract shared by producer and worker: one pydantic schema, JSON only.
 
-Everything that crosses the broker or lands in a run folder is one of these models.
+Everything that crosses the broker is one of these models (the run folder's files
+are in records.py).
 The shape key is the heart of it: every field of it changes a compiled graph on a
 static-shape backend, so it names the queue a batch goes to.
 """
@@ -14,12 +15,13 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from diffq.core.layout import IMAGE_FORMATS
+
 SCHEMA_VERSION = 1
-# Redis keeps ~3 KB per queued message; a batch of a few prompts is ~1 KB. The cap
+# A queued message sits in the broker's memory until a worker takes it: the cap
 # stops a runaway prompt (or a hostile producer) from filling the broker.
 MAX_MESSAGE_BYTES = 256 * 1024
 MAX_PROMPT_CHARS = 16_000
-IMAGE_FORMATS = ("png", "jpeg", "webp")
 # Pipeline dtypes, each with its short tag in queue names: the one list of them
 # (CLI choices, the shape key, queue names and the worker's torch dtypes read it).
 DTYPE_TAGS = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
@@ -119,7 +121,7 @@ class BatchParams(Strict):
 
     num_inference_steps: int = Field(gt=0, le=1000)
     guidance_scale: float = Field(ge=0, le=100)
-    format: Literal["png", "jpeg", "webp"] = "png"
+    format: Literal[tuple(IMAGE_FORMATS)] = "png"  # type: ignore[valid-type]
     # What the sink stores for an item whose requested size differs from the shape's:
     # the bucket's image as generated, resized, or scaled and centre-cropped to it.
     fit: Literal["none", "resize", "crop"] = "none"
@@ -162,68 +164,3 @@ class BatchMessage(Strict):
         if len(payload) > MAX_MESSAGE_BYTES:
             raise ValueError(f"message of {len(payload)} bytes exceeds {MAX_MESSAGE_BYTES}")
         return cls.model_validate_json(payload)
-
-
-class ImageRecord(BaseModel):
-    """One line of a batch record and of ``metadata.jsonl`` (imagefolder layout)."""
-
-    model_config = ConfigDict(extra="allow")
-
-    file_name: str
-    id: str
-    prompt: str
-    seed: int
-    height: int
-    width: int
-    steps: int
-    guidance_scale: float
-    model: str
-    run_id: str
-    batch_id: str
-    queue: str
-    device: str
-    worker: str
-    generate_s: float
-    finished_at: float
-
-
-class FailureRecord(Strict):
-    run_id: str
-    batch_id: str
-    item_ids: list[str]
-    error: str
-    attempts: int
-    worker: str
-    failed_at: float
-
-
-class RequestedSize(Strict):
-    """With size buckets: how many of a shape's items asked for this size."""
-
-    height: int
-    width: int
-    items: int
-
-
-class ShapeSummary(Strict):
-    shape: ShapeKey
-    queue: str
-    items: int
-    batches: int
-    # Size buckets: the most common sizes asked for, and how many distinct ones (0 without).
-    requested: list[RequestedSize] = Field(default_factory=list)
-    requested_sizes: int = 0
-
-
-class RunManifest(Strict):
-    schema_version: Literal[1] = SCHEMA_VERSION
-    run_id: str
-    created_at: float
-    source: str
-    out: str
-    total: int
-    batches: int
-    plan_parts: int
-    shapes: list[ShapeSummary]
-    defaults: dict
-    diffq_version: str

@@ -28,9 +28,8 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from diffq.core import layout
-from diffq.core.contract import FailureRecord
-from diffq.core.runfolder import parse_records, read_manifest
+from diffq.core.records import FailureRecord, ImageRecord
+from diffq.core.runfolder import read_failures, read_manifest, read_records, record_keys
 from diffq.core.storage import Storage, open_storage
 
 
@@ -96,7 +95,7 @@ class Report:
     workers: list[WorkerFigures]
     batches: list[Batch]
     failures: list[FailureRecord]
-    sample: list[dict]
+    sample: list[ImageRecord]
     price_per_device_hour: float | None = None
     errors: Counter = field(default_factory=Counter)
 
@@ -168,21 +167,20 @@ def build_report(out: str, *, price_per_device_hour: float | None = None, sample
     workers: dict[str, WorkerFigures] = {}
     batches: list[Batch] = []
     seen: set[bytes] = set()
-    sample: list[dict] = []
+    sample: list[ImageRecord] = []
     rng = random.Random(seed)
-    keys = sorted(k for k in storage.list(layout.RECORDS_PREFIX) if k.endswith(".jsonl"))
-    for _, body in storage.get_many(keys):
+    for _, records in read_records(storage, record_keys(storage)):
         new = []
-        for record in parse_records(body):
-            digest = hashlib.blake2b(record["id"].encode(), digest_size=8).digest()
+        for record in records:
+            digest = hashlib.blake2b(record.id.encode(), digest_size=8).digest()
             if digest not in seen:
                 seen.add(digest)
                 new.append(record)
         if not new:
             continue
         head = new[0]
-        batch = Batch(finished_at=head["finished_at"], generate_s=head.get("generate_s", 0.0), images=len(new),
-                      worker=head.get("worker", "?"), device=head.get("device", "?"), queue=head.get("queue", ""))
+        batch = Batch(finished_at=head.finished_at, generate_s=head.generate_s, images=len(new),
+                      worker=head.worker, device=head.device, queue=head.queue)
         batches.append(batch)
         w = workers.setdefault(batch.worker, WorkerFigures(worker=batch.worker, device=batch.device))
         w.images += batch.images
@@ -199,12 +197,11 @@ def build_report(out: str, *, price_per_device_hour: float | None = None, sample
             elif (j := rng.randrange(n)) < sample_size:
                 sample[j] = record
     _estimate_compile(batches, workers)
-    failures = [FailureRecord.model_validate_json(body)
-                for _, body in storage.get_many(sorted(storage.list(layout.FAILURES_PREFIX)))]
+    failures = list(read_failures(storage))
     failed_ids = {i for f in failures for i in f.item_ids
                   if hashlib.blake2b(i.encode(), digest_size=8).digest() not in seen}
     batches.sort(key=lambda b: b.finished_at)
-    sample.sort(key=lambda r: r["id"])
+    sample.sort(key=lambda r: r.id)
     return Report(out=storage.url, run_id=manifest.run_id, created_at=manifest.created_at, total=manifest.total,
                   done=len(seen), failed=len(failed_ids), shapes=list(shapes.values()),
                   workers=sorted(workers.values(), key=lambda w: w.worker), batches=batches, failures=failures,
@@ -238,7 +235,7 @@ def render_text(report: Report) -> str:
     return "\n".join(lines) + "\n"
 
 
-def contact_sheet(storage: Storage, records: list[dict], *, thumb: int = 112, columns: int = 8) -> bytes:
+def contact_sheet(storage: Storage, records: list[ImageRecord], *, thumb: int = 112, columns: int = 8) -> bytes:
     """A PNG grid of `records`' images, each scaled into a thumb × thumb cell with its id below."""
     from PIL import Image, ImageDraw
 
@@ -246,13 +243,13 @@ def contact_sheet(storage: Storage, records: list[dict], *, thumb: int = 112, co
     rows = max(1, -(-len(records) // columns))
     sheet = Image.new("RGB", (columns * thumb, rows * (thumb + label)), "white")
     draw = ImageDraw.Draw(sheet)
-    images = dict(storage.get_many(r["file_name"] for r in records))
+    images = dict(storage.get_many(r.file_name for r in records))
     for n, record in enumerate(records):
-        image = Image.open(io.BytesIO(images[record["file_name"]])).convert("RGB")
+        image = Image.open(io.BytesIO(images[record.file_name])).convert("RGB")
         image.thumbnail((thumb, thumb))
         x, y = (n % columns) * thumb, (n // columns) * (thumb + label)
         sheet.paste(image, (x + (thumb - image.width) // 2, y + (thumb - image.height) // 2))
-        draw.text((x + 3, y + thumb), record["id"][:20], fill="black")
+        draw.text((x + 3, y + thumb), record.id[:20], fill="black")
     buffer = io.BytesIO()
     sheet.save(buffer, format="PNG", optimize=True)
     return buffer.getvalue()
