@@ -14,6 +14,7 @@ from rich.console import Console
 from rich.table import Table
 
 from diffq.core.settings import get_settings
+from diffq.worker.spec import DRAIN_TIMEOUT_S
 
 app = typer.Typer(no_args_is_help=True, add_completion=False,
                   help="Shape-bucketed diffusers image generation over Celery queues.")
@@ -218,6 +219,7 @@ def worker(
     master_port: Annotated[int, typer.Option("--master-port", help="Rendezvous port of the first --tp group (group g uses this + g)")] = 29500,
     plan: Annotated[bool, typer.Option("--plan", help="Print each child's pinning and queues as JSON; start nothing")] = False,
     loglevel: Annotated[str, typer.Option("--loglevel", help="Celery log level")] = "INFO",
+    drain_timeout: Annotated[float, typer.Option("--drain-timeout", min=0, help="On SIGTERM, seconds the batch in hand may take before it is handed back (exit 0 either way)")] = DRAIN_TIMEOUT_S,
 ) -> None:
     """Start one pinned worker process per device, consuming shape queues until SIGTERM.
 
@@ -250,7 +252,8 @@ def worker(
                               warmup=[w for w in (warmup or ("auto" if warmup_only else "")).split(",") if w],
                               warmup_only=warmup_only, routing=routing.value,
                               models=models, dtype=dtype.value, tp=tp, master_port=master_port,
-                              allowed_out_prefixes=settings.allowed_out_prefixes, loglevel=loglevel)
+                              allowed_out_prefixes=settings.allowed_out_prefixes, loglevel=loglevel,
+                              drain_timeout_s=drain_timeout)
     except ValueError as exc:
         _fail(str(exc))
     if plan:
