@@ -135,6 +135,8 @@ class WorkerStep(bootsteps.StartStopStep):
 
     def shutdown(self, consumer):
         self.runtime.line.settle(wait=True)
+        if self.runtime.lease is not None:
+            self.runtime.lease.stop()
 
 
 class Drain:

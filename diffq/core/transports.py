@@ -140,7 +140,7 @@ def _redis_options(settings) -> dict:
     }
 
 
-def _amqp_options(settings) -> dict:
+def _no_options(settings) -> dict:
     return {}
 
 
@@ -178,15 +178,15 @@ class Transport:
     # where the broker needs nothing (AMQP: the connection is the lease; embedded:
     # the runner reconciles from the run folder).
     renew: Callable | None
-    lease: str  # the same, in words, for the docs
     # Give held deliveries back now (drain past its timeout, parent gone):
     # hand_back(channel, messages), or None where closing the connection does it
     # (AMQP) or nothing can (embedded).
     hand_back: Callable | None = None
     # The producer's fast path (producer/publish.py's PUBLISHERS).
     publisher: str = "kombu-batch"
-    # Every queue under a prefix and its depth, in one call (connection, prefix), or None: names come from the
-    # caller and the workers, and each depth is a passive declare.
+    # Every queue under a prefix and its depth in one call, list_depths(connection,
+    # prefix), or None: names come from the caller and the workers, and each depth
+    # is a passive declare.
     list_depths: Callable | None = None
     # The depth of each of the given queues (0 for one with no messages yet): what
     # compile-aware routing reads every second.
@@ -200,20 +200,19 @@ class Transport:
 
 TRANSPORTS = (
     Transport("redis", ("redis", "rediss", "sentinel"), event_loop=True, loses_inflight_on_kill=False,
-              renew=renew_redis, lease="unacked_index score renewed", hand_back=hand_back_redis,
-              publisher="redis-lists",
+              renew=renew_redis, hand_back=hand_back_redis, publisher="redis-lists",
               list_depths=redis_list_depths, queue_depths=redis_queue_depths, broker_options=_redis_options),
+    # The connection is the lease: the broker redelivers when it closes.
     Transport("amqp", ("amqp", "amqps", "pyamqp"), event_loop=True, loses_inflight_on_kill=False,
-              renew=None, lease="connection (broker redelivers when it closes)", broker_options=_amqp_options,
-              consumer_arguments=_amqp_consumer_arguments),
+              renew=None, broker_options=_no_options, consumer_arguments=_amqp_consumer_arguments),
     Transport("sqs", ("sqs",), event_loop=True, loses_inflight_on_kill=False,
-              renew=renew_sqs, lease="ChangeMessageVisibility on the receipt handle", hand_back=hand_back_sqs),
+              renew=renew_sqs, hand_back=hand_back_sqs),
+    # No lease: the embedded runner re-enqueues from the run folder.
     Transport("embedded", ("filesystem",), event_loop=False, loses_inflight_on_kill=True,
-              renew=None, lease="none: the runner re-enqueues from the run folder",
-              broker_options=lambda settings: {}, kombu_transport="diffq.core.broker:EmbeddedTransport"),
+              renew=None, broker_options=_no_options, kombu_transport="diffq.core.broker:EmbeddedTransport"),
     # kombu's in-process transport: only for plans and tests that start nothing.
     Transport("memory", ("memory",), event_loop=False, loses_inflight_on_kill=True,
-              renew=None, lease="none (in-process)", broker_options=lambda settings: {}),
+              renew=None, broker_options=_no_options),
 )
 _BY_SCHEME = {scheme: row for row in TRANSPORTS for scheme in row.schemes}
 
