@@ -402,3 +402,21 @@ def test_validators_reject_mistakes():
 def test_fleet_manifests_rejects_bad_shapes():
     result = runner.invoke(app, ["fleet", "manifests", "--model", "m", "--shapes", "1024", "--batch-size", "1"])
     assert result.exit_code == 2 and "HEIGHTxWIDTH" in result.output
+
+
+@pytest.mark.parametrize("device", ["neuron", "tpu", "cuda", "cpu"])
+@pytest.mark.parametrize("grace", [None, "1000"])
+def test_drain_timeout_ends_before_the_grace_period(device, grace):
+    """SIGTERM: the worker finishes or hands back its batch within --drain-timeout and
+    exits 0, so Kubernetes never has to SIGKILL it at the end of the grace period."""
+    from diffq.worker.backends import BACKENDS
+    from diffq.worker.spec import DRAIN_MARGIN_S, DRAIN_TIMEOUT_S
+
+    docs = render_cli("--model", "m", "--shapes", "1024x1024", "--batch-size", "1", "--device", device,
+                      *(["--grace-seconds", grace] if grace else []))
+    pod = by_kind(docs, "Deployment")[0]["spec"]["template"]["spec"]
+    args = pod["containers"][0]["args"]
+    drain = float(args[args.index("--drain-timeout") + 1])
+    assert drain == pod["terminationGracePeriodSeconds"] - DRAIN_MARGIN_S > 0
+    # The CLI's default fits inside the smallest grace period a profile sets.
+    assert DRAIN_TIMEOUT_S <= min(b.k8s.grace_seconds for b in BACKENDS.values() if b.k8s) - DRAIN_MARGIN_S

@@ -19,6 +19,11 @@ from diffq.worker.compile_cache import CachePlan, plan_cache
 # Exit code for a child that can never succeed (bad model, bad option): the
 # supervisor must not restart it in a loop.
 EXIT_FATAL = 3
+# After SIGTERM, how long the batch in hand may take before it is handed back:
+# below the smallest Kubernetes grace period the fleet manifests set (diffq/app/fleet.py
+# passes each profile's own, grace - DRAIN_MARGIN_S).
+DRAIN_MARGIN_S = 60
+DRAIN_TIMEOUT_S = 240.0
 
 
 class ChildSpec(BaseModel):
@@ -49,6 +54,7 @@ class ChildSpec(BaseModel):
     dtype: str = "float32"
     allowed_out_prefixes: list[str] = Field(default_factory=list)
     loglevel: str = "WARNING"
+    drain_timeout_s: float = Field(default=DRAIN_TIMEOUT_S, ge=0)
     # Tensor-parallel group membership (worker/tensor_parallel.py). world_size 1 is
     # an independent worker; otherwise rank 0 consumes and the others follow it.
     rank: int = 0

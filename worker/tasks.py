@@ -26,6 +26,7 @@ from diffq.core.storage import Storage, open_storage
 from diffq.core.transports import transport_for
 from diffq.worker import faults, metrics
 from diffq.worker.batches import BatchLine
+from diffq.worker.lease import LeaseKeeper
 from diffq.worker.models import ModelUnavailable
 from diffq.worker.pipeline_host import CompileUnsupported, PipelineHost
 from diffq.worker.routing import Router
@@ -63,6 +64,7 @@ class Runtime:
     sink: Sink | SinkProcess = field(default_factory=make_sink)
     storages: dict[str, Storage] = field(default_factory=dict)
     line: BatchLine | None = None  # built on the sink when not given
+    lease: LeaseKeeper | None = None  # while consuming (worker/celery_adapter.py)
 
     def __post_init__(self):
         if self.line is None:

@@ -17,6 +17,7 @@ from diffq.app.choices import CompileMode, Device, Dtype, TpuGeneration
 from diffq.core.layout import IMAGE_FORMATS
 from diffq.core.settings import get_settings
 from diffq.worker import backends
+from diffq.worker.spec import DRAIN_TIMEOUT_S
 
 app = typer.Typer(no_args_is_help=True, add_completion=False,
                   help="Shape-bucketed diffusers image generation over Celery queues.")
@@ -220,6 +221,7 @@ def worker(
     tpu_generation: Annotated[Optional[TpuGeneration], typer.Option("--tpu-generation", help="TPU generation where none is attached (--plan, manifests); default: read from PCI ids")] = None,
     plan: Annotated[bool, typer.Option("--plan", help="Print each child's pinning and queues as JSON (no --queues needed); start nothing")] = False,
     loglevel: Annotated[str, typer.Option("--loglevel", help="Celery log level")] = "INFO",
+    drain_timeout: Annotated[float, typer.Option("--drain-timeout", min=0, help="On SIGTERM, seconds the batch in hand may take before it is handed back (exit 0 either way)")] = DRAIN_TIMEOUT_S,
 ) -> None:
     """Start one pinned worker process per device, consuming shape queues until SIGTERM.
 
@@ -253,7 +255,8 @@ def worker(
                               warmup_only=warmup_only, routing=routing.value,
                               models=models, dtype=_dtype(device, dtype), tp=tp, master_port=master_port,
                               generation=tpu_generation.value if tpu_generation else None,
-                              allowed_out_prefixes=settings.allowed_out_prefixes, loglevel=loglevel)
+                              allowed_out_prefixes=settings.allowed_out_prefixes, loglevel=loglevel,
+                              drain_timeout_s=drain_timeout)
     except ValueError as exc:
         _fail(str(exc))
     if plan:

@@ -18,6 +18,7 @@ import yaml
 from diffq.core.contract import ShapeKey
 from diffq.producer.bucketing import RunOptions, shape_of
 from diffq.worker.backends import Backend, K8sPod, get_backend
+from diffq.worker.spec import DRAIN_MARGIN_S
 from diffq.producer.sources import Prompt
 
 NAMESPACE = "diffq"
@@ -115,8 +116,15 @@ def worker_args(shape: ShapeKey, options: FleetOptions) -> list[str]:
     option = backend.device_option
     pin = [option, str(n)] if option == "--workers" else [option, profile.devices_arg or f"0-{n - 1}"]
     tp = ["--tp", str(options.tp)] if options.tp > 1 else []
+    # The drain ends (batch finished or handed back, exit 0) before the pod's grace period.
+    drain = max(0, grace_seconds(options) - DRAIN_MARGIN_S)
     return ["--device", backend.name, *pin, *tp, "--queues", shape.queue, "--model", shape.model,
-            "--dtype", shape.dtype, "--compile", compile, "--compile-cache", f"{CACHE_MOUNT}/compile"]
+            "--dtype", shape.dtype, "--compile", compile, "--compile-cache", f"{CACHE_MOUNT}/compile",
+            "--drain-timeout", str(drain)]
+
+
+def grace_seconds(options: FleetOptions) -> int:
+    return options.grace_seconds or options.profile.grace_seconds
 
 
 def deployment(shape: ShapeKey, options: FleetOptions) -> dict:
@@ -138,7 +146,7 @@ def deployment(shape: ShapeKey, options: FleetOptions) -> dict:
         {"name": "DIFFQ_LOG_JSON", "value": "true"},
     ]
     pod: dict = {
-        "terminationGracePeriodSeconds": options.grace_seconds or profile.grace_seconds,
+        "terminationGracePeriodSeconds": grace_seconds(options),
         "securityContext": {"runAsNonRoot": True, "runAsUser": 1000, "fsGroup": 1000},
         "containers": [{
             "name": "worker",

@@ -101,6 +101,10 @@ def renew_redis(channel, messages: list) -> int:
 
 def renew_sqs(channel, messages: list) -> int:
     """ChangeMessageVisibility on each held receipt handle: hidden for another timeout."""
+    return _change_visibility(channel, messages, int(channel.visibility_timeout))
+
+
+def _change_visibility(channel, messages: list, seconds: int) -> int:
     renewed = 0
     for message in messages:
         info = message.delivery_info
@@ -110,7 +114,7 @@ def renew_sqs(channel, messages: list) -> int:
         queue = channel.canonical_queue_name(info["routing_key"]) if info.get("routing_key") else None
         channel.sqs(queue=queue).change_message_visibility(
             QueueUrl=queue_url, ReceiptHandle=sqs_message["ReceiptHandle"],
-            VisibilityTimeout=int(channel.visibility_timeout))
+            VisibilityTimeout=seconds)
         renewed += 1
     return renewed
 
@@ -125,15 +129,38 @@ def _redis_options(settings) -> dict:
         # Keep every message in the base list: priority sub-lists would hide depth
         # from KEDA's redis-list scaler (its listName must equal the queue name).
         "priority_steps": [0],
-        # Sweep for expired leases every 10 s on every sweep (kombu scans only on
-        # every 10th by default): a dead holder's batch is back within a lease + 10 s.
-        "unacked_restore_interval": 10,
+        # Sweep for lapsed leases every 5 s, scanning on every sweep (kombu scans
+        # only on every 10th by default): a dead holder's batch is back within a
+        # lease + 5 s of its last renewal, once any worker's loop is idle.
+        "unacked_restore_interval": 5,
         "unacked_restore_throttle": 1,
+        # A worker killed inside a sweep leaves kombu's sweep mutex set; it expires
+        # after this (kombu's default is 300 s, during which nobody sweeps).
+        "unacked_mutex_expire": 30,
     }
 
 
-def _amqp_options(settings) -> dict:
+def _no_options(settings) -> dict:
     return {}
+
+
+def hand_back_redis(channel, messages: list) -> int:
+    """Put held deliveries back at the head of their queues now (kombu's own
+    `restore_by_tag`, which also flags them redelivered): not a failed attempt."""
+    for message in messages:
+        channel.qos.restore_by_tag(message.delivery_tag, leftmost=True)
+    return len(messages)
+
+
+def hand_back_sqs(channel, messages: list) -> int:
+    """Visibility 0: the held messages are receivable again at once."""
+    return _change_visibility(channel, messages, 0)
+
+
+def _amqp_consumer_arguments(settings) -> dict:
+    # RabbitMQ >= 3.11.15 reads a per-consumer ack timeout (older servers ignore it
+    # and need `consumer_timeout` in rabbitmq.conf: docs/RELIABILITY.md).
+    return {"x-consumer-timeout": settings.max_hold_s * 1000}
 
 
 @dataclass(frozen=True)
@@ -151,34 +178,41 @@ class Transport:
     # where the broker needs nothing (AMQP: the connection is the lease; embedded:
     # the runner reconciles from the run folder).
     renew: Callable | None
-    lease: str  # the same, in words, for `diffq queues` and the docs
+    # Give held deliveries back now (drain past its timeout, parent gone):
+    # hand_back(channel, messages), or None where closing the connection does it
+    # (AMQP) or nothing can (embedded).
+    hand_back: Callable | None = None
     # The producer's fast path (producer/publish.py's PUBLISHERS).
     publisher: str = "kombu-batch"
-    # Every queue under a prefix and its depth, in one call (connection, prefix), or None: names come from the
-    # caller and the workers, and each depth is a passive declare.
+    # Every queue under a prefix and its depth in one call, list_depths(connection,
+    # prefix), or None: names come from the caller and the workers, and each depth
+    # is a passive declare.
     list_depths: Callable | None = None
     # The depth of each of the given queues (0 for one with no messages yet): what
     # compile-aware routing reads every second.
     queue_depths: Callable = field(default=passive_queue_depths)
     broker_options: Callable = field(default=_visibility_options)
+    # Arguments of the worker's basic.consume (settings -> dict).
+    consumer_arguments: Callable = field(default=lambda settings: {})
     # A kombu Transport class replacing the scheme's own ("module:Class").
     kombu_transport: str | None = None
 
 
 TRANSPORTS = (
     Transport("redis", ("redis", "rediss", "sentinel"), event_loop=True, loses_inflight_on_kill=False,
-              renew=renew_redis, lease="unacked_index score renewed", publisher="redis-lists",
+              renew=renew_redis, hand_back=hand_back_redis, publisher="redis-lists",
               list_depths=redis_list_depths, queue_depths=redis_queue_depths, broker_options=_redis_options),
+    # The connection is the lease: the broker redelivers when it closes.
     Transport("amqp", ("amqp", "amqps", "pyamqp"), event_loop=True, loses_inflight_on_kill=False,
-              renew=None, lease="connection (broker redelivers when it closes)", broker_options=_amqp_options),
+              renew=None, broker_options=_no_options, consumer_arguments=_amqp_consumer_arguments),
     Transport("sqs", ("sqs",), event_loop=True, loses_inflight_on_kill=False,
-              renew=renew_sqs, lease="ChangeMessageVisibility on the receipt handle"),
+              renew=renew_sqs, hand_back=hand_back_sqs),
+    # No lease: the embedded runner re-enqueues from the run folder.
     Transport("embedded", ("filesystem",), event_loop=False, loses_inflight_on_kill=True,
-              renew=None, lease="none: the runner re-enqueues from the run folder",
-              broker_options=lambda settings: {}, kombu_transport="diffq.core.broker:EmbeddedTransport"),
+              renew=None, broker_options=_no_options, kombu_transport="diffq.core.broker:EmbeddedTransport"),
     # kombu's in-process transport: only for plans and tests that start nothing.
     Transport("memory", ("memory",), event_loop=False, loses_inflight_on_kill=True,
-              renew=None, lease="none (in-process)", broker_options=lambda settings: {}),
+              renew=None, broker_options=_no_options),
 )
 _BY_SCHEME = {scheme: row for row in TRANSPORTS for scheme in row.schemes}
 
