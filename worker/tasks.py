@@ -27,7 +27,7 @@ from diffq.worker import faults, metrics
 from diffq.worker.batches import BatchLine
 from diffq.worker.models import ModelUnavailable
 from diffq.worker.pipeline_host import CompileUnsupported, PipelineHost
-from diffq.worker.routing import Router
+from diffq.worker.routing import Discovery, Router
 from diffq.worker.sink import Sink
 from diffq.worker.sink_process import SinkProcess, make_sink
 from diffq.worker.spec import ChildSpec, hostname
@@ -73,8 +73,11 @@ class Runtime:
         the model loads."""
         rt = cls(spec=spec, host=PipelineHost(backend=spec.backend, compile_mode=spec.compile,
                                               offload=spec.offload, group=group))
-        if spec.routing == "compile-aware":
-            rt.line.router = Router(spec.queues, rt.compiled_queues, transport_for(spec.broker_url))
+        transport = transport_for(spec.broker_url)
+        discovery = Discovery(transport, spec.serve_models, spec.rabbitmq_api) if spec.discover else None
+        if spec.routing == "compile-aware" or discovery is not None:
+            rt.line.router = Router(spec.queues, rt.compiled_queues, transport, discovery=discovery,
+                                    compile_aware=spec.routing == "compile-aware")
         rt.sink.start()
         return rt
 

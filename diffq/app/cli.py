@@ -205,6 +205,8 @@ def worker(
     queues: Annotated[Optional[str], typer.Option("--queues", "-Q", help="Comma-separated shape queues")] = None,
     run: Annotated[Optional[str], typer.Option("--run", help="Serve the queues of this run folder's manifest")] = None,
     model: Annotated[Optional[str], typer.Option("--model", help="Load this model before consuming (fail fast)")] = None,
+    models: Annotated[Optional[str], typer.Option("--models", help="Without --queues: serve only these models' queues, M1,M2 (default: --model's, else every model's)")] = None,
+    rabbitmq_api: Annotated[Optional[str], typer.Option("--rabbitmq-api", help="RabbitMQ management API URL (http://USER:PASS@HOST:15672): how a worker without --queues lists an AMQP broker's queues")] = None,
     dtype: DtypeOpt = Dtype.float32,
     compile: Compile = CompileMode.none,
     compile_cache: CompileCache = None,
@@ -232,16 +234,24 @@ def worker(
     if not broker:
         _fail("no broker: pass --broker URL or set DIFFQ_BROKER_URL")
     names = [q for q in (queues or "").split(",") if q]
-    models = [model] if model else []
+    preload = [model] if model else []
     if run:
         from diffq.core.runfolder import read_manifest
         from diffq.core.storage import open_storage
 
         manifest = read_manifest(open_storage(run))
         names += [s.queue for s in manifest.shapes if s.queue not in names]
-        models = models or [manifest.defaults["model"]]
+        preload = preload or [manifest.defaults["model"]]
+    discovery = {}
     if not names:
-        _fail("no queues: pass --queues or --run OUT")
+        from diffq.worker.routing import startup_queues
+
+        serve = [m for m in (models or "").split(",") if m] or preload
+        try:
+            names = startup_queues(broker, serve, rabbitmq_api, connect=not plan)
+        except ValueError as exc:
+            _fail(str(exc))
+        discovery = {"discover": True, "serve_models": serve, "rabbitmq_api": rabbitmq_api}
     try:
         specs = plan_children(device=device.value, devices=_devices(device, workers, cores, chips, gpus),
                               broker_url=broker, queues=names, threads=threads, compile=compile.value,
@@ -249,8 +259,9 @@ def worker(
                               compile_cache_local=compile_cache_local, offload=offload,
                               warmup=[w for w in (warmup or ("auto" if warmup_only else "")).split(",") if w],
                               warmup_only=warmup_only, routing=routing.value,
-                              models=models, dtype=dtype.value, tp=tp, master_port=master_port,
-                              allowed_out_prefixes=settings.allowed_out_prefixes, loglevel=loglevel)
+                              models=preload, dtype=dtype.value, tp=tp, master_port=master_port,
+                              allowed_out_prefixes=settings.allowed_out_prefixes, loglevel=loglevel,
+                              **discovery)
     except ValueError as exc:
         _fail(str(exc))
     if plan:
