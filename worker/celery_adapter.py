@@ -22,6 +22,7 @@ from celery.worker.request import Request
 
 from diffq.core.broker import TASK_NAME, make_celery
 from diffq.core.transports import transport_for
+from diffq.worker.dead_letters import DeadLetterStep
 from diffq.worker.spec import ChildSpec, hostname
 from diffq.worker.tasks import HandBack, Runtime, generate_batch
 
@@ -118,6 +119,7 @@ def build_app(rt: Runtime) -> Celery:
     app = make_celery(rt.spec.broker_url, rt.spec.transport_options)
     app.conf.update(ACK_POLICY)
     app.steps["consumer"].add(type("BoundWorkerStep", (WorkerStep,), {"runtime": rt}))
+    app.steps["consumer"].add(type("BoundDeadLetterStep", (DeadLetterStep,), {"worker": rt.worker}))
     app.task(name=TASK_NAME, base=BatchTask, bind=True, runtime=rt)(run_batch)
 
     def flush_on_shutdown(**_):

@@ -315,7 +315,8 @@ def status(
     for queue, shape in st.shapes.items():
         table.add_row(queue, str(shape.done), str(shape.total))
     out.print(table)
-    out.print(f"{st.done}/{st.total} done, {st.failed} failed, {st.pending} pending")
+    out.print(f"{st.done}/{st.total} done, {st.failed} failed, "
+              + (f"{st.cancelled} cancelled, " if st.cancelled else "") + f"{st.pending} pending")
 
 
 @app.command()
@@ -358,7 +359,7 @@ def _requeue(kind: str, out_dir: str, broker: str | None) -> None:
         _fail("no broker: pass --broker URL or set DIFFQ_BROKER_URL")
     try:
         result = getattr(requeue, kind)(out_dir, broker)
-    except NotARun as exc:
+    except (NotARun, requeue.RunCancelled) as exc:
         _fail(str(exc))
     out.print(f"{result.out}: re-enqueued {result.items} items in {result.batches} batches")
 
@@ -389,7 +390,7 @@ def _register_command_groups() -> None:
 
 
 # Modules under diffq/commands/, each adding its commands to `app`.
-COMMAND_GROUPS: list[str] = ["fleet", "data"]
+COMMAND_GROUPS: list[str] = ["fleet", "data", "cancel"]
 _register_command_groups()
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import json
 import re
 from typing import Literal
 
@@ -164,8 +165,12 @@ class BatchMessage(Strict):
 
     @classmethod
     def from_json_payload(cls, payload: dict | str | bytes) -> BatchMessage:
-        """Validate a message on receipt, refusing oversized ones before parsing."""
+        """Validate a message on receipt, refusing oversized ones before parsing (a dict
+        already parsed by the broker client is measured as compact JSON)."""
         if isinstance(payload, dict):
+            size = len(json.dumps(payload, separators=(",", ":")).encode())
+            if size > MAX_MESSAGE_BYTES:
+                raise ValueError(f"message of {size} bytes exceeds {MAX_MESSAGE_BYTES}")
             return cls.model_validate(payload)
         if len(payload) > MAX_MESSAGE_BYTES:
             raise ValueError(f"message of {len(payload)} bytes exceeds {MAX_MESSAGE_BYTES}")

@@ -42,6 +42,14 @@ def iter_records(storage: Storage) -> Iterator[dict]:
                 yield record
 
 
+def read_cancel(storage: Storage) -> dict | None:
+    """The run's cancel marker (`diffq cancel`), or None if it is not cancelled."""
+    try:
+        return json.loads(storage.get_bytes(layout.CANCEL))
+    except NotFound:
+        return None
+
+
 class ProgressTracker:
     """Progress from every record and failure file, reading each one once.
 

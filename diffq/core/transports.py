@@ -160,6 +160,45 @@ def rabbitmq_list_queues(connection, prefix: str = PREFIX, api: str | None = Non
     return sorted(row["name"] for row in rows if row["name"].startswith(prefix))
 
 
+def guard_redis_deliveries(channel, on_bad: Callable[[str, bytes, str], None]) -> None:
+    """Check each item the consumer's channel pops before kombu parses it.
+
+    kombu's Redis channel reads a BRPOP reply and parses the item as its JSON
+    envelope in one step (kombu/transport/redis.py `_brpop_read`); an item another
+    client pushed that is not one raises out of the worker's event loop, which
+    ends the worker and loses the item. A BRPOP response callback sees the reply
+    first: a malformed item goes to `on_bad(queue, item, reason)` and the read
+    returns nothing (kombu's `Empty`: the loop goes on)."""
+    client = channel.client
+    original = client.response_callbacks.get("BRPOP")
+
+    def checked(response, **options):
+        response = original(response, **options) if original else response
+        if not response:
+            return response
+        key, item = response
+        reason = _envelope_problem(item)
+        if reason is None:
+            return response
+        queue = (key.decode() if isinstance(key, bytes) else key).split(PRIORITY_SEP, 1)[0]
+        on_bad(queue, item, reason)
+        return None
+
+    client.set_response_callback("BRPOP", checked)
+
+
+def _envelope_problem(item: bytes | str) -> str | None:
+    """What keeps kombu from reading a Redis list item as a message, or None."""
+    try:
+        envelope = json.loads(item)
+    except ValueError:
+        return "not JSON (not a kombu message envelope)"
+    if not isinstance(envelope, dict) or not isinstance(envelope.get("properties"), dict) \
+            or "delivery_tag" not in envelope["properties"] or "body" not in envelope:
+        return "JSON but not a kombu message envelope (body, properties.delivery_tag)"
+    return None
+
+
 def renew_redis(channel, messages: list) -> int:
     """Move each held delivery's `unacked_index` score to now (XX: never re-adds one
     that was acked or restored meanwhile). Returns how many entries were renewed."""
@@ -241,13 +280,16 @@ class Transport:
     # Why list_queues needs an API URL, where it does (refused before anything starts).
     list_needs_api: str | None = None
     discovery: str = "none: name the queues (--queues or --run)"  # the same, in words
+    # (channel, on_bad) -> None: check raw deliveries the transport would choke on.
+    guard_deliveries: Callable | None = None
 
 
 TRANSPORTS = (
     Transport("redis", ("redis", "rediss", "sentinel"), event_loop=True, loses_inflight_on_kill=False,
               renew=renew_redis, lease="unacked_index score renewed", publisher="redis-lists",
               list_depths=redis_list_depths, queue_depths=redis_queue_depths, broker_options=_redis_options,
-              list_queues=redis_list_queues, discovery="SCAN for diffq.* lists (queues holding work)"),
+              list_queues=redis_list_queues, discovery="SCAN for diffq.* lists (queues holding work)",
+              guard_deliveries=guard_redis_deliveries),
     Transport("amqp", ("amqp", "amqps", "pyamqp"), event_loop=True, loses_inflight_on_kill=False,
               renew=None, lease="connection (broker redelivers when it closes)", broker_options=_amqp_options,
               list_queues=rabbitmq_list_queues, list_needs_api=NEEDS_RABBITMQ_API,
