@@ -1,8 +1,12 @@
 """Kubernetes manifests for a worker fleet, rendered from the producer's shape keys.
 
-One Deployment and one KEDA ScaledObject per shape queue. Queue names come from
-`ShapeKey.queue` built by the producer's own `shape_of`, so the queue a worker
-consumes and the Redis list KEDA watches are the names `diffq submit` publishes to.
+Where one worker serves every shape (CPU, CUDA: compile-aware routing drains a
+compiled shape before taking another), one Deployment per model whose workers find
+the model's queues themselves (`diffq worker --models M`, no --queues), scaled by
+one KEDA ScaledObject with a trigger per shape queue. Where a shape's compile takes
+many minutes (Neuron, TPU), one Deployment and ScaledObject per shape queue. Queue
+names come from `ShapeKey.queue` built by the producer's own `shape_of`, so the
+lists KEDA watches are the names `diffq submit` publishes to.
 """
 
 from __future__ import annotations
@@ -10,10 +14,11 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import yaml
 
-from diffq.core.contract import ShapeKey
+from diffq.core.contract import ShapeKey, model_slug
 from diffq.producer.bucketing import RunOptions, shape_of
 from diffq.worker.backends import get_backend
 from diffq.producer.sources import Prompt
@@ -42,6 +47,9 @@ class DeviceProfile:
     cpu: str = "2"
     memory: str = "8Gi"
     compile: str = "none"
+    # "model": one pool per model serving every shape by discovery; "shape": one
+    # pool per shape queue, each pod compiling only its own shape.
+    pool: Literal["model", "shape"] = "shape"
 
 
 PROFILES: dict[str, DeviceProfile] = {
@@ -66,10 +74,10 @@ PROFILES: dict[str, DeviceProfile] = {
     "cuda": DeviceProfile(
         device="cuda", resource="nvidia.com/gpu",
         tolerations=({"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"},),
-        devices_per_pod=1, grace_seconds=900, cpu="8", memory="32Gi", compile="full",
+        devices_per_pod=1, grace_seconds=900, cpu="8", memory="32Gi", compile="full", pool="model",
     ),
     "cpu": DeviceProfile(device="cpu", resource=None, devices_per_pod=2,
-                         grace_seconds=300, cpu="2", memory="4Gi"),
+                         grace_seconds=300, cpu="2", memory="4Gi", pool="model"),
 }
 
 
@@ -141,7 +149,16 @@ class FleetOptions:
 
 
 def worker_args(shape: ShapeKey, options: FleetOptions) -> list[str]:
-    """The container args after the image's `ENTRYPOINT ["diffq", "worker"]`."""
+    """The container args after the image's `ENTRYPOINT ["diffq", "worker"]`: one shape queue."""
+    return _args(options, ["--queues", shape.queue, "--model", shape.model, "--dtype", shape.dtype])
+
+
+def pool_args(model: str, dtype: str, options: FleetOptions) -> list[str]:
+    """A pool's container args: no --queues, the workers list the model's shape queues."""
+    return _args(options, ["--models", model, "--model", model, "--dtype", dtype])
+
+
+def _args(options: FleetOptions, serve: list[str]) -> list[str]:
     profile = options.profile
     n = options.devices_per_pod or profile.devices_per_pod
     # The option that lists a kind's devices comes from the backend table.
@@ -150,14 +167,12 @@ def worker_args(shape: ShapeKey, options: FleetOptions) -> list[str]:
     if n % options.tp:
         raise ValueError(f"--tp {options.tp} must divide the {n} devices per pod")
     tp = ["--tp", str(options.tp)] if options.tp > 1 else []
-    return ["--device", profile.device, *pin, *tp, "--queues", shape.queue, "--model", shape.model,
-            "--dtype", shape.dtype, "--compile", options.compile or profile.compile,
+    return ["--device", profile.device, *pin, *tp, *serve, "--compile", options.compile or profile.compile,
             "--compile-cache", f"{CACHE_MOUNT}/compile"]
 
 
-def deployment(shape: ShapeKey, options: FleetOptions) -> dict:
+def deployment(name: str, args: list[str], annotations: dict[str, str], options: FleetOptions) -> dict:
     profile = options.profile
-    name = k8s_name(shape.queue)
     n = options.devices_per_pod or profile.devices_per_pod
     labels = {"app.kubernetes.io/name": "diffq-worker", "app.kubernetes.io/instance": name,
               "diffq/device": profile.device}
@@ -179,7 +194,7 @@ def deployment(shape: ShapeKey, options: FleetOptions) -> dict:
         "containers": [{
             "name": "worker",
             "image": options.image or DEFAULT_IMAGE.format(device=profile.device),
-            "args": worker_args(shape, options),
+            "args": args,
             "env": env,
             "ports": [{"name": "metrics", "containerPort": METRICS_PORT}],
             "resources": resources,
@@ -195,7 +210,7 @@ def deployment(shape: ShapeKey, options: FleetOptions) -> dict:
         "apiVersion": "apps/v1",
         "kind": "Deployment",
         "metadata": {"name": name, "namespace": options.namespace, "labels": labels,
-                     "annotations": {"diffq/queue": shape.queue}},
+                     "annotations": annotations},
         # No `replicas`: KEDA owns the count; re-applying must not reset it.
         "spec": {
             "selector": {"matchLabels": {"app.kubernetes.io/instance": name}},
@@ -208,13 +223,12 @@ def deployment(shape: ShapeKey, options: FleetOptions) -> dict:
     }
 
 
-def scaled_object(shape: ShapeKey, options: FleetOptions) -> dict:
-    name = k8s_name(shape.queue)
+def scaled_object(name: str, queues: list[str], annotations: dict[str, str], options: FleetOptions) -> dict:
+    """Scaled on the Redis lists of `queues` (KEDA takes the largest of the triggers)."""
     return {
         "apiVersion": "keda.sh/v1alpha1",
         "kind": "ScaledObject",
-        "metadata": {"name": name, "namespace": options.namespace,
-                     "annotations": {"diffq/queue": shape.queue}},
+        "metadata": {"name": name, "namespace": options.namespace, "annotations": annotations},
         "spec": {
             "scaleTargetRef": {"name": name},
             "minReplicaCount": 0,
@@ -228,13 +242,13 @@ def scaled_object(shape: ShapeKey, options: FleetOptions) -> dict:
                 "metadata": {
                     # The Celery queue is one Redis list of exactly this name
                     # (broker.py sets priority_steps [0]).
-                    "listName": shape.queue,
+                    "listName": queue,
                     "listLength": str(options.batches_per_replica),
                     "activationListLength": "0",
                     "databaseIndex": str(options.redis_db),
                 },
                 "authenticationRef": {"name": TRIGGER_AUTH},
-            }],
+            } for queue in queues],
         },
     }
 
@@ -255,10 +269,24 @@ def common(options: FleetOptions) -> list[dict]:
 
 
 def render(shapes: list[ShapeKey], options: FleetOptions) -> dict[str, list[dict]]:
-    """File stem -> documents: `common`, then one Deployment + ScaledObject per shape queue."""
+    """File stem -> documents: `common`, then a Deployment + ScaledObject per pool
+    (per model where the profile's workers serve every shape, else per shape queue)."""
     rendered = {"common": common(options)}
+    if options.profile.pool == "model":
+        pools: dict[tuple[str, str], list[str]] = {}
+        for shape in shapes:
+            pools.setdefault((shape.model, shape.dtype), []).append(shape.queue)
+        for (model, dtype), queues in pools.items():
+            name = k8s_name(f"diffq.{model_slug(model)}.{dtype}")
+            annotations = {"diffq/model": model, "diffq/queues": ",".join(queues)}
+            rendered[name] = [deployment(name, pool_args(model, dtype, options), annotations, options),
+                              scaled_object(name, queues, annotations, options)]
+        return rendered
     for shape in shapes:
-        rendered[k8s_name(shape.queue)] = [deployment(shape, options), scaled_object(shape, options)]
+        name = k8s_name(shape.queue)
+        annotations = {"diffq/queue": shape.queue}
+        rendered[name] = [deployment(name, worker_args(shape, options), annotations, options),
+                          scaled_object(name, [shape.queue], annotations, options)]
     return rendered
 
 
