@@ -91,3 +91,32 @@ def test_cancelled_run_is_dropped_unseen_then_resumed(tmp_path, make_redis_serve
     finally:
         supervisor.stop(timeout=60)
     assert_run_complete(out, prompts, steps=1, model=tiny_model)
+
+
+@pytest.mark.slow
+def test_cancel_ends_an_embedded_run(tmp_path, tiny_model):
+    """`diffq run` waits for every item; a cancel from elsewhere ends it once its
+    workers have dropped what is queued, with the rest counted cancelled."""
+    import threading
+
+    from diffq.app.runner import run
+
+    out = str(tmp_path / "run")
+    results = {}
+    thread = threading.Thread(target=lambda: results.setdefault("run", run(
+        write_prompts(tmp_path / "p.jsonl", 80), out, model=tiny_model, batch_size=2, steps=1, progress=False)))
+    thread.start()
+    deadline = time.monotonic() + 240
+    while not (storage_has(out, layout.MANIFEST) and status(out).done >= 2):
+        assert time.monotonic() < deadline and thread.is_alive()
+        time.sleep(0.2)
+    cancel(out)
+    thread.join(timeout=180)
+    assert not thread.is_alive(), "the embedded run did not end"
+    result, st = results["run"], status(out)
+    assert not result.ok and result.done == st.done < 80
+    assert st.pending == 0 and st.done + st.failed + st.cancelled == 80
+
+
+def storage_has(out: str, key: str) -> bool:
+    return open_storage(out).exists(key)

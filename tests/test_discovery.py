@@ -143,3 +143,24 @@ def test_discovery_keeps_found_queues_and_skips_failed_listings():
         router._next_discovery = 0.0
         router.discover(connection=None)
         assert router.served == ["diffq.m-000000.64x64.b1.l64.nocfg.fp32"]
+
+
+@pytest.mark.slow
+def test_worker_without_queues_on_sqs(s3_server, tiny_model, tmp_path):
+    """The same on moto's SQS: a run submitted after the worker started is found by
+    ListQueues and done."""
+    pytest.importorskip("pycurl", reason="kombu's SQS transport needs pycurl (pip install 'kombu[sqs]')")
+    broker_url = f"sqs://testing:testing@127.0.0.1:{s3_server.port}"
+    options = {"region": "us-east-1", "queue_name_prefix": f"t{uuid.uuid4().hex[:8]}-",
+               "wait_time_seconds": 1, "polling_interval": 0.2}
+    supervisor = Supervisor(plan_children(device="cpu", devices=[0], broker_url=broker_url, queues=[],
+                                          transport_options=options, discover=True, serve_models=[tiny_model],
+                                          models=[tiny_model], loglevel="ERROR"))
+    supervisor.start()
+    try:
+        result = submit(prompts(tmp_path / "a.jsonl", [(32, 32), (32, 48)], 2), str(tmp_path / "a"),
+                        model=tiny_model, broker_url=broker_url, transport_options=options, batch_size=2, steps=1)
+        st = wait_until(result.out, supervisor, lambda s: s.done + s.failed >= result.total, timeout=240)
+        assert (st.done, st.failed) == (4, 0) and supervisor.deaths == 0
+    finally:
+        supervisor.stop(timeout=60)

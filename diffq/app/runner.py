@@ -26,7 +26,7 @@ from diffq.core.broker import embedded_broker
 from diffq.core.transports import transport_for
 from diffq.core.progress import reconcile
 from diffq.producer.resume import missing_batches
-from diffq.core.runfolder import ProgressTracker
+from diffq.core.runfolder import ProgressTracker, read_cancel
 from diffq.producer.submit import CeleryPublisher, RunExists, make_options, submit, validate
 from diffq.core.storage import open_storage
 from diffq.worker.backends import get_backend
@@ -160,6 +160,7 @@ def run(
         with bar:
             task = bar.add_task("run", total=plan.total, rate=0.0, failed=0)
             last_progress, deaths_seen = time.monotonic(), 0
+            next_cancel_check = 0.0
             while True:
                 before = tracker.done + tracker.failed
                 tracker.refresh()
@@ -171,6 +172,11 @@ def run(
                            rate=tracker.done / elapsed if elapsed else 0.0)
                 if tracker.done + tracker.failed >= plan.total:
                     break
+                # `diffq cancel` from elsewhere: the workers drop what is queued.
+                if now >= next_cancel_check:
+                    next_cancel_check = now + layout.CANCEL_CHECK_S
+                    if "result" in submitted and publisher.depth() == 0 and read_cancel(storage) is not None:
+                        break
                 if "error" in submitted:
                     raise submitted["error"]
                 supervisor.poll()
