@@ -16,7 +16,7 @@ from diffq.core.storage import open_storage
 from diffq.producer.resume import RunCancelled, cancel, resume, retry_failed
 from diffq.producer.submit import submit
 from diffq.results.status import status
-from helpers import assert_run_complete, start_workers, wait_until
+from tests.helpers import assert_run_complete, start_workers, wait_until
 
 runner = CliRunner()
 

@@ -23,7 +23,7 @@ from diffq.core.storage import open_storage
 from diffq.core.contract import MAX_MESSAGE_BYTES, MAX_PROMPT_CHARS, BatchMessage
 from diffq.core.transports import DEAD_LETTERS
 from diffq.producer.submit import submit
-from helpers import start_workers, wait_until
+from tests.helpers import start_workers, wait_until
 
 TASK = "diffq.generate_batch"
 

@@ -28,6 +28,7 @@ from diffq.app import fleet
 from diffq.app.cli import app
 from diffq.core.contract import ShapeKey, is_shape_queue, queue_name
 from diffq.producer.submit import make_options, validate
+from diffq.worker.backends import get_backend
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = Path(__file__).parent / "data"
@@ -134,14 +135,14 @@ def test_compose_workers_discover_the_producers_queues(compose):
     _, submit = parse_cli(diffq_argv(compose["services"]["producer"]))
     _, worker = parse_cli(diffq_argv(compose["services"]["worker"]))
     assert worker["queues"] is None and worker["run"] is None
-    assert worker["models"] == worker["model"] == submit["model"]
+    assert worker["serve_models"] == worker["model"] == submit["model"]
     options, defaults = make_options(model=submit["model"], batch_size=submit["batch_size"],
                                      steps=submit["steps"], guidance_scale=submit["guidance_scale"],
                                      max_sequence_length=submit["max_sequence_length"],
                                      height=submit["height"], width=submit["width"],
                                      dtype=submit["dtype"].value)
     plan = validate(ROOT / submit["prompts"], options, defaults)
-    assert all(is_shape_queue(s.queue, [worker["models"]]) for s in plan.shapes)
+    assert all(is_shape_queue(s.queue, [worker["serve_models"]]) for s in plan.shapes)
     assert "diffq.tiny-" not in COMPOSE.read_text()  # no example queue names hard-coded
 
 
@@ -213,6 +214,16 @@ def test_dockerfile_backends():
     neuron = DOCKERFILES["neuron"].read_text()
     assert "https://pip.repos.neuron.amazonaws.com" in neuron and "torch-neuronx" in neuron
     assert "aws-neuronx-runtime-lib" in neuron and '".[neuron]"' in neuron
+    # BACKENDS.md Trainium "install": torch-neuronx plus neuronx-cc==2.* and nki, in the
+    # image and in the `neuron` extra (the vendor quickstart installs all three).
+    install = next(a for i, a in dockerfile(DOCKERFILES["neuron"]) if i == "RUN" and "TORCH_NEURONX_SPEC" in a)
+    assert "NEURONX_CC_SPEC" in install and install.rstrip().endswith("nki")
+    assert 'NEURONX_CC_SPEC="neuronx-cc==2.*"' in neuron
+    import tomllib
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert {"neuronx-cc==2.*", "nki"} <= set(extras["neuron"]) and extras["neuron"][0].startswith("torch-neuronx")
+    assert extras["tpu"] == ["torch-tpu==0.2.0"]
     tpu = DOCKERFILES["tpu"].read_text()
     assert '"torch-tpu==0.2.0"' in tpu and "libtpu" in tpu
     assert "download.pytorch.org/whl/cpu" in DOCKERFILES["cpu"].read_text()
@@ -258,9 +269,11 @@ def render_cli(*args: str) -> list[dict]:
     return [d for d in yaml.safe_load_all(result.output) if d]
 
 
-def flux2_queues() -> list[str]:
+def flux2_queues(device: str) -> list[str]:
+    # No --dtype: the device's default_dtype from the backend table.
     return [queue_name(ShapeKey(model="/models/flux2", height=h, width=w, batch_size=2, max_sequence_length=256,
-                                cfg=True, dtype="float32")) for h, w in [(1024, 1024), (768, 1344)]]
+                                cfg=True, dtype=get_backend(device).default_dtype))
+            for h, w in [(1024, 1024), (768, 1344)]]
 
 
 @pytest.mark.parametrize("device", ["neuron", "tpu"])
@@ -272,7 +285,7 @@ def test_rendered_shape_pools_validate_and_match_queue_names(device):
         validate_manifest(doc)
     deployments, scaled = by_kind(docs, "Deployment"), by_kind(docs, "ScaledObject")
     assert len(deployments) == len(scaled) == 2
-    for queue, dep, so in zip(flux2_queues(), deployments, scaled):
+    for queue, dep, so in zip(flux2_queues(device), deployments, scaled):
         [trigger] = so["spec"]["triggers"]
         assert trigger["type"] == "redis" and trigger["metadata"]["listName"] == queue
         assert so["spec"]["minReplicaCount"] == 0
@@ -296,12 +309,12 @@ def test_rendered_model_pools_discover_every_shape(device):
     for doc in docs:
         validate_manifest(doc)
     [dep], [so] = by_kind(docs, "Deployment"), by_kind(docs, "ScaledObject")
-    assert [t["metadata"]["listName"] for t in so["spec"]["triggers"]] == flux2_queues()
+    assert [t["metadata"]["listName"] for t in so["spec"]["triggers"]] == flux2_queues(device)
     assert so["spec"]["scaleTargetRef"]["name"] == dep["metadata"]["name"]
     args = dep["spec"]["template"]["spec"]["containers"][0]["args"]
-    assert not any(queue in " ".join(args) for queue in flux2_queues())
+    assert not any(queue in " ".join(args) for queue in flux2_queues(device))
     name, params = parse_cli(DIFFQ_IMAGE_ENTRYPOINT + args)
-    assert (name, params["device"].value, params["queues"], params["models"]) == \
+    assert (name, params["device"].value, params["queues"], params["serve_models"]) == \
         ("worker", device, None, "/models/flux2")
     result = runner.invoke(app, ["worker", *args, "--plan"], env={"DIFFQ_BROKER_URL": "redis://redis:6379/0"})
     assert result.exit_code == 0, result.output
@@ -314,7 +327,15 @@ def test_neuron_cores_match_request():
     pod = by_kind(docs, "Deployment")[0]["spec"]["template"]["spec"]
     container = pod["containers"][0]
     args = container["args"]
-    assert args[args.index("--cores") + 1] == "0-15"
+    # The cores the Neuron device plugin allocated, never a hard-coded range over them.
+    assert args[args.index("--cores") + 1] == "auto"
+    name, params = parse_cli(DIFFQ_IMAGE_ENTRYPOINT + args)
+    assert params["cores"] == "auto"
+    result = runner.invoke(app, ["worker", *args, "--plan"], env={"DIFFQ_BROKER_URL": "redis://r:6379/0",
+                                                        "NEURON_RT_VISIBLE_CORES": "16-31"})
+    assert result.exit_code == 0, result.output
+    assert [p["env"]["NEURON_RT_VISIBLE_CORES"] for p in json.loads(result.output)] == [str(c) for c in range(16, 32)]
+    assert args[args.index("--dtype") + 1] == "bfloat16"  # the device's default dtype
     assert container["resources"]["limits"]["aws.amazon.com/neuroncore"] == 16
     assert container["resources"]["requests"]["aws.amazon.com/neuroncore"] == 16
     assert pod["nodeSelector"]["node.kubernetes.io/instance-type"].startswith("trn2")
@@ -331,6 +352,40 @@ def test_tpu_selectors_and_chips():
     assert {"cloud.google.com/gke-tpu-accelerator", "cloud.google.com/gke-tpu-topology"} <= set(pod["nodeSelector"])
     # A first TPU compile can take ~1,100 s: the grace period must outlast it.
     assert pod["terminationGracePeriodSeconds"] > 1100
+    # BACKENDS.md TPU "tier-2 cache": tier 3 needs tier 2 in /dev/shm (tier3_compilation_cache.cc):
+    # a memory-backed /dev/shm of a stated size.
+    shm = next(v for v in pod["volumes"] if v["name"] == "dshm")
+    assert shm["emptyDir"] == {"medium": "Memory", "sizeLimit": "32Gi"}
+    assert {"name": "dshm", "mountPath": "/dev/shm"} in container["volumeMounts"]
+    for device in ("neuron", "cuda", "cpu"):
+        other = by_kind(render_cli("--model", "m", "--shapes", "64x64", "--batch-size", "1", "--device", device),
+                        "Deployment")[0]["spec"]["template"]["spec"]
+        assert [v["name"] for v in other["volumes"]] == ["cache"]
+
+
+def test_every_backend_is_deployable_or_says_it_is_not(monkeypatch):
+    """A backend cannot be half-added: its pod facts are a required field of its table row."""
+    import dataclasses
+
+    from diffq.worker import backends
+
+    keys = fleet.shape_keys("m", [(64, 64)], batch_size=1)
+    for name, backend in backends.BACKENDS.items():
+        assert backend.k8s is None or isinstance(backend.k8s, backends.K8sPod), name
+        if backend.k8s is not None:
+            rendered = fleet.render(keys, fleet.FleetOptions(device=name))
+            [pool] = [stem for stem in rendered if stem != "common"]
+            for doc in rendered[pool]:
+                validate_manifest(doc)
+    fields = dataclasses.fields(backends.Backend)
+    required = {f.name for f in fields if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
+    assert "k8s" in required
+    with pytest.raises(TypeError, match="k8s"):
+        backends.Backend(**{f: getattr(backends.BACKENDS["cpu"], f) for f in required - {"k8s"}})
+    # Explicitly not deployable: rendering says so instead of guessing a pod.
+    monkeypatch.setitem(backends.BACKENDS, "cpu", dataclasses.replace(backends.BACKENDS["cpu"], k8s=None))
+    with pytest.raises(ValueError, match="--device cpu is not deployable"):
+        fleet.render(keys, fleet.FleetOptions(device="cpu"))
 
 
 def test_shared_objects_fit_together():

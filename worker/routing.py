@@ -48,7 +48,8 @@ class Discovery:
     def __init__(self, transport: Transport, models: list[str] | None = None, api: str | None = None,
                  prefix: str = PREFIX):
         if transport.list_queues is None:
-            raise CannotList(f"a {transport.name} broker cannot list its queues: name them with --queues or --run")
+            raise CannotList(f"no queues: a {transport.name} broker cannot list its queues; "
+                             "name them with --queues or --run")
         if transport.list_needs_api and not api:
             raise CannotList(transport.list_needs_api)
         self.transport = transport
@@ -62,16 +63,14 @@ class Discovery:
 
 
 def startup_queues(broker_url: str, models: list[str] | None = None, api: str | None = None, *,
-                   connect: bool = True, transport_options: dict | None = None) -> list[str]:
+                   transport_options: dict | None = None) -> list[str]:
     """The queues a worker without --queues starts on: one listing now. Raises
     CannotList (saying what to pass instead) where the broker cannot list, before
-    anything starts; [] without `connect` (a plan) or while the broker is not up yet
-    (the workers connect with Celery's retries and list it then)."""
+    anything starts; [] while the broker is not up yet (the workers connect with
+    Celery's retries and list it then)."""
     from diffq.core.broker import make_celery
 
     discovery = Discovery(transport_for(broker_url), models, api)
-    if not connect:
-        return []
     try:
         with make_celery(broker_url, transport_options).connection_for_write() as connection:
             connection.ensure_connection(max_retries=1)

@@ -21,6 +21,7 @@ from pydantic import ValidationError
 from diffq.core import layout
 from diffq.core.broker import TASK_NAME
 from diffq.core.contract import BatchMessage
+from diffq.core.records import FailureRecord
 from diffq.core.settings import get_settings
 from diffq.core.storage import Storage, open_storage
 from diffq.core.transports import transport_for
@@ -82,7 +83,6 @@ class Runtime:
         if spec.routing == "compile-aware" or discovery is not None:
             rt.line.router = Router(spec.queues, rt.compiled_queues, transport, discovery=discovery,
                                     compile_aware=spec.routing == "compile-aware")
-        rt.sink.start()
         return rt
 
     def compiled_queues(self) -> set[str]:
@@ -128,16 +128,10 @@ def dead_letter(task: Task, batch, exc: ValueError) -> dict:
 
 
 def write_failure(storage: Storage, message: BatchMessage, error: str, attempts: int, worker: str) -> None:
-    record = {
-        "run_id": message.run_id,
-        "batch_id": message.batch_id,
-        "item_ids": [item.id for item in message.items],
-        "error": error[:2000],
-        "attempts": attempts,
-        "worker": worker,
-        "failed_at": time.time(),
-    }
-    storage.put_bytes(layout.failure_key(message.batch_id), json.dumps(record).encode(),
+    record = FailureRecord(run_id=message.run_id, batch_id=message.batch_id,
+                           item_ids=[item.id for item in message.items], error=error[:2000], attempts=attempts,
+                           worker=worker, failed_at=time.time())
+    storage.put_bytes(layout.failure_key(message.batch_id), record.model_dump_json().encode(),
                       content_type="application/json", if_absent=True)
 
 
@@ -201,7 +195,7 @@ def generate_batch(task: Task, batch: dict) -> dict:
     except Exception as exc:
         return handle_failure(task, storage, message, exc, attempts)
     metrics.observe_batch(message.shape.queue, len(message.items), generated.generate_s)
-    if generated.compiled and rt.spec.compile != "none":
+    if generated.compiled:  # eager backends compile too (PipelineHost.compiles)
         metrics.observe_compile(message.shape.label, generated.generate_s)
     if rt.host.recompiles > recompiles_before:
         metrics.observe_recompile(message.shape.label, rt.host.recompiles - recompiles_before)
