@@ -61,6 +61,7 @@ def bad_messages(queue: str, shape: dict) -> dict[str, tuple[str, str]]:
         "body not json": (envelope(queue, b"\x80{not json"), "not decodable"),
         "pickle": (envelope(queue, b"\x80\x04K\x01.", content_type="application/x-python-serialize"), "pickle"),
         "wrong schema": (envelope(queue, task_body({"foo": 1})), "schema"),
+        "wrong call": (envelope(queue, json.dumps([[1, 2], {}, {}]).encode()), "not a diffq batch call"),
         "over the cap": (envelope(queue, task_body(big_but_valid_batch(shape))), "exceeds"),
         "not a task": (envelope(queue, b'{"hello": 1}', task=None), "not a Celery task"),
         "other task": (envelope(queue, task_body({}), task="someone.else"), "unknown task"),

@@ -1,8 +1,8 @@
 """Dead letters: what a worker does with a message on a diffq queue that diffq did not write.
 
 Not JSON, a content type other than JSON (pickle is refused unread), not a diffq
-task, over the size cap (measured on receipt, before the body is parsed), or a
-body that fails the batch schema: none of these can ever succeed, so none is
+task, over the size cap (measured on receipt, before the body is parsed), a call
+that is not one batch, or a batch that fails the schema: none of these can ever succeed, so none is
 retried. Each is logged once (queue and reason), moved to the `diffq.dead` queue
 (core/transports.py DEAD_LETTERS, shown by `diffq queues`, consumed by no worker)
 as a JSON letter carrying the reason and the start of the original body, and
@@ -12,9 +12,9 @@ Celery's own handlers for the first four (celery/worker/consumer/consumer.py:
 `on_decode_error`, `on_invalid_task`, `on_unknown_message`, `on_unknown_task`)
 log a traceback and drop or reject the message; `DeadLetterStep` replaces them on
 the consumer (its task handler looks them up when the event loop starts) and puts
-the size check in front of the batch task's strategy. A Redis list item that is
-not even a kombu envelope would end the worker inside kombu; the transport
-table's `guard_deliveries` catches it first.
+the receipt checks (size, call shape) in front of the batch task's strategy. A
+Redis list item that is not even a kombu envelope would end the worker inside
+kombu; the transport table's `guard_deliveries` catches it first.
 """
 
 from __future__ import annotations
@@ -76,6 +76,12 @@ class DeadLetters:
         message.ack()
 
 
+def _is_batch_call(call) -> bool:
+    """Celery protocol 2's body: [args, kwargs, embed] (celery/app/amqp.py as_task_v2)."""
+    return (isinstance(call, (list, tuple)) and len(call) == 3 and call[0] == [] and isinstance(call[1], dict)
+            and set(call[1]) == {"batch"} and isinstance(call[1]["batch"], dict))
+
+
 def _reason(exc: Exception) -> str:
     return f"{type(exc).__name__}: {exc}"[:500]
 
@@ -111,16 +117,26 @@ class DeadLetterStep(bootsteps.StartStopStep):
         if guard is not None and consumer.task_consumer is not None:
             guard(consumer.task_consumer.channel, lambda queue, item, reason: dead.send(queue, reason, item))
         strategy = consumer.strategies.get(TASK_NAME)
-        if strategy is not None and not getattr(strategy, "size_checked", False):
-            consumer.strategies[TASK_NAME] = size_checked(strategy, dead)
+        if strategy is not None and not getattr(strategy, "checked_on_receipt", False):
+            consumer.strategies[TASK_NAME] = checked_on_receipt(strategy, dead)
 
 
-def size_checked(strategy, dead: DeadLetters):
+def checked_on_receipt(strategy, dead: DeadLetters):
+    """The batch task's strategy behind two checks on receipt: the raw size, then the
+    call's shape (no positional args, one `batch` object), which would otherwise fail
+    inside Celery's tracer as a TypeError."""
+
     def checked(message, *args, **kwargs):
         size = len(message.body or b"")
         if size > MAX_MESSAGE_BYTES:
             return dead.reject(message, f"message of {size} bytes exceeds {MAX_MESSAGE_BYTES}")
+        try:
+            call = message.decode()
+        except Exception:
+            return strategy(message, *args, **kwargs)  # Celery's own handlers say why
+        if not _is_batch_call(call):
+            return dead.reject(message, "not a diffq batch call (expected no args and one 'batch' object)")
         return strategy(message, *args, **kwargs)
 
-    checked.size_checked = True
+    checked.checked_on_receipt = True
     return checked
