@@ -34,6 +34,7 @@ from diffq.core.settings import get_settings
 from diffq.core.transports import transport_for
 from diffq.worker.lease import LeaseKeeper, held_deliveries
 from diffq.worker.lifeline import parent_gone
+from diffq.worker.dead_letters import DeadLetterStep
 from diffq.worker.spec import ChildSpec, hostname
 from diffq.worker.tasks import HandBack, Runtime, generate_batch
 
@@ -173,6 +174,7 @@ def build_app(rt: Runtime) -> Celery:
         for queue in rt.spec.queues:
             app.amqp.queues[queue].consumer_arguments = arguments
     app.steps["consumer"].add(type("BoundWorkerStep", (WorkerStep,), {"runtime": rt}))
+    app.steps["consumer"].add(type("BoundDeadLetterStep", (DeadLetterStep,), {"worker": rt.worker}))
     app.task(name=TASK_NAME, base=BatchTask, bind=True, runtime=rt)(run_batch)
     drains: list[Drain] = []
 

@@ -43,6 +43,11 @@ class ChildSpec(BaseModel):
     compile_cache_local: str | None = None
     # 'auto' (every served shape) or HxW sizes: compiled before consuming.
     warmup: list[str] = Field(default_factory=list)
+    # No --queues: list the broker's shape queues every few seconds and serve those
+    # of `serve_models` (empty: every model's). `rabbitmq_api`: AMQP's listing.
+    discover: bool = False
+    serve_models: list[str] = Field(default_factory=list)
+    rabbitmq_api: str | None = None
     # compile-aware: drain already-compiled shapes before taking a new one.
     routing: Literal["compile-aware", "round-robin"] = "compile-aware"
     # Compile, push the cache, print a JSON report and exit 0 (bake a cache in CI).
@@ -128,6 +133,7 @@ class ChildSpec(BaseModel):
             "unset": list(self.unset_env()),
             "queues": self.queues,
             "dtype": self.dtype,
+            **({"discover": True, "serve_models": self.serve_models} if self.discover else {}),
             "compile": self.compile,
             "compile_backend": backend.compile_backend,
             "compile_options": backend.compile_options if self.compile in COMPILING_MODES else None,

@@ -207,6 +207,8 @@ def worker(
     queues: Annotated[Optional[str], typer.Option("--queues", "-Q", help="Comma-separated shape queues")] = None,
     run: Annotated[Optional[str], typer.Option("--run", help="Serve the queues of this run folder's manifest")] = None,
     model: Annotated[Optional[str], typer.Option("--model", help="Load this model before consuming (fail fast)")] = None,
+    serve_models: Annotated[Optional[str], typer.Option("--models", help="Without --queues: serve only these models' queues, M1,M2 (default: --model's, else every model's)")] = None,
+    rabbitmq_api: Annotated[Optional[str], typer.Option("--rabbitmq-api", help="RabbitMQ management API URL (http://USER:PASS@HOST:15672): how a worker without --queues lists an AMQP broker's queues")] = None,
     dtype: DeviceDtypeOpt = None,
     compile: Compile = CompileMode("none"),
     compile_cache: CompileCache = None,
@@ -244,8 +246,17 @@ def worker(
         manifest = read_manifest(open_storage(run))
         names += [s.queue for s in manifest.shapes if s.queue not in names]
         models = models or [manifest.defaults["model"]]
-    if not names and not plan:
-        _fail("no queues: pass --queues or --run OUT")
+    discovery = {}
+    if not names:
+        from diffq.worker.routing import startup_queues
+
+        serve = [m for m in (serve_models or "").split(",") if m] or models
+        if not plan:  # a plan needs no queues and starts nothing
+            try:
+                names = startup_queues(broker, serve, rabbitmq_api)
+            except ValueError as exc:
+                _fail(str(exc))
+        discovery = {"discover": True, "serve_models": serve, "rabbitmq_api": rabbitmq_api}
     try:
         specs = plan_children(device=device.value, devices=_devices(device, workers, cores, chips, gpus),
                               broker_url=broker, queues=names, threads=threads, compile=compile.value,
@@ -256,7 +267,7 @@ def worker(
                               models=models, dtype=_dtype(device, dtype), tp=tp, master_port=master_port,
                               generation=tpu_generation.value if tpu_generation else None,
                               allowed_out_prefixes=settings.allowed_out_prefixes, loglevel=loglevel,
-                              drain_timeout_s=drain_timeout)
+                              drain_timeout_s=drain_timeout, **discovery)
     except ValueError as exc:
         _fail(str(exc))
     if plan:
@@ -314,7 +325,8 @@ def status(
     for queue, shape in st.shapes.items():
         table.add_row(queue, str(shape.done), str(shape.total))
     out.print(table)
-    out.print(f"{st.done}/{st.total} done, {st.failed} failed, {st.pending} pending")
+    out.print(f"{st.done}/{st.total} done, {st.failed} failed, "
+              + (f"{st.cancelled} cancelled, " if st.cancelled else "") + f"{st.pending} pending")
 
 
 @app.command()
@@ -357,7 +369,7 @@ def _requeue(kind: str, out_dir: str, broker: str | None) -> None:
         _fail("no broker: pass --broker URL or set DIFFQ_BROKER_URL")
     try:
         result = getattr(requeue, kind)(out_dir, broker)
-    except NotARun as exc:
+    except (NotARun, requeue.RunCancelled) as exc:
         _fail(str(exc))
     out.print(f"{result.out}: re-enqueued {result.items} items in {result.batches} batches")
 
@@ -388,7 +400,7 @@ def _register_command_groups() -> None:
 
 
 # Modules under diffq/commands/, each adding its commands to `app`.
-COMMAND_GROUPS: list[str] = ["fleet", "data", "plan", "qualify"]
+COMMAND_GROUPS: list[str] = ["fleet", "data", "plan", "qualify", "cancel"]
 _register_command_groups()
 
 if __name__ == "__main__":

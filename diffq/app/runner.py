@@ -27,6 +27,7 @@ from diffq.core.progress import ProgressSummary
 from diffq.core.runfolder import iter_records
 from diffq.core.transports import transport_for
 from diffq.producer.resume import missing_batches, scan
+from diffq.core.runfolder import read_cancel
 from diffq.producer.submit import CeleryPublisher, RunExists, make_options, submit, validate
 from diffq.core.storage import open_storage
 from diffq.worker.backends import get_backend
@@ -160,6 +161,7 @@ def run(
         with bar:
             task = bar.add_task("run", total=plan.total, rate=0.0, failed=0)
             last_progress, deaths_seen, batch_time = time.monotonic(), 0, None
+            next_cancel_check = 0.0
             while True:
                 before = tracker.done + tracker.failed
                 tracker.refresh()
@@ -171,6 +173,11 @@ def run(
                            rate=tracker.done / elapsed if elapsed else 0.0)
                 if tracker.done + tracker.failed >= plan.total:
                     break
+                # `diffq cancel` from elsewhere: the workers drop what is queued.
+                if now >= next_cancel_check:
+                    next_cancel_check = now + layout.CANCEL_CHECK_S
+                    if "result" in submitted and publisher.depth() == 0 and read_cancel(storage) is not None:
+                        break
                 if "error" in submitted:
                     raise submitted["error"]
                 supervisor.poll()

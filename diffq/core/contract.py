@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import json
 import re
 from typing import Literal
 
@@ -89,6 +90,25 @@ def queue_name(shape: ShapeKey) -> str:
     )
 
 
+# The same name as kombu's SQS transport spells it ('.' -> '-').
+_ENTITY_RE = re.compile(_QUEUE_RE.pattern.replace(r"\.", "-"))
+
+
+def queue_from_entity_name(name: str) -> str | None:
+    """A shape queue's name back from its SQS spelling, or None if it is not one."""
+    match = _ENTITY_RE.fullmatch(name)
+    if not match:
+        return None
+    return (f"diffq.{match['slug']}.{match['height']}x{match['width']}.b{match['batch']}"
+            f".l{match['seq']}.{match['cfg']}.{match['dtype']}")
+
+
+def is_shape_queue(queue: str, models: list[str] | None = None) -> bool:
+    """A diffq shape queue; with `models`, only one of theirs (its slug matches)."""
+    match = _QUEUE_RE.fullmatch(queue)
+    return bool(match) and (not models or match["slug"] in {model_slug(m) for m in models})
+
+
 def shape_from_queue(queue: str, models: list[str]) -> ShapeKey | None:
     """The shape a queue carries (the inverse of `queue_name`, given the models whose
     slugs may appear), or None if it is not a shape queue of these models."""
@@ -158,8 +178,12 @@ class BatchMessage(Strict):
 
     @classmethod
     def from_json_payload(cls, payload: dict | str | bytes) -> BatchMessage:
-        """Validate a message on receipt, refusing oversized ones before parsing."""
+        """Validate a message on receipt, refusing oversized ones before parsing (a dict
+        already parsed by the broker client is measured as compact JSON)."""
         if isinstance(payload, dict):
+            size = len(json.dumps(payload, separators=(",", ":")).encode())
+            if size > MAX_MESSAGE_BYTES:
+                raise ValueError(f"message of {size} bytes exceeds {MAX_MESSAGE_BYTES}")
             return cls.model_validate(payload)
         if len(payload) > MAX_MESSAGE_BYTES:
             raise ValueError(f"message of {len(payload)} bytes exceeds {MAX_MESSAGE_BYTES}")
