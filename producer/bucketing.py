@@ -26,6 +26,18 @@ class Item:
     seed: int
 
 
+@dataclass(slots=True)
+class RichItem:
+    """An item whose row sets a negative prompt or metadata (kept apart so the common
+    item's message carries no null fields)."""
+
+    id: str
+    prompt: str
+    seed: int
+    negative_prompt: str | None
+    metadata: dict | None
+
+
 @dataclass(frozen=True)
 class RunOptions:
     model: str
@@ -33,37 +45,45 @@ class RunOptions:
     max_sequence_length: int = 64
     dtype: str = "float32"
     format: str = "png"
+    embed_metadata: bool = True
 
 
 @dataclass
 class Batch:
     shape: ShapeKey
     params: BatchParams
-    items: list[Item] = field(default_factory=list)
+    items: list[Item | RichItem] = field(default_factory=list)
     index: int = 0  # position among its shape's batches, for a readable batch id
 
 
 @functools.lru_cache(maxsize=4096)
-def shape_for(options: RunOptions, height: int, width: int, cfg: bool) -> ShapeKey:
-    return ShapeKey(model=options.model, height=height, width=width, batch_size=options.batch_size,
+def shape_for(options: RunOptions, model: str | None, height: int, width: int, cfg: bool) -> ShapeKey:
+    return ShapeKey(model=model or options.model, height=height, width=width, batch_size=options.batch_size,
                     max_sequence_length=options.max_sequence_length, cfg=cfg, dtype=options.dtype)
+
+
+def _cfg(prompt: Prompt) -> bool:
+    # Decided by the row's family when sources knew it; else the conservative rule.
+    return prompt.cfg if prompt.cfg is not None else prompt.guidance_scale > 1.0
 
 
 def shape_of(prompt: Prompt, options: RunOptions) -> ShapeKey:
     # Cached: a run has a handful of shapes and millions of rows.
-    return shape_for(options, prompt.height, prompt.width, prompt.guidance_scale > 1.0)
+    return shape_for(options, prompt.model, prompt.height, prompt.width, _cfg(prompt))
 
 
 @functools.lru_cache(maxsize=4096)
-def _params(steps: int, guidance_scale: float, fmt: str) -> BatchParams:
-    return BatchParams(num_inference_steps=steps, guidance_scale=guidance_scale, format=fmt)
+def _params(steps: int, guidance_scale: float, fmt: str, embed_metadata: bool) -> BatchParams:
+    return BatchParams(num_inference_steps=steps, guidance_scale=guidance_scale, format=fmt,
+                       embed_metadata=embed_metadata)
 
 
 def group_key(prompt: Prompt) -> tuple:
-    """(height, width, cfg, steps, guidance): rows that may share a batch. Its first
-    three fields are what decides the shape (`shape_for`); the validation pass counts
-    batches per group with the same key the bucketer batches by."""
-    return prompt.height, prompt.width, prompt.guidance_scale > 1.0, prompt.num_inference_steps, prompt.guidance_scale
+    """(model, height, width, cfg, steps, guidance): rows that may share a batch. Its
+    first four fields are what decides the shape (`shape_for`); the validation pass
+    counts batches per group with the same key the bucketer batches by."""
+    return (prompt.model, prompt.height, prompt.width, _cfg(prompt), prompt.num_inference_steps,
+            prompt.guidance_scale)
 
 
 class Bucketer:
@@ -77,12 +97,13 @@ class Bucketer:
 
     def _group(self, prompt: Prompt) -> tuple[tuple, Batch]:
         group = group_key(prompt)
-        shape_key = group[:3]
+        shape_key = group[:4]
         batch = self._open.get(group)
         if batch is None:
             index = self._counts.get(shape_key, 0)
             self._counts[shape_key] = index + 1
-            params = _params(prompt.num_inference_steps, prompt.guidance_scale, self.options.format)
+            params = _params(prompt.num_inference_steps, prompt.guidance_scale, self.options.format,
+                             self.options.embed_metadata)
             batch = self._open[group] = Batch(shape_of(prompt, self.options), params, index=index)
         return group, batch
 
@@ -90,7 +111,10 @@ class Bucketer:
         """Add one prompt; returns a batch when it fills up."""
         group, batch = self._group(prompt)
         seed = prompt.seed if prompt.seed is not None else derive_seed(self.seed_base, prompt.id)
-        batch.items.append(Item(prompt.id, prompt.prompt, seed))
+        if prompt.negative_prompt is None and prompt.metadata is None:
+            batch.items.append(Item(prompt.id, prompt.prompt, seed))
+        else:
+            batch.items.append(RichItem(prompt.id, prompt.prompt, seed, prompt.negative_prompt, prompt.metadata))
         if len(batch.items) == self.options.batch_size:
             del self._open[group]
             return batch

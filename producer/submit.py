@@ -61,6 +61,10 @@ class Plan:
     batches: int
     shapes: list[ShapeSummary]
 
+    @property
+    def models(self) -> list[str]:
+        return sorted({summary.shape.model for summary in self.shapes})
+
 
 class Validation:
     """What the validation pass learns from each row: unique ids, counts per group."""
@@ -92,8 +96,8 @@ class Validation:
         items: Counter = Counter()
         batches: Counter = Counter()
         shapes: dict[str, ShapeKey] = {}
-        for (height, width, cfg, _, _), count in self._per_group.items():
-            shape = shape_for(self.options, height, width, cfg)
+        for (model, height, width, cfg, _, _), count in self._per_group.items():
+            shape = shape_for(self.options, model, height, width, cfg)
             shapes[shape.queue] = shape
             items[shape.queue] += count
             batches[shape.queue] += math.ceil(count / self.options.batch_size)
@@ -102,9 +106,9 @@ class Validation:
         return Plan(total=self._total, batches=sum(batches.values()), shapes=summaries)
 
 
-def validate(path: str | Path, options: RunOptions, defaults: Defaults) -> Plan:
+def validate(path: str | Path, options: RunOptions, defaults: Defaults, keep_columns=()) -> Plan:
     validation = Validation(path, options)
-    for _ in validation.check(read_prompts(path, defaults)):
+    for _ in validation.check(read_prompts(path, defaults, keep_columns)):
         pass
     return validation.plan()
 
@@ -112,13 +116,13 @@ def validate(path: str | Path, options: RunOptions, defaults: Defaults) -> Plan:
 def make_options(*, model: str, batch_size: int = 4, steps: int = 4, guidance_scale: float = 1.0,
                  max_sequence_length: int = 64, height: int = 128, width: int = 128,
                  format: str = "png", dtype: str = "float32",
-                 size_multiple: int = 16) -> tuple[RunOptions, Defaults]:
+                 size_multiple: int = 16, embed_metadata: bool = True) -> tuple[RunOptions, Defaults]:
     """The run-wide options (shape and output) and the per-row defaults."""
     return (
         RunOptions(model=model, batch_size=batch_size, max_sequence_length=max_sequence_length,
-                   dtype=dtype, format=format),
+                   dtype=dtype, format=format, embed_metadata=embed_metadata),
         Defaults(height=height, width=width, num_inference_steps=steps,
-                 guidance_scale=guidance_scale, size_multiple=size_multiple),
+                 guidance_scale=guidance_scale, size_multiple=size_multiple, model=model),
     )
 
 
@@ -153,6 +157,8 @@ def submit(
     run_id: str | None = None,
     seed_base: str | None = None,
     size_multiple: int = 16,
+    keep_columns: tuple[str, ...] | list[str] = (),
+    embed_metadata: bool = True,
     on_published: Callable[[int], None] | None = None,
     plan: Plan | None = None,
 ) -> SubmitResult:
@@ -165,7 +171,7 @@ def submit(
                                      guidance_scale=guidance_scale,
                                      max_sequence_length=max_sequence_length, height=height,
                                      width=width, format=format, dtype=dtype,
-                                     size_multiple=size_multiple)
+                                     size_multiple=size_multiple, embed_metadata=embed_metadata)
     storage = open_storage(out)
     run_id = run_id or uuid.uuid4().hex[:12]
     seed_base = seed_base or run_id
@@ -180,17 +186,17 @@ def submit(
             # and the encoded plan parts wait on local disk until the last row passed.
             validation = Validation(prompts, options)
             spill = stack.enter_context(PlanSpill())
-            for part in plan_parts(encoded(validation.check(read_prompts(prompts, defaults)))):
+            for part in plan_parts(encoded(validation.check(read_prompts(prompts, defaults, keep_columns)))):
                 spill.add(part)
             plan = validation.plan()
             parts = spill.parts()
         else:  # validated by the caller
-            parts = plan_parts(encoded(read_prompts(prompts, defaults)))
+            parts = plan_parts(encoded(read_prompts(prompts, defaults, keep_columns)))
         manifest = write_manifest(storage, prompts, plan, run_id, defaults={
             "model": model, "batch_size": batch_size, "steps": steps,
             "guidance_scale": guidance_scale, "max_sequence_length": max_sequence_length,
             "height": height, "width": width, "format": format, "dtype": dtype,
-            "seed_base": seed_base})
+            "seed_base": seed_base, "keep_columns": list(keep_columns), "embed_metadata": embed_metadata})
         if publisher is None:
             if not broker_url:
                 raise ValueError("submit needs a broker URL (--broker or DIFFQ_BROKER_URL)")
@@ -266,6 +272,7 @@ def write_manifest(storage: Storage, prompts: str | Path, plan: Plan, run_id: st
         shapes=plan.shapes,
         defaults=defaults,
         diffq_version=__version__,
+        models=plan.models,
     )
     body = json.dumps(manifest.model_dump(mode="json"), indent=2).encode()
     if not storage.put_bytes(layout.MANIFEST, body, content_type="application/json", if_absent=True):

@@ -26,6 +26,7 @@ from torch._dynamo.utils import counters
 from diffq.core.contract import BatchItem, BatchParams, ShapeKey, queue_name
 from diffq.worker.backends import get_backend
 from diffq.worker.compile_cache import CacheSync
+from diffq.core.families import StableDiffusion3
 from diffq.worker.pipeline_host import CompileUnsupported, PipelineHost
 from diffq.worker.process import ChildSpec
 
@@ -117,7 +118,7 @@ def test_regional_without_repeated_blocks_is_a_clear_error():
     host = PipelineHost(backend=stand_in("neuron"), compile_mode="regional")
     pipe = SimpleNamespace(transformer=torch.nn.Linear(2, 2))
     with pytest.raises(CompileUnsupported, match="no repeated blocks.*--compile full"):
-        host._compile(pipe)
+        host._compile(pipe, StableDiffusion3)
 
 
 class Scale(torch.nn.Module):

@@ -27,6 +27,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from diffq import __version__
 from diffq.core import layout
 from diffq.core.contract import BatchMessage
 from diffq.core.progress import ProgressLog
@@ -55,9 +56,45 @@ def _yield_to_generation() -> None:
         pass
 
 
-def encode(image, fmt: str) -> bytes:
+# EXIF tags: the Exif sub-IFD pointer and its UserComment (undefined bytes, whose
+# first 8 name the character code).
+_EXIF_IFD, _USER_COMMENT = 0x8769, 0x9286
+
+
+def provenance(message: BatchMessage, item) -> dict[str, str]:
+    """What made this image, as text: written into the file itself (off with
+    --no-embed-metadata), so it travels with the image wherever it is copied."""
+    fields = {
+        "prompt": item.prompt,
+        "negative_prompt": item.negative_prompt,
+        "seed": str(item.seed),
+        "steps": str(message.params.num_inference_steps),
+        "guidance_scale": f"{message.params.guidance_scale:g}",
+        "size": f"{message.shape.width}x{message.shape.height}",
+        "model": message.shape.model,
+        "diffq_version": __version__,
+    }
+    return {key: value for key, value in fields.items() if value is not None}
+
+
+def encode(image, fmt: str, text: dict[str, str] | None = None) -> bytes:
     buffer = io.BytesIO()
     options = {"compress_level": 1} if fmt == "png" else {"quality": 90}
+    if text and fmt == "png":
+        from PIL.PngImagePlugin import PngInfo
+
+        info = PngInfo()
+        for key, value in text.items():
+            info.add_itxt(key, value)  # iTXt: UTF-8, unlike tEXt's Latin-1
+        options["pnginfo"] = info
+    elif text:
+        # JPEG and WebP carry EXIF. JSON with \u escapes is pure ASCII, so the
+        # "ASCII" character code holds any prompt losslessly.
+        from PIL import Image
+
+        exif = Image.Exif()
+        exif.get_ifd(_EXIF_IFD)[_USER_COMMENT] = b"ASCII\0\0\0" + json.dumps(text, sort_keys=True).encode()
+        options["exif"] = exif
     image.save(buffer, format=_PIL_FORMATS[fmt], **options)
     return buffer.getvalue()
 
@@ -189,8 +226,11 @@ class Sink:
         fmt = message.params.format
         keys = [layout.image_key(item.id, fmt) for item in message.items]
 
+        embed = message.params.embed_metadata
+
         def put(index: int) -> tuple[bool, int]:
-            data = encode(images[index], fmt)
+            item = message.items[index]
+            data = encode(images[index], fmt, provenance(message, item) if embed else None)
             return storage.put_bytes(keys[index], data, content_type=_CONTENT_TYPES[fmt], if_absent=True), len(data)
 
         results = list(self._pool.map(put, range(len(images))))
@@ -211,6 +251,8 @@ class Sink:
                 "run_id": message.run_id,
                 "batch_id": message.batch_id,
                 "queue": message.shape.queue,
+                **({"negative_prompt": item.negative_prompt} if item.negative_prompt is not None else {}),
+                **({"metadata": item.metadata} if item.metadata is not None else {}),
                 "finished_at": finished_at,
                 # Encoding + storing this batch's images (overlapped with the next batch).
                 "store_s": images_s,

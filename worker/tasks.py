@@ -25,7 +25,7 @@ from diffq.core.settings import get_settings
 from diffq.core.storage import Storage, open_storage
 from diffq.worker import acks, faults, metrics, routing
 from diffq.worker.models import ModelUnavailable
-from diffq.worker.pipeline_host import CompileUnsupported, PipelineHost
+from diffq.worker.pipeline_host import CompileUnsupported, FamilyUnsupported, PipelineHost
 from diffq.worker.process import ChildSpec, hostname
 from diffq.worker.sink import Sink
 from diffq.worker.sink_process import SinkProcess, make_sink
@@ -39,7 +39,7 @@ class OutNotAllowed(PermissionError):
 
 
 # Errors no retry can fix: fail the batch's items at once.
-PERMANENT_ERRORS = (ModelUnavailable, CompileUnsupported, OutNotAllowed)
+PERMANENT_ERRORS = (ModelUnavailable, CompileUnsupported, OutNotAllowed, FamilyUnsupported)
 
 
 @dataclass

@@ -13,6 +13,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from diffq.core.families import BY_NAME
 from diffq.core.settings import get_settings
 
 app = typer.Typer(no_args_is_help=True, add_completion=False,
@@ -21,9 +22,8 @@ err = Console(stderr=True, soft_wrap=True)
 out = Console()
 
 
-class Family(str, Enum):
-    flux2_klein = "flux2-klein"
-    flux = "flux"
+# The family table's names (diffq/core/families.py); each has a tiny builder.
+Family = Enum("Family", {name.replace("-", "_"): name for name in BY_NAME}, type=str)
 
 
 class ImageFormat(str, Enum):
@@ -73,6 +73,8 @@ Compile = Annotated[CompileMode, typer.Option("--compile", help="none | full (wh
 CompileCache = Annotated[Optional[str], typer.Option("--compile-cache", help="Compile cache: a shared directory used in place, or s3://… / gs://… / file://… mirrored locally (pull before warmup, push after compiling)")]
 Offload = Annotated[Optional[str], typer.Option("--offload", help="'model': enable_model_cpu_offload()")]
 RunId = Annotated[Optional[str], typer.Option("--run-id", help="Run id (default: random)")]
+KeepColumns = Annotated[Optional[str], typer.Option("--keep-columns", help="CSV/Parquet columns a,b moved into each row's metadata (other unknown columns stay errors)")]
+EmbedMetadata = Annotated[bool, typer.Option("--embed-metadata/--no-embed-metadata", help="Write prompt, seed, steps, ... into each image file (PNG text, EXIF UserComment)")]
 SeedBase = Annotated[Optional[str], typer.Option("--seed-base", help="Derive item seeds from this instead of the run id (reproducible reruns)")]
 
 
@@ -81,10 +83,15 @@ def _fail(message: str, code: int = 2) -> None:
     raise typer.Exit(code)
 
 
-def _generation(batch_size, steps, guidance_scale, max_sequence_length, height, width, format, dtype) -> dict:
+def _generation(batch_size, steps, guidance_scale, max_sequence_length, height, width, format, dtype,
+                embed_metadata=True) -> dict:
     return dict(batch_size=batch_size, steps=steps, guidance_scale=guidance_scale,
                 max_sequence_length=max_sequence_length, height=height, width=width,
-                format=format.value, dtype=dtype.value)
+                format=format.value, dtype=dtype.value, embed_metadata=embed_metadata)
+
+
+def _columns(value: str | None) -> tuple[str, ...]:
+    return tuple(name.strip() for name in (value or "").split(",") if name.strip())
 
 
 def _devices(device: Device, workers: int, cores: str | None, chips: str | None, gpus: str | None) -> list[int]:
@@ -99,7 +106,7 @@ def _devices(device: Device, workers: int, cores: str | None, chips: str | None,
 @app.command("tiny-pipeline")
 def tiny_pipeline(
     directory: Annotated[Path, typer.Argument(help="Folder to write the pipeline into")],
-    family: Annotated[Family, typer.Option("--family", help="Pipeline family")] = Family.flux2_klein,
+    family: Annotated[Family, typer.Option("--family", help="Pipeline family")] = Family("flux2-klein"),
     seed: Annotated[int, typer.Option("--seed", help="Weight seed")] = 0,
 ) -> None:
     """Write a tiny random-weight pipeline that loads and runs offline (tests, demo, benchmarks)."""
@@ -135,6 +142,8 @@ def run(
     threads: Annotated[int, typer.Option("--threads", min=1, help="Torch threads per worker")] = 1,
     run_id: RunId = None,
     seed_base: SeedBase = None,
+    keep_columns: KeepColumns = None,
+    embed_metadata: EmbedMetadata = True,
     progress: Annotated[bool, typer.Option("--progress/--no-progress", help="Show a progress bar")] = True,
 ) -> None:
     """Run everything locally (embedded broker, no servers) and wait; exit 0 only if every item was produced."""
@@ -148,7 +157,9 @@ def run(
             prompts, out_, model=model, devices=_devices(device, workers, cores, chips, gpus),
             device=device.value, compile=compile.value, compile_cache=compile_cache, offload=offload,
             warmup=[w for w in (warmup or "").split(",") if w], threads=threads, progress=progress, console=err, run_id=run_id, seed_base=seed_base,
-            **_generation(batch_size, steps, guidance_scale, max_sequence_length, height, width, format, dtype),
+            keep_columns=_columns(keep_columns),
+            **_generation(batch_size, steps, guidance_scale, max_sequence_length, height, width, format, dtype,
+                          embed_metadata),
         )
     except (InputError, RunExists, ModelUnavailable, RunFailed, ValueError) as exc:
         _fail(str(exc))
@@ -176,6 +187,8 @@ def submit(
     dtype: DtypeOpt = Dtype.float32,
     run_id: RunId = None,
     seed_base: SeedBase = None,
+    keep_columns: KeepColumns = None,
+    embed_metadata: EmbedMetadata = True,
 ) -> None:
     """Validate the whole file, write the run manifest to OUT, publish batches to per-shape queues."""
     from diffq.producer.sources import InputError
@@ -186,8 +199,9 @@ def submit(
         _fail("no broker: pass --broker URL or set DIFFQ_BROKER_URL")
     try:
         result = submit_run(prompts, out_, model=model, broker_url=broker, run_id=run_id, seed_base=seed_base,
+                            keep_columns=_columns(keep_columns),
                             **_generation(batch_size, steps, guidance_scale, max_sequence_length, height,
-                                          width, format, dtype))
+                                          width, format, dtype, embed_metadata))
     except (InputError, RunExists, ValueError) as exc:
         _fail(str(exc))
     out.print(result.out)
@@ -239,7 +253,7 @@ def worker(
 
         manifest = read_manifest(open_storage(run))
         names += [s.queue for s in manifest.shapes if s.queue not in names]
-        models = models or [manifest.defaults["model"]]
+        models = models or manifest.models or [manifest.defaults["model"]]
     if not names:
         _fail("no queues: pass --queues or --run OUT")
     try:

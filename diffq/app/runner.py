@@ -23,6 +23,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from diffq.core import layout
 from diffq.core.broker import embedded_broker
+from diffq.core.families import family_of
 from diffq.core.progress import reconcile
 from diffq.producer.resume import missing_batches
 from diffq.core.runfolder import ProgressTracker
@@ -103,13 +104,21 @@ def run(
     console: Console | None = None,
     run_id: str | None = None,
     seed_base: str | None = None,
+    keep_columns: tuple[str, ...] | list[str] = (),
     **generation,
 ) -> RunResult:
     console = console or Console(stderr=True)
     started = time.monotonic()
     resolve_model(model)
     options, defaults = make_options(model=model, **generation)
-    plan = validate(prompts, options, defaults)
+    plan = validate(prompts, options, defaults, keep_columns)
+    for name in plan.models:
+        if name != model:
+            resolve_model(name)
+        # A compile mode the family cannot take fails here, not in every worker.
+        family = family_of(name)
+        if family is not None and (reason := family.compile_refusal(compile)):
+            raise ValueError(reason)
     storage = open_storage(out)
     if storage.exists(layout.MANIFEST):
         raise RunExists(f"{storage.url} already holds a run; use a new OUT, or `diffq resume {storage.url}`")
@@ -128,7 +137,7 @@ def run(
         compile_cache=compile_cache,
         offload=offload,
         warmup=warmup or [],
-        models=[model],
+        models=plan.models,
         dtype=options.dtype,
     )
     supervisor = Supervisor(specs)
@@ -140,7 +149,8 @@ def run(
     def publish_all() -> None:
         try:
             submitted["result"] = submit(prompts, out, model=model, publisher=publisher, plan=plan,
-                                         run_id=run_id, seed_base=seed_base, **generation)
+                                         run_id=run_id, seed_base=seed_base, keep_columns=keep_columns,
+                                         **generation)
         except BaseException as exc:  # reported by the main thread
             submitted["error"] = exc
 

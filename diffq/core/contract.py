@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import json
 import re
 from typing import Literal
 
@@ -19,6 +20,9 @@ SCHEMA_VERSION = 1
 # stops a runaway prompt (or a hostile producer) from filling the broker.
 MAX_MESSAGE_BYTES = 256 * 1024
 MAX_PROMPT_CHARS = 16_000
+# A row's `metadata` object, as compact JSON: carried in every message and record,
+# so it is capped like the prompt.
+MAX_METADATA_BYTES = 8 * 1024
 IMAGE_FORMATS = ("png", "jpeg", "webp")
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -78,10 +82,24 @@ def queue_name(shape: ShapeKey) -> str:
     )
 
 
+def metadata_size(value: dict) -> int:
+    return len(json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode())
+
+
 class BatchItem(Strict):
     id: str = Field(min_length=1, max_length=200)
     prompt: str = Field(max_length=MAX_PROMPT_CHARS)
     seed: int = Field(ge=0, lt=2**63)
+    # Optional per-item fields; absent from messages of rows that do not set them.
+    negative_prompt: str | None = Field(default=None, max_length=MAX_PROMPT_CHARS)
+    metadata: dict | None = None  # the row's own object, carried unchanged into the record
+
+    @field_validator("metadata")
+    @classmethod
+    def _metadata_capped(cls, value: dict | None) -> dict | None:
+        if value is not None and (size := metadata_size(value)) > MAX_METADATA_BYTES:
+            raise ValueError(f"metadata is {size} bytes of JSON, over the {MAX_METADATA_BYTES}-byte limit")
+        return value
 
 
 class BatchParams(Strict):
@@ -90,6 +108,9 @@ class BatchParams(Strict):
     num_inference_steps: int = Field(gt=0, le=1000)
     guidance_scale: float = Field(ge=0, le=100)
     format: Literal["png", "jpeg", "webp"] = "png"
+    # Provenance (prompt, seed, steps, ...) inside each image file: PNG text chunks,
+    # EXIF UserComment for JPEG and WebP.
+    embed_metadata: bool = True
 
 
 class BatchMessage(Strict):
@@ -152,6 +173,8 @@ class ImageRecord(BaseModel):
     worker: str
     generate_s: float
     finished_at: float
+    negative_prompt: str | None = None
+    metadata: dict | None = None
 
 
 class FailureRecord(Strict):
@@ -183,3 +206,5 @@ class RunManifest(Strict):
     shapes: list[ShapeSummary]
     defaults: dict
     diffq_version: str
+    # Every model the run's rows name (rows may name their own): what workers preload.
+    models: list[str] = Field(default_factory=list)

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from diffq.core import layout
 from diffq.core.storage import Storage, open_storage
-from diffq.results.fetch import METADATA_FIELDS
+from diffq.results.fetch import metadata_line
 from diffq.core.runfolder import parse_records, read_manifest
 
 FORMATS = ("imagefolder", "webdataset", "parquet")
@@ -42,7 +42,13 @@ COLUMNS: dict[str, str] = {
     "height": "int32", "width": "int32", "steps": "int32", "guidance_scale": "float64",
     "model": "string", "run_id": "string", "batch_id": "string", "queue": "string",
     "device": "string", "worker": "string", "generate_s": "float64", "finished_at": "float64",
+    "negative_prompt": "string",
+    # The row's metadata object as JSON text: rows may hold different keys, which one
+    # streamed shard schema could not declare as a struct up front.
+    "metadata": "string",
 }
+# Columns whose record value is an object, written as JSON text.
+JSON_COLUMNS = ("metadata",)
 
 Progress = Callable[[int, int], None]
 
@@ -163,6 +169,13 @@ def _parquet_schema():
     return pa.schema(fields, metadata={"huggingface": json.dumps({"info": {"features": features}})})
 
 
+def _cell(record: dict, name: str):
+    value = record.get(name)
+    if name in JSON_COLUMNS and value is not None:
+        return json.dumps(value, sort_keys=True, ensure_ascii=False)
+    return value
+
+
 def _write_parquet(samples: Iterator[tuple[dict, bytes]], dest: _Destination, shard_size: int,
                    tick: Callable[[int], None], row_group: int) -> list[str]:
     import pyarrow as pa
@@ -177,7 +190,7 @@ def _write_parquet(samples: Iterator[tuple[dict, bytes]], dest: _Destination, sh
             for rows in _chunks(group, row_group):
                 columns = {"image": [{"bytes": image, "path": r["file_name"].rsplit("/", 1)[-1]}
                                      for r, image in rows]}
-                columns |= {name: [r.get(name) for r, _ in rows] for name in COLUMNS}
+                columns |= {name: [_cell(r, name) for r, _ in rows] for name in COLUMNS}
                 writer.write_table(pa.Table.from_pydict(columns, schema=schema))
                 for _, image in rows:
                     tick(len(image))
@@ -206,7 +219,7 @@ def _write_imagefolder(storage: Storage, records: Iterator[dict], dest: _Destina
     with open(metadata, "w") as lines, ThreadPoolExecutor(max_workers, thread_name_prefix="diffq-export") as pool:
         for batch in _chunks(records, chunk):
             for record, size in zip(batch, pool.map(copy, batch)):
-                lines.write(json.dumps({k: record[k] for k in METADATA_FIELDS}) + "\n")
+                lines.write(json.dumps(metadata_line(record)) + "\n")
                 tick(size)
     dest.finish(metadata, "metadata.jsonl")
     return ["metadata.jsonl"]

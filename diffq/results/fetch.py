@@ -17,6 +17,13 @@ from diffq.core.storage import open_storage
 
 METADATA_FIELDS = ("file_name", "id", "prompt", "seed", "height", "width", "steps",
                    "guidance_scale", "model")
+# Per-item fields only some rows set: written as null where absent, so every line has
+# the same columns (`datasets` loads `metadata` as one struct column).
+OPTIONAL_FIELDS = ("negative_prompt", "metadata")
+
+
+def metadata_line(record: dict) -> dict:
+    return {k: record[k] for k in METADATA_FIELDS} | {k: record.get(k) for k in OPTIONAL_FIELDS}
 
 
 def _atomic_write(path: Path, data: bytes) -> None:
@@ -70,6 +77,6 @@ def fetch(out: str, dest: str | Path, *, max_workers: int = 16, only_new: bool =
                                           todo), start=1):
             if on_progress:
                 on_progress(done, len(todo))
-    lines = "".join(json.dumps({k: r[k] for k in METADATA_FIELDS}) + "\n" for r in records)
+    lines = "".join(json.dumps(metadata_line(r)) + "\n" for r in records)
     _atomic_write(dest / "metadata.jsonl", lines.encode())
     return FetchResult(dest=str(dest), images=len(records), downloaded=len(todo))
