@@ -31,7 +31,12 @@ class CompileUnsupported(ValueError):
 
 
 class FamilyUnsupported(FamilyError):
-    """A model outside the family table, or items its family cannot honour: no retry helps."""
+    """A model outside the family table, or items its family cannot honour: no retry helps.
+    `item_ids`: the refused items, when the others of the batch could go on."""
+
+    def __init__(self, message: str, item_ids: tuple[str, ...] = ()):
+        super().__init__(message)
+        self.item_ids = item_ids
 
 
 @dataclass
@@ -144,7 +149,8 @@ class PipelineHost:
                                                 guidance_scale=params.guidance_scale))]
         if refused:
             raise FamilyUnsupported("; ".join(f"item {item_id}: field '{name}': {why}"
-                                              for item_id, (name, why) in refused[:5]))
+                                              for item_id, (name, why) in refused[:5]),
+                                    item_ids=tuple(item_id for item_id, _ in refused))
         generators = [torch.Generator("cpu").manual_seed(item.seed) for item in padded]
         kwargs = family.call_kwargs(
             prompts=[item.prompt for item in padded],
