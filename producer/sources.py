@@ -21,7 +21,7 @@ import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from diffq.core.contract import MAX_METADATA_BYTES, MAX_PROMPT_CHARS, metadata_size
-from diffq.core.families import Family, FamilyError, family_of
+from diffq.core.families import Family, FamilyError, cfg_bit, family_of
 
 FORMATS = ("jsonl", "csv", "txt", "parquet")
 _SUFFIXES = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl", ".csv": "csv",
@@ -321,7 +321,7 @@ def read_prompts(path: str | Path, defaults: Defaults = Defaults(),
             get("seed"),
             get("num_inference_steps") or defaults.num_inference_steps,
             guidance,
-            fam.cfg_in_shape(guidance) if fam is not None else guidance > 1.0,
+            cfg_bit(fam, guidance),
             model,
             negative,
             metadata,

@@ -5,8 +5,6 @@ fields through fetch and every export format, read back with the real readers
 
 import io
 import json
-import subprocess
-import sys
 
 import pytest
 from PIL import Image
@@ -15,18 +13,11 @@ from diffq import __version__
 from diffq.core.runfolder import iter_records, read_manifest
 from diffq.core.storage import open_storage
 from diffq.results.status import status
-from helpers import assert_run_complete, start_workers, wait_until
+from helpers import assert_run_complete, diffq, start_workers, wait_until
 
 pytestmark = pytest.mark.slow
 
 SIZE = 64
-
-
-def diffq(*args, check=True):
-    proc = subprocess.run([sys.executable, "-m", "diffq", *args], capture_output=True, text=True, timeout=600)
-    if check and proc.returncode != 0:
-        raise AssertionError(f"diffq {' '.join(args)} exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}")
-    return proc
 
 
 def write_rows(tmp_path, rows):
