@@ -148,3 +148,16 @@ def test_unknown_and_unreadable_models(tmp_path):
         family_of(str(tmp_path))
     with pytest.raises(FamilyError, match="known: Flux2KleinPipeline, Flux2Pipeline, FluxPipeline"):
         family_for_class("Nope")
+
+
+def test_worker_refuses_a_pipeline_class_outside_the_table_before_loading(tmp_path):
+    from diffq.worker.backends import get_backend
+    from diffq.worker.pipeline_host import FamilyUnsupported, PipelineHost
+    from diffq.worker.tasks import PERMANENT_ERRORS
+
+    (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "StableDiffusionXLPipeline",
+                                                           "unet": ["diffusers", "UNet2DConditionModel"]}))
+    host = PipelineHost(backend=get_backend("cpu"))
+    with pytest.raises(FamilyUnsupported, match="StableDiffusionXLPipeline is not in diffq's family table"):
+        host.pipeline(str(tmp_path), "float32")  # no unet folder: it would fail later if it got that far
+    assert issubclass(FamilyUnsupported, PERMANENT_ERRORS)

@@ -182,3 +182,19 @@ def test_keep_column_clashing_with_a_metadata_key_is_an_error(tmp_path):
     path = write_csv(tmp_path / "p.csv", ["prompt", "src", "metadata"], [["a", "x", '{"src": "y"}']])
     with pytest.raises(InputError, match=r"p.csv:2: field 'src': is both a kept column and a key"):
         list(read_prompts(path, keep_columns=("src",)))
+
+
+def test_regional_compile_of_sd3_is_refused_before_any_worker_starts(tmp_path, tiny_pipelines):
+    from helpers import diffq
+
+    prompts = jsonl(tmp_path, [{"prompt": "a", "height": 64, "width": 64}])
+    out = tmp_path / "out"
+    proc = diffq("run", str(prompts), "--model", tiny_pipelines["sd3"], "--out", str(out), "--compile", "regional",
+                 check=False)
+    assert proc.returncode == 2
+    assert ("StableDiffusion3Pipeline (sd3): its transformer declares no repeated blocks, so --compile regional "
+            "cannot apply; use --compile full or none") in " ".join(proc.stderr.split())
+    assert not out.exists()
+    proc = diffq("worker", "--broker", "memory://", "--queues", "q", "--model", tiny_pipelines["sd3"],
+                 "--compile", "regional", "--plan", check=False)
+    assert proc.returncode == 2 and "declares no repeated blocks" in proc.stderr

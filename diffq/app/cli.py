@@ -94,6 +94,18 @@ def _columns(value: str | None) -> tuple[str, ...]:
     return tuple(name.strip() for name in (value or "").split(",") if name.strip())
 
 
+def _check_compile(models: list[str], compile: str) -> None:
+    """A compile mode a local model's family cannot take fails here, not in every child."""
+    from diffq.core.families import FamilyError, compile_refusal
+
+    try:
+        reason = compile_refusal(models, compile)
+    except FamilyError as exc:
+        reason = str(exc)
+    if reason:
+        _fail(reason)
+
+
 def _devices(device: Device, workers: int, cores: str | None, chips: str | None, gpus: str | None) -> list[int]:
     from diffq.worker.backends import get_backend, parse_devices
 
@@ -256,6 +268,7 @@ def worker(
         models = models or manifest.models or [manifest.defaults["model"]]
     if not names:
         _fail("no queues: pass --queues or --run OUT")
+    _check_compile(models, compile.value)
     try:
         specs = plan_children(device=device.value, devices=_devices(device, workers, cores, chips, gpus),
                               broker_url=broker, queues=names, threads=threads, compile=compile.value,

@@ -23,7 +23,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from diffq.core import layout
 from diffq.core.broker import embedded_broker
-from diffq.core.families import family_of
+from diffq.core.families import compile_refusal
 from diffq.core.progress import reconcile
 from diffq.producer.resume import missing_batches
 from diffq.core.runfolder import ProgressTracker
@@ -115,10 +115,9 @@ def run(
     for name in plan.models:
         if name != model:
             resolve_model(name)
-        # A compile mode the family cannot take fails here, not in every worker.
-        family = family_of(name)
-        if family is not None and (reason := family.compile_refusal(compile)):
-            raise ValueError(reason)
+    # A compile mode a family cannot take fails here, not in every worker.
+    if reason := compile_refusal(plan.models, compile):
+        raise ValueError(reason)
     storage = open_storage(out)
     if storage.exists(layout.MANIFEST):
         raise RunExists(f"{storage.url} already holds a run; use a new OUT, or `diffq resume {storage.url}`")

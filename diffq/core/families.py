@@ -180,3 +180,13 @@ def family_of(model: str) -> type[Family] | None:
         return family_for_class(name)
     except FamilyError as exc:
         raise FamilyError(f"{Path(model) / 'model_index.json'}: field '_class_name': {exc}") from None
+
+
+def compile_refusal(models: Sequence[str], compile_mode: str) -> str | None:
+    """Why `compile_mode` cannot serve one of these models, judged from the local ones'
+    families before any worker starts (hub ids are checked by the worker on load)."""
+    for model in models:
+        family = family_of(model)
+        if family is not None and (reason := family.compile_refusal(compile_mode)):
+            return reason
+    return None
