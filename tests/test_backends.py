@@ -19,7 +19,7 @@ from typer.testing import CliRunner
 from diffq.core.contract import ShapeKey, queue_name
 from diffq.worker import compile_cache
 from diffq.worker.backends import BACKENDS, device_count, get_backend, parse_devices
-from diffq.worker.process import ChildSpec
+from diffq.worker.spec import ChildSpec
 from diffq.worker.supervisor import Supervisor, plan_children
 
 WORKER_DIR = Path(__file__).resolve().parents[1] / "worker"

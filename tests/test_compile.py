@@ -28,7 +28,7 @@ from diffq.worker.backends import get_backend
 from diffq.worker.compile_cache import CacheSync
 from diffq.core.families import Family, StableDiffusion3
 from diffq.worker.pipeline_host import CompileUnsupported, PipelineHost
-from diffq.worker.process import ChildSpec
+from diffq.worker.spec import ChildSpec
 
 GRAPHS: dict[str, list] = {"neuron": [], "tpu": []}
 

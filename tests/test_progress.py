@@ -129,15 +129,15 @@ class NoCredits:
         return getattr(self._storage, name)
 
 
-def redeliver(monkeypatch, message: BatchMessage, sink: Sink) -> dict:
+def redeliver(message: BatchMessage, sink: Sink) -> dict:
     """The real task body receiving a redelivered copy of `message`."""
-    from diffq.worker import acks, tasks
+    from diffq.worker import tasks
 
     runtime = tasks.Runtime(spec=SimpleNamespace(allowed_out_prefixes=[]), host=None, sink=sink)
-    monkeypatch.setattr(tasks, "_runtime", runtime)
-    task = SimpleNamespace(request=SimpleNamespace(id="task-1", retries=0, delivery_info={"redelivered": True}))
+    task = SimpleNamespace(runtime=runtime,
+                           request=SimpleNamespace(id="task-1", retries=0, delivery_info={"redelivered": True}))
     result = tasks.generate_batch(task, message.model_dump(mode="json"))
-    acks._expected.pop("task-1").result()  # what the ack waits for
+    runtime.line.expected("task-1").result()  # what the ack waits for
     return result
 
 
@@ -158,7 +158,7 @@ def test_crash_between_record_and_credit_heals_on_redelivery(out, monkeypatch):
     summary.refresh()
     assert summary.done == 23 - len(plan[0].items)  # in flight until credited
 
-    assert redeliver(monkeypatch, plan[0], Sink())["skipped"]
+    assert redeliver(plan[0], Sink())["skipped"]
     assert counts(out)[:2] == (23, 0)
 
 

@@ -22,7 +22,8 @@ import time
 from dataclasses import dataclass
 from multiprocessing import resource_tracker
 
-from diffq.worker.process import EXIT_FATAL, ChildSpec, child_main
+from diffq.worker.process import child_main
+from diffq.worker.spec import EXIT_FATAL, ChildSpec
 
 log = logging.getLogger(__name__)
 

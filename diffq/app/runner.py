@@ -24,6 +24,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from diffq.core import layout
 from diffq.core.broker import embedded_broker
 from diffq.core.families import compile_refusal
+from diffq.core.transports import transport_for
 from diffq.core.progress import reconcile
 from diffq.producer.resume import missing_batches
 from diffq.core.runfolder import ProgressTracker
@@ -124,6 +125,9 @@ def run(
 
     broker_dir = Path(tempfile.mkdtemp(prefix="diffq-broker-"))
     broker_url, transport_options = embedded_broker(broker_dir)
+    # This transport loses a batch in flight when its worker dies (the table says
+    # so): the runner re-enqueues from the run folder instead.
+    reconciles = transport_for(broker_url).loses_inflight_on_kill
     backend = get_backend(device)
     specs = plan_children(
         device=backend.name,
@@ -185,7 +189,7 @@ def run(
                 # queue is empty and the others have had time to finish theirs,
                 # re-enqueue what the run folder says is missing.
                 batch_time = max(tracker.generate_s, default=5.0)
-                if (supervisor.deaths > deaths_seen and "result" in submitted
+                if (reconciles and supervisor.deaths > deaths_seen and "result" in submitted
                         and publisher.depth() == 0 and now - last_progress > max(5.0, 3 * batch_time)):
                     deaths_seen = supervisor.deaths
                     for message in missing_batches(storage, tracker.done_ids | tracker.failed_ids):

@@ -67,6 +67,14 @@ def model_slug(model: str) -> str:
     return f"{tail}-{digest}"
 
 
+# The queue name's dtype part; `shape_from_queue` reads it back.
+_DTYPE_TAGS = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+_QUEUE_RE = re.compile(
+    r"diffq\.(?P<slug>[a-z0-9-]+)\.(?P<height>\d+)x(?P<width>\d+)\.b(?P<batch>\d+)"
+    r"\.l(?P<seq>\d+)\.(?P<cfg>cfg|nocfg)\.(?P<dtype>" + "|".join(_DTYPE_TAGS.values()) + ")"
+)
+
+
 @functools.lru_cache(maxsize=4096)
 def queue_name(shape: ShapeKey) -> str:
     """``diffq.<model>.<H>x<W>.b<B>.l<L>.<cfg|nocfg>.<dtype>``.
@@ -74,12 +82,26 @@ def queue_name(shape: ShapeKey) -> str:
     Only ``[a-z0-9.-]``: a plain Redis list (what KEDA's redis-list scaler reads),
     a valid RabbitMQ queue, and under SQS's 80 characters (kombu maps '.' to '-').
     """
-    dtype = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[shape.dtype]
     return (
         f"diffq.{model_slug(shape.model)}.{shape.height}x{shape.width}"
         f".b{shape.batch_size}.l{shape.max_sequence_length}"
-        f".{'cfg' if shape.cfg else 'nocfg'}.{dtype}"
+        f".{'cfg' if shape.cfg else 'nocfg'}.{_DTYPE_TAGS[shape.dtype]}"
     )
+
+
+def shape_from_queue(queue: str, models: list[str]) -> ShapeKey | None:
+    """The shape a queue carries (the inverse of `queue_name`, given the models whose
+    slugs may appear), or None if it is not a shape queue of these models."""
+    match = _QUEUE_RE.fullmatch(queue)
+    if not match:
+        return None
+    model = next((m for m in models if model_slug(m) == match["slug"]), None)
+    if model is None:
+        return None
+    dtype = next(name for name, tag in _DTYPE_TAGS.items() if tag == match["dtype"])
+    return ShapeKey(model=model, height=int(match["height"]), width=int(match["width"]),
+                    batch_size=int(match["batch"]), max_sequence_length=int(match["seq"]),
+                    cfg=match["cfg"] == "cfg", dtype=dtype)
 
 
 def metadata_size(value: dict) -> int:
