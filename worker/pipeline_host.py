@@ -74,10 +74,6 @@ class PipelineHost:
             self._pipelines[key] = self._load(model, dtype)
         return self._pipelines[key]
 
-    def family(self, model: str, dtype: str) -> type[Family]:
-        self.pipeline(model, dtype)
-        return self._families[(model, dtype)]
-
     def _load(self, model: str, dtype: str):
         from diffusers import DiffusionPipeline
         from diffusers.utils import logging as diffusers_logging
