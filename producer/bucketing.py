@@ -27,13 +27,18 @@ class Item:
 
 
 @dataclass(slots=True)
-class RichItem:
-    """An item whose row sets a negative prompt or metadata (kept apart so the common
-    item's message carries no null fields)."""
+class SizedItem(Item):
+    """An item of a bucketed run: it also carries the size its row asked for."""
 
-    id: str
-    prompt: str
-    seed: int
+    requested_height: int
+    requested_width: int
+
+
+@dataclass(slots=True)
+class RichItem(SizedItem):
+    """An item whose row sets a negative prompt or metadata (kept apart so the common
+    item's message carries no null fields); its requested size may be None."""
+
     negative_prompt: str | None
     metadata: dict | None
 
@@ -45,6 +50,7 @@ class RunOptions:
     max_sequence_length: int = 64
     dtype: str = "float32"
     format: str = "png"
+    fit: str = "none"  # none | resize | crop: what the sink does to a bucket's image
     embed_metadata: bool = True
 
 
@@ -73,8 +79,8 @@ def shape_of(prompt: Prompt, options: RunOptions) -> ShapeKey:
 
 
 @functools.lru_cache(maxsize=4096)
-def _params(steps: int, guidance_scale: float, fmt: str, embed_metadata: bool) -> BatchParams:
-    return BatchParams(num_inference_steps=steps, guidance_scale=guidance_scale, format=fmt,
+def _params(steps: int, guidance_scale: float, fmt: str, fit: str, embed_metadata: bool) -> BatchParams:
+    return BatchParams(num_inference_steps=steps, guidance_scale=guidance_scale, format=fmt, fit=fit,
                        embed_metadata=embed_metadata)
 
 
@@ -103,7 +109,7 @@ class Bucketer:
             index = self._counts.get(shape_key, 0)
             self._counts[shape_key] = index + 1
             params = _params(prompt.num_inference_steps, prompt.guidance_scale, self.options.format,
-                             self.options.embed_metadata)
+                             self.options.fit, self.options.embed_metadata)
             batch = self._open[group] = Batch(shape_of(prompt, self.options), params, index=index)
         return group, batch
 
@@ -111,10 +117,14 @@ class Bucketer:
         """Add one prompt; returns a batch when it fills up."""
         group, batch = self._group(prompt)
         seed = prompt.seed if prompt.seed is not None else derive_seed(self.seed_base, prompt.id)
-        if prompt.negative_prompt is None and prompt.metadata is None:
+        if prompt.negative_prompt is not None or prompt.metadata is not None:
+            batch.items.append(RichItem(prompt.id, prompt.prompt, seed, prompt.requested_height,
+                                        prompt.requested_width, prompt.negative_prompt, prompt.metadata))
+        elif prompt.requested_height is None:
             batch.items.append(Item(prompt.id, prompt.prompt, seed))
         else:
-            batch.items.append(RichItem(prompt.id, prompt.prompt, seed, prompt.negative_prompt, prompt.metadata))
+            batch.items.append(SizedItem(prompt.id, prompt.prompt, seed,
+                                         prompt.requested_height, prompt.requested_width))
         if len(batch.items) == self.options.batch_size:
             del self._open[group]
             return batch

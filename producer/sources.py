@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from diffq.core.contract import MAX_METADATA_BYTES, MAX_PROMPT_CHARS, metadata_size
 from diffq.core.families import Family, FamilyError, cfg_bit, family_of
+from diffq.producer.sizes import SizeBuckets
 
 FORMATS = ("jsonl", "csv", "txt", "parquet")
 _SUFFIXES = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl", ".csv": "csv",
@@ -45,6 +46,9 @@ class Defaults:
     num_inference_steps: int = 4
     guidance_scale: float = 1.0
     size_multiple: int = 16  # where the family is unknown; a known family has its own
+    # With buckets, a row's size is what was asked for and the bucket is what is
+    # generated: only the buckets must be multiples of `size_multiple`.
+    size_buckets: SizeBuckets | None = None
     model: str | None = None  # rows without a `model` field use this one
 
 
@@ -103,6 +107,9 @@ class Prompt(NamedTuple):
     seed: int | None
     num_inference_steps: int
     guidance_scale: float
+    # Set only with size buckets: the size the row asked for (height/width: its bucket).
+    requested_height: int | None = None
+    requested_width: int | None = None
     # Optional so a Prompt can be built from the first eight alone (None: derived from
     # guidance_scale / the run's model, as for an unknown family).
     cfg: bool | None = None
@@ -124,7 +131,7 @@ def _jsonl_rows(path: Path) -> Iterator[tuple[int, dict]]:
             if not line.strip():
                 continue
             try:
-                row = orjson.loads(line)  # ~4x faster than json.loads on short rows
+                row = orjson.loads(line)  # faster on short rows (docs/BENCHMARKS.md)
             except orjson.JSONDecodeError:
                 # orjson is stricter (NaN, lone surrogates): the standard parser decides,
                 # so what is accepted and every error message stay as they were.
@@ -281,6 +288,7 @@ def read_prompts(path: str | Path, defaults: Defaults = Defaults(),
         return families[model]
 
     family(defaults.model, 0, None)  # a bad --model is reported before any row
+    buckets = defaults.size_buckets.nearest if defaults.size_buckets is not None else None
     for line, raw in iter_raw_rows(path):
         if keep_columns or (parse_metadata and "metadata" in raw):
             raw = _keep(path, line, raw, keep_columns, parse_metadata)
@@ -299,7 +307,11 @@ def read_prompts(path: str | Path, defaults: Defaults = Defaults(),
         multiple = fam.size_multiple if fam is not None else defaults.size_multiple
         height = get("height") or defaults.height
         width = get("width") or defaults.width
-        if height % multiple or width % multiple:
+        requested_height = requested_width = None
+        if buckets is not None:
+            requested_height, requested_width = height, width
+            height, width = buckets(height, width)
+        elif height % multiple or width % multiple:
             name, value = ("height", height) if height % multiple else ("width", width)
             raise InputError(path, line, name, f"{value} is not a multiple of {multiple}")
         item_id, guidance = get("id"), get("guidance_scale")
@@ -321,6 +333,8 @@ def read_prompts(path: str | Path, defaults: Defaults = Defaults(),
             get("seed"),
             get("num_inference_steps") or defaults.num_inference_steps,
             guidance,
+            requested_height,
+            requested_width,
             cfg_bit(fam, guidance),
             model,
             negative,

@@ -13,7 +13,7 @@ from diffq import __version__
 from diffq.core.runfolder import iter_records, read_manifest
 from diffq.core.storage import open_storage
 from diffq.results.status import status
-from helpers import assert_run_complete, diffq, start_workers, wait_until
+from tests.helpers import assert_run_complete, diffq, start_workers, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -56,9 +56,9 @@ def test_sd3_with_negative_prompts_metadata_and_png_provenance(tmp_path, tiny_pi
                                                                           "tags": []}},
             {"id": "third", "prompt": "a blue whale", "metadata": {"source": "other", "score": 2.0, "tags": ["c"]}}]
     prompts, out = run(tmp_path, rows, model, "--guidance-scale", "5")
-    records = {r["id"]: r for r in assert_run_complete(str(out), prompts, steps=2, model=model)}
+    records = {r.id: r.model_dump() for r in assert_run_complete(str(out), prompts, steps=2, model=model)}
     assert records["neg"]["negative_prompt"] == "blurry, dark ünïcode ✓"
-    assert "negative_prompt" not in records["plain"]
+    assert records["plain"]["negative_prompt"] is None and records["plain"]["metadata"] == rows[1]["metadata"]
     assert records["neg"]["metadata"] == rows[0]["metadata"]  # unchanged
     # CFG on: SD3's queue carries the cfg bit.
     assert all(r["queue"].endswith(".cfg.fp32") for r in records.values())
@@ -107,7 +107,7 @@ def test_flux2_with_webp_provenance(tmp_path, tiny_pipelines):
     model = tiny_pipelines["flux2"]
     rows = [{"id": str(i), "prompt": f"prompt ✓ {i}"} for i in range(3)]
     prompts, out = run(tmp_path, rows, model, "--format", "webp", "--guidance-scale", "4")
-    records = assert_run_complete(str(out), prompts, steps=2, model=model)
+    records = [r.model_dump() for r in assert_run_complete(str(out), prompts, steps=2, model=model)]
     # Guidance-distilled: no CFG bit, one queue.
     assert {r["queue"] for r in records} == {records[0]["queue"]} and records[0]["queue"].endswith(".nocfg.fp32")
     record = next(r for r in records if r["id"] == "1")
@@ -120,7 +120,7 @@ def test_flux_with_jpeg_provenance(tmp_path, tiny_pipelines):
     model = tiny_pipelines["flux"]
     rows = [{"id": str(i), "prompt": f"p {i}"} for i in range(3)]
     prompts, out = run(tmp_path, rows, model, "--format", "jpeg", "--guidance-scale", "3.5")
-    records = assert_run_complete(str(out), prompts, steps=2, model=model)
+    records = [r.model_dump() for r in assert_run_complete(str(out), prompts, steps=2, model=model)]
     text = embedded_text(open_storage(str(out)).get_bytes(records[0]["file_name"]))
     assert text["prompt"] == records[0]["prompt"] and text["steps"] == "2" and text["guidance_scale"] == "3.5"
     assert text["diffq_version"] == __version__ and text["size"] == f"{SIZE}x{SIZE}"
@@ -130,7 +130,7 @@ def test_flux2_klein_without_embedded_metadata(tmp_path, tiny_pipelines):
     model = tiny_pipelines["flux2-klein"]
     rows = [{"id": str(i), "prompt": f"p {i}", "guidance_scale": 1.0 + 3 * (i % 2)} for i in range(3)]
     prompts, out = run(tmp_path, rows, model, "--no-embed-metadata")
-    records = assert_run_complete(str(out), prompts, steps=2, model=model)
+    records = [r.model_dump() for r in assert_run_complete(str(out), prompts, steps=2, model=model)]
     # Klein's CFG is a second pass over the same shapes: one queue for both guidance values.
     assert len({r["queue"] for r in records}) == 1
     assert sorted(r["guidance_scale"] for r in records) == [1.0, 1.0, 4.0]
@@ -146,7 +146,7 @@ def test_rows_of_one_file_name_different_models(tmp_path, tiny_pipelines):
     storage = open_storage(str(out))
     manifest = read_manifest(storage)
     assert manifest.models == sorted([klein, sd3])
-    records = {r["id"]: r for r in iter_records(storage)}
+    records = {r.id: r.model_dump() for r in iter_records(storage)}
     assert sorted(records) == sorted(row["id"] for row in rows)
     for row in rows:
         record = records[row["id"]]
@@ -180,7 +180,7 @@ def test_worker_fails_only_the_items_the_family_refuses(tmp_path, tiny_pipelines
         supervisor.stop()
     assert (st.done, st.failed) == (2, 1)
     storage = open_storage(out)
-    assert sorted(r["id"] for r in iter_records(storage)) == ["ok1", "ok2"]
+    assert sorted(r.id for r in iter_records(storage)) == ["ok1", "ok2"]
     failures = [json.loads(storage.get_bytes(key)) for key in storage.list("failures/")]
     assert [f["item_ids"] for f in failures] == [["bad"]]
     assert failures[0]["error"] == ("FamilyUnsupported: item bad: field 'negative_prompt': "

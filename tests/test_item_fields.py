@@ -185,7 +185,7 @@ def test_keep_column_clashing_with_a_metadata_key_is_an_error(tmp_path):
 
 
 def test_regional_compile_of_sd3_is_refused_before_any_worker_starts(tmp_path, tiny_pipelines):
-    from helpers import diffq
+    from tests.helpers import diffq
 
     prompts = jsonl(tmp_path, [{"prompt": "a", "height": 64, "width": 64}])
     out = tmp_path / "out"

@@ -15,7 +15,9 @@ import os
 import sys
 import time
 import warnings
+from pathlib import Path
 
+from diffq.core.storage.base import atomic_write
 from diffq.worker.compile_cache import CacheSync
 from diffq.worker.spec import EXIT_FATAL, QUIET_ENV, ChildSpec
 
@@ -24,9 +26,7 @@ log = logging.getLogger("diffq.worker")
 
 def _write_env_report(path: str) -> None:
     report = {"env": dict(os.environ), "torch_imported": "torch" in sys.modules, "pid": os.getpid()}
-    with open(path + ".tmp", "w") as f:
-        json.dump(report, f)
-    os.replace(path + ".tmp", path)
+    atomic_write(Path(path), lambda file: file.write(json.dumps(report).encode()))
 
 
 def warm_start(rt) -> dict:
@@ -69,6 +69,8 @@ def child_main(spec_json: str) -> None:
     spec = ChildSpec.model_validate_json(spec_json)
     for name, value in QUIET_ENV.items():
         os.environ.setdefault(name, value)
+    for name in spec.unset_env():
+        os.environ.pop(name, None)
     os.environ.update(spec.env())
     if spec.env_report:
         _write_env_report(spec.env_report)

@@ -220,8 +220,15 @@ class SinkProcess:
 
 
 def make_sink():
-    """The worker's sink: a helper process (default) or threads in the worker (`DIFFQ_SINK=thread`)."""
-    return SinkProcess() if get_settings().sink == "process" else Sink()
+    """The worker's sink: a helper process (default) or threads in the worker (`DIFFQ_SINK=thread`).
+
+    The helper starts at once, so it imports while the worker loads its model.
+    """
+    if get_settings().sink == "thread":
+        return Sink()
+    sink = SinkProcess()
+    sink.start()
+    return sink
 
 
 def serve(conn: Connection, threads: int, retry_for_s: float) -> None:

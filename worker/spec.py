@@ -13,7 +13,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from diffq.core.contract import ShapeKey, shape_from_queue
-from diffq.worker.backends import Backend, get_backend
+from diffq.worker.backends import COMPILING_MODES, Backend, Placement, get_backend
 from diffq.worker.compile_cache import CachePlan, plan_cache
 
 # Exit code for a child that can never succeed (bad model, bad option): the
@@ -57,6 +57,8 @@ class ChildSpec(BaseModel):
     group_slots: list[int] = Field(default_factory=list)  # the group's devices, in rank order
     master_addr: str = "127.0.0.1"
     master_port: int = 29500
+    # Device generation where launch facts differ by it (TPU: v5e, v5p, v6e, v7).
+    generation: str | None = None
 
     @field_validator("warmup")
     @classmethod
@@ -74,34 +76,24 @@ class ChildSpec(BaseModel):
     def cache(self) -> CachePlan:
         return plan_cache(self.compile_cache, self.backend, self.compile_cache_local)
 
+    def placement(self) -> Placement:
+        return Placement(slot=self.slot, threads=self.threads, rank=self.rank,
+                         group_slots=tuple(self.group_slots) if self.world_size > 1 else (),
+                         master_addr=self.master_addr, master_port=self.master_port,
+                         generation=self.generation)
+
     def env(self) -> dict[str, str]:
-        """What this child adds to its environment before `import torch`."""
+        """What this child adds to its environment before `import torch` (the backend table's)."""
         backend = self.backend
-        env = dict(backend.base_env)
-        if self.world_size > 1 and backend.pin_group:
-            env.update(backend.pin_group(self.group_slots, self.threads))
-        else:
-            env.update(backend.pin(self.slot, self.threads))
+        env = backend.env(self.placement())
         env.update(backend.mode_env.get(self.compile, {}))
         env.update(self.cache.env)
-        if self.world_size > 1:
-            env.update(self.rank_env())
         env["DIFFQ_WORKER_NAME"] = self.name
         return env
 
-    def rank_env(self) -> dict[str, str]:
-        """torchrun's variables (env:// rendezvous) plus the backend's multi-process launch env."""
-        env = {
-            "RANK": str(self.rank),
-            "LOCAL_RANK": str(self.rank),
-            "WORLD_SIZE": str(self.world_size),
-            "LOCAL_WORLD_SIZE": str(self.world_size),
-            "MASTER_ADDR": self.master_addr,
-            "MASTER_PORT": str(self.master_port),
-        }
-        if self.backend.group_env:
-            env.update(self.backend.group_env(self.rank, self.group_slots))
-        return env
+    def unset_env(self) -> tuple[str, ...]:
+        """What this child removes from the environment it inherited (e.g. torchrun's, when single)."""
+        return self.backend.unset(self.placement())
 
     def warmup_shapes(self) -> list[ShapeKey]:
         """The served shapes to compile before consuming; an HxW no queue serves is an error."""
@@ -127,10 +119,12 @@ class ChildSpec(BaseModel):
             "device": backend.torch_device,
             "slot": self.slot,
             "env": self.env(),
+            "unset": list(self.unset_env()),
             "queues": self.queues,
+            "dtype": self.dtype,
             "compile": self.compile,
             "compile_backend": backend.compile_backend,
-            "compile_options": backend.compile_options if self.compile in ("full", "regional") else None,
+            "compile_options": backend.compile_options if self.compile in COMPILING_MODES else None,
             "cache_env": backend.cache_env,
             "cache_dir": cache.local_dir,
             "cache_remote": cache.remote,

@@ -20,6 +20,7 @@ from celery import Task
 from diffq.core import layout
 from diffq.core.broker import TASK_NAME
 from diffq.core.contract import BatchMessage
+from diffq.core.records import FailureRecord
 from diffq.core.settings import get_settings
 from diffq.core.storage import Storage, open_storage
 from diffq.core.transports import transport_for
@@ -75,7 +76,6 @@ class Runtime:
                                               offload=spec.offload, group=group))
         if spec.routing == "compile-aware":
             rt.line.router = Router(spec.queues, rt.compiled_queues, transport_for(spec.broker_url))
-        rt.sink.start()
         return rt
 
     def compiled_queues(self) -> set[str]:
@@ -98,16 +98,10 @@ class Runtime:
 
 
 def write_failure(storage: Storage, message: BatchMessage, error: str, attempts: int, worker: str) -> None:
-    record = {
-        "run_id": message.run_id,
-        "batch_id": message.batch_id,
-        "item_ids": [item.id for item in message.items],
-        "error": error[:2000],
-        "attempts": attempts,
-        "worker": worker,
-        "failed_at": time.time(),
-    }
-    storage.put_bytes(layout.failure_key(message.batch_id), json.dumps(record).encode(),
+    record = FailureRecord(run_id=message.run_id, batch_id=message.batch_id,
+                           item_ids=[item.id for item in message.items], error=error[:2000], attempts=attempts,
+                           worker=worker, failed_at=time.time())
+    storage.put_bytes(layout.failure_key(message.batch_id), record.model_dump_json().encode(),
                       content_type="application/json", if_absent=True)
 
 
@@ -164,7 +158,7 @@ def generate_batch(task: Task, batch: dict) -> dict:
     except Exception as exc:
         return handle_failure(task, storage, message, exc, attempts)
     metrics.observe_batch(message.shape.queue, len(message.items), generated.generate_s)
-    if generated.compiled and rt.spec.compile != "none":
+    if generated.compiled:  # eager backends compile too (PipelineHost.compiles)
         metrics.observe_compile(message.shape.label, generated.generate_s)
     if rt.host.recompiles > recompiles_before:
         metrics.observe_recompile(message.shape.label, rt.host.recompiles - recompiles_before)

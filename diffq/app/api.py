@@ -16,6 +16,7 @@ import importlib
 
 _EXPORTS = {
     "submit": "diffq.producer.submit",   # diffq submit
+    "plan": "diffq.producer.submit",     # diffq plan (validates, counts shapes; writes nothing)
     "run": "diffq.app.runner",           # diffq run (embedded broker, no servers)
     "status": "diffq.results.status",    # diffq status
     "fetch": "diffq.results.fetch",      # diffq fetch
@@ -27,6 +28,7 @@ _EXPORTS = {
     "build_report": "diffq.results.report",
     "render_text": "diffq.results.report",
     "open_storage": "diffq.core.storage",
+    "qualify": "diffq.app.qualify",         # diffq qualify
 }
 
 __all__ = sorted(_EXPORTS)

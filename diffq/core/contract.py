@@ -1,6 +1,7 @@
 """The queue contract shared by producer and worker: one pydantic schema, JSON only.
 
-Everything that crosses the broker or lands in a run folder is one of these models.
+Everything that crosses the broker is one of these models (the run folder's files
+are in records.py).
 The shape key is the heart of it: every field of it changes a compiled graph on a
 static-shape backend, so it names the queue a batch goes to.
 """
@@ -15,16 +16,20 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from diffq.core.layout import IMAGE_FORMATS
+
 SCHEMA_VERSION = 1
-# Redis keeps ~3 KB per queued message; a batch of a few prompts is ~1 KB. The cap
+# A queued message sits in the broker's memory until a worker takes it: the cap
 # stops a runaway prompt (or a hostile producer) from filling the broker.
 MAX_MESSAGE_BYTES = 256 * 1024
 MAX_PROMPT_CHARS = 16_000
 # A row's `metadata` object, as compact JSON: carried in every message and record,
 # so it is capped like the prompt.
 MAX_METADATA_BYTES = 8 * 1024
-IMAGE_FORMATS = ("png", "jpeg", "webp")
-DTYPES = ("float32", "bfloat16", "float16")
+# Pipeline dtypes, each with its short tag in queue names: the one list of them
+# (CLI choices, the shape key, queue names and the worker's torch dtypes read it).
+DTYPE_TAGS = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+Dtype = Literal[tuple(DTYPE_TAGS)]
 
 
 class Strict(BaseModel):
@@ -45,7 +50,7 @@ class ShapeKey(Strict):
     # > 1. For distilled models that ignore it this only splits queues, never mixes
     # graphs, so the conservative rule is safe.
     cfg: bool
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    dtype: Dtype = "float32"
 
     @property
     def queue(self) -> str:
@@ -67,11 +72,10 @@ def model_slug(model: str) -> str:
     return f"{tail}-{digest}"
 
 
-# The queue name's dtype part; `shape_from_queue` reads it back.
-_DTYPE_TAGS = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+# The queue name's dtype part is DTYPE_TAGS's; `shape_from_queue` reads it back.
 _QUEUE_RE = re.compile(
     r"diffq\.(?P<slug>[a-z0-9-]+)\.(?P<height>\d+)x(?P<width>\d+)\.b(?P<batch>\d+)"
-    r"\.l(?P<seq>\d+)\.(?P<cfg>cfg|nocfg)\.(?P<dtype>" + "|".join(_DTYPE_TAGS.values()) + ")"
+    r"\.l(?P<seq>\d+)\.(?P<cfg>cfg|nocfg)\.(?P<dtype>" + "|".join(DTYPE_TAGS.values()) + ")"
 )
 
 
@@ -85,7 +89,7 @@ def queue_name(shape: ShapeKey) -> str:
     return (
         f"diffq.{model_slug(shape.model)}.{shape.height}x{shape.width}"
         f".b{shape.batch_size}.l{shape.max_sequence_length}"
-        f".{'cfg' if shape.cfg else 'nocfg'}.{_DTYPE_TAGS[shape.dtype]}"
+        f".{'cfg' if shape.cfg else 'nocfg'}.{DTYPE_TAGS[shape.dtype]}"
     )
 
 
@@ -98,7 +102,7 @@ def shape_from_queue(queue: str, models: list[str]) -> ShapeKey | None:
     model = next((m for m in models if model_slug(m) == match["slug"]), None)
     if model is None:
         return None
-    dtype = next(name for name, tag in _DTYPE_TAGS.items() if tag == match["dtype"])
+    dtype = next(name for name, tag in DTYPE_TAGS.items() if tag == match["dtype"])
     return ShapeKey(model=model, height=int(match["height"]), width=int(match["width"]),
                     batch_size=int(match["batch"]), max_sequence_length=int(match["seq"]),
                     cfg=match["cfg"] == "cfg", dtype=dtype)
@@ -112,6 +116,9 @@ class BatchItem(Strict):
     id: str = Field(min_length=1, max_length=200)
     prompt: str = Field(max_length=MAX_PROMPT_CHARS)
     seed: int = Field(ge=0, lt=2**63)
+    # Size buckets: the size the row asked for (the shape's size is what is generated).
+    requested_height: int | None = Field(default=None, gt=0, le=16384)
+    requested_width: int | None = Field(default=None, gt=0, le=16384)
     # Optional per-item fields; absent from messages of rows that do not set them.
     negative_prompt: str | None = Field(default=None, max_length=MAX_PROMPT_CHARS)
     metadata: dict | None = None  # the row's own object, carried unchanged into the record
@@ -124,12 +131,18 @@ class BatchItem(Strict):
         return value
 
 
+FITS = ("none", "resize", "crop")
+
+
 class BatchParams(Strict):
     """Per-call arguments that do not change the graph but must be uniform in a call."""
 
     num_inference_steps: int = Field(gt=0, le=1000)
     guidance_scale: float = Field(ge=0, le=100)
-    format: Literal["png", "jpeg", "webp"] = "png"
+    format: Literal[tuple(IMAGE_FORMATS)] = "png"  # type: ignore[valid-type]
+    # What the sink stores for an item whose requested size differs from the shape's:
+    # the bucket's image as generated, resized, or scaled and centre-cropped to it.
+    fit: Literal["none", "resize", "crop"] = "none"
     # Provenance (prompt, seed, steps, ...) inside each image file: PNG text chunks,
     # EXIF UserComment for JPEG and WebP.
     embed_metadata: bool = True
@@ -172,61 +185,3 @@ class BatchMessage(Strict):
         if len(payload) > MAX_MESSAGE_BYTES:
             raise ValueError(f"message of {len(payload)} bytes exceeds {MAX_MESSAGE_BYTES}")
         return cls.model_validate_json(payload)
-
-
-class ImageRecord(BaseModel):
-    """One line of a batch record and of ``metadata.jsonl`` (imagefolder layout)."""
-
-    model_config = ConfigDict(extra="allow")
-
-    file_name: str
-    id: str
-    prompt: str
-    seed: int
-    height: int
-    width: int
-    steps: int
-    guidance_scale: float
-    model: str
-    run_id: str
-    batch_id: str
-    queue: str
-    device: str
-    worker: str
-    generate_s: float
-    finished_at: float
-    negative_prompt: str | None = None
-    metadata: dict | None = None
-
-
-class FailureRecord(Strict):
-    run_id: str
-    batch_id: str
-    item_ids: list[str]
-    error: str
-    attempts: int
-    worker: str
-    failed_at: float
-
-
-class ShapeSummary(Strict):
-    shape: ShapeKey
-    queue: str
-    items: int
-    batches: int
-
-
-class RunManifest(Strict):
-    schema_version: Literal[1] = SCHEMA_VERSION
-    run_id: str
-    created_at: float
-    source: str
-    out: str
-    total: int
-    batches: int
-    plan_parts: int
-    shapes: list[ShapeSummary]
-    defaults: dict
-    diffq_version: str
-    # Every model the run's rows name (rows may name their own): what workers preload.
-    models: list[str] = Field(default_factory=list)
