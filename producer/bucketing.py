@@ -58,7 +58,7 @@ class RunOptions:
 class Batch:
     shape: ShapeKey
     params: BatchParams
-    items: list[Item | RichItem] = field(default_factory=list)
+    items: list[Item] = field(default_factory=list)
     index: int = 0  # position among its shape's batches, for a readable batch id
 
 

@@ -85,7 +85,7 @@ class Plan:
     def to_json(self) -> dict:
         """`diffq plan --json`: the shape histogram submit would publish."""
         return {
-            "total": self.total, "batches": self.batches, "compiles": self.compiles,
+            "total": self.total, "batches": self.batches, "compiles": self.compiles, "models": self.models,
             "padded_slots": self.padded_slots,
             "shapes": [{"height": s.shape.height, "width": s.shape.width, "items": s.items,
                         "batches": s.batches, "padded_slots": padded_slots(s), "queue": s.queue,
@@ -187,11 +187,11 @@ def make_options(*, model: str, batch_size: int = 4, steps: int = 4, guidance_sc
     )
 
 
-def plan(prompts: str | Path, *, model: str, **generation) -> Plan:
+def plan(prompts: str | Path, *, model: str, keep_columns=(), **generation) -> Plan:
     """`diffq plan`: what `submit` with these options would publish (the same
     validation pass, the same errors); nothing is written or enqueued."""
     options, defaults = make_options(model=model, **generation)
-    return validate(prompts, options, defaults)
+    return validate(prompts, options, defaults, keep_columns)
 
 
 def write_plan_part(storage: Storage, part: int, messages: list[EncodedBatch]) -> None:

@@ -198,3 +198,15 @@ def test_regional_compile_of_sd3_is_refused_before_any_worker_starts(tmp_path, t
     proc = diffq("worker", "--broker", "memory://", "--queues", "q", "--model", tiny_pipelines["sd3"],
                  "--compile", "regional", "--plan", check=False)
     assert proc.returncode == 2 and "declares no repeated blocks" in proc.stderr
+
+
+def test_plan_lists_the_models_and_takes_keep_columns(tmp_path, tiny_pipelines):
+    from tests.helpers import diffq
+
+    klein, sd3 = tiny_pipelines["flux2-klein"], tiny_pipelines["sd3"]
+    path = write_csv(tmp_path / "p.csv", ["prompt", "model", "source"], [["a", "", "x"], ["b", sd3, "y"]])
+    proc = diffq("plan", str(path), "--model", klein, "--keep-columns", "source", "--json")
+    plan = json.loads(proc.stdout)
+    assert plan["models"] == sorted([klein, sd3]) and plan["total"] == 2 and len(plan["shapes"]) == 2
+    proc = diffq("plan", str(path), "--model", klein, check=False)
+    assert proc.returncode == 2 and "p.csv:2: field 'source'" in " ".join(proc.stderr.split())
