@@ -30,7 +30,7 @@ from diffq.worker.batches import BatchLine
 from diffq.worker.lease import LeaseKeeper
 from diffq.worker.dead_letters import DeadLetters
 from diffq.worker.models import ModelUnavailable
-from diffq.worker.pipeline_host import CompileUnsupported, PipelineHost
+from diffq.worker.pipeline_host import CompileUnsupported, FamilyUnsupported, PipelineHost
 from diffq.worker.routing import Discovery, Router
 from diffq.worker.sink import Sink
 from diffq.worker.sink_process import SinkProcess, make_sink
@@ -45,7 +45,7 @@ class OutNotAllowed(PermissionError):
 
 
 # Errors no retry can fix: fail the batch's items at once.
-PERMANENT_ERRORS = (ModelUnavailable, CompileUnsupported, OutNotAllowed)
+PERMANENT_ERRORS = (ModelUnavailable, CompileUnsupported, OutNotAllowed, FamilyUnsupported)
 
 
 class HandBack(Exception):
@@ -137,10 +137,15 @@ def write_failure(storage: Storage, message: BatchMessage, error: str, attempts:
                       content_type="application/json", if_absent=True)
 
 
-def split(task: Task, message: BatchMessage) -> list[BatchMessage]:
-    """Halve a failing batch so a poison item ends up failing alone."""
-    middle = len(message.items) // 2
-    halves = [message.items[:middle], message.items[middle:]]
+def split(task: Task, message: BatchMessage, apart: set[str] | None = None) -> list[BatchMessage]:
+    """Halve a failing batch so a poison item ends up failing alone; or, given `apart`,
+    split those items off (items the family refuses fail, the others go on)."""
+    if apart:
+        halves = [[item for item in message.items if item.id not in apart],
+                  [item for item in message.items if item.id in apart]]
+    else:
+        middle = len(message.items) // 2
+        halves = [message.items[:middle], message.items[middle:]]
     children = [message.model_copy(update={"items": items, "batch_id": f"{message.batch_id}.s{i}"})
                 for i, items in enumerate(halves)]
     for child in children:
@@ -224,6 +229,12 @@ def handle_failure(task: Task, storage: Storage, message: BatchMessage, exc: Exc
     settings = get_settings()
     if not permanent and task.request.retries < settings.task_max_retries:
         raise task.retry(exc=exc, countdown=min(30.0, settings.retry_backoff_s * 2**task.request.retries))
+    refused = set(getattr(exc, "item_ids", ()))
+    if refused and len(refused) < len(message.items):
+        children = split(task, message, apart=refused)
+        log.warning("batch %s: %d item(s) refused by the model's family (%s); split into %s", message.batch_id,
+                    len(refused), error, [child.batch_id for child in children])
+        return {"batch_id": message.batch_id, "split": [child.batch_id for child in children]}
     if not permanent and len(message.items) > 1:
         children = split(task, message)
         log.warning("batch %s failed %d times (%s); split into %s", message.batch_id, attempts, error,

@@ -13,7 +13,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from diffq.app.choices import CompileMode, Device, Dtype, TpuGeneration
+from diffq.app.choices import CompileMode, Device, Dtype, Family, TpuGeneration
 from diffq.core.layout import IMAGE_FORMATS
 from diffq.core.settings import get_settings
 from diffq.worker import backends
@@ -23,11 +23,6 @@ app = typer.Typer(no_args_is_help=True, add_completion=False,
                   help="Shape-bucketed diffusers image generation over Celery queues.")
 err = Console(stderr=True, soft_wrap=True)
 out = Console()
-
-
-class Family(str, Enum):
-    flux2_klein = "flux2-klein"
-    flux = "flux"
 
 
 ImageFormat = Enum("ImageFormat", {name: name for name in IMAGE_FORMATS}, type=str)
@@ -63,6 +58,8 @@ Offload = Annotated[Optional[str], typer.Option("--offload", help="'model': enab
 RunId = Annotated[Optional[str], typer.Option("--run-id", help="Run id (default: random)")]
 SizeBucketsOpt = Annotated[Optional[str], typer.Option("--size-buckets", help="HxW[,HxW…] and/or a preset (aspect-1024, aspect-512, aspect-256): each row is generated at the bucket of nearest aspect ratio; requested sizes need not be multiples of 16")]
 FitOpt = Annotated[Fit, typer.Option("--fit", help="With --size-buckets: store the bucket's image as is (none), resized to the requested size (resize), or scaled and centre-cropped to it (crop)")]
+KeepColumns = Annotated[Optional[str], typer.Option("--keep-columns", help="CSV/Parquet columns a,b moved into each row's metadata (other unknown columns stay errors)")]
+EmbedMetadata = Annotated[bool, typer.Option("--embed-metadata/--no-embed-metadata", help="Write prompt, seed, steps, ... into each image file (PNG text, EXIF UserComment)")]
 SeedBase = Annotated[Optional[str], typer.Option("--seed-base", help="Derive item seeds from this instead of the run id (reproducible reruns)")]
 
 
@@ -72,11 +69,27 @@ def _fail(message: str, code: int = 2) -> None:
 
 
 def _generation(batch_size, steps, guidance_scale, max_sequence_length, height, width, format, dtype,
-                size_buckets: str | None = None, fit: Fit = Fit.none) -> dict:
+                size_buckets: str | None = None, fit: Fit = Fit.none, embed_metadata: bool = True) -> dict:
     return dict(batch_size=batch_size, steps=steps, guidance_scale=guidance_scale,
                 max_sequence_length=max_sequence_length, height=height, width=width,
                 format=format.value, dtype=dtype if isinstance(dtype, str) else dtype.value,
-                size_buckets=size_buckets, fit=fit.value)
+                size_buckets=size_buckets, fit=fit.value, embed_metadata=embed_metadata)
+
+
+def _columns(value: str | None) -> tuple[str, ...]:
+    return tuple(name.strip() for name in (value or "").split(",") if name.strip())
+
+
+def _check_compile(models: list[str], compile: str) -> None:
+    """A compile mode a local model's family cannot take fails here, not in every child."""
+    from diffq.core.families import FamilyError, compile_refusal
+
+    try:
+        reason = compile_refusal(models, compile)
+    except FamilyError as exc:
+        reason = str(exc)
+    if reason:
+        _fail(reason)
 
 
 def _dtype(device: Device, dtype) -> str:
@@ -96,7 +109,7 @@ def _devices(device: Device, workers: int, cores: str | None, chips: str | None,
 @app.command("tiny-pipeline")
 def tiny_pipeline(
     directory: Annotated[Path, typer.Argument(help="Folder to write the pipeline into")],
-    family: Annotated[Family, typer.Option("--family", help="Pipeline family")] = Family.flux2_klein,
+    family: Annotated[Family, typer.Option("--family", help="Pipeline family")] = Family("flux2-klein"),
     seed: Annotated[int, typer.Option("--seed", help="Weight seed")] = 0,
 ) -> None:
     """Write a tiny random-weight pipeline that loads and runs offline (tests, demo, benchmarks)."""
@@ -134,6 +147,8 @@ def run(
     threads: Annotated[int, typer.Option("--threads", min=1, help="Torch threads per worker")] = 1,
     run_id: RunId = None,
     seed_base: SeedBase = None,
+    keep_columns: KeepColumns = None,
+    embed_metadata: EmbedMetadata = True,
     progress: Annotated[bool, typer.Option("--progress/--no-progress", help="Show a progress bar")] = True,
 ) -> None:
     """Run everything locally (embedded broker, no servers) and wait; exit 0 only if every item was produced."""
@@ -147,8 +162,9 @@ def run(
             prompts, out_, model=model, devices=_devices(device, workers, cores, chips, gpus),
             device=device.value, compile=compile.value, compile_cache=compile_cache, offload=offload,
             warmup=[w for w in (warmup or "").split(",") if w], threads=threads, progress=progress, console=err, run_id=run_id, seed_base=seed_base,
+            keep_columns=_columns(keep_columns),
             **_generation(batch_size, steps, guidance_scale, max_sequence_length, height, width, format,
-                          _dtype(device, dtype), size_buckets, fit),
+                          _dtype(device, dtype), size_buckets, fit, embed_metadata),
         )
     except (InputError, RunExists, ModelUnavailable, RunFailed, ValueError) as exc:
         _fail(str(exc))
@@ -178,6 +194,8 @@ def submit(
     fit: FitOpt = Fit.none,
     run_id: RunId = None,
     seed_base: SeedBase = None,
+    keep_columns: KeepColumns = None,
+    embed_metadata: EmbedMetadata = True,
 ) -> None:
     """Validate the whole file, write the run manifest to OUT, publish batches to per-shape queues."""
     from diffq.producer.sources import InputError
@@ -188,8 +206,9 @@ def submit(
         _fail("no broker: pass --broker URL or set DIFFQ_BROKER_URL")
     try:
         result = submit_run(prompts, out_, model=model, broker_url=broker, run_id=run_id, seed_base=seed_base,
+                            keep_columns=_columns(keep_columns),
                             **_generation(batch_size, steps, guidance_scale, max_sequence_length, height,
-                                          width, format, dtype, size_buckets, fit))
+                                          width, format, dtype, size_buckets, fit, embed_metadata))
     except (InputError, RunExists, ValueError) as exc:
         _fail(str(exc))
     out.print(result.out)
@@ -245,7 +264,7 @@ def worker(
 
         manifest = read_manifest(open_storage(run))
         names += [s.queue for s in manifest.shapes if s.queue not in names]
-        models = models or [manifest.defaults["model"]]
+        models = models or manifest.models or [manifest.defaults["model"]]
     discovery = {}
     if not names:
         from diffq.worker.routing import startup_queues
@@ -257,6 +276,7 @@ def worker(
             except ValueError as exc:
                 _fail(str(exc))
         discovery = {"discover": True, "serve_models": serve, "rabbitmq_api": rabbitmq_api}
+    _check_compile(models, compile.value)
     try:
         specs = plan_children(device=device.value, devices=_devices(device, workers, cores, chips, gpus),
                               broker_url=broker, queues=names, threads=threads, compile=compile.value,

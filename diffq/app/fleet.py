@@ -20,6 +20,7 @@ from pathlib import Path
 import yaml
 
 from diffq.core.contract import ShapeKey, model_slug
+from diffq.core.families import cfg_bit, family_of
 from diffq.producer.bucketing import RunOptions, shape_of
 from diffq.worker.backends import Backend, K8sPod, get_backend
 from diffq.worker.spec import DRAIN_MARGIN_S
@@ -56,8 +57,9 @@ def shape_keys(model: str, shapes: list[tuple[int, int]], *, batch_size: int,
     """The producer's own shape rule (`shape_of`) applied to one prompt per size."""
     options = RunOptions(model=model, batch_size=batch_size,
                          max_sequence_length=max_sequence_length, dtype=dtype)
+    cfg = cfg_bit(family_of(model), guidance_scale)  # as the producer decides it
     return [shape_of(Prompt(line=0, id="fleet", prompt="-", height=h, width=w, seed=None,
-                            num_inference_steps=1, guidance_scale=guidance_scale), options)
+                            num_inference_steps=1, guidance_scale=guidance_scale, cfg=cfg), options)
             for h, w in shapes]
 
 

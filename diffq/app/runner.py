@@ -23,6 +23,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from diffq.core import layout
 from diffq.core.broker import embedded_broker
+from diffq.core.families import compile_refusal
 from diffq.core.progress import ProgressSummary
 from diffq.core.runfolder import iter_records
 from diffq.core.transports import transport_for
@@ -105,13 +106,20 @@ def run(
     console: Console | None = None,
     run_id: str | None = None,
     seed_base: str | None = None,
+    keep_columns: tuple[str, ...] | list[str] = (),
     **generation,
 ) -> RunResult:
     console = console or Console(stderr=True)
     started = time.monotonic()
     resolve_model(model)
     options, defaults = make_options(model=model, **generation)
-    plan = validate(prompts, options, defaults)
+    plan = validate(prompts, options, defaults, keep_columns)
+    for name in plan.models:
+        if name != model:
+            resolve_model(name)
+    # A compile mode a family cannot take fails here, not in every worker.
+    if reason := compile_refusal(plan.models, compile):
+        raise ValueError(reason)
     storage = open_storage(out)
     if storage.exists(layout.MANIFEST):
         raise RunExists(f"{storage.url} already holds a run; use a new OUT, or `diffq resume {storage.url}`")
@@ -133,7 +141,7 @@ def run(
         compile_cache=compile_cache,
         offload=offload,
         warmup=warmup or [],
-        models=[model],
+        models=plan.models,
         dtype=options.dtype,
     )
     supervisor = Supervisor(specs)
@@ -145,7 +153,8 @@ def run(
     def publish_all() -> None:
         try:
             submitted["result"] = submit(prompts, out, model=model, publisher=publisher, plan=plan,
-                                         run_id=run_id, seed_base=seed_base, **generation)
+                                         run_id=run_id, seed_base=seed_base, keep_columns=keep_columns,
+                                         **generation)
         except BaseException as exc:  # reported by the main thread
             submitted["error"] = exc
 

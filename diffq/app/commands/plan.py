@@ -17,7 +17,8 @@ SHOWN_REQUESTED = 8
 
 def register(app: typer.Typer) -> None:
     from diffq.app.cli import (BatchSize, DtypeOpt, Dtype, Fit, FitOpt, Format, Guidance, Height, ImageFormat,
-                               Model, Prompts, SeqLen, SizeBucketsOpt, Steps, Width, _fail, _generation, out)
+                               KeepColumns, Model, Prompts, SeqLen, SizeBucketsOpt, Steps, Width, _columns, _fail,
+                               _generation, out)
 
     @app.command()
     def plan(
@@ -33,6 +34,7 @@ def register(app: typer.Typer) -> None:
         dtype: DtypeOpt = Dtype.float32,
         size_buckets: SizeBucketsOpt = None,
         fit: FitOpt = Fit.none,
+        keep_columns: KeepColumns = None,
         as_json: Annotated[bool, typer.Option("--json", help='{"total": N, "shapes": [{"height", "width", "items", "batches", "padded_slots", "queue"}…]}')] = False,
     ) -> None:
         """Validate PROMPTS like submit (same errors) and print its shapes, batches, padding and compiles; enqueue and write nothing."""
@@ -40,7 +42,7 @@ def register(app: typer.Typer) -> None:
         from diffq.producer.submit import plan as plan_file
 
         try:
-            result = plan_file(prompts, model=model, **_generation(
+            result = plan_file(prompts, model=model, keep_columns=_columns(keep_columns), **_generation(
                 batch_size, steps, guidance_scale, max_sequence_length, height, width, format, dtype,
                 size_buckets, fit))
         except (InputError, ValueError) as exc:
