@@ -89,16 +89,26 @@ def held(client: redis.Redis) -> int:
     return client.hlen("unacked")
 
 
-def test_whole_host_loss_finishes_exactly_once_about_a_lease_after_the_new_worker(
-        tmp_path, make_redis_server, tiny_model):
-    server = make_redis_server()
-    client = redis.Redis.from_url(server.url)
+def started_run(tmp_path, server, tiny_model):
+    """40 prompts submitted and a 2-process `diffq worker` on them, 16 images in."""
     prompts = write_prompts(tmp_path / "p.jsonl", 40)
     out = str(tmp_path / "run")
     result = submit(prompts, out, model=tiny_model, broker_url=server.url, batch_size=4, steps=4)
     first = WorkerCLI(tmp_path, server.url, result.queues, tiny_model, "--workers", "2")
     try:
         wait_for(lambda: status(out).done >= 16, 180, "16 images")
+    except BaseException:
+        first.stop()
+        raise
+    return prompts, out, result, first
+
+
+def test_whole_host_loss_finishes_exactly_once_about_a_lease_after_the_new_worker(
+        tmp_path, make_redis_server, tiny_model):
+    server = make_redis_server()
+    client = redis.Redis.from_url(server.url)
+    prompts, out, result, first = started_run(tmp_path, server, tiny_model)
+    try:
         assert len(live_group(first.pgid)) >= 5  # supervisor, 2 workers, their sink helpers
         killed = time.time()
         os.killpg(first.pgid, signal.SIGKILL)  # a spot reclaim: every process at once
@@ -138,12 +148,8 @@ def test_whole_host_loss_finishes_exactly_once_about_a_lease_after_the_new_worke
 def test_kill_9_of_diffq_worker_leaves_no_process_and_hands_back_at_once(tmp_path, make_redis_server, tiny_model):
     server = make_redis_server()
     client = redis.Redis.from_url(server.url)
-    prompts = write_prompts(tmp_path / "p.jsonl", 40)
-    out = str(tmp_path / "run")
-    result = submit(prompts, out, model=tiny_model, broker_url=server.url, batch_size=4, steps=4)
-    first = WorkerCLI(tmp_path, server.url, result.queues, tiny_model, "--workers", "2")
+    prompts, out, result, first = started_run(tmp_path, server, tiny_model)
     try:
-        wait_for(lambda: status(out).done >= 16, 180, "16 images")
         wait_for(lambda: held(client) >= 1, 30, "a batch in hand")
         killed = time.monotonic()
         os.kill(first.proc.pid, signal.SIGKILL)  # the supervisor only
