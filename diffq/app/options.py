@@ -92,8 +92,8 @@ def devices_of(device: Device, workers: int, cores: str | None, chips: str | Non
     backend = backends.get_backend(device.value)
     spec = {"--cores": cores, "--chips": chips, "--gpus": gpus}.get(backend.device_option)
     if spec == "auto":
-        return backends.allocateddevices(backend)
-    return backends.parsedevices(spec) if spec else list(range(workers))
+        return backends.allocated_devices(backend)
+    return backends.parse_devices(spec) if spec else list(range(workers))
 
 
 
