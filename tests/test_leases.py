@@ -207,10 +207,12 @@ def test_drain_hands_back_past_the_timeout_and_finishes_within_it(tmp_path, make
     prompts, out, queue = slow_batch(tmp_path, server, tiny_model)
 
     # Branch 1: the batch cannot finish within --drain-timeout: handed back at once.
-    short = WorkerCLI(tmp_path, server.url, [queue], tiny_model, "--drain-timeout", "1")
+    # The batch takes far longer than the timeout whatever the machine's speed (a
+    # fault hold before generating, as a long first compile would).
+    short = WorkerCLI(tmp_path, server.url, [queue], tiny_model, "--drain-timeout", "1",
+                      env={"DIFFQ_FAULT_HOLD": ":600"})
     try:
         wait_for(lambda: held(client) == 1 and client.llen(queue) == 0, 120, "the batch in hand")
-        time.sleep(1.0)  # into generation
         signalled = time.monotonic()
         short.proc.send_signal(signal.SIGTERM)
         assert short.proc.wait(timeout=30) == 0

@@ -130,14 +130,22 @@ class WorkerStep(bootsteps.StartStopStep):
         rt = self.runtime
         if rt.line.router is not None:
             rt.line.router.detach()
+        self._release(rt)
+
+    def shutdown(self, consumer):
+        self._release(self.runtime)
+
+    @staticmethod
+    def _release(rt: Runtime) -> None:
+        """Consuming has stopped: ack what was stored; a drain waiting on it may go on."""
         rt.line.settle(wait=True)  # leases still renewed meanwhile
         if rt.lease is not None:
             rt.lease.stop()
+        rt.consuming_stopped.set()
 
-    def shutdown(self, consumer):
-        self.runtime.line.settle(wait=True)
-        if self.runtime.lease is not None:
-            self.runtime.lease.stop()
+
+# How long a drain that has handed back waits for the consumer's own shutdown.
+DRAIN_SETTLE_S = 5.0
 
 
 class Drain:
@@ -156,14 +164,22 @@ class Drain:
             rt.sink.flush()
         except Exception as exc:  # not stored: the handed-back copy stores it again
             log.warning("drain: storing what was generated failed: %r", exc)
-        handed = 0
-        try:
-            handed = rt.lease.hand_back() if rt.lease is not None else 0
-        except Exception as exc:  # its lease lapses instead
-            log.warning("drain: handing back held batches failed: %r", exc)
+        handed = _hand_back(rt)
+        # An idle consumer may have a fetch in flight: let its shutdown stop fetching,
+        # then hand back what came in meanwhile. A busy one fetches nothing meanwhile.
+        rt.consuming_stopped.wait(DRAIN_SETTLE_S)
+        handed += _hand_back(rt)
         log.warning("%s: drain timeout (%.0f s) passed; handed back %d held batch(es), exiting",
                     rt.spec.name, self.timeout, handed)
         os._exit(0)
+
+
+def _hand_back(rt: Runtime) -> int:
+    try:
+        return rt.lease.hand_back() if rt.lease is not None else 0
+    except Exception as exc:  # its lease lapses instead
+        log.warning("handing back held batches failed: %r", exc)
+        return 0
 
 
 def build_app(rt: Runtime) -> Celery:

@@ -49,6 +49,7 @@ class LeaseKeeper:
         self.max_hold_s = max_hold_s
         self.renewals = 0
         self._first_seen: dict[str, float] = {}
+        self._handed: set[str] = set()  # delivery tags given back: never renewed or handed again
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()  # one user of the connection at a time
@@ -91,7 +92,8 @@ class LeaseKeeper:
         for tag in list(self._first_seen):
             if tag not in tags:
                 del self._first_seen[tag]
-        fresh = [m for m in messages if now - self._first_seen.setdefault(m.delivery_tag, now) < self.max_hold_s]
+        fresh = [m for m in messages if m.delivery_tag not in self._handed
+                 and now - self._first_seen.setdefault(m.delivery_tag, now) < self.max_hold_s]
         if not fresh:
             return 0
         with self._lock:
@@ -114,8 +116,10 @@ class LeaseKeeper:
         """Give every held delivery back to its queue now; how many went back."""
         if self.transport.hand_back is None:
             return 0
-        messages = self.held()
+        messages = [m for m in self.held() if m.delivery_tag not in self._handed]
         if not messages:
             return 0
         with self._lock:
-            return self.transport.hand_back(self._channel(), messages)
+            handed = self.transport.hand_back(self._channel(), messages)
+        self._handed.update(m.delivery_tag for m in messages)
+        return handed

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -69,6 +70,8 @@ class Runtime:
     lease: LeaseKeeper | None = None  # while consuming (worker/celery_adapter.py)
     # run folder -> (when looked at, cancelled then): `diffq cancel`'s marker
     cancel_seen: dict[str, tuple[float, bool]] = field(default_factory=dict)
+    # Set once the consumer has stopped fetching and handed back what it held.
+    consuming_stopped: threading.Event = field(default_factory=threading.Event)
 
     def __post_init__(self):
         if self.line is None:
