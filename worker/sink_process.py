@@ -33,6 +33,7 @@ import socket
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future, wait
 from multiprocessing.connection import Connection
 
@@ -73,8 +74,10 @@ class _Helper:
         threading.Thread(target=self._send_loop, name="diffq-sink-send", daemon=True).start()
         threading.Thread(target=self._receive_loop, name="diffq-sink-receive", daemon=True).start()
 
-    def submit(self, header: dict, payload: bytes | None, stages: tuple[str, ...]) -> dict[str, Future]:
-        """Send a job; one future per stage the helper reports ("stored", "credited")."""
+    def submit(self, header: dict, payload: Callable[[], bytes] | None,
+               stages: tuple[str, ...]) -> dict[str, Future]:
+        """Send a job; one future per stage the helper reports ("stored", "credited").
+        `payload` makes the bytes in the send thread, off the generating thread."""
         futures = {stage: Future() for stage in stages}
         with self._lock:
             if self.closed:
@@ -99,7 +102,7 @@ class _Helper:
             try:
                 self._conn.send_bytes(json.dumps(header).encode())
                 if payload is not None:
-                    self._conn.send_bytes(payload)
+                    self._conn.send_bytes(payload())
             except OSError:
                 return  # the receive loop sees the same end and fails what is pending
             if header is _CLOSE:
@@ -178,7 +181,10 @@ class SinkProcess:
             "op": "store", "out": storage.url, "message": message.model_dump_json(), "record_extra": record_extra,
             "image": {"mode": first.mode, "size": list(first.size), "count": len(images)},
         }
-        futures = helper.submit(header, b"".join(image.tobytes() for image in images), ("stored", "credited"))
+        # Copying the pixels out (B × H × W × 3 bytes) would otherwise sit between two
+        # device calls; the send thread does it while the next call runs.
+        futures = helper.submit(header, lambda: b"".join(image.tobytes() for image in images),
+                                ("stored", "credited"))
         return Handed(stored=self._outcome(futures["stored"]), credited=futures["credited"])
 
     def credit(self, storage: Storage, message: BatchMessage) -> Future:
@@ -262,7 +268,8 @@ def serve(conn: Connection, threads: int, retry_for_s: float) -> None:
                 spec = header["image"]
                 size = tuple(spec["size"])
                 step = len(payload) // spec["count"]
-                images = [Image.frombytes(spec["mode"], size, payload[i * step:(i + 1) * step])
+                pixels = memoryview(payload)  # slices without copies
+                images = [Image.frombytes(spec["mode"], size, pixels[i * step:(i + 1) * step])
                           for i in range(spec["count"])]
                 handed = sink.submit(storages[url], message, images, header["record_extra"])
                 stages = {"stored": handed.stored, "credited": handed.credited}

@@ -1,0 +1,260 @@
+"""How fast can a device be before diffq's host side becomes the bottleneck?
+
+A simulated device (bench/standin.py: waits T seconds per image without holding the
+GIL, returns realistic H×W images) is driven by a real `diffq run` (embedded
+broker, supervisor, Celery worker, batch task, sink helper: encode + store + record
++ credit, then the ack). One run per (size, format, batch, target) sweeps T from
+slow to fast, segment by segment (each batch's prompts say its T). Per T:
+
+- busy: time inside the pipeline calls / (that + the idle gaps before them), from
+  the batch records (generate_started_at / generate_ended_at);
+- gap: the median idle gap between one call's end and the next call's start;
+- knee: the T where busy falls below 0.97 (interpolated between grid points);
+- host limit: encode + store of the same images with the same encoder settings in a
+  bare loop (no queue, no record), one thread per core given to the run.
+
+`--cores N` pins the whole run (runner, worker, sink helper) and the bare loop to N
+cores; the default, 1, is "one spare core" (the stand-in itself needs none).
+
+    python -m bench.device [--quick] [--json] [--cores 1] [--sizes 1024,512] [--batches 4,8]
+                           [--formats png,jpeg,webp] [--targets local,s3] [--plot PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from unittest import mock
+
+from bench import s3_bucket
+from bench.standin import device_child_main, image_pool, write_standin
+
+# Seconds per image, slow to fast; denser where the 1024² PNG and 512² knees fall.
+GRID = (0.4, 0.2, 0.14, 0.1, 0.08, 0.065, 0.05, 0.035, 0.025, 0.015, 0.01, 0.005)
+BUSY_GOAL = 0.97
+MEASURE_S = 2.0  # device seconds measured per T at least (more batches when T is small)
+MIN_MEASURED, MAX_MEASURED = 3, 10  # batches per T
+WARM = 1  # batches per T left out: the sink settles after a change of T
+
+
+def segments(grid: tuple[float, ...], batch: int) -> list[tuple[float, int]]:
+    """(T, batches) per segment; the first gets one more warm batch (worker start, image pool)."""
+    plan = []
+    for index, seconds in enumerate(grid):
+        measured = min(MAX_MEASURED, max(MIN_MEASURED, math.ceil(MEASURE_S / (seconds * batch))))
+        plan.append((seconds, measured + WARM + (1 if index == 0 else 0)))
+    return plan
+
+
+def write_prompts(path: Path, plan: list[tuple[float, int]], batch: int) -> Path:
+    with path.open("w") as f:
+        for segment, (seconds, batches) in enumerate(plan):
+            for i in range(batches * batch):
+                f.write(json.dumps({"id": f"s{segment:02d}-{i:04d}", "prompt": f"bench device_s={seconds:.4f} {i}"})
+                        + "\n")
+    return path
+
+
+def analyse(records: list[dict], plan: list[tuple[float, int]]) -> list[dict]:
+    """Busy fraction and idle gaps per T, from one run's records."""
+    from bench.standin import device_seconds
+
+    calls: dict[str, tuple[float, float, float]] = {}
+    for record in records:
+        calls.setdefault(record["batch_id"], (record["generate_started_at"], record["generate_ended_at"],
+                                              device_seconds(record["prompt"])))
+    ordered = sorted(calls.values())
+    rows = []
+    for index, (seconds, batches) in enumerate(plan):
+        positions = [n for n, call in enumerate(ordered) if call[2] == round(seconds, 4)]
+        skip = WARM + (1 if index == 0 else 0)
+        measured = [n for n in positions[skip:] if n > 0]
+        busy_s = sum(ordered[n][1] - ordered[n][0] for n in measured)
+        gaps = [max(0.0, ordered[n][0] - ordered[n - 1][1]) for n in measured]
+        rows.append({"device_s": seconds, "batches": len(measured), "busy": busy_s / (busy_s + sum(gaps)),
+                     "gap_ms": 1000 * statistics.median(gaps), "call_s": busy_s / len(measured)})
+    return rows
+
+
+def knee(busy: list[tuple[float, float]]) -> float | None:
+    """Where busy first falls below the goal going from slow to fast, interpolated;
+    None when it never does on the grid."""
+    for (slow, busy_slow), (fast, busy_fast) in zip(busy, busy[1:]):
+        if busy_fast < BUSY_GOAL <= busy_slow:
+            return fast + (slow - fast) * (BUSY_GOAL - busy_fast) / (busy_slow - busy_fast)
+    if busy and busy[0][1] < BUSY_GOAL:
+        return busy[0][0]
+    return None
+
+
+def host_limit(height: int, width: int, fmt: str, out: str, cores: int, seconds: float = 1.5) -> dict:
+    """Seconds per image of encode + store alone: diffq's encoder settings and storage
+    client, a bare loop over the stand-in's images on `cores` threads."""
+    from diffq.core.storage import open_storage
+    from diffq.worker.sink import _CONTENT_TYPES, encode
+
+    storage = open_storage(out)
+    pool = image_pool(height, width)
+    counter = iter(range(10**9))
+
+    def one(_=None) -> int:
+        n = next(counter)
+        data = encode(pool[n % len(pool)], fmt)
+        storage.put_bytes(f"host/{n:06d}.{fmt}", data, content_type=_CONTENT_TYPES[fmt], if_absent=True)
+        return len(data)
+
+    one()  # warm: encoder tables, the storage client's connection
+    done, sizes, started = 0, [], time.perf_counter()
+    with ThreadPoolExecutor(max_workers=cores) as threads:
+        while done < 2 * len(pool) or time.perf_counter() - started < seconds:
+            sizes += list(threads.map(one, range(cores * 2)))
+            done += cores * 2
+    return {"s_per_image": (time.perf_counter() - started) / done, "bytes_per_image": int(statistics.mean(sizes))}
+
+
+@contextlib.contextmanager
+def pinned(cores: int) -> Iterator[list[int]]:
+    """Run this thread, and every process and thread it starts, on `cores` cores."""
+    original = os.sched_getaffinity(0)
+    chosen = sorted(original)[-cores:]
+    if cores > len(original):
+        raise SystemExit(f"--cores {cores}: this machine lets us use {len(original)}")
+    os.sched_setaffinity(0, chosen)
+    try:
+        yield chosen
+    finally:
+        os.sched_setaffinity(0, original)
+
+
+@contextlib.contextmanager
+def stdout_to_stderr() -> Iterator[None]:
+    """Children inherit fd 1: keep their chatter out of a --json document."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
+def sweep(model: str, workdir: Path, out_base: str, *, height: int, width: int, fmt: str, batch: int,
+          target: str, cores: int, grid: tuple[float, ...]) -> dict:
+    from diffq.app.runner import run
+    from diffq.core.runfolder import iter_records
+    from diffq.core.storage import open_storage
+    from diffq.worker import supervisor
+
+    name = f"{height}x{width}-{fmt}-b{batch}-{target}-c{cores}"
+    plan = segments(grid, batch)
+    prompts = write_prompts(workdir / f"{name}.jsonl", plan, batch)
+    out = f"{out_base}/{name}-{time.time_ns()}"
+    with pinned(cores), mock.patch.object(supervisor, "child_main", device_child_main):
+        limit = host_limit(height, width, fmt, f"{out}-host", cores)
+        started = time.perf_counter()
+        result = run(prompts, out, model=model, workers=1, progress=False, batch_size=batch, steps=1,
+                     height=height, width=width, format=fmt)
+        wall = time.perf_counter() - started
+    if not result.ok:
+        raise RuntimeError(f"{name}: {result}")
+    records = list(iter_records(open_storage(out)))
+    rows = analyse(records, plan)
+    busy = [(row["device_s"], round(row["busy"], 4)) for row in rows]
+    found = knee(busy)
+    host = limit["s_per_image"]
+    goal_busy = all(fraction >= BUSY_GOAL for seconds, fraction in busy if seconds >= 1.1 * host)
+    goal_knee = abs(found / host - 1) <= 0.1 if found is not None else host <= 1.1 * min(grid)
+    return {
+        "height": height, "width": width, "format": fmt, "batch": batch, "target": target, "cores": cores,
+        "host_limit_s_per_image": round(host, 5),
+        "knee_s_per_image": round(found, 5) if found is not None else None,
+        "busy": [[seconds, fraction] for seconds, fraction in busy],
+        "gap_ms": [[row["device_s"], round(row["gap_ms"], 2)] for row in rows],
+        "bytes_per_image": limit["bytes_per_image"],
+        "images": result.total, "images_stored": len(records), "run_s": round(wall, 1),
+        "goal": {"busy_while_device_bound": goal_busy, "knee_within_10pct_of_host_limit": goal_knee},
+    }
+
+
+def plot(sweeps: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 4), dpi=110)
+    for n, row in enumerate(sweeps):
+        color = f"C{n % 10}"
+        xs = [1000 * seconds for seconds, _ in row["busy"]]
+        label = f"{row['height']}² {row['format']} b{row['batch']} {row['target']} {row['cores']} core(s)"
+        ax.plot(xs, [fraction for _, fraction in row["busy"]], "o-", color=color, ms=3, label=label)
+        ax.axvline(1000 * row["host_limit_s_per_image"], color=color, ls=":", lw=1)
+    ax.axhline(BUSY_GOAL, color="#888", lw=0.8)
+    ax.set_xscale("log")
+    ax.set_xlabel("device time per image, ms (dotted: host limit, encode + store in a bare loop)")
+    ax.set_ylabel("device busy fraction")
+    ax.set_ylim(0, 1.05)
+    ax.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+def main_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="1024² PNG and JPEG, batch 8, local (a few minutes)")
+    parser.add_argument("--json", action="store_true", help="print only the JSON document on stdout")
+    parser.add_argument("--cores", type=int, default=1, help="cores the run and the bare loop may use")
+    parser.add_argument("--sizes", default="1024,512")
+    parser.add_argument("--batches", default="4,8")
+    parser.add_argument("--formats", default="png,jpeg,webp")
+    parser.add_argument("--targets", default="local,s3")
+    parser.add_argument("--grid", help="seconds per image, comma-separated, slow to fast")
+    parser.add_argument("--plot", type=Path, help="write the busy-vs-T plot (PNG) here")
+    return parser
+
+
+def configs(args: argparse.Namespace) -> list[tuple[str, int, int, str]]:
+    """(target, size, batch, format) per sweep, in run order."""
+    if args.quick:
+        args.sizes, args.batches, args.formats, args.targets = "1024", "8", "png,jpeg", "local"
+    return [(target, int(size), int(batch), fmt) for target in args.targets.split(",")
+            for size in args.sizes.split(",") for batch in args.batches.split(",") for fmt in args.formats.split(",")]
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = main_parser().parse_args(argv)
+    plan = configs(args)
+    grid = tuple(float(x) for x in args.grid.split(",")) if args.grid else GRID
+    workdir = Path(tempfile.mkdtemp(prefix="diffq-bench-device-"))
+    model = str(write_standin(workdir / "standin"))
+    sweeps = []
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(stdout_to_stderr())
+        bucket = stack.enter_context(s3_bucket(workdir)) if any(target == "s3" for target, *_ in plan) else None
+        for target, size, batch, fmt in plan:
+            base = bucket if target == "s3" else str(workdir / "out")
+            row = sweep(model, workdir, base, height=size, width=size, fmt=fmt, batch=batch, target=target,
+                        cores=args.cores, grid=grid)
+            print(json.dumps(row), file=sys.stderr, flush=True)
+            sweeps.append(row)
+    if args.plot:
+        plot(sweeps, args.plot)
+    document = {"sweeps": sweeps}
+    print(json.dumps(document) if args.json else json.dumps(document, indent=1))
+    return document
+
+
+if __name__ == "__main__":
+    main()
