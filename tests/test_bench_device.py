@@ -86,3 +86,22 @@ def test_sweep_drives_a_real_run_and_prints_the_json_shape():
     assert sweep["host_limit_s_per_image"] > 0
     # Every prompt of the plan became an image of the run.
     assert sweep["images"] == sweep["images_stored"] > 0
+
+
+def test_sink_threads_setting_reaches_the_helper(monkeypatch):
+    from diffq.worker.sink import Sink
+    from diffq.worker.sink_process import SinkProcess, make_sink
+
+    monkeypatch.setenv("DIFFQ_SINK_THREADS", "8")
+    sink = make_sink()
+    try:
+        sink.start()
+        assert isinstance(sink, SinkProcess)
+        argv = open(f"/proc/{sink._helper.process.pid}/cmdline").read().split("\0")[:-1]
+        assert argv[-2] == "8"  # the helper's arguments: socket fd, threads, retry seconds
+    finally:
+        sink.close()
+    monkeypatch.setenv("DIFFQ_SINK", "thread")
+    threaded = make_sink()
+    assert isinstance(threaded, Sink) and threaded._pool._max_workers == 8
+    threaded.close()

@@ -227,7 +227,8 @@ class SinkProcess:
 
 def make_sink():
     """The worker's sink: a helper process (default) or threads in the worker (`DIFFQ_SINK=thread`)."""
-    return SinkProcess() if get_settings().sink == "process" else Sink()
+    settings = get_settings()
+    return (SinkProcess if settings.sink == "process" else Sink)(threads=settings.sink_threads)
 
 
 def serve(conn: Connection, threads: int, retry_for_s: float) -> None:
