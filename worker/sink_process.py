@@ -30,6 +30,7 @@ import os
 import queue
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -231,6 +232,32 @@ def make_sink():
     return (SinkProcess if settings.sink == "process" else Sink)(threads=settings.sink_threads)
 
 
+def _recv_payload(conn: Connection) -> bytearray:
+    """`conn.recv_bytes()` read straight into one buffer of the right size: the
+    stdlib's reads it in chunks through a growing BytesIO, which costs the helper
+    several times the copy itself for a batch of large images. Same framing as
+    `Connection.send_bytes` (a 4-byte length, or -1 and an 8-byte one)."""
+    fd = conn.fileno()
+
+    def read_into(view: memoryview) -> None:
+        while view:
+            got = os.readv(fd, [view])
+            if got == 0:
+                raise EOFError
+            view = view[got:]
+
+    header = bytearray(4)
+    read_into(memoryview(header))
+    (size,) = struct.unpack("!i", header)
+    if size == -1:
+        header = bytearray(8)
+        read_into(memoryview(header))
+        (size,) = struct.unpack("!Q", header)
+    payload = bytearray(size)
+    read_into(memoryview(payload))
+    return payload
+
+
 def serve(conn: Connection, threads: int, retry_for_s: float) -> None:
     """The helper's loop: receive batches, store them with `Sink`, reply per job."""
     from PIL import Image
@@ -259,7 +286,7 @@ def serve(conn: Connection, threads: int, retry_for_s: float) -> None:
             break  # the worker ended: store what was handed over, then exit
         if header["op"] == "close":
             break
-        payload = conn.recv_bytes() if header["op"] == "store" else None
+        payload = _recv_payload(conn) if header["op"] == "store" else None
         try:
             url = header["out"]
             if url not in storages:
