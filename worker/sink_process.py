@@ -34,7 +34,6 @@ import struct
 import subprocess
 import sys
 import threading
-from collections.abc import Callable
 from concurrent.futures import Future, wait
 from multiprocessing.connection import Connection
 
@@ -75,10 +74,9 @@ class _Helper:
         threading.Thread(target=self._send_loop, name="diffq-sink-send", daemon=True).start()
         threading.Thread(target=self._receive_loop, name="diffq-sink-receive", daemon=True).start()
 
-    def submit(self, header: dict, payload: Callable[[], bytes] | None,
-               stages: tuple[str, ...]) -> dict[str, Future]:
+    def submit(self, header: dict, images: list | None, stages: tuple[str, ...]) -> dict[str, Future]:
         """Send a job; one future per stage the helper reports ("stored", "credited").
-        `payload` makes the bytes in the send thread, off the generating thread."""
+        The images' pixels are copied out by the send thread, off the generating one."""
         futures = {stage: Future() for stage in stages}
         with self._lock:
             if self.closed:
@@ -87,7 +85,7 @@ class _Helper:
                 return futures
             job = next(self._jobs)
             self._pending[job] = futures
-        self._outbox.put(({**header, "job": job}, payload))
+        self._outbox.put(({**header, "job": job}, images))
         return futures
 
     def pending(self) -> list[Future]:
@@ -99,11 +97,11 @@ class _Helper:
 
     def _send_loop(self) -> None:
         while True:
-            header, payload = self._outbox.get()
+            header, images = self._outbox.get()
             try:
                 self._conn.send_bytes(json.dumps(header).encode())
-                if payload is not None:
-                    self._conn.send_bytes(payload())
+                if images is not None:
+                    _send_pixels(self._conn.fileno(), images)
             except OSError:
                 return  # the receive loop sees the same end and fails what is pending
             if header is _CLOSE:
@@ -184,8 +182,7 @@ class SinkProcess:
         }
         # Copying the pixels out (B × H × W × 3 bytes) would otherwise sit between two
         # device calls; the send thread does it while the next call runs.
-        futures = helper.submit(header, lambda: b"".join(image.tobytes() for image in images),
-                                ("stored", "credited"))
+        futures = helper.submit(header, images, ("stored", "credited"))
         return Handed(stored=self._outcome(futures["stored"]), credited=futures["credited"])
 
     def credit(self, storage: Storage, message: BatchMessage) -> Future:
@@ -230,6 +227,23 @@ def make_sink():
     """The worker's sink: a helper process (default) or threads in the worker (`DIFFQ_SINK=thread`)."""
     settings = get_settings()
     return (SinkProcess if settings.sink == "process" else Sink)(threads=settings.sink_threads)
+
+
+def _send_all(fd: int, data) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def _send_pixels(fd: int, images: list) -> None:
+    """The images' pixels as one `Connection.send_bytes` message, written one image at
+    a time (no joined copy of the whole batch)."""
+    first = images[0].tobytes()
+    size = len(first) * len(images)
+    _send_all(fd, struct.pack("!i", size) if size <= 0x7FFFFFFF else struct.pack("!iQ", -1, size))
+    _send_all(fd, first)
+    for image in images[1:]:
+        _send_all(fd, image.tobytes())
 
 
 def _recv_payload(conn: Connection) -> bytearray:
