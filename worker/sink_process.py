@@ -246,11 +246,12 @@ def _send_pixels(fd: int, images: list) -> None:
         _send_all(fd, image.tobytes())
 
 
-def _recv_payload(conn: Connection) -> bytearray:
-    """`conn.recv_bytes()` read straight into one buffer of the right size: the
-    stdlib's reads it in chunks through a growing BytesIO, which costs the helper
-    several times the copy itself for a batch of large images. Same framing as
-    `Connection.send_bytes` (a 4-byte length, or -1 and an 8-byte one)."""
+def _recv_payload(conn: Connection, reuse: bytearray | None = None) -> bytearray:
+    """`conn.recv_bytes()` read straight into one buffer of the right size (`reuse`
+    when it has that size): the stdlib's reads it in chunks through a growing
+    BytesIO, which costs the helper several times the copy itself for a batch of
+    large images. Same framing as `Connection.send_bytes` (a 4-byte length, or -1
+    and an 8-byte one)."""
     fd = conn.fileno()
 
     def read_into(view: memoryview) -> None:
@@ -267,7 +268,7 @@ def _recv_payload(conn: Connection) -> bytearray:
         header = bytearray(8)
         read_into(memoryview(header))
         (size,) = struct.unpack("!Q", header)
-    payload = bytearray(size)
+    payload = reuse if reuse is not None and len(reuse) == size else bytearray(size)
     read_into(memoryview(payload))
     return payload
 
@@ -280,6 +281,7 @@ def serve(conn: Connection, threads: int, retry_for_s: float) -> None:
     sink = Sink(threads=threads, retry_for_s=retry_for_s)
     storages: dict[str, Storage] = {}
     reply_lock = threading.Lock()
+    buffer: bytearray | None = None
 
     def reply(job: int, stage: str, done: Future) -> None:
         if done.exception() is not None:
@@ -300,7 +302,10 @@ def serve(conn: Connection, threads: int, retry_for_s: float) -> None:
             break  # the worker ended: store what was handed over, then exit
         if header["op"] == "close":
             break
-        payload = _recv_payload(conn) if header["op"] == "store" else None
+        payload = None
+        if header["op"] == "store":
+            # The images are copied out of it before the next receive: reuse it.
+            payload = buffer = _recv_payload(conn, buffer)
         try:
             url = header["out"]
             if url not in storages:
