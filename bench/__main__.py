@@ -1,7 +1,7 @@
 """`make bench`: every benchmark in one run; prints a table and writes
 docs/BENCHMARKS.md with the figures (date, commit, machine) and a plot.
 
-    python -m bench [--quick]
+    python -m bench [--quick] [--only SECTIONS] [--load SECTION=FILE ...]
 """
 
 from __future__ import annotations
@@ -61,16 +61,23 @@ def plot(e2e: list[dict], path: Path) -> None:
     fig.savefig(path)
 
 
-SECTIONS = ("e2e", "sink", "ray_data", "producer", "status", "routing", "compile_cache")
+SECTIONS = ("e2e", "whole", "device", "sink", "ray_data", "producer", "status", "routing", "compile_cache")
 
 
-def run_section(name: str, quick: bool) -> list[dict]:
-    from bench import e2e, producer, ray_data, routing, sink, status
+def run_section(name: str, quick: bool) -> list[dict] | dict:
+    from bench import device, e2e, producer, ray_data, routing, sink, status
 
     if name == "ray_data":
         return ray_data.main(["--quick"] if quick else ["--items", "192", "--repeats", "3"])
     if name == "e2e":
         return e2e.main(["--items", "48" if quick else "192", "--repeats", "1" if quick else "3", "--s3"])
+    if name == "whole":
+        return e2e.main(["--whole", "--items", "96" if quick else "480", "--repeats", "1" if quick else "3"])
+    if name == "device":
+        one = device.main((["--quick"] if quick else []) + ["--cores", "1", "--settings"])
+        two = None if quick else device.main(["--cores", "2", "--sizes", "1024", "--batches", "8",
+                                              "--targets", "local"])
+        return {"one_core": one, **({"two_cores": two} if two else {})}
     if name == "sink":
         return sink.main(["--rounds", "2" if quick else "6"])
     if name == "producer":
@@ -88,18 +95,30 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="smaller sizes, one repeat (a smoke run)")
     parser.add_argument("--only", help=f"comma-separated sections to re-run ({', '.join(SECTIONS)}); "
                                        "the others are kept from docs/benchmarks.json")
+    parser.add_argument("--load", action="append", default=[], metavar="SECTION=FILE",
+                        help="take a section's figures from a file (its module's JSON output) instead of running it")
     args = parser.parse_args(argv)
+    loaded = dict(item.split("=", 1) for item in args.load)
     docs = ROOT / "docs"
     docs.mkdir(exist_ok=True)
     saved = docs / "benchmarks.json"
-    results = json.loads(saved.read_text()) if args.only and saved.exists() else {}
+    partial = bool(args.only or loaded)
+    results = json.loads(saved.read_text()) if partial and saved.exists() else {}
+    only = args.only.split(",") if args.only else ([] if loaded else list(SECTIONS))
     for name in SECTIONS:
-        if not args.only or name in args.only.split(","):
+        if name in loaded:
+            results[name] = json.loads(Path(loaded[name]).read_text())
+        elif name in only:
             results[name] = run_section(name, args.quick)
     saved.write_text(json.dumps(results, indent=1))
     text = render(results)
     (docs / "BENCHMARKS.md").write_text(text)
     plot(results["e2e"], docs / "benchmarks.png")
+    if results.get("device"):
+        from bench.device import plot as plot_device
+
+        plot_device([row for document in results["device"].values() for row in document["sweeps"]],
+                    docs / "device.png")
     print(text)
 
 
@@ -140,6 +159,8 @@ def render(results: dict) -> str:
                      f"{repeats('in_run_ratios')} | {row['images_per_s']:.1f} | {row['ratio']:.2f}{repeats('ratios')} | "
                      f"{startup} | {gap} | `{row['command']}` |")
     lines += ["", "![throughput](benchmarks.png)", ""]
+    lines += whole_section(results.get("whole", []))
+    lines += device_section(results.get("device", {}))
     lines += sink_section(results.get("sink", []))
     lines += ray_section(results.get("ray_data", []))
     lines += ["", "## Producer at scale", "",
@@ -166,6 +187,18 @@ def render(results: dict) -> str:
         lines += [f"`{row['command']}`", "", "```", row["output"], "```", ""]
     lines += goals(results) + ["", LIMITS]
     return "\n".join(lines)
+
+
+def whole_section(rows: list[dict]) -> list[str]:
+    from bench.e2e import render_whole
+
+    return render_whole(rows) if rows else []
+
+
+def device_section(results: dict) -> list[str]:
+    from bench.device import render
+
+    return render(results.get("one_core", {}), results.get("two_cores")) if results else []
 
 
 def sink_section(rows: list[dict]) -> list[str]:
