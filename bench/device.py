@@ -23,6 +23,7 @@ cores; the default, 1, is "one spare core" (the stand-in itself needs none).
 from __future__ import annotations
 
 import argparse
+import bisect
 import contextlib
 import json
 import math
@@ -30,6 +31,7 @@ import os
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -68,14 +70,15 @@ def write_prompts(path: Path, plan: list[tuple[float, int]], batch: int) -> Path
     return path
 
 
-def analyse(records: list[dict], plan: list[tuple[float, int]]) -> list[dict]:
-    """Busy fraction and idle gaps per T, from one run's records."""
+def analyse(records: list[dict], plan: list[tuple[float, int]], cpu: CpuSampler | None = None) -> list[dict]:
+    """Busy fraction, idle gaps and host CPU per image for each T, from one run's records."""
     from bench.standin import device_seconds
 
-    calls: dict[str, tuple[float, float, float]] = {}
+    calls: dict[str, list] = {}
     for record in records:
-        calls.setdefault(record["batch_id"], (record["generate_started_at"], record["generate_ended_at"],
-                                              device_seconds(record["prompt"])))
+        call = calls.setdefault(record["batch_id"], [record["generate_started_at"], record["generate_ended_at"],
+                                                     device_seconds(record["prompt"]), 0])
+        call[3] += 1  # images
     ordered = sorted(calls.values())
     rows = []
     for index, (seconds, batches) in enumerate(plan):
@@ -84,10 +87,80 @@ def analyse(records: list[dict], plan: list[tuple[float, int]]) -> list[dict]:
         measured = [n for n in positions[skip:] if n > 0]
         busy_s = sum(ordered[n][1] - ordered[n][0] for n in measured)
         gaps = [max(0.0, ordered[n][0] - ordered[n - 1][1]) for n in measured]
+        window = (ordered[measured[0] - 1][1], ordered[measured[-1]][1])  # previous call's end → last end
+        images = sum(ordered[n][3] for n in measured)
+        cpu_s = cpu.between(*window) / images if cpu is not None else None
         rows.append({"device_s": seconds, "batches": len(measured), "busy": busy_s / (busy_s + sum(gaps)),
+                     "cpu_s_per_image": cpu_s,
                      "gap_ms": 1000 * statistics.median(gaps), "gaps_ms": [round(1000 * g, 1) for g in gaps],
                      "call_s": busy_s / len(measured)})
     return rows
+
+
+def tree_cpu_seconds(root: int) -> float:
+    """User + system CPU seconds of `root` and its live descendants (Linux /proc)."""
+    parents, cpu = {}, {}
+    tick = os.sysconf("SC_CLK_TCK")
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rpartition(")")[2].split()
+        except OSError:  # exited meanwhile
+            continue
+        parents[int(entry)] = int(fields[1])
+        cpu[int(entry)] = (int(fields[11]) + int(fields[12])) / tick
+    children: dict[int, list[int]] = {}
+    for pid, parent in parents.items():
+        children.setdefault(parent, []).append(pid)
+    total, stack = 0.0, [root]
+    while stack:
+        pid = stack.pop()
+        total += cpu.get(pid, 0.0)
+        stack += children.get(pid, [])
+    return total
+
+
+class CpuSampler:
+    """CPU seconds of this process tree over wall-clock time, sampled in a thread, so
+    a window of the run (one T) gets the CPU diffq's host side spent in it: unlike wall
+    time, that does not grow when other work shares the cores."""
+
+    def __init__(self, interval: float = 0.5):
+        self.interval = interval
+        self.samples: list[tuple[float, float]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="bench-cpu", daemon=True)
+
+    def _run(self) -> None:
+        while True:
+            self.samples.append((time.time(), tree_cpu_seconds(os.getpid())))
+            if self._stop.wait(self.interval):
+                return
+
+    def __enter__(self) -> CpuSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def between(self, start: float, end: float) -> float:
+        times = [t for t, _ in self.samples]
+        values = [v for _, v in self.samples]
+
+        def at(moment: float) -> float:
+            index = bisect.bisect_left(times, moment)
+            if index == 0:
+                return values[0]
+            if index >= len(times):
+                return values[-1]
+            (t0, v0), (t1, v1) = self.samples[index - 1], self.samples[index]
+            return v0 + (v1 - v0) * (moment - t0) / (t1 - t0)
+
+        return at(end) - at(start)
 
 
 def knee(busy: list[tuple[float, float]]) -> float | None:
@@ -118,11 +191,13 @@ def host_limit(height: int, width: int, fmt: str, out: str, cores: int, seconds:
     # At the sink's priority: where other work shares the cores, both get the same share.
     with ThreadPoolExecutor(max_workers=cores, initializer=_yield_to_generation) as threads:
         list(threads.map(one, range(cores)))  # warm: encoder tables, the storage client's connection
-        done, sizes, started = cores, [], time.perf_counter()
+        done, sizes, started, cpu_started = cores, [], time.perf_counter(), time.process_time()
         while len(sizes) < 2 * len(pool) or time.perf_counter() - started < seconds:
             sizes += list(threads.map(one, range(done, done + 2 * cores)))
             done += 2 * cores
-    return {"s_per_image": (time.perf_counter() - started) / len(sizes), "bytes_per_image": int(statistics.mean(sizes))}
+        cpu_s = time.process_time() - cpu_started
+    return {"s_per_image": (time.perf_counter() - started) / len(sizes), "cpu_s_per_image": cpu_s / len(sizes),
+            "bytes_per_image": int(statistics.mean(sizes))}
 
 
 @contextlib.contextmanager
@@ -169,19 +244,24 @@ def sweep(model: str, workdir: Path, out_base: str, *, height: int, width: int, 
         plan = segments(grid, batch, limits[0]["s_per_image"])
         prompts = write_prompts(workdir / f"{name}.jsonl", plan, batch)
         started = time.perf_counter()
-        result = run(prompts, out, model=model, workers=1, progress=False, batch_size=batch, steps=1,
-                     height=height, width=width, format=fmt)
+        with CpuSampler() as cpu:
+            result = run(prompts, out, model=model, workers=1, progress=False, batch_size=batch, steps=1,
+                         height=height, width=width, format=fmt)
         wall = time.perf_counter() - started
         limits.append(host_limit(height, width, fmt, f"{out}-host1", cores))
     if not result.ok:
         raise RuntimeError(f"{name}: {result}")
     records = list(iter_records(open_storage(out)))
-    rows = analyse(records, plan)
+    rows = analyse(records, plan, cpu)
     return {
         "busy": [[row["device_s"], round(row["busy"], 4)] for row in rows],
         "gap_ms": [[row["device_s"], round(row["gap_ms"], 2)] for row in rows],
         "gaps_ms": [[row["device_s"], row["gaps_ms"]] for row in rows],
         "host_limit_before_after": [round(limit["s_per_image"], 5) for limit in limits],
+        # CPU seconds per image: the bare loop's, and the whole run's (runner, worker,
+        # sink helper) per T; their ratio is diffq's host overhead, whatever the load.
+        "host_cpu_s_per_image": round(min(limit["cpu_s_per_image"] for limit in limits), 5),
+        "run_cpu_s_per_image": [[row["device_s"], round(row["cpu_s_per_image"], 5)] for row in rows],
         "bytes_per_image": limits[0]["bytes_per_image"],
         # The sink's own encode + store time per image in the run (records' store_s).
         "sink_store_s_per_image": round(statistics.median(r["store_s"] for r in records) / batch, 5),
@@ -207,6 +287,9 @@ def summarise(config: dict, repeats: list[dict]) -> dict:
         "gap_ms": [[seconds, min(r["gap_ms"][n][1] for r in repeats)] for n, seconds in enumerate(grid)],
         "bytes_per_image": repeats[0]["bytes_per_image"],
         "sink_store_s_per_image": min(r["sink_store_s_per_image"] for r in repeats),
+        "host_cpu_s_per_image": min(r["host_cpu_s_per_image"] for r in repeats),
+        # Median over T of the run's CPU per image (it does not depend on T).
+        "run_cpu_s_per_image": min(statistics.median(v for _, v in r["run_cpu_s_per_image"]) for r in repeats),
         "images": sum(r["images"] for r in repeats), "images_stored": sum(r["images_stored"] for r in repeats),
         "goal": {"busy_while_device_bound": goal_busy, "knee_within_10pct_of_host_limit": goal_knee},
         "repeats": [{k: v for k, v in r.items() if k != "gaps_ms"} for r in repeats],
