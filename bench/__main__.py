@@ -198,7 +198,7 @@ def whole_section(rows: list[dict]) -> list[str]:
 def device_section(results: dict) -> list[str]:
     from bench.device import render
 
-    return render(results.get("one_core", {}), results.get("two_cores")) if results else []
+    return render(results) if results else []
 
 
 def sink_section(rows: list[dict]) -> list[str]:
@@ -272,6 +272,27 @@ def goals(results: dict) -> list[str]:
          f"{routing['compile-aware']['shape_compiles']} vs {routing['round-robin']['shape_compiles']} "
          f"(round-robin) for {routing['compile-aware']['shapes']} shapes × {routing['compile-aware']['workers']} workers"),
     ]
+    device_rows = [row for document in results.get("device", {}).values() for row in document["sweeps"]
+                   if "run_cpu_within_10pct_of_bare_loop" in row.get("goal", {})]
+    if device_rows:
+        def label(row: dict) -> str:
+            return f"{row['height']}² {row['format']} b{row['batch']} {row['target']} {row['cores']}c"
+
+        checks += [
+            ("simulated device ≥ 0.97 busy while device time ≥ 1.1 × host limit (wall clock, shared cores)",
+             all(row["goal"]["busy_while_device_bound"] for row in device_rows),
+             ", ".join(f"{label(row)}: {'yes' if row['goal']['busy_while_device_bound'] else 'no'}"
+                       for row in device_rows)),
+            ("simulated device: host side within 10 % of the bare encode + store loop (CPU per image)",
+             all(row["goal"]["run_cpu_within_10pct_of_bare_loop"] for row in device_rows),
+             ", ".join(f"{label(row)}: {row['run_cpu_s_per_image'] / row['host_cpu_s_per_image']:.2f}"
+                       for row in device_rows)),
+        ]
+    for row in results.get("whole", []):
+        checks.append((f"whole processes, {row['workers']} worker(s): wall-clock × raw loop (median of repeats, "
+                       "marginal / whole)", row["marginal_ratio"] >= 0.97,
+                       f"{row['marginal_ratio']:.2f} / {row['whole_ratio']:.2f} (marginal range "
+                       f"{min(row['marginal_ratios']):.2f}–{max(row['marginal_ratios']):.2f})"))
     lines = ["## Goals", "", "| goal | met | this run |", "|---|---|---|"]
     lines += [f"| {goal} | {'yes' if met else '**no**'} | {figure} |" for goal, met, figure in checks]
     return lines

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from bench.device import configs, knee, main_parser
+from bench.device import configs, knee, main_parser, render
 from bench.standin import StandInPipeline, image_pool, synth_image
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -86,6 +86,9 @@ def test_sweep_drives_a_real_run_and_prints_the_json_shape():
     assert sweep["host_limit_s_per_image"] > 0
     # Every prompt of the plan became an image of the run.
     assert sweep["images"] == sweep["images_stored"] > 0
+    assert sweep["run_cpu_s_per_image"] > 0 and sweep["host_cpu_s_per_image"] > 0
+    # The docs section has its row.
+    assert any(line.startswith("| 64² | png | 2 | local | 1 |") for line in render({"test": document}))
 
 
 def test_sink_threads_setting_reaches_the_helper(monkeypatch):
