@@ -4,17 +4,14 @@ from __future__ import annotations
 
 import contextlib
 import os
-import sys
 from collections.abc import Iterator
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 
 @contextlib.contextmanager
 def redis_server(workdir: Path) -> Iterator[str]:
     """A private redis-server for one benchmark; yields its URL."""
-    from servers import RedisServer
+    from tests.servers import RedisServer
 
     with RedisServer(workdir / "redis") as server:
         yield server.url
@@ -23,7 +20,7 @@ def redis_server(workdir: Path) -> Iterator[str]:
 @contextlib.contextmanager
 def s3_bucket(workdir: Path, bucket: str = "bench") -> Iterator[str]:
     """moto's S3 server with one bucket; the standard AWS_* variables point at it."""
-    from servers import S3Server
+    from tests.servers import S3Server
 
     with S3Server(workdir / "moto") as server:
         os.environ.update(AWS_ENDPOINT_URL=server.endpoint, AWS_ACCESS_KEY_ID="bench",

@@ -61,11 +61,15 @@ def plot(e2e: list[dict], path: Path) -> None:
     fig.savefig(path)
 
 
-SECTIONS = ("e2e", "whole", "device", "sink", "ray_data", "producer", "status", "routing", "compile_cache")
+SECTIONS = ("e2e", "whole", "device", "sink", "ray_data", "producer", "status", "routing", "compile_cache",
+            "figures")
 
 
 def run_section(name: str, quick: bool) -> list[dict] | dict:
-    from bench import device, e2e, producer, ray_data, routing, sink, status
+    from bench import device, e2e, figures, producer, ray_data, routing, sink, status
+
+    if name == "figures":
+        return figures.main(["--rows", "5000", "--files", "2000"] if quick else [])
 
     if name == "ray_data":
         return ray_data.main(["--quick"] if quick else ["--items", "192", "--repeats", "3"])
@@ -185,6 +189,7 @@ def render(results: dict) -> str:
     lines += ["", "## Compile cache (Inductor on CPU)", ""]
     for row in cache_rows:
         lines += [f"`{row['command']}`", "", "```", row["output"], "```", ""]
+    lines += figures_section(results.get("figures", []))
     lines += goals(results) + ["", LIMITS]
     return "\n".join(lines)
 
@@ -213,6 +218,15 @@ def sink_section(rows: list[dict]) -> list[str]:
         cpu = row.get("helper_cpu_ms_per_batch")
         lines.append(f"| {row['sink']} | {row['batches']} | {row['generate_s']:.4f} | {row['slowdown']:.3f} | "
                      f"{'' if cpu is None else cpu} | `{row['command']}` |")
+    return lines + [""]
+
+
+def figures_section(rows: list[dict]) -> list[str]:
+    lines = ["## Figures behind design choices", "",
+             "What a few code comments rely on (orjson for prompt rows, no thread pool for local reads,",
+             "cloud clients imported on demand), measured here instead of quoted there.", "",
+             "| figure | value | command |", "|---|---|---|"]
+    lines += [f"| {row['figure']} | {row['value']} {row['unit']} | `{row['command']}` |" for row in rows]
     return lines + [""]
 
 

@@ -70,14 +70,14 @@ def write_prompts(path: Path, plan: list[tuple[float, int]], batch: int) -> Path
     return path
 
 
-def analyse(records: list[dict], plan: list[tuple[float, int]], cpu: CpuSampler | None = None) -> list[dict]:
+def analyse(records: list, plan: list[tuple[float, int]], cpu: CpuSampler | None = None) -> list[dict]:
     """Busy fraction, idle gaps and host CPU per image for each T, from one run's records."""
     from bench.standin import device_seconds
 
     calls: dict[str, list] = {}
     for record in records:
-        call = calls.setdefault(record["batch_id"], [record["generate_started_at"], record["generate_ended_at"],
-                                                     device_seconds(record["prompt"]), 0])
+        call = calls.setdefault(record.batch_id, [record.generate_started_at, record.generate_ended_at,
+                                                   device_seconds(record.prompt), 0])
         call[3] += 1  # images
     ordered = sorted(calls.values())
     rows = []
@@ -265,7 +265,7 @@ def sweep(model: str, workdir: Path, out_base: str, *, height: int, width: int, 
         "run_cpu_s_per_image": [[row["device_s"], round(row["cpu_s_per_image"], 5)] for row in rows],
         "bytes_per_image": limits[0]["bytes_per_image"],
         # The sink's own encode + store time per image in the run (records' store_s).
-        "sink_store_s_per_image": round(statistics.median(r["store_s"] for r in records) / batch, 5),
+        "sink_store_s_per_image": round(statistics.median(r.store_s for r in records) / batch, 5),
         "load_average": round(os.getloadavg()[0], 2),
         "images": result.total, "images_stored": len(records), "run_s": round(wall, 1),
     }

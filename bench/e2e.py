@@ -207,8 +207,7 @@ def write_prompts(path: Path, items: int) -> Path:
 
 
 def timeline(out: str) -> tuple[list[float], float]:
-    """From the records in `out` (any writer of records with worker + generate_*_at +
-    finished_at fields): the idle gaps, seconds between one batch's generate end and
+    """From the image records in `out` (diffq's or bench.ray_data's): the idle gaps, seconds between one batch's generate end and
     the same worker's next start; and the in-run seconds, first generate start to
     last image stored."""
     from diffq.core.runfolder import iter_records
@@ -217,9 +216,9 @@ def timeline(out: str) -> tuple[list[float], float]:
     spans: dict[str, set] = {}
     first_start, last_stored = float("inf"), 0.0
     for record in iter_records(open_storage(out)):
-        spans.setdefault(record["worker"], set()).add((record["generate_started_at"], record["generate_ended_at"]))
-        first_start = min(first_start, record["generate_started_at"])
-        last_stored = max(last_stored, record["finished_at"])
+        spans.setdefault(record.worker, set()).add((record.generate_started_at, record.generate_ended_at))
+        first_start = min(first_start, record.generate_started_at)
+        last_stored = max(last_stored, record.finished_at)
     gaps = []
     for worker_spans in spans.values():
         ordered = sorted(worker_spans)

@@ -61,6 +61,7 @@ class RayImageWriter:
         import torch
 
         from diffq.core import layout
+        from diffq.core.records import ImageRecord, jsonl
         from diffq.producer.sources import derive_seed
         from diffq.worker.sink import encode
 
@@ -82,14 +83,14 @@ class RayImageWriter:
         store_s = round(time.perf_counter() - started - generate_s, 4)
         batch_id = f"{self.worker}-{self.batches:06d}"
         self.batches += 1
-        lines = [json.dumps({
-            "file_name": key, "id": item_id, "prompt": prompt, "seed": seed,
-            "height": WORKLOAD["height"], "width": WORKLOAD["width"], "steps": WORKLOAD["steps"],
-            "guidance_scale": 1.0, "model": self.model, "batch_id": batch_id, "finished_at": time.time(),
-            "store_s": store_s, "worker": self.worker, "generate_s": round(generate_s, 4),
-            "generate_started_at": round(started_at, 4), "generate_ended_at": round(ended_at, 4),
-        }) for key, item_id, prompt, seed in zip(keys, ids, prompts, seeds)]
-        (self.out / layout.record_key(batch_id)).write_text("\n".join(lines) + "\n")
+        records = [ImageRecord(
+            file_name=key, id=item_id, prompt=prompt, seed=seed, height=WORKLOAD["height"],
+            width=WORKLOAD["width"], steps=WORKLOAD["steps"], guidance_scale=1.0, model=self.model,
+            run_id="ray", batch_id=batch_id, queue="ray", device="cpu:0", worker=self.worker,
+            generate_s=round(generate_s, 4), generate_started_at=round(started_at, 4),
+            generate_ended_at=round(ended_at, 4), store_s=store_s, finished_at=time.time(),
+        ) for key, item_id, prompt, seed in zip(keys, ids, prompts, seeds)]
+        (self.out / layout.record_key(batch_id)).write_bytes(jsonl(records))
         # Padding once per batch (on its first row), so the driver's sum counts slots.
         return {"id": np.array(ids), "padded": np.array([pad] + [0] * (len(ids) - 1))}
 

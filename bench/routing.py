@@ -42,7 +42,7 @@ def one_run(mode: str, server_url: str, model: str, workdir: Path, shapes: int, 
             time.sleep(0.2)
     finally:
         supervisor.stop(timeout=60)
-    pairs = {(r["worker"], r["queue"]) for r in iter_records(open_storage(out))}
+    pairs = {(r.worker, r.queue) for r in iter_records(open_storage(out))}
     return {"routing": mode, "workers": workers, "shapes": shapes, "batches": len(rows) // 2,
             "shape_compiles": len(pairs), "seconds": round(time.perf_counter() - started, 1),
             "command": f"python -m bench.routing --workers {workers} --shapes {shapes} --batches {batches}"}

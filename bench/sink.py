@@ -85,7 +85,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 if mode != "none":
                     if previous is not None:
                         previous.stored.result()  # the worker's back-pressure: one batch in the sink
-                    previous = sinks[mode].submit(storage, message, generated.images, {})
+                    previous = sinks[mode].submit(storage, message, generated.images, {
+                        "device": "cpu:0", "worker": "bench", "generate_s": seconds[mode][-1],
+                        "generate_started_at": time.time() - seconds[mode][-1], "generate_ended_at": time.time()})
             if previous is not None:
                 previous.credited.result()
             if mode == "process":

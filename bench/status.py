@@ -28,8 +28,9 @@ def synthesise(out: str, items: int, workers: int = 16, failed_batches: int = 10
                records: bool = True) -> tuple[int, int]:
     """Write the run folder; returns the (done, failed) items status must report."""
     from diffq.core import layout
-    from diffq.core.contract import RunManifest, ShapeKey, ShapeSummary
+    from diffq.core.contract import ShapeKey
     from diffq.core.progress import ProgressLog
+    from diffq.core.records import FailureRecord, ImageRecord, RunManifest, ShapeSummary, jsonl
     from diffq.core.storage import open_storage
 
     storage = open_storage(out)
@@ -58,17 +59,18 @@ def synthesise(out: str, items: int, workers: int = 16, failed_batches: int = 10
 
     def write_record(pair: tuple[str, list[str]]) -> None:
         batch_id, ids = pair
-        lines = "".join(json.dumps({"file_name": f"images/{i}.png", "id": i, "prompt": "p", "seed": 1, "height": 128,
-                                    "width": 128, "steps": 4, "guidance_scale": 1.0, "model": shape.model,
-                                    "run_id": "bench", "batch_id": batch_id, "queue": shape.queue,
-                                    "generate_s": 0.2, "finished_at": 0.0}) + "\n" for i in ids)
-        storage.put_bytes(layout.record_key(batch_id), lines.encode(), if_absent=True)
+        records = [ImageRecord(file_name=f"images/{i}.png", id=i, prompt="p", seed=1, height=128, width=128,
+                               steps=4, guidance_scale=1.0, model=shape.model, run_id="bench", batch_id=batch_id,
+                               queue=shape.queue, device="cpu:0", worker="w", generate_s=0.2,
+                               generate_started_at=0.0, generate_ended_at=0.2, store_s=0.0, finished_at=0.0)
+                   for i in ids]
+        storage.put_bytes(layout.record_key(batch_id), jsonl(records), if_absent=True)
 
     def write_failure(batch: int) -> None:
         batch_id = f"b{batch:07d}.s1"
-        storage.put_bytes(layout.failure_key(batch_id), json.dumps({
-            "run_id": "bench", "batch_id": batch_id, "item_ids": item_ids(batch)[BATCH // 2:], "error": "OOM",
-            "attempts": 3, "worker": "w", "failed_at": 0.0}).encode(), if_absent=True)
+        storage.put_bytes(layout.failure_key(batch_id), FailureRecord(
+            run_id="bench", batch_id=batch_id, item_ids=item_ids(batch)[BATCH // 2:], error="OOM",
+            attempts=3, worker="w", failed_at=0.0).model_dump_json().encode(), if_absent=True)
 
     with ThreadPoolExecutor(32) as pool:
         if records:  # status never reads them; they only make moto's listings slower

@@ -26,6 +26,14 @@ class Item:
     seed: int
 
 
+@dataclass(slots=True)
+class SizedItem(Item):
+    """An item of a bucketed run: it also carries the size its row asked for."""
+
+    requested_height: int
+    requested_width: int
+
+
 @dataclass(frozen=True)
 class RunOptions:
     model: str
@@ -33,6 +41,7 @@ class RunOptions:
     max_sequence_length: int = 64
     dtype: str = "float32"
     format: str = "png"
+    fit: str = "none"  # none | resize | crop: what the sink does to a bucket's image
 
 
 @dataclass
@@ -55,8 +64,8 @@ def shape_of(prompt: Prompt, options: RunOptions) -> ShapeKey:
 
 
 @functools.lru_cache(maxsize=4096)
-def _params(steps: int, guidance_scale: float, fmt: str) -> BatchParams:
-    return BatchParams(num_inference_steps=steps, guidance_scale=guidance_scale, format=fmt)
+def _params(steps: int, guidance_scale: float, fmt: str, fit: str) -> BatchParams:
+    return BatchParams(num_inference_steps=steps, guidance_scale=guidance_scale, format=fmt, fit=fit)
 
 
 def group_key(prompt: Prompt) -> tuple:
@@ -82,7 +91,8 @@ class Bucketer:
         if batch is None:
             index = self._counts.get(shape_key, 0)
             self._counts[shape_key] = index + 1
-            params = _params(prompt.num_inference_steps, prompt.guidance_scale, self.options.format)
+            params = _params(prompt.num_inference_steps, prompt.guidance_scale, self.options.format,
+                             self.options.fit)
             batch = self._open[group] = Batch(shape_of(prompt, self.options), params, index=index)
         return group, batch
 
@@ -90,7 +100,11 @@ class Bucketer:
         """Add one prompt; returns a batch when it fills up."""
         group, batch = self._group(prompt)
         seed = prompt.seed if prompt.seed is not None else derive_seed(self.seed_base, prompt.id)
-        batch.items.append(Item(prompt.id, prompt.prompt, seed))
+        if prompt.requested_height is None:
+            batch.items.append(Item(prompt.id, prompt.prompt, seed))
+        else:
+            batch.items.append(SizedItem(prompt.id, prompt.prompt, seed,
+                                         prompt.requested_height, prompt.requested_width))
         if len(batch.items) == self.options.batch_size:
             del self._open[group]
             return batch

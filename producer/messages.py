@@ -112,7 +112,8 @@ class TaskMessages:
     def __init__(self, app: Celery):
         headers, properties, body, _ = app.amqp.as_task_v2(
             _ID, TASK_NAME, args=(), kwargs={"batch": _SLOT},
-            # Keep stored messages lean: Redis holds ~3 KB per message otherwise.
+            # Keep stored messages lean: by default Celery adds a repr of the arguments
+            # (up to kwargsrepr_maxsize, 1024 chars; celery/app/amqp.py) to every message.
             argsrepr="", kwargsrepr=_SLOT,
         )
         self._headers = dict(headers)

@@ -1,13 +1,15 @@
 """Publishing batch messages to their shape queues, pipelined.
 
-Redis brokers get the Celery messages pushed straight onto the queue lists in a
-redis-py pipeline, one round trip per `batch_size` messages: the envelope is the
-one kombu's Redis transport stores (`Channel._put`), built with orjson rather than
-through kombu's per-message publish path (~85k vs ~70k prompts/s for kombu's own
-`Producer.batch`, ../shared/CELERY.md). Every other broker (AMQP, SQS, the
-embedded filesystem one) publishes through kombu's `Producer.batch`, which
-pipelines where the transport can and publishes at once where it cannot.
-Either way each queue is declared once through kombu, as `send_task` would.
+The transport table (diffq/core/transports.py) names each broker's fast path.
+Redis ("redis-lists"): the Celery messages pushed straight onto the queue lists in
+a redis-py pipeline, one round trip per `batch_size` messages; the envelope is the
+one kombu's Redis transport stores (`Channel._put`, pinned byte for byte by
+tests/test_publish.py), built with orjson rather than through kombu's per-message
+publish path (faster than kombu's own `Producer.batch`: ../shared/CELERY.md).
+Every other broker ("kombu-batch": AMQP, SQS, the embedded filesystem one)
+publishes through kombu's `Producer.batch`, which pipelines where the transport
+can and publishes at once where it cannot. Either way each queue is declared once
+through kombu, as `send_task` would.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from kombu.transport import redis as kombu_redis
 
 from diffq.core.broker import make_celery
 from diffq.core.contract import BatchMessage
+from diffq.core.transports import transport_for
 from diffq.producer.messages import EncodedBatch, TaskMessages, dashed, new_task_id
 
 
@@ -32,10 +35,7 @@ class CeleryPublisher:
         self._connection = self.app.connection_for_write()
         self._producer = self._connection.Producer(serializer="json")
         self._declared: set[str] = set()
-        if isinstance(self._connection.transport, kombu_redis.Transport):
-            self._sink = RedisLists(self._producer.channel, batch_size)
-        else:
-            self._sink = KombuBatch(self._producer, batch_size)
+        self._sink = PUBLISHERS[transport_for(broker_url).publisher](self._producer, batch_size)
 
     def publish(self, message: BatchMessage) -> None:
         self.publish_encoded(EncodedBatch.of(message))
@@ -65,7 +65,8 @@ class RedisLists:
     shape queues are declared without it.
     """
 
-    def __init__(self, channel: kombu_redis.Channel, batch_size: int):
+    def __init__(self, producer, batch_size: int):
+        channel: kombu_redis.Channel = producer.channel
         self._channel = channel
         self._batch_size = batch_size
         self._stack = contextlib.ExitStack()
@@ -138,3 +139,7 @@ class KombuBatch:
 
     def close(self) -> None:
         self._batch.__exit__(None, None, None)
+
+
+# The transport table's `publisher` names one of these.
+PUBLISHERS = {"redis-lists": RedisLists, "kombu-batch": KombuBatch}

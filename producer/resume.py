@@ -5,9 +5,9 @@ is never asked. Batch ids of re-enqueued work derive from the items they carry, 
 running the same resume twice publishes the same batch ids, and the second copy of
 a batch finds the first one's record and does nothing.
 
-Both read every record, so they also reconcile the progress summary with them
-(a batch recorded but never credited, its message lost, would otherwise stay
-pending in `status` forever).
+Both read every record (`scan`), so they also reconcile the progress summary with
+them (a batch recorded but never credited, its message lost, would otherwise stay
+pending in `status` forever); so does the embedded runner, through `scan`.
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ from dataclasses import dataclass
 
 from diffq.core.contract import BatchMessage
 from diffq.core.progress import reconcile
-from diffq.core.runfolder import ProgressTracker, read_manifest
-from diffq.producer.submit import CeleryPublisher, read_plan
+from diffq.core.runfolder import read_failures, read_manifest, recorded_batches
 from diffq.core.storage import Storage, open_storage
+from diffq.producer.submit import CeleryPublisher, read_plan
 
 
 def _derived_id(batch_id: str, tag: str, item_ids: list[str]) -> str:
@@ -62,25 +62,36 @@ def _publish(storage: Storage, messages: Iterator[BatchMessage], broker_url: str
     return Requeued(out=storage.url, items=items, batches=batches)
 
 
-def _scan(storage: Storage) -> ProgressTracker:
+@dataclass
+class Recorded:
+    """Item ids the run folder's records say are done, and those its failure records name."""
+
+    done: set[str]
+    failed: set[str]
+
+    @property
+    def settled(self) -> set[str]:
+        return self.done | self.failed
+
+
+def scan(storage: Storage) -> Recorded:
+    """Read every record and failure; credit recorded batches the progress summary lacks."""
     read_manifest(storage)
-    tracker = ProgressTracker(storage)
-    tracker.refresh()
-    reconcile(storage, tracker.batches)
-    return tracker
+    recorded = recorded_batches(storage)
+    reconcile(storage, recorded)
+    return Recorded(done={item for _, ids in recorded.values() for item in ids},
+                    failed={item for failure in read_failures(storage) for item in failure.item_ids})
 
 
 def resume(out: str, broker_url: str, transport_options: dict | None = None) -> Requeued:
     """Re-enqueue exactly the items that are neither done nor failed."""
     storage = open_storage(out)
-    tracker = _scan(storage)
-    return _publish(storage, missing_batches(storage, tracker.done_ids | tracker.failed_ids),
-                    broker_url, transport_options)
+    return _publish(storage, missing_batches(storage, scan(storage).settled), broker_url, transport_options)
 
 
 def retry_failed(out: str, broker_url: str, transport_options: dict | None = None) -> Requeued:
     """Re-enqueue the items that failed (and are not done since)."""
     storage = open_storage(out)
-    tracker = _scan(storage)
-    failed = tracker.failed_ids - tracker.done_ids
+    recorded = scan(storage)
+    failed = recorded.failed - recorded.done
     return _publish(storage, select_batches(storage, failed.__contains__, "f"), broker_url, transport_options)

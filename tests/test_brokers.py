@@ -13,7 +13,7 @@ import pytest
 
 from diffq.producer.submit import submit
 from diffq.app.queues import queue_report
-from helpers import assert_run_complete, start_workers, wait_until
+from tests.helpers import assert_run_complete, start_workers, wait_until
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "prompts.jsonl"
 RABBIT = ("127.0.0.1", 5672)

@@ -27,7 +27,7 @@ from diffq.core.contract import BatchItem, BatchParams, ShapeKey, queue_name
 from diffq.worker.backends import get_backend
 from diffq.worker.compile_cache import CacheSync
 from diffq.worker.pipeline_host import CompileUnsupported, PipelineHost
-from diffq.worker.process import ChildSpec
+from diffq.worker.spec import ChildSpec
 
 GRAPHS: dict[str, list] = {"neuron": [], "tpu": []}
 
@@ -110,6 +110,25 @@ def test_tpu_name_fullgraph_on_tiny_flux(compiled, tiny_pipelines):
     assert compiled == [{"backend": "tpu", "fullgraph": True, "dynamic": False}]
     assert first.compiled and not again.compiled
     assert len(GRAPHS["tpu"]) == 1 and host.recompiles == 0
+
+
+@pytest.mark.parametrize("kind, counted", [("neuron", True), ("tpu", True), ("cpu", False), ("cuda", False)])
+def test_eager_first_batch_is_compile_time_on_neuron_and_tpu(compiled, tiny_model, kind, counted):
+    """Neuron and TPU eager modes compile each op on first use (seed 000): a shape's first
+    batch is its compile time in metrics, the warm-start report and compile_stats, even
+    with --compile none; Inductor backends compile nothing then."""
+    assert get_backend(kind).eager_compiles is counted
+    host = PipelineHost(backend=stand_in(kind), compile_mode="none")
+    s = shape(tiny_model, 32)
+    host.warmup([s])
+    again = host.generate(s, BatchParams(num_inference_steps=1, guidance_scale=1.0), items(1))
+    assert compiled == [] and not again.compiled  # torch.compile never called
+    stats = host.compile_stats()
+    assert stats["backend"] is None and stats["eager_compiles"] is counted
+    if counted:
+        assert list(stats["per_shape"]) == [s.queue] and stats["seconds"] > 0 and stats["shapes"] == 1
+    else:
+        assert stats["per_shape"] == {} and stats["seconds"] == 0
 
 
 def test_regional_without_repeated_blocks_is_a_clear_error():

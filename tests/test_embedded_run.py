@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from diffq.results.status import status
-from helpers import assert_run_complete
+from tests.helpers import assert_run_complete
 
 pytestmark = pytest.mark.slow
 
@@ -33,7 +33,7 @@ def test_run_mixed_shapes_with_two_workers(tmp_path, tiny_model):
                  "--batch-size", "3", "--steps", "2", "--format", "jpeg", "--no-progress")
     assert "11/11 images, 0 failed" in proc.stdout
     records = assert_run_complete(str(out), prompts, steps=2, model=tiny_model)
-    assert all(r["file_name"].endswith(".jpg") for r in records)
+    assert all(r.file_name.endswith(".jpg") for r in records)
     st = status(str(out))
     assert (st.total, st.done, st.failed) == (11, 11, 0)
     assert len(st.shapes) == 3 and all(s.done == s.total for s in st.shapes.values())

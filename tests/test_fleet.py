@@ -8,7 +8,7 @@ from PIL import Image
 from diffq.results.fetch import fetch
 from diffq.results.status import status
 from diffq.producer.submit import submit
-from helpers import assert_run_complete, expected_rows, start_workers, wait_until
+from tests.helpers import assert_run_complete, expected_rows, start_workers, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -41,7 +41,7 @@ def test_submit_two_workers_status_fetch(where, request, tmp_path, prompts_file,
         supervisor.stop(timeout=60)
     assert (st.done, st.failed, st.pending) == (10, 0, 0)
     records = assert_run_complete(out, prompts_file, steps=2, model=tiny_model)
-    assert {r["worker"].split("@")[0] for r in records} <= {"diffq-cpu0", "diffq-cpu1"}
+    assert {r.worker.split("@")[0] for r in records} <= {"diffq-cpu0", "diffq-cpu1"}
 
     dest = tmp_path / "fetched"
     fetched = fetch(out, dest)

@@ -28,6 +28,7 @@ from diffq.app import fleet
 from diffq.app.cli import app
 from diffq.core.contract import ShapeKey, queue_name
 from diffq.producer.submit import make_options, validate
+from diffq.worker.backends import get_backend
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = Path(__file__).parent / "data"
@@ -210,6 +211,16 @@ def test_dockerfile_backends():
     neuron = DOCKERFILES["neuron"].read_text()
     assert "https://pip.repos.neuron.amazonaws.com" in neuron and "torch-neuronx" in neuron
     assert "aws-neuronx-runtime-lib" in neuron and '".[neuron]"' in neuron
+    # BACKENDS.md Trainium "install": torch-neuronx plus neuronx-cc==2.* and nki, in the
+    # image and in the `neuron` extra (the vendor quickstart installs all three).
+    install = next(a for i, a in dockerfile(DOCKERFILES["neuron"]) if i == "RUN" and "TORCH_NEURONX_SPEC" in a)
+    assert "NEURONX_CC_SPEC" in install and install.rstrip().endswith("nki")
+    assert 'NEURONX_CC_SPEC="neuronx-cc==2.*"' in neuron
+    import tomllib
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert {"neuronx-cc==2.*", "nki"} <= set(extras["neuron"]) and extras["neuron"][0].startswith("torch-neuronx")
+    assert extras["tpu"] == ["torch-tpu==0.2.0"]
     tpu = DOCKERFILES["tpu"].read_text()
     assert '"torch-tpu==0.2.0"' in tpu and "libtpu" in tpu
     assert "download.pytorch.org/whl/cpu" in DOCKERFILES["cpu"].read_text()
@@ -264,8 +275,9 @@ def test_rendered_manifests_validate_and_match_queue_names(device):
     deployments, scaled = by_kind(docs, "Deployment"), by_kind(docs, "ScaledObject")
     assert len(deployments) == len(scaled) == 2
     for (h, w), dep, so in zip([(1024, 1024), (768, 1344)], deployments, scaled):
+        # No --dtype: the device's default_dtype from the backend table.
         queue = queue_name(ShapeKey(model="/models/flux2", height=h, width=w, batch_size=2,
-                                    max_sequence_length=256, cfg=True, dtype="float32"))
+                                    max_sequence_length=256, cfg=True, dtype=get_backend(device).default_dtype))
         trigger = so["spec"]["triggers"][0]
         assert trigger["type"] == "redis" and trigger["metadata"]["listName"] == queue
         assert so["spec"]["minReplicaCount"] == 0
@@ -286,7 +298,15 @@ def test_neuron_cores_match_request():
     pod = by_kind(docs, "Deployment")[0]["spec"]["template"]["spec"]
     container = pod["containers"][0]
     args = container["args"]
-    assert args[args.index("--cores") + 1] == "0-15"
+    # The cores the Neuron device plugin allocated, never a hard-coded range over them.
+    assert args[args.index("--cores") + 1] == "auto"
+    name, params = parse_cli(DIFFQ_IMAGE_ENTRYPOINT + args)
+    assert params["cores"] == "auto"
+    result = runner.invoke(app, ["worker", *args, "--plan"], env={"DIFFQ_BROKER_URL": "redis://r:6379/0",
+                                                        "NEURON_RT_VISIBLE_CORES": "16-31"})
+    assert result.exit_code == 0, result.output
+    assert [p["env"]["NEURON_RT_VISIBLE_CORES"] for p in json.loads(result.output)] == [str(c) for c in range(16, 32)]
+    assert args[args.index("--dtype") + 1] == "bfloat16"  # the device's default dtype
     assert container["resources"]["limits"]["aws.amazon.com/neuroncore"] == 16
     assert container["resources"]["requests"]["aws.amazon.com/neuroncore"] == 16
     assert pod["nodeSelector"]["node.kubernetes.io/instance-type"].startswith("trn2")
@@ -303,6 +323,38 @@ def test_tpu_selectors_and_chips():
     assert {"cloud.google.com/gke-tpu-accelerator", "cloud.google.com/gke-tpu-topology"} <= set(pod["nodeSelector"])
     # A first TPU compile can take ~1,100 s: the grace period must outlast it.
     assert pod["terminationGracePeriodSeconds"] > 1100
+    # BACKENDS.md TPU "tier-2 cache": tier 3 needs tier 2 in /dev/shm (tier3_compilation_cache.cc):
+    # a memory-backed /dev/shm of a stated size.
+    shm = next(v for v in pod["volumes"] if v["name"] == "dshm")
+    assert shm["emptyDir"] == {"medium": "Memory", "sizeLimit": "32Gi"}
+    assert {"name": "dshm", "mountPath": "/dev/shm"} in container["volumeMounts"]
+    for device in ("neuron", "cuda", "cpu"):
+        other = by_kind(render_cli("--model", "m", "--shapes", "64x64", "--batch-size", "1", "--device", device),
+                        "Deployment")[0]["spec"]["template"]["spec"]
+        assert [v["name"] for v in other["volumes"]] == ["cache"]
+
+
+def test_every_backend_is_deployable_or_says_it_is_not(monkeypatch):
+    """A backend cannot be half-added: its pod facts are a required field of its table row."""
+    import dataclasses
+
+    from diffq.worker import backends
+
+    keys = fleet.shape_keys("m", [(64, 64)], batch_size=1)
+    for name, backend in backends.BACKENDS.items():
+        assert backend.k8s is None or isinstance(backend.k8s, backends.K8sPod), name
+        if backend.k8s is not None:
+            for doc in fleet.render(keys, fleet.FleetOptions(device=name))[fleet.k8s_name(keys[0].queue)]:
+                validate_manifest(doc)
+    fields = dataclasses.fields(backends.Backend)
+    required = {f.name for f in fields if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
+    assert "k8s" in required
+    with pytest.raises(TypeError, match="k8s"):
+        backends.Backend(**{f: getattr(backends.BACKENDS["cpu"], f) for f in required - {"k8s"}})
+    # Explicitly not deployable: rendering says so instead of guessing a pod.
+    monkeypatch.setitem(backends.BACKENDS, "cpu", dataclasses.replace(backends.BACKENDS["cpu"], k8s=None))
+    with pytest.raises(ValueError, match="--device cpu is not deployable"):
+        fleet.render(keys, fleet.FleetOptions(device="cpu"))
 
 
 def test_shared_objects_fit_together():

@@ -144,3 +144,11 @@ def test_the_contract_catches_an_upward_import(tmp_path):
     path.write_text("from diffq.worker import sink\n")
     targets = imports("diffq.core.bad", path, top_level_only=False)
     assert "diffq.worker.sink" in targets and layer_of("diffq.worker.sink") not in ALLOWED["diffq.core"]
+
+
+def test_every_api_name_resolves():
+    """The Python API's lazy names point at modules that exist after any move."""
+    from diffq import api
+
+    for name in api.__all__:
+        assert callable(getattr(api, name)), name

@@ -57,10 +57,7 @@ def test_metrics_served_over_http(port):
     assert ("process_resident_memory_bytes", ()) in after
 
 
-def test_busy_ratio_override_and_window(port):
-    metrics.set_busy_ratio(0.25)
-    assert scrape(port)[("diffq_device_busy_ratio", ())] == 0.25
-    metrics.set_busy_ratio(None)
+def test_busy_ratio_window():
     window = metrics.BusyWindow(window=10.0)
     window.started -= 10.0  # as if the process had run for the whole window
     window.add(4.0)

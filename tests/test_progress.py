@@ -13,15 +13,17 @@ import pytest
 from PIL import Image
 
 from diffq.core import layout, progress
-from diffq.core.contract import BatchItem, BatchMessage, BatchParams, RunManifest, ShapeKey, ShapeSummary
+from diffq.core.contract import BatchItem, BatchMessage, BatchParams, ShapeKey
 from diffq.core.progress import ProgressSummary, reconcile
+from diffq.core.records import RunManifest, ShapeSummary
+from diffq.core.runfolder import read_failures, recorded_batches
 from diffq.producer.resume import missing_batches, resume, retry_failed, select_batches
-from diffq.core.runfolder import ProgressTracker
-from diffq.results.status import RunProgress, status
+from diffq.results.status import status
 from diffq.producer.messages import EncodedBatch, batch_id
 from diffq.producer.submit import write_plan_part
 from diffq.core.storage import open_storage
 from diffq.worker.sink import Sink
+from tests.helpers import MEASURED
 
 SHAPES = [ShapeKey(model="tiny", height=32, width=32, batch_size=4, max_sequence_length=64, cfg=False),
           ShapeKey(model="tiny", height=32, width=48, batch_size=4, max_sequence_length=64, cfg=False)]
@@ -55,7 +57,7 @@ def make_plan(url: str, items_per_shape=(14, 9)) -> list[BatchMessage]:
 def store(sink: Sink, message: BatchMessage):
     """A worker generating and storing a batch (images, record, credit), as the task does."""
     images = [Image.new("RGB", (message.shape.width, message.shape.height)) for _ in message.items]
-    handed = sink.submit(open_storage(message.out), message, images, {"generate_s": 0.1})
+    handed = sink.submit(open_storage(message.out), message, images, MEASURED)
     handed.credited.result()  # what the ack waits for
     return handed.stored.result()
 
@@ -72,16 +74,25 @@ def fail(message: BatchMessage) -> None:
     write_failure(open_storage(message.out), message, "RuntimeError: poison", attempts=2, worker="w@h")
 
 
+class FullScan:
+    """The reference the summary must equal: every record and failure file read."""
+
+    def __init__(self, storage):
+        self.done_ids: set[str] = set()
+        self.done_per_queue: dict[str, int] = {}
+        for queue, item_ids in recorded_batches(storage).values():
+            for item in set(item_ids) - self.done_ids:
+                self.done_ids.add(item)
+                self.done_per_queue[queue] = self.done_per_queue.get(queue, 0) + 1
+        self.failed_ids = {item for failure in read_failures(storage) for item in failure.item_ids}
+        self.done = len(self.done_ids)
+        self.failed = len(self.failed_ids - self.done_ids)
+
+
 def counts(url: str) -> tuple[int, int, dict[str, int]]:
-    """(done, failed, done per queue) from status, which must have read the summary
-    and must agree with a full scan of every record."""
-    storage = open_storage(url)
-    run = RunProgress(storage)
-    run.refresh()
-    # The summary as soon as anything is credited; before that, the records.
-    assert (run.source is run.summary) == any(storage.list(layout.PROGRESS_PREFIX))
-    scan = ProgressTracker(storage)
-    scan.refresh()
+    """(done, failed, done per queue) from status, which reads the summary and must
+    agree with a full scan of every record."""
+    scan = FullScan(open_storage(url))
     st = status(url)
     summary = (st.done, st.failed, {q: s.done for q, s in st.shapes.items() if s.done})
     assert summary == (scan.done, scan.failed, {q: n for q, n in scan.done_per_queue.items() if n})
@@ -129,15 +140,15 @@ class NoCredits:
         return getattr(self._storage, name)
 
 
-def redeliver(monkeypatch, message: BatchMessage, sink: Sink) -> dict:
+def redeliver(message: BatchMessage, sink: Sink) -> dict:
     """The real task body receiving a redelivered copy of `message`."""
-    from diffq.worker import acks, tasks
+    from diffq.worker import tasks
 
     runtime = tasks.Runtime(spec=SimpleNamespace(allowed_out_prefixes=[]), host=None, sink=sink)
-    monkeypatch.setattr(tasks, "_runtime", runtime)
-    task = SimpleNamespace(request=SimpleNamespace(id="task-1", retries=0, delivery_info={"redelivered": True}))
+    task = SimpleNamespace(runtime=runtime,
+                           request=SimpleNamespace(id="task-1", retries=0, delivery_info={"redelivered": True}))
     result = tasks.generate_batch(task, message.model_dump(mode="json"))
-    acks._expected.pop("task-1").result()  # what the ack waits for
+    runtime.line.expected("task-1").result()  # what the ack waits for
     return result
 
 
@@ -148,7 +159,7 @@ def test_crash_between_record_and_credit_heals_on_redelivery(out, monkeypatch):
         store(sink, message)
     dying = Sink(retry_for_s=0)
     images = [Image.new("RGB", (32, 32)) for _ in plan[0].items]
-    handed = dying.submit(NoCredits(open_storage(out)), plan[0], images, {})
+    handed = dying.submit(NoCredits(open_storage(out)), plan[0], images, MEASURED)
     assert handed.stored.result().written == len(plan[0].items)
     with pytest.raises(OSError):
         handed.credited.result()  # the ack never happens: the broker delivers the batch again
@@ -158,7 +169,7 @@ def test_crash_between_record_and_credit_heals_on_redelivery(out, monkeypatch):
     summary.refresh()
     assert summary.done == 23 - len(plan[0].items)  # in flight until credited
 
-    assert redeliver(monkeypatch, plan[0], Sink())["skipped"]
+    assert redeliver(plan[0], Sink())["skipped"]
     assert counts(out)[:2] == (23, 0)
 
 
@@ -169,7 +180,7 @@ def test_a_copy_not_flagged_redelivered_credits_too(tmp_path):
         store(Sink(), message)
     images = [Image.new("RGB", (32, 32)) for _ in plan[0].items]
     with pytest.raises(OSError):
-        Sink(retry_for_s=0).submit(NoCredits(open_storage(out)), plan[0], images, {}).credited.result()
+        Sink(retry_for_s=0).submit(NoCredits(open_storage(out)), plan[0], images, MEASURED).credited.result()
     outcome = store(Sink(), plan[0])  # generated again: nothing new stored but the credit
     assert outcome.written == 0
     assert counts(out)[:2] == (23, 0)
@@ -183,7 +194,7 @@ def test_resume_reconciles_a_batch_whose_message_was_lost(tmp_path, redis_server
         store(sink, message)
     images = [Image.new("RGB", (32, 32)) for _ in plan[0].items]
     with pytest.raises(OSError):
-        Sink(retry_for_s=0).submit(NoCredits(open_storage(out)), plan[0], images, {}).credited.result()
+        Sink(retry_for_s=0).submit(NoCredits(open_storage(out)), plan[0], images, MEASURED).credited.result()
     # The broker lost both plan[0] (recorded, never credited) and plan[1] (never run).
     assert status(out).done == 23 - len(plan[0].items) - len(plan[1].items)
     requeued = resume(out, redis_server)
@@ -198,19 +209,17 @@ def test_resume_reconciles_a_batch_whose_message_was_lost(tmp_path, redis_server
     assert reconcile(storage, _recorded(storage)) == 0  # nothing left to reconcile
 
 
-def _scan(storage) -> ProgressTracker:
-    tracker = ProgressTracker(storage)
-    tracker.refresh()
-    return tracker
+def _scan(storage) -> FullScan:
+    return FullScan(storage)
 
 
 def _done_ids(storage) -> set[str]:
-    tracker = _scan(storage)
-    return tracker.done_ids | tracker.failed_ids
+    scan = _scan(storage)
+    return scan.done_ids | scan.failed_ids
 
 
 def _recorded(storage):
-    return _scan(storage).batches
+    return recorded_batches(storage)
 
 
 def test_resumed_copy_overlapping_its_still_running_original_counts_once(out):
@@ -325,16 +334,17 @@ def test_segments_roll_over_and_refresh_reads_only_what_changed(tmp_path, monkey
     assert body["v"] == 1 and sum(len(v) for v in body["queues"].values()) >= 1
 
 
-def test_runs_without_progress_segments_are_read_from_the_records(tmp_path):
-    from test_export import make_run
+def test_a_run_with_no_segment_yet_has_nothing_done(tmp_path):
+    from tests.test_export import make_run
 
     out = str(tmp_path / "run")
     make_run(out, 24, failed_batches=1)
-    run = RunProgress(open_storage(out))
-    run.refresh()
-    assert isinstance(run.source, ProgressTracker)
-    st = status(out)
-    assert (st.total, st.done, st.failed) == (32, 24, 8)
+    assert (status(out).done, status(out).failed) == (24, 8)
+    storage = open_storage(out)
+    for key in storage.list(layout.PROGRESS_PREFIX):
+        storage.delete(key)
+    st = status(out)  # records alone are not read: status costs a listing, not a scan
+    assert (st.total, st.done, st.failed, st.pending) == (32, 0, 8, 24)
 
 
 def test_gcs_summary(gcs_bucket, monkeypatch):
@@ -391,7 +401,7 @@ def test_credits_within_the_rewrite_interval_are_written_together(out):
     storage = RewriteLimited(open_storage(out), interval=3600)
     sink = Sink()
     images = {m.batch_id: [Image.new("RGB", (m.shape.width, m.shape.height)) for _ in m.items] for m in plan}
-    handed = [sink.submit(storage, m, images[m.batch_id], {}) for m in plan]
+    handed = [sink.submit(storage, m, images[m.batch_id], MEASURED) for m in plan]
     assert [h.stored.result(timeout=60).written for h in handed] == [len(m.items) for m in plan]
     handed[0].credited.result(timeout=60)  # the first write is free
     assert not any(h.credited.done() for h in handed[1:])  # acks held: not credited yet
@@ -410,7 +420,7 @@ def test_waiting_credits_are_written_when_the_interval_has_passed(tmp_path):
     plan = make_plan(out)
     storage = RewriteLimited(open_storage(out), interval=0.2)
     sink = Sink()
-    handed = [sink.submit(storage, m, [Image.new("RGB", (32, 32)) for _ in m.items], {}) for m in plan]
+    handed = [sink.submit(storage, m, [Image.new("RGB", (32, 32)) for _ in m.items], MEASURED) for m in plan]
     for h in handed:
         h.credited.result(timeout=60)  # no flush: the timer writes them
     assert counts(out)[:2] == (23, 0)

@@ -15,7 +15,7 @@ from diffq.producer.resume import resume, retry_failed
 from diffq.results.status import status
 from diffq.producer.submit import submit
 from diffq.core.storage import open_storage
-from helpers import assert_run_complete, start_workers, wait_until
+from tests.helpers import assert_run_complete, start_workers, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.chaos]
 
@@ -130,7 +130,7 @@ def test_resume_reenqueues_exactly_what_is_missing(tmp_path, make_redis_server, 
 
 def test_s3_outage_delays_the_run_and_loses_nothing(tmp_path, s3_bucket, s3_server, redis_server, tiny_model,
                                                      monkeypatch, fast_redelivery):
-    from proxy import CuttableProxy
+    from tests.proxy import CuttableProxy
 
     proxy = CuttableProxy(s3_server.port)
     proxy.start()

@@ -10,7 +10,7 @@ import pytest
 from PIL import Image
 
 from diffq.results.report import build_report, render_text, report, to_json
-from test_export import make_run
+from tests.test_export import make_run
 
 
 def test_figures_from_records(tmp_path):
@@ -32,7 +32,7 @@ def test_figures_from_records(tmp_path):
     assert r.per_device()["cpu:1"]["images"] == 16
     assert sum(y * (x[1] - x[0]) for x, y in [(r.throughput()[0], v) for v in r.throughput()[1]]) == pytest.approx(40)
     assert r.errors == {"RuntimeError: out of memory": 1}
-    assert len(r.sample) == 24 and len({s["id"] for s in r.sample}) == 24
+    assert len(r.sample) == 24 and len({s.id for s in r.sample}) == 24
 
     text = render_text(r)
     assert "40/48 done, 8 failed, 0 pending" in text

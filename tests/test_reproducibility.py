@@ -21,7 +21,7 @@ from diffq.core.storage import open_storage
 
 def _pixels(out: str) -> dict[str, tuple[int, np.ndarray]]:
     storage = open_storage(out)
-    return {r["id"]: (r["seed"], np.asarray(Image.open(io.BytesIO(storage.get_bytes(r["file_name"]))).convert("RGB"),
+    return {r.id: (r.seed, np.asarray(Image.open(io.BytesIO(storage.get_bytes(r.file_name))).convert("RGB"),
                                             dtype=np.int16))
             for r in iter_records(storage)}
 

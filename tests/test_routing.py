@@ -12,7 +12,7 @@ from diffq.core.runfolder import iter_records
 from diffq.producer.submit import submit
 from diffq.core.storage import open_storage
 from diffq.worker.routing import choose_queues
-from helpers import start_workers, wait_until
+from tests.helpers import start_workers, wait_until
 
 SERVED = ["a", "b", "c"]
 
@@ -48,7 +48,7 @@ def test_worker_drains_each_shape_before_the_next(tmp_path, make_redis_server, t
         wait_until(out, supervisor, lambda s: s.done >= 24, timeout=180)
     finally:
         supervisor.stop(timeout=60)
-    batches = sorted({(r["generate_started_at"], r["queue"]) for r in iter_records(open_storage(out))})
+    batches = sorted({(r.generate_started_at, r.queue) for r in iter_records(open_storage(out))})
     order = [queue for _, queue in batches]
     switches = sum(1 for a, b in zip(order, order[1:]) if a != b)
     assert len(order) == 12 and switches == 2, order  # three contiguous runs, one per shape

@@ -12,8 +12,8 @@ import pytest
 from diffq.core.contract import BatchItem, BatchMessage, BatchParams, ShapeKey
 from diffq.results.status import status
 from diffq.producer.submit import submit
-from diffq.worker.process import ChildSpec
-from helpers import assert_run_complete, start_workers, wait_until
+from diffq.worker.spec import ChildSpec
+from tests.helpers import assert_run_complete, start_workers, wait_until
 
 SECRET = "s3cr3t-Pa55w0rd"
 
@@ -26,7 +26,9 @@ def test_worker_refuses_out_outside_allowed_prefixes(tmp_path):
 
     spec = ChildSpec(name="w", broker_url="memory://", queues=["q"],
                      allowed_out_prefixes=[str(tmp_path / "allowed")])
-    runtime = Runtime(spec=spec, host=PipelineHost(backend=get_backend("cpu")))
+    from diffq.worker.sink import Sink
+
+    runtime = Runtime(spec=spec, host=PipelineHost(backend=get_backend("cpu")), sink=Sink())
     assert runtime.storage_for(str(tmp_path / "allowed" / "run1")).url.endswith("run1")
     for hostile in (str(tmp_path / "elsewhere"), "s3://other-bucket/x", "/etc",
                     str(tmp_path / "allowed-evil" / "run"), str(tmp_path / "allowed" / ".." / "escaped")):

@@ -24,6 +24,7 @@ from diffq.core.contract import BatchItem, BatchMessage, BatchParams, ShapeKey
 from diffq.core.storage import open_storage
 from diffq.worker.sink import Sink
 from diffq.worker.sink_process import SinkError, SinkLost, SinkProcess, make_sink
+from tests.helpers import MEASURED
 
 SHAPE = ShapeKey(model="tiny", height=24, width=40, batch_size=4, max_sequence_length=64, cfg=False)
 PARAMS = BatchParams(num_inference_steps=2, guidance_scale=1.0)
@@ -48,7 +49,7 @@ def pictures(message: BatchMessage) -> list[Image.Image]:
 def store(sink, out: str, message: BatchMessage, images: list, extra: dict | None = None):
     """Hand a batch over and wait as the worker does: stored (back-pressure), then
     credited (the ack); returns the BatchOutcome."""
-    handed = sink.submit(open_storage(out), message, images, extra or {})
+    handed = sink.submit(open_storage(out), message, images, {**MEASURED, **(extra or {})})
     outcome = handed.stored.result(timeout=60)
     assert handed.credited.result(timeout=60) is None
     return outcome
@@ -97,7 +98,7 @@ def test_a_dead_helper_fails_what_it_held_and_the_next_batch_gets_a_new_one(tmp_
         sink.start()
         first = sink._helper.process
         first.send_signal(signal.SIGSTOP)  # holds the next batch without storing it
-        held = sink.submit(open_storage(out), batch(out, 0), pictures(batch(out, 0)), {"generate_s": 0.25})
+        held = sink.submit(open_storage(out), batch(out, 0), pictures(batch(out, 0)), {**MEASURED, "generate_s": 0.25})
         first.send_signal(signal.SIGKILL)
         with pytest.raises(SinkLost):
             held.stored.result(60)
@@ -139,7 +140,7 @@ def test_helper_stores_what_it_was_handed_when_the_worker_goes_away(tmp_path):
     images = [pictures(message) for message in messages]
     for job, (message, imgs) in enumerate(zip(messages, images)):
         conn.send_bytes(json.dumps({"op": "store", "job": job, "out": out, "message": message.model_dump_json(),
-                                    "record_extra": {"generate_s": 0.25},
+                                    "record_extra": {**MEASURED, "generate_s": 0.25},
                                     "image": {"mode": "RGB", "size": [SHAPE.width, SHAPE.height], "count": 4}}
                                    ).encode())
         conn.send_bytes(b"".join(image.tobytes() for image in imgs))
@@ -169,7 +170,12 @@ def test_helper_ignores_the_signals_meant_for_its_worker(tmp_path):
 
 
 def test_the_worker_sink_is_a_helper_process_unless_configured(monkeypatch):
-    assert isinstance(make_sink(), SinkProcess)
+    sink = make_sink()
+    try:
+        assert isinstance(sink, SinkProcess)
+        assert sink._helper is not None and sink._helper.process.poll() is None  # started with the worker
+    finally:
+        sink.close()
     monkeypatch.setenv("DIFFQ_SINK", "thread")
     assert isinstance(make_sink(), Sink)
 

@@ -7,6 +7,7 @@ is pinned by contract tests of what each rank passes, citing ../shared/BACKENDS.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import socket
@@ -21,7 +22,7 @@ from diffq.core.storage import open_storage
 from diffq.worker.backends import get_backend
 from diffq.worker.supervisor import Supervisor, plan_children
 from diffq.worker.tensor_parallel import Group, shard_load_kwargs, sharded_components, sharding_plan
-from helpers import assert_run_complete, wait_until
+from tests.helpers import assert_run_complete, wait_until
 
 
 def plan(*args: str) -> list[dict]:
@@ -34,6 +35,9 @@ def plan(*args: str) -> list[dict]:
 # --- planning: groups, ranks, environment -------------------------------------------
 
 
+TORCHRUN = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
 def test_cores_0_7_tp8_is_one_group_of_eight_ranks():
     groups = plan("--device", "neuron", "--cores", "0-7", "--tp", "8")
     assert len(groups) == 1
@@ -43,38 +47,67 @@ def test_cores_0_7_tp8_is_one_group_of_eight_ranks():
     assert [r["consumes"] for r in group["ranks"]] == [True] + [False] * 7
     for rank in group["ranks"]:
         env = rank["env"]
-        assert (env["RANK"], env["LOCAL_RANK"], env["WORLD_SIZE"]) == (str(rank["rank"]),) * 2 + ("8",)
-        assert (env["MASTER_ADDR"], env["MASTER_PORT"]) == ("127.0.0.1", "29500")
-        # BACKENDS.md Trainium "pin a process to a core": NEURON_RT_VISIBLE_CORES takes an
-        # inclusive range; every rank sees its group's cores and binds LOCAL_RANK (torchrun's
-        # layout, "distributed": one process per core).
-        assert env["NEURON_RT_VISIBLE_CORES"] == "0-7"
+        assert [env[k] for k in TORCHRUN] == [str(rank["rank"]), str(rank["rank"]), "8", "8", "127.0.0.1", "29500"]
+        # BACKENDS.md Trainium "tensor parallel: what the backend checks"
+        # (torch_neuronx/distributed/backend.py, _set_rt_visible_cores): the process sees
+        # exactly one core, set explicitly; NEURON_RT_ROOT_COMM_ID is the backend's to set.
+        assert env["NEURON_RT_VISIBLE_CORES"] == str(rank["rank"])
+        assert "NEURON_RT_ROOT_COMM_ID" not in env and rank["unset"] == ["NEURON_RT_ROOT_COMM_ID"]
 
 
 def test_cores_0_7_tp4_is_two_groups_on_their_own_ports():
     groups = plan("--device", "neuron", "--cores", "0-7", "--tp", "4")
     assert [g["devices"] for g in groups] == [[0, 1, 2, 3], [4, 5, 6, 7]]
     assert [g["master"] for g in groups] == ["127.0.0.1:29500", "127.0.0.1:29501"]
-    assert [r["env"]["NEURON_RT_VISIBLE_CORES"] for r in groups[1]["ranks"]] == ["4-7"] * 4
-    assert [r["env"]["RANK"] for r in groups[1]["ranks"]] == ["0", "1", "2", "3"]
+    # The second group's ranks are LOCAL_RANK 0-3 but cores 4-7: set explicitly, never inferred.
+    assert [r["env"]["NEURON_RT_VISIBLE_CORES"] for r in groups[1]["ranks"]] == ["4", "5", "6", "7"]
+    assert [r["env"]["LOCAL_RANK"] for r in groups[1]["ranks"]] == ["0", "1", "2", "3"]
+    assert [r["env"]["MASTER_PORT"] for r in groups[1]["ranks"]] == ["29501"] * 4
     assert len({r["name"] for g in groups for r in g["ranks"]}) == 8
 
 
+def test_neuron_groups_need_no_consecutive_cores():
+    (group,) = plan("--device", "neuron", "--cores", "0,2,4,6", "--tp", "4")
+    assert [r["env"]["NEURON_RT_VISIBLE_CORES"] for r in group["ranks"]] == ["0", "2", "4", "6"]
+
+
 def test_tpu_group_environment():
-    # BACKENDS.md TPU "pin a process to a chip": TPU_VISIBLE_DEVICES per process, 1,1,1
-    # chips per process, a distinct TPU_PROCESS_PORT; "distributed": tpu_dist. A group of
-    # one-chip processes also learns the process bounds, every peer's address and its task id.
-    (group,) = plan("--device", "tpu", "--chips", "0-3", "--tp", "4")
+    # BACKENDS.md TPU "tensor parallel: launch env": torch_tpu requires RANK, LOCAL_RANK,
+    # WORLD_SIZE, MASTER_ADDR, MASTER_PORT, TORCH_TPU_SLICEBUILDER_ADDRESSES and
+    # TORCH_TPU_TOPOLOGY (csrc/distributed/slicebuilder/discovery.cc,
+    # ValidateRequiredDistributedEnvVars); its launcher sets the last two, one
+    # localhost:<port> per rank and the same string everywhere
+    # (_internal/distributed/launchers/singlehost_wrapper.py, prepare_tpu_environment).
+    (group,) = plan("--device", "tpu", "--chips", "0-3", "--tp", "4", "--tpu-generation", "v6e")
     envs = [r["env"] for r in group["ranks"]]
-    assert [e["TPU_VISIBLE_DEVICES"] for e in envs] == ["0", "1", "2", "3"]
-    assert [e["TPU_PROCESS_PORT"] for e in envs] == ["8476", "8477", "8478", "8479"]
-    assert [e["CLOUD_TPU_TASK_ID"] for e in envs] == ["0", "1", "2", "3"]
-    for env in envs:
-        assert env["TPU_CHIPS_PER_PROCESS_BOUNDS"] == "1,1,1"
-        assert env["TPU_PROCESS_BOUNDS"] == "2,2,1"
-        assert env["TPU_PROCESS_ADDRESSES"] == "localhost:8476,localhost:8477,localhost:8478,localhost:8479"
-        assert env["WORLD_SIZE"] == "4"
+    addresses = {e["TORCH_TPU_SLICEBUILDER_ADDRESSES"] for e in envs}
+    assert addresses == {"localhost:8476,localhost:8477,localhost:8478,localhost:8479"}
+    for rank, env in enumerate(envs):
+        assert [env[k] for k in TORCHRUN] == [str(rank), str(rank), "4", "4", "127.0.0.1", "29500"]
+        assert env["TORCH_TPU_TOPOLOGY"] == "2,2,1"  # tpu_topology.py: v6e, 4 chips
+        # torch_tpu writes these itself: setting them would be useless.
+        for overwritten in ("TPU_PROCESS_BOUNDS", "TPU_PROCESS_ADDRESSES", "TPU_PROCESS_PORT", "CLOUD_TPU_TASK_ID",
+                            "ALLOW_MULTIPLE_LIBTPU_LOAD", "LIBTPU_INIT_ARGS"):
+            assert overwritten not in env
     assert group["sharding"]["dist_backend"] == "tpu_dist"
+
+
+def test_tpu_v7_group_of_two():
+    (group,) = plan("--device", "tpu", "--chips", "0-1", "--tp", "2", "--tpu-generation", "v7")
+    assert [r["env"]["TORCH_TPU_TOPOLOGY"] for r in group["ranks"]] == ["1,1,1,2"] * 2
+    assert group["ranks"][0]["env"]["TORCH_TPU_SLICEBUILDER_ADDRESSES"] == "localhost:8476,localhost:8477"
+
+
+def test_tpu_generation_is_detected_and_a_set_topology_wins(monkeypatch):
+    from diffq.worker import backends
+
+    tpu = backends.get_backend("tpu")
+    monkeypatch.setitem(backends.BACKENDS, "tpu", dataclasses.replace(tpu, detect_generation=lambda: "v5e"))
+    (group,) = plan("--device", "tpu", "--chips", "0-7", "--tp", "8")
+    assert {r["env"]["TORCH_TPU_TOPOLOGY"] for r in group["ranks"]} == {"2,2,2"}
+    monkeypatch.setenv("TORCH_TPU_TOPOLOGY", "4,2,1")
+    (group,) = plan("--device", "tpu", "--chips", "0-7", "--tp", "8")
+    assert {r["env"]["TORCH_TPU_TOPOLOGY"] for r in group["ranks"]} == {"4,2,1"}
 
 
 def test_cuda_group_sees_its_gpus():
@@ -85,15 +118,55 @@ def test_cuda_group_sees_its_gpus():
 
 @pytest.mark.parametrize("args, message", [
     (["--device", "neuron", "--cores", "0-7", "--tp", "3"], "--tp 3 must divide the 8 devices"),
-    (["--device", "neuron", "--cores", "0,2,4,6", "--tp", "2"], "consecutive cores"),
-    (["--device", "tpu", "--chips", "0-2", "--tp", "3"], "no 2-D process layout"),
+    (["--device", "tpu", "--chips", "0-1", "--tp", "2", "--tpu-generation", "v6e"],
+     "--tp 2 on TPU v6e: torch_tpu's topology table (tpu_topology.py) has groups of 4, 8 chips only"),
+    (["--device", "tpu", "--chips", "0-2", "--tp", "3", "--tpu-generation", "v7"], "has groups of 2, 4, 8 chips"),
+    (["--device", "tpu", "--chips", "0-7", "--tp", "4", "--tpu-generation", "v6e"],
+     "2 TPU groups of 4 chips on one host are unverified and refused"),
+    (["--device", "tpu", "--chips", "4-7", "--tp", "4", "--tpu-generation", "v6e"], "uses chips 0-3"),
+    (["--device", "tpu", "--chips", "0-3", "--tp", "4"], "pass --tpu-generation v5p|v5e|v6e|v7"),
     (["--device", "cuda", "--gpus", "0,1", "--tp", "2", "--offload", "model"], "--offload cannot be combined"),
 ])
 def test_impossible_groups_fail_before_starting(args, message):
     result = CliRunner().invoke(app, ["worker", "--broker", "redis://127.0.0.1:1/0", "--queues", "q",
                                       "--plan", *args])
-    assert result.exit_code != 0
+    assert result.exit_code == 2 and isinstance(result.exception, SystemExit)
+    assert "Traceback" not in result.output
     assert message in result.output
+
+
+def test_nothing_touches_the_device_before_init_process_group(monkeypatch):
+    """BACKENDS.md Trainium "tensor parallel": init_process_group(backend="neuron") asserts
+    the runtime is not initialised yet (torch_neuronx/distributed/backend.py); the rank's
+    device is torch.neuron.current_device() after it. A one-rank gloo group stands in."""
+    import sys
+    import types
+
+    import torch
+    import torch.distributed as dist
+
+    from diffq.worker.tensor_parallel import join
+
+    calls = []
+    monkeypatch.setattr(torch.accelerator, "set_device_index", lambda i: calls.append(("set_device", i)))
+    init = dist.init_process_group
+    monkeypatch.setattr(dist, "init_process_group", lambda **kw: (calls.append(("init", kw["backend"])), init(**kw)))
+    fake = types.ModuleType("torch.neuron")
+    fake.current_device = lambda: calls.append(("current_device",)) or 5
+    monkeypatch.setitem(sys.modules, "torch.neuron", fake)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    neuron = dataclasses.replace(get_backend("neuron"), dist_backend="gloo", tensor_parallel=False)
+    assert neuron.rank_device == "torch.neuron.current_device" and not neuron.bind_local_rank
+    group = join(0, 1, neuron)
+    try:
+        # ...and the device is bound to it before DeviceMesh could pick LOCAL_RANK.
+        assert calls == [("init", "gloo"), ("current_device",), ("set_device", 5)]
+        assert group.device == "neuron:5"
+    finally:
+        dist.destroy_process_group()
+    # CUDA ranks see the whole group and bind LOCAL_RANK first, as torchrun's do.
+    assert get_backend("cuda").bind_local_rank and get_backend("cuda").rank_device is None
 
 
 # --- contract: what each rank passes on the sharded path ---------------------------
@@ -233,9 +306,13 @@ def test_fleet_manifests_run_one_group_per_pod():
     (shape,) = fleet.shape_keys("black-forest-labs/FLUX.2-dev", [(1024, 1024)], batch_size=1,
                                 max_sequence_length=512, guidance_scale=4.0, dtype="bfloat16")
     args = fleet.worker_args(shape, options)
-    result = CliRunner().invoke(app, ["worker", "--broker", "redis://127.0.0.1:1/0", *args, "--plan"])
+    # The manifest says --cores auto: the Neuron device plugin's allocation decides.
+    assert args[args.index("--cores") + 1] == "auto"
+    result = CliRunner().invoke(app, ["worker", "--broker", "redis://127.0.0.1:1/0", *args, "--plan"],
+                                env={"NEURON_RT_VISIBLE_CORES": "8-15"})
     assert result.exit_code == 0, result.output
     (group,) = json.loads(result.output)
     assert group["world_size"] == 8 and group["ranks"][0]["queues"] == [shape.queue]
+    assert [r["env"]["NEURON_RT_VISIBLE_CORES"] for r in group["ranks"]] == [str(c) for c in range(8, 16)]
     with pytest.raises(ValueError, match="--tp 3 must divide"):
         fleet.worker_args(shape, fleet.FleetOptions(device="neuron", devices_per_pod=8, tp=3))

@@ -1,40 +1,57 @@
-"""`status --watch`: live progress while records appear, on local and S3 run folders."""
+"""`status --watch`: live progress while batches land, on local and S3 run folders."""
 
 from __future__ import annotations
 
 import io
 import json
+from collections.abc import Callable
 
 from rich.console import Console
 
 from diffq.core import layout
+from diffq.core.progress import ProgressLog
+from diffq.core.records import parse_record
 from diffq.results.watch import snapshots, watch
 from diffq.core.storage import open_storage
-from test_export import make_run
+from tests.test_export import make_run
 
 
-def _hide_records(url: str, keep: int) -> dict[str, bytes]:
-    """Remove all but `keep` record files, as if those batches were still running."""
+def _hold_back(url: str, keep: int) -> Callable[[], None]:
+    """Take back all but `keep` batches (record and credit), as if those were still
+    running; returns what lands the next one as its worker would (record, then credit)."""
     storage = open_storage(url)
     keys = sorted(storage.list(layout.RECORDS_PREFIX))
     held = {key: storage.get_bytes(key) for key in keys[keep:]}
-    for key in held:
+    for key in [*held, *storage.list(layout.PROGRESS_PREFIX)]:
         storage.delete(key)
-    return held
+    log = ProgressLog(storage, writer="watch-test")
+
+    def credit(key: str, body: bytes) -> None:
+        records = parse_record(body)
+        log.add(layout.batch_of_record(key), records[0].queue, [record.id for record in records])
+        log.flush()
+
+    for key in keys[:keep]:
+        credit(key, storage.get_bytes(key))
+
+    def land() -> None:
+        if held:
+            key = next(iter(held))
+            storage.put_bytes(key, held[key])
+            credit(key, held.pop(key))
+
+    return land
 
 
 def test_snapshots_follow_a_run_while_workers_write(s3_bucket):
     make_run(s3_bucket, 40, failed_batches=1)
-    held = _hide_records(s3_bucket, keep=1)
-    storage = open_storage(s3_bucket)
+    land = _hold_back(s3_bucket, keep=1)
     now = [0.0]
 
     def sleep(seconds: float) -> None:
         # Each interval, one more batch lands, as a worker would write it.
         now[0] += seconds
-        if held:
-            key = next(iter(held))
-            storage.put_bytes(key, held.pop(key))
+        land()
 
     seen = list(snapshots(s3_bucket, interval=2.0, clock=lambda: now[0], sleep=sleep))
     assert [s.status.done for s in seen] == [8, 16, 24, 32, 40]

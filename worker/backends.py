@@ -1,81 +1,199 @@
 """The backend table: every device-specific fact, once, as data.
 
-No other module branches on the device kind: they read a `Backend` record.
-Facts and their sources are in ../shared/BACKENDS.md; tests/test_backends.py pins
-each one. This module must not import torch: the supervisor uses it to pin child
-processes before they import torch.
+No other module branches on the device kind: they read a `Backend` record (the CLI's
+--device, --compile and --dtype choices, the fleet's Kubernetes facts, a process's
+environment, which option combinations are refused). Facts and their sources are in
+../shared/BACKENDS.md; tests/test_backends.py pins each one. This module must not
+import torch: the supervisor uses it to pin child processes before they import torch.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
+
+from diffq.core.contract import DTYPE_TAGS
 
 # torch_tpu reads its port at backend init; each one-chip process needs its own.
 TPU_BASE_PORT = 8476
 
+# torchrun's variables. A process that is not a rank of a --tp group must not carry
+# them (inherited from a torchrun or a pod spec): torch_tpu goes distributed whenever
+# WORLD_SIZE is set (torch_tpu csrc/distributed/slicebuilder/discovery.cc).
+DISTRIBUTED_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
-def _cpu_pin(slot: int, threads: int) -> dict[str, str]:
+# Compile modes that call torch.compile; the others are call-time modes (env only).
+COMPILING_MODES = ("full", "regional")
+# --offload values: "model" is diffusers' enable_model_cpu_offload().
+OFFLOAD_MODES = ("model",)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where one process runs: its device and, for a rank of a --tp group, the group."""
+
+    slot: int
+    threads: int = 1
+    rank: int = 0
+    group_slots: tuple[int, ...] = ()  # the group's devices in rank order; () = single device
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29500
+    generation: str | None = None  # e.g. the TPU generation (v5e, v5p, v6e, v7)
+
+    @property
+    def world_size(self) -> int:
+        return len(self.group_slots) or 1
+
+
+@dataclass(frozen=True)
+class TpuGeneration:
+    """One TPU generation as torch_tpu knows it (torch_tpu/_internal/distributed/tpu_topology.py)."""
+
+    pci_device: str
+    # TORCH_TPU_TOPOLOGY per group size; any other size raises in torch_tpu.
+    topologies: dict[int, str]
+    # Chip bounds of a one-chip process: 4-D on v7 (torch_tpu environment.cc).
+    chip_bounds: str = "1,1,1"
+
+
+TPU_PCI_VENDOR = "0x1ae0"
+TPU_GENERATIONS: dict[str, TpuGeneration] = {
+    "v5p": TpuGeneration(pci_device="0x0062", topologies={4: "2,2,1", 8: "2,2,2"}),
+    "v5e": TpuGeneration(pci_device="0x0063", topologies={4: "2,2,1", 8: "2,2,2"}),
+    "v6e": TpuGeneration(pci_device="0x006f", topologies={4: "2,2,1", 8: "2,2,2"}),
+    "v7": TpuGeneration(pci_device="0x0076", topologies={2: "1,1,1,2", 4: "1,2,1,2", 8: "2,2,1,2"},
+                        chip_bounds="1,1,1,1"),
+}
+
+
+def detect_tpu_generation(root: str | Path = "/sys/bus/pci/devices") -> str | None:
+    """The TPU generation on this host, read from PCI ids as torch_tpu reads them; None if no TPU."""
+    by_device = {gen.pci_device: name for name, gen in TPU_GENERATIONS.items()}
+    for vendor in sorted(Path(root).glob("*/vendor")):
+        try:
+            if vendor.read_text().strip() != TPU_PCI_VENDOR:
+                continue
+            found = by_device.get((vendor.parent / "device").read_text().strip())
+        except OSError:
+            continue
+        if found:
+            return found
+    return None
+
+
+@dataclass(frozen=True)
+class K8sPod:
+    """What one worker pod of a device kind asks a Kubernetes cluster for."""
+
+    resource: str | None  # extended resource requested once per device
+    node_selector: dict[str, str] = field(default_factory=dict)
+    tolerations: tuple[dict, ...] = ()
+    devices_per_pod: int = 1
+    # Longer than a batch including a first compile: SIGTERM is a warm shutdown
+    # that finishes the batch in hand, and the kubelet SIGKILLs after this.
+    grace_seconds: int = 600
+    cpu: str = "2"
+    memory: str = "8Gi"
+    compile: str = "none"
+    # A memory-backed /dev/shm of this size (counts against the memory limit).
+    shm_size: str | None = None
+    # What --<device option> says in the manifest: "auto" where the device plugin
+    # tells the container which devices it got; otherwise the pod's 0..n-1.
+    devices_arg: str | None = None
+    # The device generation the node selector picks (layouts are checked against it).
+    generation: str | None = None
+
+
+# --- pinning: one process, one device ------------------------------------------------
+
+
+def _threads(p: Placement) -> dict[str, str]:
     # One worker per slot; threads split so 2 processes on 2 cores do not fight.
-    n = str(threads)
-    return {"OMP_NUM_THREADS": n, "MKL_NUM_THREADS": n, "DIFFQ_TORCH_THREADS": n}
+    n = str(p.threads)
+    return {"OMP_NUM_THREADS": n, "MKL_NUM_THREADS": n}
 
 
-def _cuda_pin(device: int, threads: int) -> dict[str, str]:
-    return {"CUDA_VISIBLE_DEVICES": str(device), **_cpu_pin(device, threads)}
+def _cuda_pin(p: Placement) -> dict[str, str]:
+    return {"CUDA_VISIBLE_DEVICES": str(p.slot), **_threads(p)}
 
 
-def _neuron_pin(core: int, threads: int) -> dict[str, str]:
+def _neuron_pin(p: Placement) -> dict[str, str]:
     # Must be set before the Neuron runtime starts (i.e. before `import torch`,
     # which autoloads torch_neuronx); takes precedence over NEURON_RT_NUM_CORES.
-    return {"NEURON_RT_VISIBLE_CORES": str(core), **_cpu_pin(core, threads)}
+    return {"NEURON_RT_VISIBLE_CORES": str(p.slot), **_threads(p)}
 
 
-def _cuda_pin_group(devices: list[int], threads: int) -> dict[str, str]:
-    return {"CUDA_VISIBLE_DEVICES": ",".join(map(str, devices)), **_cpu_pin(devices[0], threads)}
-
-
-def _neuron_pin_group(cores: list[int], threads: int) -> dict[str, str]:
-    # Every rank sees the group's cores (an inclusive range) and uses core LOCAL_RANK,
-    # as under torchrun; the range form cannot say a gap.
-    if cores != list(range(cores[0], cores[0] + len(cores))):
-        raise ValueError(f"a Neuron tensor-parallel group needs consecutive cores, got {cores}")
-    return {"NEURON_RT_VISIBLE_CORES": f"{cores[0]}-{cores[-1]}", **_cpu_pin(cores[0], threads)}
-
-
-def _tpu_pin(chip: int, threads: int) -> dict[str, str]:
+def _tpu_pin(p: Placement) -> dict[str, str]:
     # TPU_VISIBLE_DEVICES is torch_tpu's source of truth (it rewrites
-    # TPU_VISIBLE_CHIPS to match); independent one-chip processes also need the
-    # 1,1,1 bounds and a distinct port. Read once during `import torch`.
+    # TPU_VISIBLE_CHIPS to match); independent one-chip processes also need one-chip
+    # bounds (4-D on v7) and a distinct port. Read once during `import torch`.
+    bounds = TPU_GENERATIONS[p.generation].chip_bounds if p.generation else "1,1,1"
     return {
-        "TPU_VISIBLE_DEVICES": str(chip),
-        "TPU_VISIBLE_CHIPS": str(chip),
-        "TPU_CHIPS_PER_PROCESS_BOUNDS": "1,1,1",
-        "TPU_PROCESS_BOUNDS": "1,1,1",
-        "TPU_PROCESS_PORT": str(TPU_BASE_PORT + chip),
-        **_cpu_pin(chip, threads),
+        "TPU_VISIBLE_DEVICES": str(p.slot),
+        "TPU_VISIBLE_CHIPS": str(p.slot),
+        "TPU_CHIPS_PER_PROCESS_BOUNDS": bounds,
+        "TPU_PROCESS_BOUNDS": bounds,
+        "TPU_PROCESS_PORT": str(TPU_BASE_PORT + p.slot),
+        **_threads(p),
     }
 
 
-def _tpu_group_env(rank: int, chips: list[int]) -> dict[str, str]:
-    # libtpu's multi-process recipe on one host: each rank keeps its one chip (the
-    # pin above) and its own port, and learns the others' addresses and its task id.
-    # torch_tpu also ships a launcher (_internal...singlehost_wrapper) that is
-    # internal and unstable, so the recipe is spelled out here instead.
+# --- one rank of a --tp group ----------------------------------------------------------
+
+
+def _cuda_rank(p: Placement) -> dict[str, str]:
+    # Every rank sees the group's GPUs and binds LOCAL_RANK (torchrun's layout).
+    return {"CUDA_VISIBLE_DEVICES": ",".join(map(str, p.group_slots)), **_threads(p)}
+
+
+def _neuron_rank(p: Placement) -> dict[str, str]:
+    # init_process_group(backend="neuron") asserts each process sees exactly one core;
+    # set explicitly, so a group on cores 4-7 does not fall back to LOCAL_RANK 0-3
+    # (torch_neuronx/distributed/backend.py, _set_rt_visible_cores).
+    return {"NEURON_RT_VISIBLE_CORES": str(p.slot), **_threads(p)}
+
+
+def _tpu_rank(p: Placement) -> dict[str, str]:
+    # What torch_tpu requires once WORLD_SIZE is set (discovery.cc) and its own
+    # launcher sets (singlehost_wrapper.py, prepare_tpu_environment): the same
+    # slice-builder address list on every rank and the topology. It writes
+    # TPU_PROCESS_BOUNDS/ADDRESSES/PORT and CLOUD_TPU_TASK_ID itself.
     return {
-        "TPU_PROCESS_BOUNDS": _tpu_process_bounds(len(chips)),
-        "TPU_PROCESS_ADDRESSES": ",".join(f"localhost:{TPU_BASE_PORT + chip}" for chip in chips),
-        "CLOUD_TPU_TASK_ID": str(rank),
+        "TORCH_TPU_SLICEBUILDER_ADDRESSES": ",".join(f"localhost:{TPU_BASE_PORT + chip}" for chip in p.group_slots),
+        "TORCH_TPU_TOPOLOGY": _tpu_topology(len(p.group_slots), p.generation),
+        **_threads(p),
     }
 
 
-def _tpu_process_bounds(processes: int) -> str:
-    # One process per chip laid out like the host's chips: 2 → 2x1, 4 → 2x2 (v5e/v6e-4), 8 → 2x4.
-    if processes <= 2:
-        return f"{processes},1,1"
-    if processes % 2:
-        raise ValueError(f"a TPU group of {processes} chips has no 2-D process layout; use 1, 2, 4 or 8")
-    return f"2,{processes // 2},1"
+def _tpu_topology(size: int, generation: str | None) -> str:
+    if os.environ.get("TORCH_TPU_TOPOLOGY"):
+        return os.environ["TORCH_TPU_TOPOLOGY"]  # the user's word wins, as in torch_tpu's launcher
+    if generation is None:
+        raise ValueError(f"a TPU group of {size} chips needs the TPU generation, and no TPU was found "
+                         f"here: pass --tpu-generation {'|'.join(TPU_GENERATIONS)} (or set TORCH_TPU_TOPOLOGY)")
+    topologies = TPU_GENERATIONS[generation].topologies
+    if size not in topologies:
+        sizes = ", ".join(map(str, topologies))
+        raise ValueError(f"--tp {size} on TPU {generation}: torch_tpu's topology table (tpu_topology.py) has "
+                         f"groups of {sizes} chips only")
+    return topologies[size]
+
+
+def _tpu_groups(devices: list[int], tp: int, generation: str | None) -> None:
+    if tp == 1:
+        return
+    if len(devices) > tp:
+        # torch_tpu's launcher builds one slice per host (singlehost_wrapper.py); nothing
+        # in its sources shows two slices sharing one host's chips.
+        raise ValueError(f"{len(devices) // tp} TPU groups of {tp} chips on one host are unverified and refused: "
+                         f"torch_tpu builds one slice per host; run one --tp group per host")
+    if devices != list(range(tp)):
+        # torch_tpu sub-slices a host from its first chips, each rank's chip by LOCAL_RANK.
+        raise ValueError(f"a TPU --tp group uses chips 0-{tp - 1} (torch_tpu binds chip LOCAL_RANK), "
+                         f"got --chips {','.join(map(str, devices))}")
+    _tpu_topology(tp, generation)
 
 
 @dataclass(frozen=True)
@@ -85,23 +203,38 @@ class Backend:
     compile_backend: str
     cache_env: str
     dist_backend: str
+    # The dtype every seed example uses on this device; --dtype defaults to it.
     default_dtype: str
-    pin: Callable[[int, int], dict[str, str]]
+    pin: Callable[[Placement], dict[str, str]]
     # The CLI option that lists this kind's devices (--cores 0-7, --chips 0-3 ...).
     device_option: str
-    # Module to import after torch (None: nothing to import).
+    # Kubernetes facts of a worker pod, or None: explicitly not deployable.
+    k8s: K8sPod | None
+    # Module to import after torch (None: nothing to import). torch autoloads it
+    # unless TORCH_DEVICE_BACKEND_AUTOLOAD=0; importing it again costs nothing.
     extension: str | None = None
     # Env every process of this kind gets (after pinning, before import torch).
     base_env: dict[str, str] = field(default_factory=dict)
     # Dotted function returning ops that fell back to CPU, reported after warmup.
     fallback_report: str | None = None
-    # Extra call-time modes a backend offers beyond none/full/regional.
+    # Dotted function: peak device memory in bytes since start (None: none to report).
+    # torch.accelerator's is device-generic (torch/accelerator/memory.py).
+    peak_memory: str | None = "torch.accelerator.max_memory_allocated"
+    # Dotted function: the backend's own compile-cache statistics, where it has them.
+    cache_stats: str | None = None
+    # --compile values this backend offers; the CLI offers their union.
     compile_modes: tuple[str, ...] = ("none", "full", "regional")
     mode_env: dict[str, dict[str, str]] = field(default_factory=dict)
+    # Eager mode compiles each op on first use (Neuron, TPU): a shape's first batch
+    # is its compile time even with --compile none.
+    eager_compiles: bool = False
     # Where the cache lives when none is configured (wiped on reboot for Neuron).
     default_cache: str | None = None
     # Older names of the cache variable, set too so either backend release finds it.
     cache_env_aliases: tuple[str, ...] = ()
+    # Set beside a configured cache (TPU: tier 3 needs tier 2, which older releases
+    # do not switch on by themselves).
+    cache_companion_env: dict[str, str] = field(default_factory=dict)
     # Packages whose versions invalidate compiled artefacts (besides torch, diffusers).
     cache_packages: tuple[str, ...] = ()
     # URL schemes the backend's own cache reads and writes directly (no diffq sync).
@@ -109,15 +242,24 @@ class Backend:
     # Dotted callable counting this kind's devices. Accelerators go through
     # torch.accelerator: torch.tpu.device_count() raises for user code.
     count_devices: str = "torch.accelerator.device_count"
+    # The variable naming the devices a container was given (--<option> auto).
+    allocated_env: str | None = None
+    # Generations with different launch facts, detected on the host (TPU), and how.
+    generations: tuple[str, ...] = ()
+    detect_generation: Callable[[], str | None] | None = None
     # diffusers' TensorParallelConfig shards on this device (cuda, neuron, tpu, xpu);
     # elsewhere a group's ranks hold replicated weights.
     tensor_parallel: bool = True
-    # Extra env for rank `rank` of a group over these devices (multi-process launch).
-    group_env: Callable[[int, list[int]], dict[str, str]] | None = None
-    # Pinning for every rank of a group when each rank sees all of the group's devices
-    # and binds device LOCAL_RANK (what transformers' and diffusers' TP loaders expect
-    # on cuda and neuron). None: each rank is pinned to its own device, index 0 (TPU).
-    pin_group: Callable[[list[int], int], dict[str, str]] | None = None
+    # Env of one rank of a --tp group (besides torchrun's variables); None: no groups.
+    rank_pin: Callable[[Placement], dict[str, str]] | None = None
+    # Variables a rank must not inherit (the backend sets them itself).
+    rank_unset: tuple[str, ...] = ()
+    # Refuses group layouts the backend cannot launch: (devices, tp, generation).
+    check_groups: Callable[[list[int], int, str | None], None] | None = None
+    # A rank binds device LOCAL_RANK before init_process_group (it sees the whole group).
+    bind_local_rank: bool = False
+    # Dotted callable giving a rank's device index after init_process_group.
+    rank_device: str | None = None
     # Static shapes: every backend compiles one whole graph per shape; Neuron
     # rejects dynamic=True outright.
     fullgraph: bool = True
@@ -130,6 +272,43 @@ class Backend:
     def cache_envs(self) -> tuple[str, ...]:
         return (self.cache_env, *self.cache_env_aliases)
 
+    def env(self, p: Placement) -> dict[str, str]:
+        """What a process at this placement sets before `import torch`."""
+        env = dict(self.base_env)
+        if p.world_size == 1:
+            return {**env, **self.pin(p)}
+        if self.rank_pin is None:
+            raise ValueError(f"--device {self.name} has no --tp groups")
+        return {**env, **self.rank_pin(p), "RANK": str(p.rank), "LOCAL_RANK": str(p.rank),
+                "WORLD_SIZE": str(p.world_size), "LOCAL_WORLD_SIZE": str(p.world_size),
+                "MASTER_ADDR": p.master_addr, "MASTER_PORT": str(p.master_port)}
+
+    def unset(self, p: Placement) -> tuple[str, ...]:
+        """What a process at this placement removes from the environment it inherited."""
+        return self.rank_unset if p.world_size > 1 else DISTRIBUTED_ENV
+
+    def check(self, *, compile: str = "none", offload: str | None = None, devices: list[int] | None = None,
+              tp: int = 1, generation: str | None = None) -> None:
+        """Refuse a combination this backend cannot run as asked, before anything starts."""
+        if compile not in self.compile_modes:
+            owners = [b.name for b in BACKENDS.values() if compile in b.compile_modes]
+            where = f" (a {'/'.join(owners)} mode)" if owners else ""
+            raise ValueError(f"--compile {compile}{where} is not offered on --device {self.name}; "
+                             f"choose {', '.join(self.compile_modes)}")
+        if offload is not None and offload not in OFFLOAD_MODES:
+            raise ValueError(f"unknown --offload '{offload}'; choose {', '.join(OFFLOAD_MODES)}")
+        if offload == "model" and compile == "full":
+            raise ValueError("--offload model cannot be combined with --compile full: offload hooks cannot be "
+                             "traced by torch.compile; use --compile regional (the repeated blocks only)")
+        if generation is not None and generation not in self.generations:
+            raise ValueError(f"generation '{generation}' is not one of --device {self.name}'s: "
+                             f"{', '.join(self.generations) or 'none'}")
+        if tp > 1:
+            if self.rank_pin is None:
+                raise ValueError(f"--device {self.name} has no --tp groups")
+            if self.check_groups and devices is not None:
+                self.check_groups(devices, tp, generation)
+
 
 BACKENDS: dict[str, Backend] = {
     "cpu": Backend(
@@ -139,10 +318,13 @@ BACKENDS: dict[str, Backend] = {
         cache_env="TORCHINDUCTOR_CACHE_DIR",
         dist_backend="gloo",
         default_dtype="float32",
-        pin=_cpu_pin,
+        pin=_threads,
+        rank_pin=_threads,
         device_option="--workers",
         count_devices="os.cpu_count",
         tensor_parallel=False,
+        k8s=K8sPod(resource=None, devices_per_pod=2, grace_seconds=300, cpu="2", memory="4Gi"),
+        peak_memory=None,
     ),
     "cuda": Backend(
         name="cuda",
@@ -152,9 +334,13 @@ BACKENDS: dict[str, Backend] = {
         dist_backend="nccl",
         default_dtype="bfloat16",
         pin=_cuda_pin,
-        pin_group=_cuda_pin_group,
+        rank_pin=_cuda_rank,
+        bind_local_rank=True,
         device_option="--gpus",
         cache_packages=("triton",),
+        k8s=K8sPod(resource="nvidia.com/gpu",
+                   tolerations=({"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"},),
+                   devices_per_pod=1, grace_seconds=900, cpu="8", memory="32Gi", compile="full"),
     ),
     "neuron": Backend(
         name="neuron",
@@ -164,12 +350,27 @@ BACKENDS: dict[str, Backend] = {
         dist_backend="neuron",
         default_dtype="bfloat16",
         pin=_neuron_pin,
-        pin_group=_neuron_pin_group,
+        rank_pin=_neuron_rank,
+        # torch-neuronx sets it from the store itself (backend.py, _neuron_runtime_setup).
+        rank_unset=("NEURON_RT_ROOT_COMM_ID",),
+        rank_device="torch.neuron.current_device",
         device_option="--cores",
         extension="torch_neuronx",
+        eager_compiles=True,
         fallback_report="torch_neuronx.get_fallback_ops",
         default_cache="/tmp/neff_cache",
         cache_packages=("torch-neuronx", "neuronx-cc"),
+        # The Neuron device plugin names the cores of an aws.amazon.com/neuroncore
+        # allocation in this variable (see README, "Tensor parallel").
+        allocated_env="NEURON_RT_VISIBLE_CORES",
+        k8s=K8sPod(
+            # trn2.48xlarge: 16 chips, 4 logical NeuronCores each at the default LNC=2.
+            resource="aws.amazon.com/neuroncore",
+            node_selector={"node.kubernetes.io/instance-type": "trn2.48xlarge"},
+            tolerations=({"key": "aws.amazon.com/neuron", "operator": "Exists", "effect": "NoSchedule"},),
+            devices_per_pod=8, grace_seconds=1800, cpu="16", memory="128Gi", compile="regional",
+            devices_arg="auto",
+        ),
     ),
     "tpu": Backend(
         name="tpu",
@@ -179,15 +380,40 @@ BACKENDS: dict[str, Backend] = {
         dist_backend="tpu_dist",
         default_dtype="bfloat16",
         pin=_tpu_pin,
+        rank_pin=_tpu_rank,
+        check_groups=_tpu_groups,
         device_option="--chips",
+        extension="torch_tpu",
+        eager_compiles=True,
         compile_modes=("none", "full", "regional", "defer-fuse"),
         mode_env={"defer-fuse": {"TORCH_TPU_DEFER_AND_FUSE": "1"}},
         cache_env_aliases=("TORCH_TPU_INTERNAL_TIER3_COMPILATION_CACHE_ROOT",),
+        # A name under /dev/shm/torch_tpu_cache (tier2_compilation_cache.cc); both names.
+        cache_companion_env={"TORCH_TPU_TIER2_COMPILATION_CACHE": "diffq",
+                             "TORCH_TPU_INTERNAL_TIER2_COMPILATION_CACHE": "diffq"},
         cache_packages=("torch-tpu", "libtpu"),
         native_cache_schemes=("gs",),
-        group_env=_tpu_group_env,
+        generations=tuple(TPU_GENERATIONS),
+        detect_generation=detect_tpu_generation,
+        k8s=K8sPod(
+            # GKE single-host v6e slice: 4 chips in a 2x2 topology on one node.
+            resource="google.com/tpu",
+            node_selector={"cloud.google.com/gke-tpu-accelerator": "tpu-v6e-slice",
+                           "cloud.google.com/gke-tpu-topology": "2x2"},
+            tolerations=({"key": "google.com/tpu", "operator": "Exists", "effect": "NoSchedule"},),
+            # Grace outlasts a first TPU compile of a Flux-sized model (README, "Running on TPU").
+            devices_per_pod=4, grace_seconds=3600, cpu="16", memory="128Gi", compile="regional",
+            # torch_tpu's tier-2 compile cache lives in /dev/shm.
+            shm_size="32Gi", generation="v6e",
+        ),
+        cache_stats="torch.tpu._get_cache_stats",
     ),
 }
+
+# The CLI's choices, read from the table.
+DEVICES: tuple[str, ...] = tuple(BACKENDS)
+COMPILE_MODES: tuple[str, ...] = tuple(dict.fromkeys(m for b in BACKENDS.values() for m in b.compile_modes))
+DTYPES: tuple[str, ...] = tuple(DTYPE_TAGS)
 
 
 def get_backend(name: str) -> Backend:
@@ -210,17 +436,32 @@ def device_count(backend: Backend) -> int:
     return int(resolve(backend.count_devices)() or 0)
 
 
+def allocated_devices(backend: Backend, environ=os.environ) -> list[int]:
+    """`--cores auto`: the devices the container was given, as its device plugin says."""
+    if backend.allocated_env is None:
+        raise ValueError(f"{backend.device_option} auto is not available on --device {backend.name}: "
+                         f"list the devices")
+    spec = environ.get(backend.allocated_env, "").strip()
+    if not spec:
+        raise ValueError(f"{backend.device_option} auto: {backend.allocated_env} is not set (the device plugin "
+                         f"sets it for allocated devices); list the devices instead")
+    return parse_devices(spec)
+
+
 def parse_devices(spec: str) -> list[int]:
     """'0-3' → [0, 1, 2, 3]; '0,2,5' → [0, 2, 5]; ranges and lists combine."""
     devices: list[int] = []
     for part in filter(None, (p.strip() for p in spec.split(","))):
-        if "-" in part:
-            start, end = (int(x) for x in part.split("-", 1))
-            if end < start:
-                raise ValueError(f"bad device range '{part}'")
-            devices.extend(range(start, end + 1))
-        else:
-            devices.append(int(part))
+        try:
+            if "-" in part:
+                start, end = (int(x) for x in part.split("-", 1))
+                if end < start:
+                    raise ValueError
+                devices.extend(range(start, end + 1))
+            else:
+                devices.append(int(part))
+        except ValueError:
+            raise ValueError(f"bad device list '{spec}' at '{part}': use e.g. 0-3 or 0,2,5") from None
     if len(set(devices)) != len(devices):
         raise ValueError(f"device list '{spec}' names a device twice")
     return devices

@@ -65,6 +65,14 @@ class CachePlan:
 
 
 def plan_cache(location: str | None, backend: Backend, local_root: str | None = None) -> CachePlan:
+    plan = _plan_cache(location, backend, local_root)
+    if plan.env and backend.cache_companion_env:
+        return CachePlan(env={**plan.env, **backend.cache_companion_env}, local_dir=plan.local_dir,
+                         remote=plan.remote)
+    return plan
+
+
+def _plan_cache(location: str | None, backend: Backend, local_root: str | None) -> CachePlan:
     if not location:
         # The vendor default (Neuron's /tmp/neff_cache), documented rather than implied.
         if backend.default_cache:

@@ -49,7 +49,6 @@ class BusyWindow:
         self.window = window
         self.started = time.monotonic()
         self.spans: deque[tuple[float, float]] = deque()  # (end, seconds)
-        self.override: float | None = None
         self.lock = threading.Lock()
 
     def add(self, seconds: float) -> None:
@@ -57,8 +56,6 @@ class BusyWindow:
             self.spans.append((time.monotonic(), seconds))
 
     def ratio(self) -> float:
-        if self.override is not None:
-            return self.override
         now = time.monotonic()
         start = now - self.window
         with self.lock:
@@ -100,11 +97,6 @@ def observe_recompile(shape_label: str, graphs: int = 1) -> None:
 def observe_failure(queue: str, n: int) -> None:
     """After a failure record for `n` items was written."""
     FAILURES.labels(queue).inc(n)
-
-
-def set_busy_ratio(x: float | None) -> None:
-    """Report a measured utilisation (e.g. from neuron-monitor) instead of the estimate; None reverts."""
-    _busy.override = None if x is None else max(0.0, min(1.0, float(x)))
 
 
 def start_server(port: int, addr: str = "0.0.0.0") -> int:

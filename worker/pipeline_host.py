@@ -18,12 +18,18 @@ from pathlib import Path
 import torch
 
 from diffq.core.contract import BatchItem, BatchParams, ShapeKey
-from diffq.worker.backends import Backend, resolve
+from diffq.worker.backends import COMPILING_MODES, DTYPES, Backend, resolve
 from diffq.worker.models import resolve_model
 
 log = logging.getLogger(__name__)
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """'bfloat16' → torch.bfloat16, for the dtypes the contract defines."""
+    if name not in DTYPES:
+        raise ValueError(f"unknown dtype '{name}'; choose {', '.join(DTYPES)}")
+    return getattr(torch, name)
 
 
 class CompileUnsupported(ValueError):
@@ -34,7 +40,9 @@ class CompileUnsupported(ValueError):
 class Generated:
     images: list
     generate_s: float
-    compiled: bool  # this call compiled a new graph
+    # This call compiled its shape: torch.compile's first call, or an eager backend's
+    # first batch of the shape (it compiles each op on first use).
+    compiled: bool
     # Extra record fields (a tensor-parallel group's agreement).
     record_extra: dict = field(default_factory=dict)
 
@@ -58,6 +66,11 @@ class PipelineHost:
     # hold a group too, for sharded loading, but never announce.
     group: object = None
 
+    @property
+    def compiles(self) -> bool:
+        """Whether a new shape's first batch is compile time on this backend and mode."""
+        return self.compile_mode in COMPILING_MODES or self.backend.eager_compiles
+
     def pipeline(self, model: str, dtype: str):
         key = (model, dtype)
         if key not in self._pipelines:
@@ -76,18 +89,19 @@ class PipelineHost:
         if self.group is not None:
             from diffq.worker.tensor_parallel import sharded_components
 
-            sharded = sharded_components(source, DTYPES[dtype], self.group)
-        pipe = DiffusionPipeline.from_pretrained(source, dtype=DTYPES[dtype],
+            sharded = sharded_components(source, torch_dtype(dtype), self.group)
+        pipe = DiffusionPipeline.from_pretrained(source, dtype=torch_dtype(dtype),
                                                  local_files_only=Path(source).is_dir(), **sharded)
+        device = self.group.device if self.group is not None else self.backend.torch_device
         if self.offload == "model":
-            pipe.enable_model_cpu_offload(device=self.backend.torch_device)
+            pipe.enable_model_cpu_offload(device=device)
         elif sharded:
             # Sharded components already sit on this rank's device; move the rest.
             for name, component in pipe.components.items():
                 if name not in sharded and hasattr(component, "to"):
-                    component.to(self.backend.torch_device)
+                    component.to(device)
         else:
-            pipe.to(self.backend.torch_device)
+            pipe.to(device)
         pipe.set_progress_bar_config(disable=True)
         self._compile(pipe)
         log.info("loaded %s (%s) on %s in %.1fs", model, type(pipe).__name__,
@@ -95,8 +109,8 @@ class PipelineHost:
         return pipe
 
     def _compile(self, pipe) -> None:
-        if self.compile_mode in ("none", "defer-fuse"):
-            return
+        if self.compile_mode not in COMPILING_MODES:
+            return  # eager, or a call-time mode set by env (defer-fuse)
         options = self.backend.compile_options
         if self.compile_mode == "full":
             pipe.transformer.compile(**options)
@@ -158,7 +172,8 @@ class PipelineHost:
         elapsed = time.perf_counter() - started
         record_extra = self.group.agree(images) if leader else {}
         graphs = graphs_compiled() - graphs_before
-        if new_shape and self.compile_mode != "none":
+        compiled = new_shape and self.compiles
+        if compiled:
             self.compile_seconds[shape.queue] = elapsed
             self.compile_graphs[shape.queue] = graphs
             for callback in self.on_compiled:
@@ -166,7 +181,7 @@ class PipelineHost:
         elif graphs:
             self.recompiles += graphs
             log.warning("shape %s compiled %d more graph(s) after its first batch", shape.label, graphs)
-        return Generated(images=images[: len(items)], generate_s=elapsed, compiled=new_shape,
+        return Generated(images=images[: len(items)], generate_s=elapsed, compiled=compiled,
                          record_extra=record_extra)
 
     def warmup(self, shapes: list[ShapeKey]) -> None:
@@ -188,7 +203,9 @@ class PipelineHost:
 
         return {
             "mode": self.compile_mode,
-            "backend": self.backend.compile_backend if self.compile_mode in ("full", "regional") else None,
+            "backend": self.backend.compile_backend if self.compile_mode in COMPILING_MODES else None,
+            # Eager Neuron/TPU compile op by op: seconds are compile time all the same.
+            "eager_compiles": self.backend.eager_compiles and self.compile_mode not in COMPILING_MODES,
             "shapes": len(self.compile_seconds),
             "graphs": graphs_compiled(),
             "recompiles": self.recompiles,

@@ -1,9 +1,9 @@
-"""One worker process per device: its spec, its environment, and its entry point.
+"""The child bootstrap: one worker process per device, from its spec to its last ack.
 
 `child_main` runs in a *spawned* child. It sets the pinning environment from the
 backend table before anything imports torch (Neuron and TPU read it once, during
-`import torch`), then starts a Celery solo-pool worker on the spec's queues.
-This module itself must stay torch-free: the supervisor imports it.
+`import torch`), then serves the spec's queues (worker/celery_adapter.py). The
+spec itself, torch-free, is worker/spec.py.
 """
 
 from __future__ import annotations
@@ -12,173 +12,31 @@ import importlib
 import json
 import logging
 import os
-import re
-import socket
 import sys
 import time
 import warnings
+from pathlib import Path
 
-from typing import Literal
-
-from pydantic import BaseModel, ConfigDict, Field, field_validator
-
-from diffq.core.contract import ShapeKey
-from diffq.worker.backends import Backend, get_backend
-from diffq.worker.compile_cache import CachePlan, CacheSync, plan_cache
-from diffq.worker.routing import shape_from_queue
+from diffq.core.storage.base import atomic_write
+from diffq.worker.compile_cache import CacheSync
+from diffq.worker.spec import EXIT_FATAL, QUIET_ENV, ChildSpec
 
 log = logging.getLogger("diffq.worker")
-
-# Exit code for a child that can never succeed (bad model, bad option): the
-# supervisor must not restart it in a loop.
-EXIT_FATAL = 3
-
-
-class ChildSpec(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    name: str
-    device: str = "cpu"
-    slot: int = 0  # the device index this process is pinned to
-    threads: int = 1
-    broker_url: str
-    transport_options: dict = Field(default_factory=dict)
-    queues: list[str]
-    compile: str = "none"
-    offload: str | None = None
-    compile_cache: str | None = None
-    # Where a remote (URL) compile cache is mirrored on this host; default under /tmp.
-    compile_cache_local: str | None = None
-    # 'auto' (every served shape) or HxW sizes: compiled before consuming.
-    warmup: list[str] = Field(default_factory=list)
-    # compile-aware: drain already-compiled shapes before taking a new one.
-    routing: Literal["compile-aware", "round-robin"] = "compile-aware"
-    # Compile, push the cache, print a JSON report and exit 0 (bake a cache in CI).
-    warmup_only: bool = False
-    # Debug hook: write the environment as seen before `import torch` to this file.
-    env_report: str | None = None
-    # Loaded before consuming, so a missing model fails the process at once.
-    models: list[str] = Field(default_factory=list)
-    dtype: str = "float32"
-    allowed_out_prefixes: list[str] = Field(default_factory=list)
-    loglevel: str = "WARNING"
-    # Tensor-parallel group membership (worker/tensor_parallel.py). world_size 1 is
-    # an independent worker; otherwise rank 0 consumes and the others follow it.
-    rank: int = 0
-    world_size: int = 1
-    group: int = 0  # index of the group on this host
-    group_slots: list[int] = Field(default_factory=list)  # the group's devices, in rank order
-    master_addr: str = "127.0.0.1"
-    master_port: int = 29500
-
-    @field_validator("warmup")
-    @classmethod
-    def _warmup_entries(cls, entries: list[str]) -> list[str]:
-        for entry in entries:
-            if entry != "auto" and not re.fullmatch(r"\d+x\d+", entry):
-                raise ValueError(f"warmup entry '{entry}' is neither 'auto' nor HxW (e.g. 1024x1024)")
-        return entries
-
-    @property
-    def backend(self) -> Backend:
-        return get_backend(self.device)
-
-    @property
-    def cache(self) -> CachePlan:
-        return plan_cache(self.compile_cache, self.backend, self.compile_cache_local)
-
-    def env(self) -> dict[str, str]:
-        """What this child adds to its environment before `import torch`."""
-        backend = self.backend
-        env = dict(backend.base_env)
-        if self.world_size > 1 and backend.pin_group:
-            env.update(backend.pin_group(self.group_slots, self.threads))
-        else:
-            env.update(backend.pin(self.slot, self.threads))
-        env.update(backend.mode_env.get(self.compile, {}))
-        env.update(self.cache.env)
-        if self.world_size > 1:
-            env.update(self.rank_env())
-        env["DIFFQ_WORKER_NAME"] = self.name
-        return env
-
-    def rank_env(self) -> dict[str, str]:
-        """torchrun's variables (env:// rendezvous) plus the backend's multi-process launch env."""
-        env = {
-            "RANK": str(self.rank),
-            "LOCAL_RANK": str(self.rank),
-            "WORLD_SIZE": str(self.world_size),
-            "LOCAL_WORLD_SIZE": str(self.world_size),
-            "MASTER_ADDR": self.master_addr,
-            "MASTER_PORT": str(self.master_port),
-        }
-        if self.backend.group_env:
-            env.update(self.backend.group_env(self.rank, self.group_slots))
-        return env
-
-    def warmup_shapes(self) -> list[ShapeKey]:
-        """The served shapes to compile before consuming; an HxW no queue serves is an error."""
-        if not self.warmup:
-            return []
-        served = [s for s in (shape_from_queue(q, self.models) for q in self.queues) if s is not None]
-        if "auto" in self.warmup:
-            return served
-        shapes = []
-        for entry in self.warmup:
-            height, width = (int(x) for x in entry.split("x"))
-            matching = [s for s in served if (s.height, s.width) == (height, width)]
-            if not matching:
-                raise ValueError(f"--warmup {entry}: no served queue of the loaded model has that size")
-            shapes += [s for s in matching if s not in shapes]
-        return shapes
-
-    def plan(self) -> dict:
-        backend = self.backend
-        cache = self.cache
-        return {
-            "name": self.name,
-            "device": backend.torch_device,
-            "slot": self.slot,
-            "env": self.env(),
-            "queues": self.queues,
-            "compile": self.compile,
-            "compile_backend": backend.compile_backend,
-            "compile_options": backend.compile_options if self.compile in ("full", "regional") else None,
-            "cache_env": backend.cache_env,
-            "cache_dir": cache.local_dir,
-            "cache_remote": cache.remote,
-            "warmup": [shape.queue for shape in self.warmup_shapes()],
-            "dist_backend": backend.dist_backend,
-            **({"group": self.group, "rank": self.rank, "world_size": self.world_size,
-                "consumes": self.rank == 0} if self.world_size > 1 else {}),
-        }
-
-
-def hostname() -> str:
-    return socket.gethostname()
-
-
-# Library chatter (per-process load bars, torchvision fallbacks) would drown the
-# run's own output when N workers start at once.
-QUIET_ENV = {"TRANSFORMERS_VERBOSITY": "error", "DIFFUSERS_VERBOSITY": "error",
-             "HF_HUB_DISABLE_PROGRESS_BARS": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 
 def _write_env_report(path: str) -> None:
     report = {"env": dict(os.environ), "torch_imported": "torch" in sys.modules, "pid": os.getpid()}
-    with open(path + ".tmp", "w") as f:
-        json.dump(report, f)
-    os.replace(path + ".tmp", path)
+    atomic_write(Path(path), lambda file: file.write(json.dumps(report).encode()))
 
 
-def warm_start(spec: ChildSpec) -> dict:
+def warm_start(rt) -> dict:
     """Load models, sync the compile cache and compile the warmup shapes; before consuming.
 
-    Runs after `import torch` and `build_worker_app`. Returns a JSON-able report.
+    Runs after `import torch`, on the process's runtime. Returns a JSON-able report.
     """
-    from diffq.worker.tasks import preload, runtime
+    from diffq.worker.tasks import preload
 
-    host = runtime().host
+    spec, host = rt.spec, rt.host
     started = time.perf_counter()
     cache = spec.cache
     sync = CacheSync(cache.remote, cache.local_dir) if cache.remote else None
@@ -187,7 +45,7 @@ def warm_start(spec: ChildSpec) -> dict:
             sync.pull()
         except Exception as exc:  # a missing cache costs compile time, not the worker
             log.warning("compile cache pull from %s failed: %s", cache.remote, exc)
-    preload(spec)
+    preload(rt)
     loaded = time.perf_counter()
     host.warmup(spec.warmup_shapes())
     if sync:
@@ -211,6 +69,8 @@ def child_main(spec_json: str) -> None:
     spec = ChildSpec.model_validate_json(spec_json)
     for name, value in QUIET_ENV.items():
         os.environ.setdefault(name, value)
+    for name in spec.unset_env():
+        os.environ.pop(name, None)
     os.environ.update(spec.env())
     if spec.env_report:
         _write_env_report(spec.env_report)
@@ -245,22 +105,26 @@ def child_main(spec_json: str) -> None:
 
 def _consume(spec: ChildSpec, group) -> None:
     """Warm start, then a Celery solo-pool worker on the spec's queues until shutdown."""
-    from diffq.worker.tasks import build_worker_app, runtime
+    from diffq.worker.celery_adapter import build_app, serve
+    from diffq.worker.tasks import Runtime
 
-    app = build_worker_app(spec, group=group)  # starts the sink's helper process
+    rt = Runtime.start(spec, group=group)  # starts the sink's helper process
     try:
-        _warm_and_serve(app, spec)
+        if _warm(rt):
+            serve(build_app(rt), spec)
     finally:
         # On every way out (warm shutdown, failed warm start, --warmup-only) the
         # helper ends with its worker and is reaped by it, not left to PID 1.
-        runtime().sink.close()
+        rt.sink.close()
 
 
-def _warm_and_serve(app, spec: ChildSpec) -> None:
+def _warm(rt) -> bool:
+    """Warm start; False for a --warmup-only process, which is done after it."""
     from diffq.worker import metrics
 
+    spec = rt.spec
     try:
-        report = warm_start(spec)
+        report = warm_start(rt)
     except Exception as exc:  # a model or compile that fails now fails on retry too
         from diffq.worker.tensor_parallel import EXIT_GROUP_BROKEN, GroupBroken
 
@@ -270,20 +134,7 @@ def _warm_and_serve(app, spec: ChildSpec) -> None:
         metrics.observe_compile(shape, figures["seconds"])
     if spec.warmup or spec.warmup_only:
         print(json.dumps({"event": "warm", **report}), flush=True)
-    if spec.warmup_only:
-        return
-    app.worker_main([
-        "--quiet",
-        "worker",
-        "--pool=solo",
-        "--concurrency=1",
-        "--prefetch-multiplier=1",
-        f"--queues={','.join(spec.queues)}",
-        f"--hostname={spec.name}@{hostname()}",
-        f"--loglevel={spec.loglevel}",
-        "--without-mingle",
-        "--without-gossip",
-    ])
+    return not spec.warmup_only
 
 
 def _join_group(spec: ChildSpec):

@@ -1,47 +1,19 @@
-"""Shapes from queue names: which graphs a worker's queues will need.
+"""Compile-aware routing: which of its queues a worker consumes from now.
 
-The queue name is the shape key (`diffq.core.contract.queue_name`) with the model as a
-slug, so it parses back to a `ShapeKey` given the models the worker loads. Used to
-warm up exactly the graphs the served queues need, and to route by compiled shape.
+A worker serving several shape queues keeps consuming the shapes it has already
+compiled while they have a backlog, and takes on one new shape at a time only
+when they are empty (chosen at random, weighted by backlog, so idle workers of a
+fleet spread over new shapes instead of all compiling the same ones). Celery's
+own consumer API switches queues: `add_task_queue` / `cancel_task_queue`.
+Queue names parse back to shapes with `diffq.core.contract.shape_from_queue`.
 """
 
 from __future__ import annotations
 
 import random
-import re
+from collections.abc import Callable
 
-from celery import bootsteps
-
-from diffq.core.contract import ShapeKey, model_slug
-
-_QUEUE_RE = re.compile(
-    r"diffq\.(?P<slug>[a-z0-9-]+)\.(?P<height>\d+)x(?P<width>\d+)\.b(?P<batch>\d+)"
-    r"\.l(?P<seq>\d+)\.(?P<cfg>cfg|nocfg)\.(?P<dtype>fp32|bf16|fp16)"
-)
-_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
-
-
-def shape_from_queue(queue: str, models: list[str]) -> ShapeKey | None:
-    """The shape a queue carries, or None if it is not a shape queue of these models."""
-    match = _QUEUE_RE.fullmatch(queue)
-    if not match:
-        return None
-    model = next((m for m in models if model_slug(m) == match["slug"]), None)
-    if model is None:
-        return None
-    return ShapeKey(model=model, height=int(match["height"]), width=int(match["width"]),
-                    batch_size=int(match["batch"]), max_sequence_length=int(match["seq"]),
-                    cfg=match["cfg"] == "cfg", dtype=_DTYPES[match["dtype"]])
-
-
-# -- Compile-aware routing ---------------------------------------------------------
-#
-# A worker serving several shape queues keeps consuming the shapes it has already
-# compiled while they have a backlog, and takes on one new shape at a time only
-# when they are empty (chosen at random, weighted by backlog, so idle workers of a
-# fleet spread over new shapes instead of all compiling the same ones). Celery's
-# own consumer API switches queues: `add_task_queue` / `cancel_task_queue`.
-
+from diffq.core.transports import Transport
 
 def choose_queues(served: list[str], compiled: set[str], depths: dict[str, int], rng: random.Random) -> set[str]:
     """The queues to consume from now."""
@@ -57,71 +29,42 @@ def choose_queues(served: list[str], compiled: set[str], depths: dict[str, int],
     return set(served)
 
 
-class CompileAwareRouting(bootsteps.StartStopStep):
-    """Consumer bootstep; re-chooses queues every second and after each batch.
+class Router:
+    """Re-chooses the consumer's queues: on a 1 s timer and right after each batch.
 
-    Needs the consumer's event loop (Redis, AMQP); with the embedded filesystem
-    broker, which has none, the worker keeps Celery's round-robin over its queues.
+    Needs the consumer's event loop (the transport table's `event_loop`); without one
+    (the embedded filesystem broker) the worker keeps Celery's round-robin.
     """
 
-    requires = ("celery.worker.consumer.tasks:Tasks",)
     interval = 1.0
 
-    def __init__(self, parent, **kwargs):
-        super().__init__(parent, **kwargs)
+    def __init__(self, served: list[str], compiled: Callable[[], set[str]], transport: Transport,
+                 rng: random.Random | None = None):
+        self.served = list(served)
+        self.compiled = compiled  # the queues whose shapes this process has compiled
+        self.transport = transport
+        self.rng = rng or random.Random()
         self.consumer = None
-        self.rng = random.Random()
 
-    def start(self, consumer):
-        global _active_step
-        if consumer.hub is None or len(_state["served"]) < 2:
-            return
+    @property
+    def applies(self) -> bool:
+        """Only a choice among several queues, and only with an event loop to run it."""
+        return len(self.served) >= 2 and self.transport.event_loop
+
+    def attach(self, consumer) -> None:
         self.consumer = consumer
-        _active_step = self
-        consumer.hub.call_repeatedly(self.interval, self.update)
 
-    def stop(self, consumer):
-        global _active_step
-        _active_step = None
+    def detach(self) -> None:
         self.consumer = None
-
-    def _depths(self) -> dict[str, int]:
-        depths = {}
-        channel = self.consumer.connection.channel()
-        try:
-            for queue in _state["served"]:
-                try:
-                    depths[queue] = channel.queue_declare(queue=queue, passive=True).message_count
-                except Exception:  # a queue nobody published to yet (Redis: no key)
-                    depths[queue] = 0
-        finally:
-            channel.close()
-        return depths
 
     def update(self) -> None:
         consumer = self.consumer
         if consumer is None or consumer.task_consumer is None:
             return
-        served = _state["served"]
-        want = choose_queues(served, _state["compiled"](), self._depths(), self.rng)
-        current = {queue for queue in served if consumer.task_consumer.consuming_from(queue)}
+        depths = self.transport.queue_depths(consumer.connection, self.served)
+        want = choose_queues(self.served, self.compiled(), depths, self.rng)
+        current = {queue for queue in self.served if consumer.task_consumer.consuming_from(queue)}
         for queue in sorted(want - current):
             consumer.add_task_queue(queue)
         for queue in sorted(current - want):
             consumer.cancel_task_queue(queue)
-
-
-_state: dict = {"served": [], "compiled": set}
-_active_step: CompileAwareRouting | None = None
-
-
-def configure(served: list[str], compiled) -> None:
-    """What the routing step serves, and a callable giving the compiled queues."""
-    _state["served"] = list(served)
-    _state["compiled"] = compiled
-
-
-def after_batch() -> None:
-    """Re-choose right after a batch (main thread), before the next fetch."""
-    if _active_step is not None:
-        _active_step.update()

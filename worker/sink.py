@@ -17,7 +17,6 @@ written together; the worker's back-pressure waits only for images + record
 from __future__ import annotations
 
 import io
-import json
 import logging
 import os
 import threading
@@ -27,15 +26,16 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from pydantic import ValidationError
+
 from diffq.core import layout
 from diffq.core.contract import BatchMessage
 from diffq.core.progress import ProgressLog
+from diffq.core.records import ImageRecord, jsonl
 from diffq.core.storage import Storage
 
 log = logging.getLogger(__name__)
 
-_PIL_FORMATS = {"png": "PNG", "jpeg": "JPEG", "webp": "WEBP"}
-_CONTENT_TYPES = {"png": "image/png", "jpeg": "image/jpeg", "webp": "image/webp"}
 # Progress logs kept per process (one per run folder); an evicted one is replaced
 # by a fresh log under a new writer name, which readers treat the same.
 MAX_LOGS = 64
@@ -55,10 +55,24 @@ def _yield_to_generation() -> None:
         pass
 
 
+def fit_image(image, fit: str, height: int | None, width: int | None):
+    """The image to store for an item that asked for height x width (size buckets).
+
+    "resize" stretches the bucket's image to the requested size; "crop" scales it to
+    cover the requested size and cuts the centre (PIL's ImageOps.fit); "none" keeps it.
+    """
+    if fit == "none" or height is None or image.size == (width, height):
+        return image
+    from PIL import Image, ImageOps
+
+    if fit == "resize":
+        return image.resize((width, height), Image.Resampling.LANCZOS)
+    return ImageOps.fit(image, (width, height), Image.Resampling.LANCZOS)
+
+
 def encode(image, fmt: str) -> bytes:
     buffer = io.BytesIO()
-    options = {"compress_level": 1} if fmt == "png" else {"quality": 90}
-    image.save(buffer, format=_PIL_FORMATS[fmt], **options)
+    image.save(buffer, format=layout.IMAGE_FORMATS[fmt].pil, **layout.IMAGE_FORMATS[fmt].options)
     return buffer.getvalue()
 
 
@@ -98,9 +112,6 @@ class Sink:
                                         initializer=_yield_to_generation)
         self.retry_for_s = retry_for_s
         self._credits: OrderedDict[str, _Credits] = OrderedDict()  # writer thread only
-
-    def start(self) -> None:
-        """Nothing to start: the threads are created on first use (SinkProcess starts a helper)."""
 
     def submit(self, storage: Storage, message: BatchMessage, images: list, record_extra: dict) -> Handed:
         handed = Handed(stored=Future(), credited=Future())
@@ -176,6 +187,8 @@ class Sink:
         while True:
             try:
                 return write()
+            except ValidationError:  # a record that breaks its schema will not heal
+                raise
             except Exception as exc:
                 attempt += 1
                 if time.monotonic() >= deadline:
@@ -189,35 +202,29 @@ class Sink:
         fmt = message.params.format
         keys = [layout.image_key(item.id, fmt) for item in message.items]
 
+        fit = message.params.fit
+
         def put(index: int) -> tuple[bool, int]:
-            data = encode(images[index], fmt)
-            return storage.put_bytes(keys[index], data, content_type=_CONTENT_TYPES[fmt], if_absent=True), len(data)
+            item = message.items[index]
+            data = encode(fit_image(images[index], fit, item.requested_height, item.requested_width), fmt)
+            return storage.put_bytes(keys[index], data, content_type=layout.IMAGE_FORMATS[fmt].content_type,
+                                     if_absent=True), len(data)
 
         results = list(self._pool.map(put, range(len(images))))
         finished_at = time.time()
-        images_s = round(time.perf_counter() - started, 4)
-        lines = []
-        for item, key in zip(message.items, keys):
-            lines.append(json.dumps({
-                "file_name": key,
-                "id": item.id,
-                "prompt": item.prompt,
-                "seed": item.seed,
-                "height": message.shape.height,
-                "width": message.shape.width,
-                "steps": message.params.num_inference_steps,
-                "guidance_scale": message.params.guidance_scale,
-                "model": message.shape.model,
-                "run_id": message.run_id,
-                "batch_id": message.batch_id,
-                "queue": message.shape.queue,
-                "finished_at": finished_at,
-                # Encoding + storing this batch's images (overlapped with the next batch).
-                "store_s": images_s,
-                **record_extra,
-            }))
+        store_s = round(time.perf_counter() - started, 4)
+        records = [ImageRecord(
+            file_name=key, id=item.id, prompt=item.prompt, seed=item.seed,
+            height=message.shape.height, width=message.shape.width,
+            # The size the row asked for (size buckets); the generated one without.
+            requested_height=item.requested_height or message.shape.height,
+            requested_width=item.requested_width or message.shape.width, fit=fit,
+            steps=message.params.num_inference_steps, guidance_scale=message.params.guidance_scale,
+            model=message.shape.model, run_id=message.run_id, batch_id=message.batch_id,
+            queue=message.shape.queue, finished_at=finished_at, store_s=store_s, **record_extra,
+        ) for item, key in zip(message.items, keys)]
         # One record per batch id: a redelivered batch finds it and writes nothing.
-        storage.put_bytes(layout.record_key(message.batch_id), ("\n".join(lines) + "\n").encode(),
+        storage.put_bytes(layout.record_key(message.batch_id), jsonl(records),
                           content_type="application/jsonl", if_absent=True)
         return BatchOutcome(
             batch_id=message.batch_id,

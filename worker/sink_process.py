@@ -224,9 +224,16 @@ class SinkProcess:
 
 
 def make_sink():
-    """The worker's sink: a helper process (default) or threads in the worker (`DIFFQ_SINK=thread`)."""
+    """The worker's sink: a helper process (default) or threads in the worker (`DIFFQ_SINK=thread`).
+
+    The helper starts at once, so it imports while the worker loads its model.
+    """
     settings = get_settings()
-    return (SinkProcess if settings.sink == "process" else Sink)(threads=settings.sink_threads)
+    if settings.sink == "thread":
+        return Sink(threads=settings.sink_threads)
+    sink = SinkProcess(threads=settings.sink_threads)
+    sink.start()
+    return sink
 
 
 def _send_all(fd: int, data) -> None:

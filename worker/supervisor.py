@@ -22,7 +22,9 @@ import time
 from dataclasses import dataclass
 from multiprocessing import resource_tracker
 
-from diffq.worker.process import EXIT_FATAL, ChildSpec, child_main
+from diffq.worker.backends import get_backend
+from diffq.worker.process import child_main
+from diffq.worker.spec import EXIT_FATAL, ChildSpec
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +76,15 @@ def plan_children(
     """
     if tp < 1 or len(devices) % tp:
         raise ValueError(f"--tp {tp} must divide the {len(devices)} devices given")
+    backend = get_backend(device)
+    generation = spec_fields.pop("generation", None)
+    if generation is None and backend.detect_generation:
+        generation = backend.detect_generation()
+    # Every combination is checked against the backend table before anything starts.
+    backend.check(compile=spec_fields.get("compile", "none"), offload=spec_fields.get("offload"),
+                  devices=devices, tp=tp, generation=generation)
+    if generation:
+        spec_fields["generation"] = generation
     specs = []
     for group, start in enumerate(range(0, len(devices), tp)):
         slots = devices[start:start + tp]
@@ -88,7 +99,7 @@ def plan_children(
         specs[0].warmup_shapes()  # an unserved --warmup size fails here, before spawning
         if tp > 1:
             for spec in specs[:tp]:
-                spec.env()  # e.g. a TPU group size with no process layout fails here
+                spec.env()  # e.g. a TPU group whose topology is unknown fails here
             if specs[0].offload:
                 raise ValueError("--offload cannot be combined with --tp: the group shards the model instead")
     return specs

@@ -1,34 +1,37 @@
-"""The batch task and the per-process runtime it runs in.
+"""The batch task's body and the per-process runtime it runs in.
 
 A batch message is validated on receipt, generated on the process's pipeline host,
-and handed to the sink; its ack waits for the sink (see acks.py). Failures retry
-with backoff (Celery's retry), then the batch is halved until a poison item fails
-alone with a failure record, and the run goes on.
+and handed to the process's batch line (batches.py: back-pressure, sink, held ack,
+routing). Failures retry with backoff (Celery's retry), then the batch is halved
+until a poison item fails alone with a failure record, and the run goes on.
+The runtime is an object the task carries (`task.runtime`), set up by
+worker/celery_adapter.py, which owns every other piece of Celery glue.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import json
 import logging
 import time
 from dataclasses import dataclass, field
 
-from celery import Celery, Task, signals
-from celery.exceptions import Reject
-from celery.worker import state as worker_state
+from celery import Task
 
 from diffq.core import layout
-from diffq.core.broker import TASK_NAME, make_celery
+from diffq.core.broker import TASK_NAME
 from diffq.core.contract import BatchMessage
+from diffq.core.records import FailureRecord
 from diffq.core.settings import get_settings
 from diffq.core.storage import Storage, open_storage
-from diffq.worker import acks, faults, metrics, routing
+from diffq.core.transports import transport_for
+from diffq.worker import faults, metrics
+from diffq.worker.batches import BatchLine
 from diffq.worker.models import ModelUnavailable
 from diffq.worker.pipeline_host import CompileUnsupported, PipelineHost
-from diffq.worker.process import ChildSpec, hostname
+from diffq.worker.routing import Router
 from diffq.worker.sink import Sink
 from diffq.worker.sink_process import SinkProcess, make_sink
+from diffq.worker.spec import ChildSpec, hostname
 from diffq.worker.tensor_parallel import EXIT_GROUP_BROKEN, GroupBroken
 
 log = logging.getLogger("diffq.worker")
@@ -42,13 +45,41 @@ class OutNotAllowed(PermissionError):
 PERMANENT_ERRORS = (ModelUnavailable, CompileUnsupported, OutNotAllowed)
 
 
+class HandBack(Exception):
+    """Give the batch back to its queue at once (not a failed attempt) and stop the
+    process with `exit_code`."""
+
+    def __init__(self, reason: str, exit_code: int):
+        super().__init__(reason)
+        self.exit_code = exit_code
+
+
 @dataclass
 class Runtime:
+    """A worker process's state: its spec, pipelines, sink, run folders, batch line."""
+
     spec: ChildSpec
     host: PipelineHost
     sink: Sink | SinkProcess = field(default_factory=make_sink)
     storages: dict[str, Storage] = field(default_factory=dict)
-    last_store: object = None  # the previous batch's `stored` future (back-pressure)
+    line: BatchLine | None = None  # built on the sink when not given
+
+    def __post_init__(self):
+        if self.line is None:
+            self.line = BatchLine(self.sink)
+
+    @classmethod
+    def start(cls, spec: ChildSpec, group=None) -> Runtime:
+        """The runtime of a worker process; its sink helper starts importing now, while
+        the model loads."""
+        rt = cls(spec=spec, host=PipelineHost(backend=spec.backend, compile_mode=spec.compile,
+                                              offload=spec.offload, group=group))
+        if spec.routing == "compile-aware":
+            rt.line.router = Router(spec.queues, rt.compiled_queues, transport_for(spec.broker_url))
+        return rt
+
+    def compiled_queues(self) -> set[str]:
+        return {shape.queue for shape in self.host.shapes_seen}
 
     @property
     def worker(self) -> str:
@@ -66,33 +97,11 @@ class Runtime:
         return self.storages[out]
 
 
-_runtime: Runtime | None = None
-
-
-def runtime() -> Runtime:
-    if _runtime is None:
-        raise RuntimeError("worker runtime not initialised")
-    return _runtime
-
-
-class BatchTask(Task):
-    Request = "diffq.worker.acks:DeferredAckRequest"
-    acks_late = True
-    reject_on_worker_lost = True
-    typing = False
-
-
 def write_failure(storage: Storage, message: BatchMessage, error: str, attempts: int, worker: str) -> None:
-    record = {
-        "run_id": message.run_id,
-        "batch_id": message.batch_id,
-        "item_ids": [item.id for item in message.items],
-        "error": error[:2000],
-        "attempts": attempts,
-        "worker": worker,
-        "failed_at": time.time(),
-    }
-    storage.put_bytes(layout.failure_key(message.batch_id), json.dumps(record).encode(),
+    record = FailureRecord(run_id=message.run_id, batch_id=message.batch_id,
+                           item_ids=[item.id for item in message.items], error=error[:2000], attempts=attempts,
+                           worker=worker, failed_at=time.time())
+    storage.put_bytes(layout.failure_key(message.batch_id), record.model_dump_json().encode(),
                       content_type="application/json", if_absent=True)
 
 
@@ -115,8 +124,8 @@ def retry_later(task: Task, exc: Exception):
 
 
 def generate_batch(task: Task, batch: dict) -> dict:
-    rt = runtime()
-    acks.drain()
+    rt: Runtime = task.runtime
+    rt.line.received()
     message = BatchMessage.from_json_payload(batch)
     storage = rt.storage_for(message.out)
     # Only a redelivered or retried batch can already be stored; first deliveries
@@ -125,9 +134,7 @@ def generate_batch(task: Task, batch: dict) -> dict:
     if (task.request.delivery_info or {}).get("redelivered") or task.request.retries:
         try:
             if storage.exists(layout.record_key(message.batch_id)):
-                # Credit it again (in the sink thread, acked after): the copy that
-                # stored the record may have died before crediting it for status.
-                acks.expect(task.request.id, rt.sink.credit(storage, message))
+                rt.line.credit_again(task.request.id, storage, message)
                 return {"batch_id": message.batch_id, "skipped": True}
         except Exception as exc:
             raise retry_later(task, exc)
@@ -139,24 +146,18 @@ def generate_batch(task: Task, batch: dict) -> dict:
         generated = rt.host.generate(message.shape, message.params, message.items)
         ended_at = time.time()
     except GroupBroken as exc:
-        # A rank of this worker's tensor-parallel group died: hand the batch back at
-        # once (not a failed attempt) and stop, so the supervisor restarts the group.
+        # A rank of this worker's tensor-parallel group died: the supervisor restarts
+        # the group, and the batch goes back meanwhile.
         log.warning("%s; batch %s goes back to the queue", exc, message.batch_id)
-        worker_state.should_stop = EXIT_GROUP_BROKEN
-        raise Reject(str(exc), requeue=True) from exc
+        raise HandBack(str(exc), EXIT_GROUP_BROKEN) from exc
     except Exception as exc:
         return handle_failure(task, storage, message, exc, attempts)
     metrics.observe_batch(message.shape.queue, len(message.items), generated.generate_s)
-    if generated.compiled and rt.spec.compile != "none":
+    if generated.compiled:  # eager backends compile too (PipelineHost.compiles)
         metrics.observe_compile(message.shape.label, generated.generate_s)
     if rt.host.recompiles > recompiles_before:
         metrics.observe_recompile(message.shape.label, rt.host.recompiles - recompiles_before)
-    # Back-pressure: one batch stored while the next generates, never a growing
-    # pile of images behind a slow or unreachable store.
-    if rt.last_store is not None:
-        concurrent.futures.wait([rt.last_store])
-    acks.drain()
-    handed = rt.sink.submit(storage, message, generated.images, {
+    rt.line.store(task.request.id, storage, message, generated.images, {
         "device": f"{rt.spec.device}:{rt.spec.slot}",
         "worker": rt.worker,
         "generate_s": round(generated.generate_s, 4),
@@ -166,19 +167,10 @@ def generate_batch(task: Task, batch: dict) -> dict:
         "generate_ended_at": round(ended_at, 4),
         **generated.record_extra,
     })
-    rt.last_store = handed.stored
-    handed.stored.add_done_callback(_observe_store)
-    acks.expect(task.request.id, handed.credited)
-    routing.after_batch()
     log.info(json.dumps({"event": "batch", "run": message.run_id, "batch": message.batch_id,
                          "queue": message.shape.queue, "items": len(message.items),
                          "generate_s": round(generated.generate_s, 3)}))
     return {"batch_id": message.batch_id, "items": len(message.items)}
-
-
-def _observe_store(future: concurrent.futures.Future) -> None:
-    if future.exception() is None:
-        metrics.observe_store(future.result().store_s, future.result().bytes)
 
 
 def handle_failure(task: Task, storage: Storage, message: BatchMessage, exc: Exception, attempts: int) -> dict:
@@ -194,34 +186,13 @@ def handle_failure(task: Task, storage: Storage, message: BatchMessage, exc: Exc
                     [child.batch_id for child in children])
         return {"batch_id": message.batch_id, "split": [child.batch_id for child in children]}
     try:
-        write_failure(storage, message, error, attempts, runtime().worker)
+        write_failure(storage, message, error, attempts, task.runtime.worker)
     except Exception as store_exc:
         raise retry_later(task, store_exc)
     metrics.observe_failure(message.shape.queue, len(message.items))
     return {"batch_id": message.batch_id, "failed": len(message.items)}
 
 
-def build_worker_app(spec: ChildSpec, group=None) -> Celery:
-    global _runtime
-    _runtime = Runtime(spec=spec, host=PipelineHost(backend=spec.backend, compile_mode=spec.compile,
-                                                     offload=spec.offload, group=group))
-    _runtime.sink.start()  # a helper process imports while the model loads
-    app = make_celery(spec.broker_url, spec.transport_options)
-    app.steps["consumer"].add(acks.DeferredAckStep)
-    if spec.routing == "compile-aware":
-        routing.configure(spec.queues, lambda: {shape.queue for shape in _runtime.host.shapes_seen})
-        app.steps["consumer"].add(routing.CompileAwareRouting)
-    app.task(name=TASK_NAME, base=BatchTask, bind=True)(generate_batch)
-    return app
-
-
-def preload(spec: ChildSpec) -> None:
-    for model in spec.models:
-        runtime().host.pipeline(model, spec.dtype)
-
-
-@signals.worker_shutting_down.connect
-def _flush_on_shutdown(**_):
-    # Warm shutdown: the batch in hand finishes, then its images must be stored.
-    if _runtime is not None:
-        _runtime.sink.flush()
+def preload(rt: Runtime) -> None:
+    for model in rt.spec.models:
+        rt.host.pipeline(model, rt.spec.dtype)

@@ -89,6 +89,8 @@ class Group:
         self.backend = backend
         self.control = control
         self.mesh = None
+        # The device this rank's weights go to (the backend's, or e.g. neuron:<index>).
+        self.device = backend.torch_device
 
     @property
     def leader(self) -> bool:
@@ -150,11 +152,18 @@ class Group:
 
 
 def join(rank: int, world_size: int, backend: Backend) -> Group:
-    """Rendezvous (env://: MASTER_ADDR/MASTER_PORT set by the supervisor) and build the groups."""
+    """Rendezvous (env://: MASTER_ADDR/MASTER_PORT set by the supervisor) and build the groups.
+
+    Nothing touches the device before `init_process_group` unless the backend binds
+    LOCAL_RANK first (cuda): torch-neuronx asserts its runtime is not yet initialised
+    (torch_neuronx/distributed/backend.py); its device is known only after.
+    """
     import torch
     import torch.distributed as dist
 
-    if backend.pin_group:
+    from diffq.worker.backends import resolve
+
+    if backend.bind_local_rank:
         # The rank sees every device of its group and binds the one at LOCAL_RANK.
         torch.accelerator.set_device_index(rank)
     try:
@@ -164,6 +173,13 @@ def join(rank: int, world_size: int, backend: Backend) -> Group:
     except Exception as exc:
         raise GroupBroken(f"rank {rank}/{world_size} could not join its group: {exc}") from exc
     group = Group(rank, world_size, backend, control)
+    if backend.rank_device:
+        # Bound before the mesh: DeviceMesh sets device LOCAL_RANK on a device it finds
+        # uninitialised (torch/distributed/device_mesh.py), out of range for a rank that
+        # sees one core.
+        index = int(resolve(backend.rank_device)())
+        torch.accelerator.set_device_index(index)
+        group.device = f"{backend.torch_device}:{index}"
     plan = sharding_plan(backend, world_size)
     if plan.transformer == "tensor-parallel":
         from torch.distributed.device_mesh import init_device_mesh

@@ -15,18 +15,20 @@ from __future__ import annotations
 import importlib
 
 _EXPORTS = {
-    "submit": "diffq.producer.submit",       # diffq submit
-    "run": "diffq.app.runner",                   # diffq run (embedded broker, no servers)
-    "status": "diffq.producer.results",      # diffq status
-    "fetch": "diffq.producer.results",       # diffq fetch
-    "iter_records": "diffq.producer.results",
-    "watch": "diffq.results.watch",         # diffq status --watch
+    "submit": "diffq.producer.submit",   # diffq submit
+    "plan": "diffq.producer.submit",     # diffq plan (validates, counts shapes; writes nothing)
+    "run": "diffq.app.runner",           # diffq run (embedded broker, no servers)
+    "status": "diffq.results.status",    # diffq status
+    "fetch": "diffq.results.fetch",      # diffq fetch
+    "iter_records": "diffq.core.runfolder",
+    "watch": "diffq.results.watch",      # diffq status --watch
     "snapshots": "diffq.results.watch",
-    "export": "diffq.results.export",       # diffq export
-    "report": "diffq.results.report",       # diffq report
+    "export": "diffq.results.export",    # diffq export
+    "report": "diffq.results.report",    # diffq report
     "build_report": "diffq.results.report",
     "render_text": "diffq.results.report",
     "open_storage": "diffq.core.storage",
+    "qualify": "diffq.app.qualify",         # diffq qualify
 }
 
 __all__ = sorted(_EXPORTS)

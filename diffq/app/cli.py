@@ -13,7 +13,10 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from diffq.app.choices import CompileMode, Device, Dtype, TpuGeneration
+from diffq.core.layout import IMAGE_FORMATS
 from diffq.core.settings import get_settings
+from diffq.worker import backends
 
 app = typer.Typer(no_args_is_help=True, add_completion=False,
                   help="Shape-bucketed diffusers image generation over Celery queues.")
@@ -26,24 +29,7 @@ class Family(str, Enum):
     flux = "flux"
 
 
-class ImageFormat(str, Enum):
-    png = "png"
-    jpeg = "jpeg"
-    webp = "webp"
-
-
-class Device(str, Enum):
-    cpu = "cpu"
-    cuda = "cuda"
-    neuron = "neuron"
-    tpu = "tpu"
-
-
-class CompileMode(str, Enum):
-    none = "none"
-    full = "full"
-    regional = "regional"
-    defer_fuse = "defer-fuse"
+ImageFormat = Enum("ImageFormat", {name: name for name in IMAGE_FORMATS}, type=str)
 
 
 class Routing(str, Enum):
@@ -51,10 +37,10 @@ class Routing(str, Enum):
     round_robin = "round-robin"
 
 
-class Dtype(str, Enum):
-    float32 = "float32"
-    bfloat16 = "bfloat16"
-    float16 = "float16"
+class Fit(str, Enum):
+    none = "none"
+    resize = "resize"
+    crop = "crop"
 
 
 Prompts = Annotated[Path, typer.Argument(help="Prompt file: .jsonl, .csv, .txt or .parquet")]
@@ -64,15 +50,18 @@ BatchSize = Annotated[int, typer.Option("--batch-size", "-b", min=1, help="Image
 Steps = Annotated[int, typer.Option("--steps", min=1, help="Default num_inference_steps")]
 Guidance = Annotated[float, typer.Option("--guidance-scale", min=0.0, help="Default guidance scale (> 1 turns CFG on)")]
 SeqLen = Annotated[int, typer.Option("--max-sequence-length", min=1, help="Text tokens per prompt (padded)")]
-Height = Annotated[int, typer.Option("--height", min=16, help="Default image height (multiple of 16)")]
-Width = Annotated[int, typer.Option("--width", min=16, help="Default image width (multiple of 16)")]
+Height = Annotated[int, typer.Option("--height", min=16, help="Default image height (multiple of 16, any with --size-buckets)")]
+Width = Annotated[int, typer.Option("--width", min=16, help="Default image width (multiple of 16, any with --size-buckets)")]
 Format = Annotated[ImageFormat, typer.Option("--format", help="Image file format")]
 DtypeOpt = Annotated[Dtype, typer.Option("--dtype", help="Pipeline dtype (part of the shape key)")]
+DeviceDtypeOpt = Annotated[Optional[Dtype], typer.Option("--dtype", help="Pipeline dtype (part of the shape key); default: the device's (bfloat16 on accelerators, float32 on cpu)")]
 DeviceOpt = Annotated[Device, typer.Option("--device", help="Device kind, from the backend table")]
-Compile = Annotated[CompileMode, typer.Option("--compile", help="none | full (whole transformer) | regional (repeated blocks) | defer-fuse (TPU)")]
+Compile = Annotated[CompileMode, typer.Option("--compile", help="none | full (whole transformer) | regional (repeated blocks) | defer-fuse (TPU only); checked against the device")]
 CompileCache = Annotated[Optional[str], typer.Option("--compile-cache", help="Compile cache: a shared directory used in place, or s3://… / gs://… / file://… mirrored locally (pull before warmup, push after compiling)")]
 Offload = Annotated[Optional[str], typer.Option("--offload", help="'model': enable_model_cpu_offload()")]
 RunId = Annotated[Optional[str], typer.Option("--run-id", help="Run id (default: random)")]
+SizeBucketsOpt = Annotated[Optional[str], typer.Option("--size-buckets", help="HxW[,HxW…] and/or a preset (aspect-1024, aspect-512, aspect-256): each row is generated at the bucket of nearest aspect ratio; requested sizes need not be multiples of 16")]
+FitOpt = Annotated[Fit, typer.Option("--fit", help="With --size-buckets: store the bucket's image as is (none), resized to the requested size (resize), or scaled and centre-cropped to it (crop)")]
 SeedBase = Annotated[Optional[str], typer.Option("--seed-base", help="Derive item seeds from this instead of the run id (reproducible reruns)")]
 
 
@@ -81,19 +70,26 @@ def _fail(message: str, code: int = 2) -> None:
     raise typer.Exit(code)
 
 
-def _generation(batch_size, steps, guidance_scale, max_sequence_length, height, width, format, dtype) -> dict:
+def _generation(batch_size, steps, guidance_scale, max_sequence_length, height, width, format, dtype,
+                size_buckets: str | None = None, fit: Fit = Fit.none) -> dict:
     return dict(batch_size=batch_size, steps=steps, guidance_scale=guidance_scale,
                 max_sequence_length=max_sequence_length, height=height, width=width,
-                format=format.value, dtype=dtype.value)
+                format=format.value, dtype=dtype if isinstance(dtype, str) else dtype.value,
+                size_buckets=size_buckets, fit=fit.value)
+
+
+def _dtype(device: Device, dtype) -> str:
+    """--dtype as given, else the device's default (the backend table's default_dtype)."""
+    return dtype.value if dtype is not None else backends.get_backend(device.value).default_dtype
 
 
 def _devices(device: Device, workers: int, cores: str | None, chips: str | None, gpus: str | None) -> list[int]:
-    from diffq.worker.backends import get_backend, parse_devices
-
     # Which option lists this kind's devices is the backend table's business.
-    option = get_backend(device.value).device_option
-    spec = {"--cores": cores, "--chips": chips, "--gpus": gpus}.get(option)
-    return parse_devices(spec) if spec else list(range(workers))
+    backend = backends.get_backend(device.value)
+    spec = {"--cores": cores, "--chips": chips, "--gpus": gpus}.get(backend.device_option)
+    if spec == "auto":
+        return backends.allocated_devices(backend)
+    return backends.parse_devices(spec) if spec else list(range(workers))
 
 
 @app.command("tiny-pipeline")
@@ -123,12 +119,14 @@ def run(
     height: Height = 128,
     width: Width = 128,
     format: Format = ImageFormat.png,
-    dtype: DtypeOpt = Dtype.float32,
-    device: DeviceOpt = Device.cpu,
-    cores: Annotated[Optional[str], typer.Option("--cores", help="NeuronCores, e.g. 0-7")] = None,
+    dtype: DeviceDtypeOpt = None,
+    size_buckets: SizeBucketsOpt = None,
+    fit: FitOpt = Fit.none,
+    device: DeviceOpt = Device("cpu"),
+    cores: Annotated[Optional[str], typer.Option("--cores", help="NeuronCores, e.g. 0-7, or auto (those the Neuron device plugin allocated)")] = None,
     chips: Annotated[Optional[str], typer.Option("--chips", help="TPU chips, e.g. 0-3")] = None,
     gpus: Annotated[Optional[str], typer.Option("--gpus", help="GPUs, e.g. 0,1")] = None,
-    compile: Compile = CompileMode.none,
+    compile: Compile = CompileMode("none"),
     compile_cache: CompileCache = None,
     offload: Offload = None,
     warmup: Annotated[Optional[str], typer.Option("--warmup", help="Compile before consuming: 'auto' (every shape of the run) or HxW[,HxW…]")] = None,
@@ -148,7 +146,8 @@ def run(
             prompts, out_, model=model, devices=_devices(device, workers, cores, chips, gpus),
             device=device.value, compile=compile.value, compile_cache=compile_cache, offload=offload,
             warmup=[w for w in (warmup or "").split(",") if w], threads=threads, progress=progress, console=err, run_id=run_id, seed_base=seed_base,
-            **_generation(batch_size, steps, guidance_scale, max_sequence_length, height, width, format, dtype),
+            **_generation(batch_size, steps, guidance_scale, max_sequence_length, height, width, format,
+                          _dtype(device, dtype), size_buckets, fit),
         )
     except (InputError, RunExists, ModelUnavailable, RunFailed, ValueError) as exc:
         _fail(str(exc))
@@ -173,7 +172,9 @@ def submit(
     height: Height = 128,
     width: Width = 128,
     format: Format = ImageFormat.png,
-    dtype: DtypeOpt = Dtype.float32,
+    dtype: DtypeOpt = Dtype("float32"),
+    size_buckets: SizeBucketsOpt = None,
+    fit: FitOpt = Fit.none,
     run_id: RunId = None,
     seed_base: SeedBase = None,
 ) -> None:
@@ -187,7 +188,7 @@ def submit(
     try:
         result = submit_run(prompts, out_, model=model, broker_url=broker, run_id=run_id, seed_base=seed_base,
                             **_generation(batch_size, steps, guidance_scale, max_sequence_length, height,
-                                          width, format, dtype))
+                                          width, format, dtype, size_buckets, fit))
     except (InputError, RunExists, ValueError) as exc:
         _fail(str(exc))
     out.print(result.out)
@@ -197,16 +198,16 @@ def submit(
 @app.command()
 def worker(
     broker: Annotated[Optional[str], typer.Option("--broker", help="Broker URL (or DIFFQ_BROKER_URL)")] = None,
-    device: DeviceOpt = Device.cpu,
+    device: DeviceOpt = Device("cpu"),
     workers: Annotated[int, typer.Option("--workers", "-w", min=1, help="Processes (cpu)")] = 1,
-    cores: Annotated[Optional[str], typer.Option("--cores", help="NeuronCores, one process each: 0-7")] = None,
+    cores: Annotated[Optional[str], typer.Option("--cores", help="NeuronCores, one process each: 0-7, or auto (those the Neuron device plugin allocated)")] = None,
     chips: Annotated[Optional[str], typer.Option("--chips", help="TPU chips, one process each: 0-3")] = None,
     gpus: Annotated[Optional[str], typer.Option("--gpus", help="GPUs, one process each: 0,1")] = None,
     queues: Annotated[Optional[str], typer.Option("--queues", "-Q", help="Comma-separated shape queues")] = None,
     run: Annotated[Optional[str], typer.Option("--run", help="Serve the queues of this run folder's manifest")] = None,
     model: Annotated[Optional[str], typer.Option("--model", help="Load this model before consuming (fail fast)")] = None,
-    dtype: DtypeOpt = Dtype.float32,
-    compile: Compile = CompileMode.none,
+    dtype: DeviceDtypeOpt = None,
+    compile: Compile = CompileMode("none"),
     compile_cache: CompileCache = None,
     compile_cache_local: Annotated[Optional[str], typer.Option("--compile-cache-local", help="Where a URL compile cache is mirrored on this host (default under /tmp)")] = None,
     warmup: Annotated[Optional[str], typer.Option("--warmup", help="Compile before consuming: 'auto' (every served shape) or HxW[,HxW…]")] = None,
@@ -216,7 +217,8 @@ def worker(
     routing: Annotated[Routing, typer.Option("--routing", help="compile-aware: drain compiled shapes before taking a new one; round-robin: Celery's default")] = Routing.compile_aware,
     tp: Annotated[int, typer.Option("--tp", min=1, help="Tensor-parallel degree: groups of N devices, each group one consumer (models larger than one device)")] = 1,
     master_port: Annotated[int, typer.Option("--master-port", help="Rendezvous port of the first --tp group (group g uses this + g)")] = 29500,
-    plan: Annotated[bool, typer.Option("--plan", help="Print each child's pinning and queues as JSON; start nothing")] = False,
+    tpu_generation: Annotated[Optional[TpuGeneration], typer.Option("--tpu-generation", help="TPU generation where none is attached (--plan, manifests); default: read from PCI ids")] = None,
+    plan: Annotated[bool, typer.Option("--plan", help="Print each child's pinning and queues as JSON (no --queues needed); start nothing")] = False,
     loglevel: Annotated[str, typer.Option("--loglevel", help="Celery log level")] = "INFO",
 ) -> None:
     """Start one pinned worker process per device, consuming shape queues until SIGTERM.
@@ -240,7 +242,7 @@ def worker(
         manifest = read_manifest(open_storage(run))
         names += [s.queue for s in manifest.shapes if s.queue not in names]
         models = models or [manifest.defaults["model"]]
-    if not names:
+    if not names and not plan:
         _fail("no queues: pass --queues or --run OUT")
     try:
         specs = plan_children(device=device.value, devices=_devices(device, workers, cores, chips, gpus),
@@ -249,13 +251,18 @@ def worker(
                               compile_cache_local=compile_cache_local, offload=offload,
                               warmup=[w for w in (warmup or ("auto" if warmup_only else "")).split(",") if w],
                               warmup_only=warmup_only, routing=routing.value,
-                              models=models, dtype=dtype.value, tp=tp, master_port=master_port,
+                              models=models, dtype=_dtype(device, dtype), tp=tp, master_port=master_port,
+                              generation=tpu_generation.value if tpu_generation else None,
                               allowed_out_prefixes=settings.allowed_out_prefixes, loglevel=loglevel)
     except ValueError as exc:
         _fail(str(exc))
     if plan:
+        def child_plan(spec) -> dict:
+            # Without --queues the worker would consume the queues it discovers.
+            return {**spec.plan(), "queues": spec.queues or "discovered"}
+
         if tp == 1:
-            out.print_json(json.dumps([spec.plan() for spec in specs]))
+            out.print_json(json.dumps([child_plan(spec) for spec in specs]))
         else:
             from diffq.worker.tensor_parallel import sharding_plan
 
@@ -266,7 +273,7 @@ def worker(
                 "devices": ranks[0].group_slots,
                 "master": f"{ranks[0].master_addr}:{ranks[0].master_port}",
                 "sharding": dataclasses.asdict(sharding_plan(ranks[0].backend, tp)),
-                "ranks": [spec.plan() for spec in ranks],
+                "ranks": [child_plan(spec) for spec in ranks],
             } for ranks in groups]))
         return
     raise typer.Exit(Supervisor(specs).serve_forever())
@@ -378,7 +385,7 @@ def _register_command_groups() -> None:
 
 
 # Modules under diffq/commands/, each adding its commands to `app`.
-COMMAND_GROUPS: list[str] = ["fleet", "data"]
+COMMAND_GROUPS: list[str] = ["fleet", "data", "plan", "qualify"]
 _register_command_groups()
 
 if __name__ == "__main__":

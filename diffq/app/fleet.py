@@ -3,6 +3,8 @@
 One Deployment and one KEDA ScaledObject per shape queue. Queue names come from
 `ShapeKey.queue` built by the producer's own `shape_of`, so the queue a worker
 consumes and the Redis list KEDA watches are the names `diffq submit` publishes to.
+A device kind's pod facts (resource, selectors, sizes) are its backend table row's
+`k8s` field: a backend cannot be added without saying whether and how it deploys.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import yaml
 
 from diffq.core.contract import ShapeKey
 from diffq.producer.bucketing import RunOptions, shape_of
-from diffq.worker.backends import get_backend
+from diffq.worker.backends import Backend, K8sPod, get_backend
 from diffq.producer.sources import Prompt
 
 NAMESPACE = "diffq"
@@ -25,52 +27,6 @@ CACHE_PVC = "diffq-cache"
 CACHE_MOUNT = "/cache"
 METRICS_PORT = 9400
 DEFAULT_IMAGE = "ghcr.io/diffq/diffq-{device}:0.1.0"
-
-
-@dataclass(frozen=True)
-class DeviceProfile:
-    """What one worker pod of a device kind asks the cluster for."""
-
-    device: str
-    resource: str | None  # extended resource requested once per device
-    node_selector: dict[str, str] = field(default_factory=dict)
-    tolerations: tuple[dict, ...] = ()
-    devices_per_pod: int = 1
-    # Longer than a batch including a first compile: SIGTERM is a warm shutdown
-    # that finishes the batch in hand, and the kubelet SIGKILLs after this.
-    grace_seconds: int = 600
-    cpu: str = "2"
-    memory: str = "8Gi"
-    compile: str = "none"
-
-
-PROFILES: dict[str, DeviceProfile] = {
-    # trn2.48xlarge: 16 chips, 4 logical NeuronCores each at the default LNC=2.
-    # A pod of 8 cores (2 chips) runs 8 pinned processes; --cores 0-7 indexes the
-    # cores the Neuron device plugin gave the container.
-    "neuron": DeviceProfile(
-        device="neuron", resource="aws.amazon.com/neuroncore",
-        node_selector={"node.kubernetes.io/instance-type": "trn2.48xlarge"},
-        tolerations=({"key": "aws.amazon.com/neuron", "operator": "Exists", "effect": "NoSchedule"},),
-        devices_per_pod=8, grace_seconds=1800, cpu="16", memory="128Gi", compile="regional",
-    ),
-    # GKE single-host v6e slice: 4 chips in a 2x2 topology on one node.
-    "tpu": DeviceProfile(
-        device="tpu", resource="google.com/tpu",
-        node_selector={"cloud.google.com/gke-tpu-accelerator": "tpu-v6e-slice",
-                       "cloud.google.com/gke-tpu-topology": "2x2"},
-        tolerations=({"key": "google.com/tpu", "operator": "Exists", "effect": "NoSchedule"},),
-        # The first TPU compile of a Flux-sized model can take ~1,100 s.
-        devices_per_pod=4, grace_seconds=3600, cpu="16", memory="128Gi", compile="regional",
-    ),
-    "cuda": DeviceProfile(
-        device="cuda", resource="nvidia.com/gpu",
-        tolerations=({"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"},),
-        devices_per_pod=1, grace_seconds=900, cpu="8", memory="32Gi", compile="full",
-    ),
-    "cpu": DeviceProfile(device="cpu", resource=None, devices_per_pod=2,
-                         grace_seconds=300, cpu="2", memory="4Gi"),
-}
 
 
 def parse_shapes(spec: str) -> list[tuple[int, int]]:
@@ -134,25 +90,33 @@ class FleetOptions:
     tp: int = 1
 
     @property
-    def profile(self) -> DeviceProfile:
-        if self.device not in PROFILES:
-            raise ValueError(f"unknown device '{self.device}' (one of {', '.join(PROFILES)})")
-        return PROFILES[self.device]
+    def backend(self) -> Backend:
+        return get_backend(self.device)
+
+    @property
+    def profile(self) -> K8sPod:
+        if self.backend.k8s is None:
+            raise ValueError(f"--device {self.device} is not deployable on Kubernetes (its backend table row says so)")
+        return self.backend.k8s
 
 
 def worker_args(shape: ShapeKey, options: FleetOptions) -> list[str]:
     """The container args after the image's `ENTRYPOINT ["diffq", "worker"]`."""
-    profile = options.profile
+    backend, profile = options.backend, options.profile
     n = options.devices_per_pod or profile.devices_per_pod
-    # The option that lists a kind's devices comes from the backend table.
-    option = get_backend(profile.device).device_option
-    pin = [option, str(n)] if option == "--workers" else [option, f"0-{n - 1}"]
     if n % options.tp:
         raise ValueError(f"--tp {options.tp} must divide the {n} devices per pod")
+    compile = options.compile or profile.compile
+    # The same checks `diffq worker` makes, at render time: the pod's devices are 0..n-1
+    # (or whatever the device plugin allocated: the same count).
+    backend.check(compile=compile, devices=list(range(n)), tp=options.tp, generation=profile.generation)
+    # The option that lists a kind's devices comes from the backend table; where the
+    # device plugin names the allocated devices, the manifest does not override it.
+    option = backend.device_option
+    pin = [option, str(n)] if option == "--workers" else [option, profile.devices_arg or f"0-{n - 1}"]
     tp = ["--tp", str(options.tp)] if options.tp > 1 else []
-    return ["--device", profile.device, *pin, *tp, "--queues", shape.queue, "--model", shape.model,
-            "--dtype", shape.dtype, "--compile", options.compile or profile.compile,
-            "--compile-cache", f"{CACHE_MOUNT}/compile"]
+    return ["--device", backend.name, *pin, *tp, "--queues", shape.queue, "--model", shape.model,
+            "--dtype", shape.dtype, "--compile", compile, "--compile-cache", f"{CACHE_MOUNT}/compile"]
 
 
 def deployment(shape: ShapeKey, options: FleetOptions) -> dict:
@@ -160,7 +124,7 @@ def deployment(shape: ShapeKey, options: FleetOptions) -> dict:
     name = k8s_name(shape.queue)
     n = options.devices_per_pod or profile.devices_per_pod
     labels = {"app.kubernetes.io/name": "diffq-worker", "app.kubernetes.io/instance": name,
-              "diffq/device": profile.device}
+              "diffq/device": options.device}
     resources: dict = {"requests": {"cpu": profile.cpu, "memory": profile.memory},
                        "limits": {"memory": profile.memory}}
     if profile.resource:
@@ -178,7 +142,7 @@ def deployment(shape: ShapeKey, options: FleetOptions) -> dict:
         "securityContext": {"runAsNonRoot": True, "runAsUser": 1000, "fsGroup": 1000},
         "containers": [{
             "name": "worker",
-            "image": options.image or DEFAULT_IMAGE.format(device=profile.device),
+            "image": options.image or DEFAULT_IMAGE.format(device=options.device),
             "args": worker_args(shape, options),
             "env": env,
             "ports": [{"name": "metrics", "containerPort": METRICS_PORT}],
@@ -187,6 +151,10 @@ def deployment(shape: ShapeKey, options: FleetOptions) -> dict:
         }],
         "volumes": [{"name": "cache", "persistentVolumeClaim": {"claimName": CACHE_PVC}}],
     }
+    if profile.shm_size:
+        # Memory-backed: a container's own /dev/shm is 64 MiB.
+        pod["volumes"].append({"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": profile.shm_size}})
+        pod["containers"][0]["volumeMounts"].append({"name": "dshm", "mountPath": "/dev/shm"})
     if profile.node_selector:
         pod["nodeSelector"] = dict(profile.node_selector)
     if profile.tolerations:

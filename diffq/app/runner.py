@@ -23,9 +23,10 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from diffq.core import layout
 from diffq.core.broker import embedded_broker
-from diffq.core.progress import reconcile
-from diffq.producer.resume import missing_batches
-from diffq.core.runfolder import ProgressTracker
+from diffq.core.progress import ProgressSummary
+from diffq.core.runfolder import iter_records
+from diffq.core.transports import transport_for
+from diffq.producer.resume import missing_batches, scan
 from diffq.producer.submit import CeleryPublisher, RunExists, make_options, submit, validate
 from diffq.core.storage import open_storage
 from diffq.worker.backends import get_backend
@@ -116,6 +117,9 @@ def run(
 
     broker_dir = Path(tempfile.mkdtemp(prefix="diffq-broker-"))
     broker_url, transport_options = embedded_broker(broker_dir)
+    # This transport loses a batch in flight when its worker dies (the table says
+    # so): the runner re-enqueues from the run folder instead.
+    reconciles = transport_for(broker_url).loses_inflight_on_kill
     backend = get_backend(device)
     specs = plan_children(
         device=backend.name,
@@ -144,7 +148,7 @@ def run(
         except BaseException as exc:  # reported by the main thread
             submitted["error"] = exc
 
-    tracker = ProgressTracker(storage)
+    tracker = ProgressSummary(storage)
     reenqueued = 0
     supervisor.start()
     publishing = threading.Thread(target=publish_all, name="diffq-publish", daemon=True)
@@ -155,7 +159,7 @@ def run(
     try:
         with bar:
             task = bar.add_task("run", total=plan.total, rate=0.0, failed=0)
-            last_progress, deaths_seen = time.monotonic(), 0
+            last_progress, deaths_seen, batch_time = time.monotonic(), 0, None
             while True:
                 before = tracker.done + tracker.failed
                 tracker.refresh()
@@ -174,15 +178,19 @@ def run(
                     raise RunFailed("every worker failed to start; see the errors above")
                 # A worker died with a batch in hand: this transport lost it. Once the
                 # queue is empty and the others have had time to finish theirs,
-                # re-enqueue what the run folder says is missing.
-                batch_time = max(tracker.generate_s, default=5.0)
-                if (supervisor.deaths > deaths_seen and "result" in submitted
-                        and publisher.depth() == 0 and now - last_progress > max(5.0, 3 * batch_time)):
-                    deaths_seen = supervisor.deaths
-                    for message in missing_batches(storage, tracker.done_ids | tracker.failed_ids):
-                        publisher.publish(message)
-                        reenqueued += len(message.items)
-                    last_progress = now
+                # re-enqueue what the run folder says is missing. `scan` also credits
+                # a batch recorded but not credited (killed in between), which would
+                # otherwise stay pending.
+                if (reconciles and supervisor.deaths > deaths_seen and "result" in submitted
+                        and publisher.depth() == 0):
+                    if batch_time is None:  # read once per death, not every poll
+                        batch_time = max((record.generate_s for record in iter_records(storage)), default=5.0)
+                    if now - last_progress > max(5.0, 3 * batch_time):
+                        deaths_seen, batch_time = supervisor.deaths, None
+                        for message in missing_batches(storage, scan(storage).settled):
+                            publisher.publish(message)
+                            reenqueued += len(message.items)
+                        last_progress = now
                 time.sleep(0.2)
     finally:
         stop.set()
@@ -190,10 +198,6 @@ def run(
         publishing.join(timeout=5)
         publisher.close()
         shutil.rmtree(broker_dir, ignore_errors=True)
-    # A worker killed between a batch's record and its progress credit, whose
-    # message this transport then lost, is counted here (records) but not yet by
-    # `diffq status` (the progress summary): credit it now.
-    reconcile(storage, tracker.batches)
     run_id = submitted["result"].run_id if "result" in submitted else ""
     return RunResult(out=storage.url, run_id=run_id, total=plan.total, done=tracker.done,
                      failed=tracker.failed, seconds=time.monotonic() - started, reenqueued=reenqueued)

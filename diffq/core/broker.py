@@ -1,7 +1,8 @@
 """The Celery app factory: one place that decides how diffq talks to a broker.
 
-Producers and workers build the same app from a broker URL, so serializer, acks and
-queue settings can never disagree between the two sides.
+Producers and workers build the same app from a broker URL, so serializer, queue and
+transport settings (from the transport table, core/transports.py) can never disagree
+between the two sides.
 """
 
 from __future__ import annotations
@@ -9,12 +10,12 @@ from __future__ import annotations
 import socket
 import time
 from pathlib import Path
-from urllib.parse import urlsplit, urlunsplit
 
 from celery import Celery
 from kombu.transport import filesystem
 
 from diffq.core.settings import get_settings
+from diffq.core.transports import transport_for
 
 TASK_NAME = "diffq.generate_batch"
 
@@ -22,8 +23,8 @@ TASK_NAME = "diffq.generate_batch"
 def embedded_broker(folder: str | Path) -> tuple[str, dict]:
     """kombu's filesystem transport: the embedded default, no server needed.
 
-    Measured here (../shared/CELERY.md): exactly-once across several worker processes
-    at ~1,200 msg/s; polling every 0.1 s instead of the default 1 s.
+    Exactly-once across several worker processes (../shared/CELERY.md), polling
+    every 0.1 s instead of the default 1 s.
     """
     folder = Path(folder)
     queue_dir = folder / "queue"
@@ -43,8 +44,8 @@ class EmbeddedTransport(filesystem.Transport):
 
     Celery drives a transport without an event loop from `synloop`, which blocks in
     `drain_events(timeout=2.0)` and, on seeing the shutdown flag, runs one more such
-    cycle: every warm shutdown of an idle worker took ~4 s before the process even
-    began to exit (measured: the embedded run ended 5 s after its last image). Here
+    cycle: every warm shutdown of an idle worker waited seconds before the process
+    even began to exit (docs/BENCHMARKS.md). Here
     the wait is cut into polling intervals and ends as soon as the flag is set.
     """
 
@@ -67,38 +68,16 @@ def _worker_stopping() -> bool:
     return any(flag is not None and flag is not False for flag in (state.should_stop, state.should_terminate))
 
 
-def redact(url: str) -> str:
-    """The broker URL without its password, for logs, manifests and status output."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    host = parts.hostname or ""
-    if parts.port:
-        host = f"{host}:{parts.port}"
-    user = f"{parts.username}:***@" if parts.username else ":***@"
-    return urlunsplit((parts.scheme, user + host, parts.path, parts.query, parts.fragment))
-
-
 def make_celery(broker_url: str, transport_options: dict | None = None) -> Celery:
+    """The app both sides build. How a worker consumes and acks (late acks, prefetch 1,
+    reject on a lost worker) is the worker's own policy: worker/celery_adapter.py."""
     settings = get_settings()
-    timeout = settings.visibility_timeout
-    options = {
-        "visibility_timeout": timeout,
-        # Keep every message in the base list: priority sub-lists would hide depth
-        # from KEDA's redis-list scaler (its listName must equal the queue name).
-        "priority_steps": [0],
-        # Restore a dead worker's unacked batch in seconds, not ~95 s.
-        "unacked_restore_interval": 10,
-        "unacked_restore_throttle": 1,
-    }
-    embedded = broker_url.startswith("filesystem")
-    if embedded:
-        options = {}
-    options.update(transport_options or {})
+    transport = transport_for(broker_url)
+    options = {**transport.broker_options(settings), **(transport_options or {})}
 
     app = Celery("diffq", broker=broker_url, set_as_current=False)
-    if embedded:
-        app.conf.broker_transport = f"{__name__}:EmbeddedTransport"
+    if transport.kombu_transport:
+        app.conf.broker_transport = transport.kombu_transport
     app.conf.update(
         # JSON only: pickle is refused on both sides.
         task_serializer="json",
@@ -106,20 +85,11 @@ def make_celery(broker_url: str, transport_options: dict | None = None) -> Celer
         result_serializer="json",
         task_ignore_result=True,
         result_backend=None,
-        # A batch is acknowledged only once its images and record are stored, and a
-        # worker that dies mid-batch hands it back instead of dropping it.
-        task_acks_late=True,
-        task_reject_on_worker_lost=True,
-        # One batch in hand per process: long accelerator tasks must not sit in a
-        # busy worker's buffer while another device idles.
-        worker_prefetch_multiplier=1,
-        # Compiled pipelines live for the process: never recycle it.
-        worker_max_tasks_per_child=None,
         broker_transport_options=options,
         # Celery reads the visibility timeout in two more places (result backend,
         # and the Redis `visibility_timeout` default); set all of them.
-        result_backend_transport_options={"visibility_timeout": timeout},
-        visibility_timeout=timeout,
+        result_backend_transport_options={"visibility_timeout": settings.visibility_timeout},
+        visibility_timeout=settings.visibility_timeout,
         broker_connection_retry_on_startup=True,
         task_create_missing_queues=True,
         task_default_queue="diffq.default",

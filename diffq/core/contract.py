@@ -1,6 +1,7 @@
 """The queue contract shared by producer and worker: one pydantic schema, JSON only.
 
-Everything that crosses the broker or lands in a run folder is one of these models.
+Everything that crosses the broker is one of these models (the run folder's files
+are in records.py).
 The shape key is the heart of it: every field of it changes a compiled graph on a
 static-shape backend, so it names the queue a batch goes to.
 """
@@ -14,13 +15,17 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from diffq.core.layout import IMAGE_FORMATS
+
 SCHEMA_VERSION = 1
-# Redis keeps ~3 KB per queued message; a batch of a few prompts is ~1 KB. The cap
+# A queued message sits in the broker's memory until a worker takes it: the cap
 # stops a runaway prompt (or a hostile producer) from filling the broker.
 MAX_MESSAGE_BYTES = 256 * 1024
 MAX_PROMPT_CHARS = 16_000
-IMAGE_FORMATS = ("png", "jpeg", "webp")
-DTYPES = ("float32", "bfloat16", "float16")
+# Pipeline dtypes, each with its short tag in queue names: the one list of them
+# (CLI choices, the shape key, queue names and the worker's torch dtypes read it).
+DTYPE_TAGS = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+Dtype = Literal[tuple(DTYPE_TAGS)]
 
 
 class Strict(BaseModel):
@@ -41,7 +46,7 @@ class ShapeKey(Strict):
     # > 1. For distilled models that ignore it this only splits queues, never mixes
     # graphs, so the conservative rule is safe.
     cfg: bool
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    dtype: Dtype = "float32"
 
     @property
     def queue(self) -> str:
@@ -63,6 +68,13 @@ def model_slug(model: str) -> str:
     return f"{tail}-{digest}"
 
 
+# The queue name's dtype part is DTYPE_TAGS's; `shape_from_queue` reads it back.
+_QUEUE_RE = re.compile(
+    r"diffq\.(?P<slug>[a-z0-9-]+)\.(?P<height>\d+)x(?P<width>\d+)\.b(?P<batch>\d+)"
+    r"\.l(?P<seq>\d+)\.(?P<cfg>cfg|nocfg)\.(?P<dtype>" + "|".join(DTYPE_TAGS.values()) + ")"
+)
+
+
 @functools.lru_cache(maxsize=4096)
 def queue_name(shape: ShapeKey) -> str:
     """``diffq.<model>.<H>x<W>.b<B>.l<L>.<cfg|nocfg>.<dtype>``.
@@ -70,18 +82,38 @@ def queue_name(shape: ShapeKey) -> str:
     Only ``[a-z0-9.-]``: a plain Redis list (what KEDA's redis-list scaler reads),
     a valid RabbitMQ queue, and under SQS's 80 characters (kombu maps '.' to '-').
     """
-    dtype = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[shape.dtype]
     return (
         f"diffq.{model_slug(shape.model)}.{shape.height}x{shape.width}"
         f".b{shape.batch_size}.l{shape.max_sequence_length}"
-        f".{'cfg' if shape.cfg else 'nocfg'}.{dtype}"
+        f".{'cfg' if shape.cfg else 'nocfg'}.{DTYPE_TAGS[shape.dtype]}"
     )
+
+
+def shape_from_queue(queue: str, models: list[str]) -> ShapeKey | None:
+    """The shape a queue carries (the inverse of `queue_name`, given the models whose
+    slugs may appear), or None if it is not a shape queue of these models."""
+    match = _QUEUE_RE.fullmatch(queue)
+    if not match:
+        return None
+    model = next((m for m in models if model_slug(m) == match["slug"]), None)
+    if model is None:
+        return None
+    dtype = next(name for name, tag in DTYPE_TAGS.items() if tag == match["dtype"])
+    return ShapeKey(model=model, height=int(match["height"]), width=int(match["width"]),
+                    batch_size=int(match["batch"]), max_sequence_length=int(match["seq"]),
+                    cfg=match["cfg"] == "cfg", dtype=dtype)
 
 
 class BatchItem(Strict):
     id: str = Field(min_length=1, max_length=200)
     prompt: str = Field(max_length=MAX_PROMPT_CHARS)
     seed: int = Field(ge=0, lt=2**63)
+    # Size buckets: the size the row asked for (the shape's size is what is generated).
+    requested_height: int | None = Field(default=None, gt=0, le=16384)
+    requested_width: int | None = Field(default=None, gt=0, le=16384)
+
+
+FITS = ("none", "resize", "crop")
 
 
 class BatchParams(Strict):
@@ -89,7 +121,10 @@ class BatchParams(Strict):
 
     num_inference_steps: int = Field(gt=0, le=1000)
     guidance_scale: float = Field(ge=0, le=100)
-    format: Literal["png", "jpeg", "webp"] = "png"
+    format: Literal[tuple(IMAGE_FORMATS)] = "png"  # type: ignore[valid-type]
+    # What the sink stores for an item whose requested size differs from the shape's:
+    # the bucket's image as generated, resized, or scaled and centre-cropped to it.
+    fit: Literal["none", "resize", "crop"] = "none"
 
 
 class BatchMessage(Strict):
@@ -129,57 +164,3 @@ class BatchMessage(Strict):
         if len(payload) > MAX_MESSAGE_BYTES:
             raise ValueError(f"message of {len(payload)} bytes exceeds {MAX_MESSAGE_BYTES}")
         return cls.model_validate_json(payload)
-
-
-class ImageRecord(BaseModel):
-    """One line of a batch record and of ``metadata.jsonl`` (imagefolder layout)."""
-
-    model_config = ConfigDict(extra="allow")
-
-    file_name: str
-    id: str
-    prompt: str
-    seed: int
-    height: int
-    width: int
-    steps: int
-    guidance_scale: float
-    model: str
-    run_id: str
-    batch_id: str
-    queue: str
-    device: str
-    worker: str
-    generate_s: float
-    finished_at: float
-
-
-class FailureRecord(Strict):
-    run_id: str
-    batch_id: str
-    item_ids: list[str]
-    error: str
-    attempts: int
-    worker: str
-    failed_at: float
-
-
-class ShapeSummary(Strict):
-    shape: ShapeKey
-    queue: str
-    items: int
-    batches: int
-
-
-class RunManifest(Strict):
-    schema_version: Literal[1] = SCHEMA_VERSION
-    run_id: str
-    created_at: float
-    source: str
-    out: str
-    total: int
-    batches: int
-    plan_parts: int
-    shapes: list[ShapeSummary]
-    defaults: dict
-    diffq_version: str

@@ -1,14 +1,13 @@
-"""The run folder: which key holds what. Storage is the source of truth.
+"""The run folder: which key holds what. Storage is the source of truth; each
+file's schema is in records.py.
 
     manifest.json                 the run: total, shapes, defaults (written before publishing)
     plan/part-000000.jsonl        every batch message as submitted (resume reads these)
     images/<safe id>.<ext>        one image per item, written only if absent
-    records/<batch id>.jsonl      one line per image of a finished batch (metadata.jsonl lines)
+    records/<batch id>.jsonl      one ImageRecord per image of a finished batch (metadata.jsonl lines)
     progress/<writer>-<n>.json    batches credited done by one worker process (or by
                                   resume's reconciliation): what status reads, see
-                                  diffq/progress.py. Written after the record, before the
-                                  ack; a run without any is from before it existed, and
-                                  status then reads every record
+                                  progress.py. Written after the record, before the ack
     failures/<batch id>.json      items that failed after every retry
 
 Batch ids: a plan batch's id has no '.'; work derived from a batch appends a
@@ -20,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+from dataclasses import dataclass, field
 
 MANIFEST = "manifest.json"
 PLAN_PREFIX = "plan/"
@@ -27,7 +27,23 @@ IMAGES_PREFIX = "images/"
 RECORDS_PREFIX = "records/"
 FAILURES_PREFIX = "failures/"
 PROGRESS_PREFIX = "progress/"
-EXTENSIONS = {"png": "png", "jpeg": "jpg", "webp": "webp"}
+
+
+@dataclass(frozen=True)
+class ImageFormat:
+    extension: str
+    pil: str  # PIL's format name
+    content_type: str
+    # PIL save options: the fastest PNG level, as encoding must keep up with the
+    # next batch's generation; quality 90 for the lossy formats.
+    options: dict = field(default_factory=dict)
+
+
+IMAGE_FORMATS = {
+    "png": ImageFormat("png", "PNG", "image/png", {"compress_level": 1}),
+    "jpeg": ImageFormat("jpg", "JPEG", "image/jpeg", {"quality": 90}),
+    "webp": ImageFormat("webp", "WEBP", "image/webp", {"quality": 90}),
+}
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.-]")
 MAX_NAME = 100
@@ -48,11 +64,16 @@ def safe_name(item_id: str) -> str:
 
 
 def image_key(item_id: str, fmt: str) -> str:
-    return f"{IMAGES_PREFIX}{safe_name(item_id)}.{EXTENSIONS[fmt]}"
+    return f"{IMAGES_PREFIX}{safe_name(item_id)}.{IMAGE_FORMATS[fmt].extension}"
 
 
 def record_key(batch_id: str) -> str:
     return f"{RECORDS_PREFIX}{batch_id}.jsonl"
+
+
+def batch_of_record(key: str) -> str:
+    """The batch id of a record key (`record_key`'s inverse)."""
+    return key[len(RECORDS_PREFIX):-len(".jsonl")]
 
 
 def failure_key(batch_id: str) -> str:

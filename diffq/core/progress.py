@@ -2,10 +2,14 @@
 
 Status cannot read one record file per batch at scale (125,000 objects for a
 million items), so whoever writes a record also credits its batch in a progress
-segment, `progress/<writer>-<n>.json`:
+segment, `progress/<writer>-<n>.json` (schema: records.ProgressSegment):
 
     {"v": 1, "writer": "...", "queues": {"<queue>": [["<batch id>", 8],
                                                       ["<batch id>.s0", 4, ["<item id>", ...]]]}}
+
+One writer (ProgressLog, in the sink) and one reader (ProgressSummary: status,
+watch, the embedded runner); `reconcile` credits what records show but no
+segment does.
 
 A segment has one writer, so it is rewritten whole (an atomic put) each time it
 grows; past SEGMENT_BYTES its writer starts the next one, which keeps each
@@ -28,10 +32,9 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 from diffq.core import layout
-from diffq.core.contract import FailureRecord
+from diffq.core.records import Credit, FailureRecord, ProgressSegment
 from diffq.core.storage import Storage
 
-VERSION = 1
 SEGMENT_BYTES = 256 * 1024
 
 
@@ -47,7 +50,7 @@ def default_writer() -> str:
 
 
 class ProgressLog:
-    """One writer's credits in one run folder. Not thread-safe: one thread per log."""
+    """The writer: one writer's credits in one run folder. Not thread-safe: one thread per log."""
 
     def __init__(self, storage: Storage, writer: str | None = None):
         self.storage = storage
@@ -56,7 +59,7 @@ class ProgressLog:
         self._start_segment()
 
     def _start_segment(self) -> None:
-        self._entries: dict[str, list[str]] = {}  # queue -> encoded credits
+        self._queues: dict[str, list[Credit]] = {}
         self._batches: set[str] = set()
         self._bytes = 0
         self._dirty = False
@@ -69,20 +72,16 @@ class ProgressLog:
             self.flush()  # raises with the state unchanged, so a retry redoes this
             self._segment += 1
             self._start_segment()
-        entry = [batch_id, len(item_ids)]
-        if "." in batch_id:
-            entry.append(list(item_ids))
-        encoded = json.dumps(entry, separators=(",", ":"))
-        self._entries.setdefault(queue, []).append(encoded)
+        credit: Credit = (batch_id, len(item_ids), list(item_ids)) if "." in batch_id else (batch_id, len(item_ids))
+        self._queues.setdefault(queue, []).append(credit)
         self._batches.add(batch_id)
-        self._bytes += len(encoded) + 1
+        self._bytes += len(json.dumps(credit, separators=(",", ":"))) + 1
         self._dirty = True
 
     def flush(self) -> None:
         if not self._dirty:
             return
-        queues = ",".join(f"{json.dumps(queue)}:[{','.join(entries)}]" for queue, entries in self._entries.items())
-        body = f'{{"v":{VERSION},"writer":{json.dumps(self.writer)},"queues":{{{queues}}}}}'
+        body = ProgressSegment(writer=self.writer, queues=self._queues).model_dump_json()
         self.storage.put_bytes(layout.progress_key(self.writer, self._segment), body.encode(),
                                content_type="application/json")
         self._dirty = False
@@ -90,16 +89,17 @@ class ProgressLog:
 
 def parse_segment(body: bytes) -> Iterator[tuple[str, str, int, list[str] | None]]:
     """(batch id, queue, items, item ids or None) for each credit in a segment."""
-    data = json.loads(body)
-    for queue, entries in data["queues"].items():
-        for entry in entries:
-            yield entry[0], queue, entry[1], entry[2] if len(entry) > 2 else None
+    for queue, credits in ProgressSegment.model_validate_json(body).queues.items():
+        for credit in credits:
+            yield credit[0], queue, credit[1], credit[2] if len(credit) > 2 else None
 
 
 log = logging.getLogger(__name__)
 
 
 class ProgressSummary:
+    """The reader: done and failed counts of a run, refreshed from what changed."""
+
     def __init__(self, storage: Storage):
         self.storage = storage
         self._sizes: dict[str, int] = {}  # segment key -> size when read
@@ -110,15 +110,13 @@ class ProgressSummary:
         self.failed = 0
         self.done_per_queue: dict[str, int] = {}
 
-    def refresh(self) -> bool:
-        """Read what changed and recount; False when the run folder has no progress
-        segments (nothing credited yet, or a run from before them)."""
+    def refresh(self) -> ProgressSummary:
+        """Read the segments and failures that changed and recount (a run with no
+        segment yet has nothing done)."""
         with ThreadPoolExecutor(2) as pool:  # two listings, one round trip
             segments = pool.submit(lambda: list(self.storage.list_with_sizes(layout.PROGRESS_PREFIX)))
             failures = pool.submit(lambda: list(self.storage.list(layout.FAILURES_PREFIX)))
             segments, failures = segments.result(), failures.result()
-        if not segments:
-            return False
         changed = [key for key, size in segments if key.endswith(".json") and self._sizes.get(key) != size]
         sizes = dict(segments)
         for key, body in self.storage.get_many(changed):
@@ -129,7 +127,7 @@ class ProgressSummary:
             failure = FailureRecord.model_validate_json(body)
             self._failures[key] = (failure.batch_id, failure.item_ids)
         self._count()
-        return True
+        return self
 
     def _count(self) -> None:
         done_per_queue: dict[str, int] = {}
@@ -161,11 +159,8 @@ def reconcile(storage: Storage, recorded: dict[str, tuple[str, list[str]]]) -> i
     worker that died between record and credit is healed when its batch is
     delivered again; this covers a batch whose message was lost meanwhile. A
     record always means its batch is done, so crediting it is always right.
-    Runs without progress segments are left alone: status reads their records.
     """
-    summary = ProgressSummary(storage)
-    if not summary.refresh():
-        return 0
+    summary = ProgressSummary(storage).refresh()
     missing = [batch_id for batch_id in recorded if batch_id not in summary.batches]
     if missing:
         writer = ProgressLog(storage, writer=f"reconcile-{secrets.token_hex(6)}")

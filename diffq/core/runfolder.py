@@ -1,16 +1,15 @@
-"""Reading a run folder: its manifest and its image records.
+"""Reading a run folder: its manifest, its image records and its failure records.
 
 Every layer above the base reads through these (status, resume, export, report);
-nothing here asks the broker.
+nothing here asks the broker. The schemas are in records.py.
 """
 
 from __future__ import annotations
 
-import json
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 from diffq.core import layout
-from diffq.core.contract import FailureRecord, RunManifest
+from diffq.core.records import FailureRecord, ImageRecord, RunManifest, parse_record
 from diffq.core.storage import NotFound, Storage
 
 
@@ -25,63 +24,34 @@ def read_manifest(storage: Storage) -> RunManifest:
         raise NotARun(f"{storage.url} holds no diffq run (no {layout.MANIFEST})") from None
 
 
-def parse_records(body: bytes) -> Iterator[dict]:
-    for line in body.decode().splitlines():
-        if line:
-            yield json.loads(line)
+def record_keys(storage: Storage) -> list[str]:
+    """Every batch record's key, sorted (a stable order for exports)."""
+    return sorted(key for key in storage.list(layout.RECORDS_PREFIX) if key.endswith(".jsonl"))
 
 
-def iter_records(storage: Storage) -> Iterator[dict]:
+def read_records(storage: Storage, keys: Iterable[str]) -> Iterator[tuple[str, list[ImageRecord]]]:
+    """(batch id, its image records) for each record key, in completion order."""
+    for key, body in storage.get_many(keys):
+        yield layout.batch_of_record(key), parse_record(body)
+
+
+def iter_records(storage: Storage) -> Iterator[ImageRecord]:
     """Every image record, each item once (first record wins if a race wrote two)."""
     seen: set[str] = set()
-    keys = [key for key in storage.list(layout.RECORDS_PREFIX) if key.endswith(".jsonl")]
-    for _, body in storage.get_many(keys):
-        for record in parse_records(body):
-            if record["id"] not in seen:
-                seen.add(record["id"])
+    for _, records in read_records(storage, record_keys(storage)):
+        for record in records:
+            if record.id not in seen:
+                seen.add(record.id)
                 yield record
 
 
-class ProgressTracker:
-    """Progress from every record and failure file, reading each one once.
+def recorded_batches(storage: Storage) -> dict[str, tuple[str, list[str]]]:
+    """Every recorded batch: batch id -> (queue, item ids). A record means done."""
+    return {batch_id: (records[0].queue, [record.id for record in records])
+            for batch_id, records in read_records(storage, record_keys(storage)) if records}
 
-    Record files never change after they are written (if_absent), so a watcher
-    only needs to read the keys it has not seen.
-    """
 
-    def __init__(self, storage: Storage):
-        self.storage = storage
-        self._read: set[str] = set()
-        self.done_ids: set[str] = set()
-        self.failed_ids: set[str] = set()
-        self.done_per_queue: dict[str, int] = {}
-        self.generate_s: list[float] = []
-        self.batches: dict[str, tuple[str, list[str]]] = {}  # recorded batch -> (queue, item ids)
-
-    def refresh(self) -> None:
-        new = [key for prefix in (layout.RECORDS_PREFIX, layout.FAILURES_PREFIX)
-               for key in self.storage.list(prefix) if key not in self._read]
-        for key, body in self.storage.get_many(new):
-            self._read.add(key)
-            if key.startswith(layout.FAILURES_PREFIX):
-                self.failed_ids.update(FailureRecord.model_validate_json(body).item_ids)
-                continue
-            records = list(parse_records(body))
-            if records:
-                self.generate_s.append(records[0].get("generate_s", 0.0))
-                batch_id = key[len(layout.RECORDS_PREFIX):-len(".jsonl")]
-                self.batches[batch_id] = (records[0].get("queue", ""), [record["id"] for record in records])
-            for record in records:
-                if record["id"] in self.done_ids:
-                    continue
-                self.done_ids.add(record["id"])
-                queue = record.get("queue", "")
-                self.done_per_queue[queue] = self.done_per_queue.get(queue, 0) + 1
-
-    @property
-    def done(self) -> int:
-        return len(self.done_ids)
-
-    @property
-    def failed(self) -> int:
-        return len(self.failed_ids - self.done_ids)
+def read_failures(storage: Storage) -> Iterator[FailureRecord]:
+    """Every failure record (items that failed after every retry)."""
+    for _, body in storage.get_many(sorted(storage.list(layout.FAILURES_PREFIX))):
+        yield FailureRecord.model_validate_json(body)

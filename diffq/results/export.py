@@ -24,10 +24,9 @@ from dataclasses import dataclass, field
 from itertools import chain, islice
 from pathlib import Path
 
-from diffq.core import layout
+from diffq.core.records import ImageRecord, jsonl, parse_record
+from diffq.core.runfolder import read_manifest, record_keys
 from diffq.core.storage import Storage, open_storage
-from diffq.results.fetch import METADATA_FIELDS
-from diffq.core.runfolder import parse_records, read_manifest
 
 FORMATS = ("imagefolder", "webdataset", "parquet")
 DEFAULT_SHARD_SIZE = 1000
@@ -35,14 +34,6 @@ DEFAULT_SHARD_SIZE = 1000
 CHUNK = 128
 #: Record files read per round trip.
 RECORD_WINDOW = 64
-
-# Record fields as Parquet columns, with the Hugging Face `datasets` dtype of each.
-COLUMNS: dict[str, str] = {
-    "file_name": "string", "id": "string", "prompt": "string", "seed": "int64",
-    "height": "int32", "width": "int32", "steps": "int32", "guidance_scale": "float64",
-    "model": "string", "run_id": "string", "batch_id": "string", "queue": "string",
-    "device": "string", "worker": "string", "generate_s": "float64", "finished_at": "float64",
-}
 
 Progress = Callable[[int, int], None]
 
@@ -56,20 +47,20 @@ class ExportResult:
     files: list[str] = field(default_factory=list)
 
 
-def iter_records_ordered(storage: Storage, window: int = RECORD_WINDOW) -> Iterator[dict]:
+def iter_records_ordered(storage: Storage, window: int = RECORD_WINDOW) -> Iterator[ImageRecord]:
     """Every image record once, in a stable order, reading `window` record files at a time.
 
     Duplicates (a race that recorded one item twice) are dropped by an 8-byte digest
     of the id, the only per-item state kept.
     """
-    keys = sorted(key for key in storage.list(layout.RECORDS_PREFIX) if key.endswith(".jsonl"))
+    keys = record_keys(storage)
     seen: set[bytes] = set()
     for start in range(0, len(keys), window):
         chunk = keys[start:start + window]
         bodies = dict(storage.get_many(chunk))
         for key in chunk:
-            for record in parse_records(bodies.pop(key)):
-                digest = hashlib.blake2b(record["id"].encode(), digest_size=8).digest()
+            for record in parse_record(bodies.pop(key)):  # parsed one batch at a time
+                digest = hashlib.blake2b(record.id.encode(), digest_size=8).digest()
                 if digest not in seen:
                     seen.add(digest)
                     yield record
@@ -88,11 +79,12 @@ def _shards(items: Iterable, size: int) -> Iterator[Iterator]:
         yield chain([first], islice(iterator, size - 1))
 
 
-def _with_images(storage: Storage, records: Iterable[dict], chunk: int) -> Iterator[tuple[dict, bytes]]:
+def _with_images(storage: Storage, records: Iterable[ImageRecord], chunk: int
+                 ) -> Iterator[tuple[ImageRecord, bytes]]:
     for batch in _chunks(records, chunk):
-        data = dict(storage.get_many(r["file_name"] for r in batch))
+        data = dict(storage.get_many(r.file_name for r in batch))
         for record in batch:
-            yield record, data.pop(record["file_name"])
+            yield record, data.pop(record.file_name)
 
 
 class _Destination:
@@ -124,11 +116,11 @@ class _Destination:
         self._tmp.cleanup()
 
 
-def _extension(record: dict) -> str:
-    return record["file_name"].rsplit(".", 1)[-1]
+def _extension(record: ImageRecord) -> str:
+    return record.file_name.rsplit(".", 1)[-1]
 
 
-def _write_webdataset(samples: Iterator[tuple[dict, bytes]], dest: _Destination, shard_size: int,
+def _write_webdataset(samples: Iterator[tuple[ImageRecord, bytes]], dest: _Destination, shard_size: int,
                       tick: Callable[[int], None]) -> list[str]:
     files = []
     for shard, group in enumerate(_shards(samples, shard_size)):
@@ -139,9 +131,9 @@ def _write_webdataset(samples: Iterator[tuple[dict, bytes]], dest: _Destination,
                 # WebDataset splits a member name at its first dot into key and
                 # extension, and ids may hold dots: the key is the position instead.
                 sample = f"{shard * shard_size + n:09d}"
-                mtime = int(record.get("finished_at", 0))
+                mtime = int(record.finished_at)
                 for name, body in ((f"{sample}.{_extension(record)}", image),
-                                   (f"{sample}.json", json.dumps(record, sort_keys=True).encode())):
+                                   (f"{sample}.json", json.dumps(record.model_dump(), sort_keys=True).encode())):
                     info = tarfile.TarInfo(name)
                     info.size, info.mtime, info.mode = len(body), mtime, 0o644
                     tar.addfile(info, io.BytesIO(body))
@@ -154,16 +146,18 @@ def _write_webdataset(samples: Iterator[tuple[dict, bytes]], dest: _Destination,
 def _parquet_schema():
     import pyarrow as pa
 
-    types = {"string": pa.string(), "int64": pa.int64(), "int32": pa.int32(), "float64": pa.float64()}
+    types = {"string": pa.string(), "int64": pa.int64(), "int32": pa.int32(), "float64": pa.float64(),
+             "bool": pa.bool_()}
+    columns = ImageRecord.dtypes()
     features = {"image": {"_type": "Image"}} | {
-        name: {"dtype": dtype, "_type": "Value"} for name, dtype in COLUMNS.items()}
+        name: {"dtype": dtype, "_type": "Value"} for name, dtype in columns.items()}
     fields = [pa.field("image", pa.struct([("bytes", pa.binary()), ("path", pa.string())]))]
-    fields += [pa.field(name, types[dtype]) for name, dtype in COLUMNS.items()]
+    fields += [pa.field(name, types[dtype]) for name, dtype in columns.items()]
     # `datasets` reads its features from this key, which turns the struct into an Image.
     return pa.schema(fields, metadata={"huggingface": json.dumps({"info": {"features": features}})})
 
 
-def _write_parquet(samples: Iterator[tuple[dict, bytes]], dest: _Destination, shard_size: int,
+def _write_parquet(samples: Iterator[tuple[ImageRecord, bytes]], dest: _Destination, shard_size: int,
                    tick: Callable[[int], None], row_group: int) -> list[str]:
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -175,9 +169,9 @@ def _write_parquet(samples: Iterator[tuple[dict, bytes]], dest: _Destination, sh
         path = dest.temp_path(key)
         with pq.ParquetWriter(path, schema) as writer:
             for rows in _chunks(group, row_group):
-                columns = {"image": [{"bytes": image, "path": r["file_name"].rsplit("/", 1)[-1]}
+                columns = {"image": [{"bytes": image, "path": r.file_name.rsplit("/", 1)[-1]}
                                      for r, image in rows]}
-                columns |= {name: [r.get(name) for r, _ in rows] for name in COLUMNS}
+                columns |= {name: [getattr(r, name) for r, _ in rows] for name in ImageRecord.fields()}
                 writer.write_table(pa.Table.from_pydict(columns, schema=schema))
                 for _, image in rows:
                     tick(len(image))
@@ -186,12 +180,12 @@ def _write_parquet(samples: Iterator[tuple[dict, bytes]], dest: _Destination, sh
     return files
 
 
-def _write_imagefolder(storage: Storage, records: Iterator[dict], dest: _Destination, chunk: int,
+def _write_imagefolder(storage: Storage, records: Iterator[ImageRecord], dest: _Destination, chunk: int,
                        tick: Callable[[int], None], max_workers: int) -> list[str]:
     metadata = dest.temp_path("metadata.jsonl")
 
-    def copy(record: dict) -> int:
-        key = record["file_name"]
+    def copy(record: ImageRecord) -> int:
+        key = record.file_name
         if dest.local is not None:
             target = dest.local / key
             # Images are written atomically and never overwritten: present means complete.
@@ -203,10 +197,10 @@ def _write_imagefolder(storage: Storage, records: Iterator[dict], dest: _Destina
         dest.storage.put_bytes(key, body)
         return len(body)
 
-    with open(metadata, "w") as lines, ThreadPoolExecutor(max_workers, thread_name_prefix="diffq-export") as pool:
+    with open(metadata, "wb") as lines, ThreadPoolExecutor(max_workers, thread_name_prefix="diffq-export") as pool:
         for batch in _chunks(records, chunk):
             for record, size in zip(batch, pool.map(copy, batch)):
-                lines.write(json.dumps({k: record[k] for k in METADATA_FIELDS}) + "\n")
+                lines.write(jsonl([record]))
                 tick(size)
     dest.finish(metadata, "metadata.jsonl")
     return ["metadata.jsonl"]

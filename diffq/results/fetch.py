@@ -1,29 +1,21 @@
-"""`diffq fetch`: download a run's images and write an imagefolder `metadata.jsonl`."""
+"""`diffq fetch`: download a run's images and write an imagefolder `metadata.jsonl`.
+
+Its lines are the run's image records (records.ImageRecord), one per image.
+"""
 
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 from diffq.core import layout
+from diffq.core.records import ImageRecord, jsonl
 from diffq.core.runfolder import iter_records, read_manifest
 from diffq.core.storage import open_storage
-
-
-METADATA_FIELDS = ("file_name", "id", "prompt", "seed", "height", "width", "steps",
-                   "guidance_scale", "model")
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "wb") as handle:
-        handle.write(data)
-    os.replace(tmp, path)
+from diffq.core.storage.base import atomic_write
 
 
 def _fetched_ids(metadata: Path) -> set[str]:
@@ -56,20 +48,20 @@ def fetch(out: str, dest: str | Path, *, max_workers: int = 16, only_new: bool =
     records = list(iter_records(storage))
     if only_new:
         known = _fetched_ids(dest / "metadata.jsonl")
-        todo = [record for record in records if record["id"] not in known]
+        todo = [record for record in records if record.id not in known]
     else:
         sizes = dict(storage.list_with_sizes(layout.IMAGES_PREFIX))
 
-        def needed(record: dict) -> bool:
-            target = dest / record["file_name"]
-            return not (target.exists() and target.stat().st_size == sizes.get(record["file_name"]))
+        def needed(record: ImageRecord) -> bool:
+            target = dest / record.file_name
+            return not (target.exists() and target.stat().st_size == sizes.get(record.file_name))
 
         todo = [record for record in records if needed(record)]
     with ThreadPoolExecutor(max_workers=max_workers) as pool:
-        for done, _ in enumerate(pool.map(lambda r: storage.download_file(r["file_name"], dest / r["file_name"]),
+        for done, _ in enumerate(pool.map(lambda r: storage.download_file(r.file_name, dest / r.file_name),
                                           todo), start=1):
             if on_progress:
                 on_progress(done, len(todo))
-    lines = "".join(json.dumps({k: r[k] for k in METADATA_FIELDS}) + "\n" for r in records)
-    _atomic_write(dest / "metadata.jsonl", lines.encode())
+    body = jsonl(records)
+    atomic_write(dest / "metadata.jsonl", lambda file: file.write(body))
     return FetchResult(dest=str(dest), images=len(records), downloaded=len(todo))

@@ -28,9 +28,8 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from diffq.core import layout
-from diffq.core.contract import FailureRecord
-from diffq.core.runfolder import parse_records, read_manifest
+from diffq.core.records import FailureRecord, ImageRecord
+from diffq.core.runfolder import read_failures, read_manifest, read_records, record_keys
 from diffq.core.storage import Storage, open_storage
 
 
@@ -74,6 +73,14 @@ class ShapeFigures:
     queue: str
     total: int
     done: int = 0
+    # Size buckets: (height, width, items) of the sizes asked for; empty without.
+    requested: list[tuple[int, int, int]] = field(default_factory=list)
+    requested_sizes: int = 0  # distinct sizes asked for (the manifest keeps the commonest)
+
+    def requested_text(self, limit: int = 8) -> str:
+        shown = ", ".join(f"{h}x{w} ({n})" for h, w, n in self.requested[:limit])
+        more = self.requested_sizes - min(limit, len(self.requested))
+        return shown + (f", +{more} more sizes" if more > 0 else "")
 
 
 @dataclass
@@ -88,7 +95,7 @@ class Report:
     workers: list[WorkerFigures]
     batches: list[Batch]
     failures: list[FailureRecord]
-    sample: list[dict]
+    sample: list[ImageRecord]
     price_per_device_hour: float | None = None
     errors: Counter = field(default_factory=Counter)
 
@@ -153,26 +160,27 @@ def build_report(out: str, *, price_per_device_hour: float | None = None, sample
     """Read the run folder once (records, failures) and compute every figure of the report."""
     storage = open_storage(out)
     manifest = read_manifest(storage)
-    shapes = {s.queue: ShapeFigures(label=f"{s.shape.height}x{s.shape.width}", queue=s.queue, total=s.items)
+    shapes = {s.queue: ShapeFigures(label=f"{s.shape.height}x{s.shape.width}", queue=s.queue, total=s.items,
+                                    requested=[(r.height, r.width, r.items) for r in s.requested],
+                                    requested_sizes=s.requested_sizes)
               for s in manifest.shapes}
     workers: dict[str, WorkerFigures] = {}
     batches: list[Batch] = []
     seen: set[bytes] = set()
-    sample: list[dict] = []
+    sample: list[ImageRecord] = []
     rng = random.Random(seed)
-    keys = sorted(k for k in storage.list(layout.RECORDS_PREFIX) if k.endswith(".jsonl"))
-    for _, body in storage.get_many(keys):
+    for _, records in read_records(storage, record_keys(storage)):
         new = []
-        for record in parse_records(body):
-            digest = hashlib.blake2b(record["id"].encode(), digest_size=8).digest()
+        for record in records:
+            digest = hashlib.blake2b(record.id.encode(), digest_size=8).digest()
             if digest not in seen:
                 seen.add(digest)
                 new.append(record)
         if not new:
             continue
         head = new[0]
-        batch = Batch(finished_at=head["finished_at"], generate_s=head.get("generate_s", 0.0), images=len(new),
-                      worker=head.get("worker", "?"), device=head.get("device", "?"), queue=head.get("queue", ""))
+        batch = Batch(finished_at=head.finished_at, generate_s=head.generate_s, images=len(new),
+                      worker=head.worker, device=head.device, queue=head.queue)
         batches.append(batch)
         w = workers.setdefault(batch.worker, WorkerFigures(worker=batch.worker, device=batch.device))
         w.images += batch.images
@@ -189,12 +197,11 @@ def build_report(out: str, *, price_per_device_hour: float | None = None, sample
             elif (j := rng.randrange(n)) < sample_size:
                 sample[j] = record
     _estimate_compile(batches, workers)
-    failures = [FailureRecord.model_validate_json(body)
-                for _, body in storage.get_many(sorted(storage.list(layout.FAILURES_PREFIX)))]
+    failures = list(read_failures(storage))
     failed_ids = {i for f in failures for i in f.item_ids
                   if hashlib.blake2b(i.encode(), digest_size=8).digest() not in seen}
     batches.sort(key=lambda b: b.finished_at)
-    sample.sort(key=lambda r: r["id"])
+    sample.sort(key=lambda r: r.id)
     return Report(out=storage.url, run_id=manifest.run_id, created_at=manifest.created_at, total=manifest.total,
                   done=len(seen), failed=len(failed_ids), shapes=list(shapes.values()),
                   workers=sorted(workers.values(), key=lambda w: w.worker), batches=batches, failures=failures,
@@ -212,7 +219,10 @@ def render_text(report: Report) -> str:
         lines.append(f"cost       {report.cost_per_1000:.4f} per 1,000 images "
                      f"at {report.price_per_device_hour:g} per device-hour")
     lines += ["", "shapes"]
-    lines += [f"  {s.label:>11}  {s.done:>7}/{s.total:<7} {s.queue}" for s in report.shapes]
+    for s in report.shapes:
+        lines.append(f"  {s.label:>11}  {s.done:>7}/{s.total:<7} {s.queue}")
+        if s.requested:  # size buckets: generated at s.label, asked for at these sizes
+            lines.append(f"  {'':>11}  requested {s.requested_text()}")
     lines += ["", "workers     device   images  batches  img/s  compile_s  generate_s  storing/idle_s"]
     lines += [f"  {w.worker:<10} {w.device:<7} {w.images:>6} {w.batches:>8} {w.images_per_s:>6.2f} "
               f"{w.compile_s:>10.1f} {w.generate_s - w.compile_s:>11.1f} {w.other_s:>15.1f}" for w in report.workers]
@@ -225,7 +235,7 @@ def render_text(report: Report) -> str:
     return "\n".join(lines) + "\n"
 
 
-def contact_sheet(storage: Storage, records: list[dict], *, thumb: int = 112, columns: int = 8) -> bytes:
+def contact_sheet(storage: Storage, records: list[ImageRecord], *, thumb: int = 112, columns: int = 8) -> bytes:
     """A PNG grid of `records`' images, each scaled into a thumb × thumb cell with its id below."""
     from PIL import Image, ImageDraw
 
@@ -233,13 +243,13 @@ def contact_sheet(storage: Storage, records: list[dict], *, thumb: int = 112, co
     rows = max(1, -(-len(records) // columns))
     sheet = Image.new("RGB", (columns * thumb, rows * (thumb + label)), "white")
     draw = ImageDraw.Draw(sheet)
-    images = dict(storage.get_many(r["file_name"] for r in records))
+    images = dict(storage.get_many(r.file_name for r in records))
     for n, record in enumerate(records):
-        image = Image.open(io.BytesIO(images[record["file_name"]])).convert("RGB")
+        image = Image.open(io.BytesIO(images[record.file_name])).convert("RGB")
         image.thumbnail((thumb, thumb))
         x, y = (n % columns) * thumb, (n // columns) * (thumb + label)
         sheet.paste(image, (x + (thumb - image.width) // 2, y + (thumb - image.height) // 2))
-        draw.text((x + 3, y + thumb), record["id"][:20], fill="black")
+        draw.text((x + 3, y + thumb), record.id[:20], fill="black")
     buffer = io.BytesIO()
     sheet.save(buffer, format="PNG", optimize=True)
     return buffer.getvalue()
@@ -325,7 +335,8 @@ def render_html(report: Report, sheet_png: bytes | None = None) -> str:
     devices = _table(["device", "workers", "images", "device-hours"],
                      [[name, d["workers"], d["images"], f"{d['active_s'] / 3600:.4f}"]
                       for name, d in report.per_device().items()])
-    shapes = _table(["shape", "done", "total", "queue"], [[s.label, s.done, s.total, s.queue] for s in report.shapes])
+    shapes = _table(["shape", "done", "total", "queue", "requested sizes (items)"],
+                    [[s.label, s.done, s.total, s.queue, s.requested_text() or "as generated"] for s in report.shapes])
     failures = (_table(["batch", "items", "attempts", "worker", "error"],
                        [[f.batch_id, len(f.item_ids), f.attempts, f.worker, f.error[:200]]
                         for f in report.failures[:50]]) if report.failures else "<p>none</p>")
@@ -374,7 +385,8 @@ def to_json(report: Report) -> dict:
             "workers": [{"worker": w.worker, "device": w.device, "images": w.images, "batches": w.batches,
                          "compile_s": w.compile_s, "generate_s": w.generate_s, "active_s": w.active_s}
                         for w in report.workers],
-            "shapes": [{"shape": s.label, "queue": s.queue, "done": s.done, "total": s.total}
+            "shapes": [{"shape": s.label, "queue": s.queue, "done": s.done, "total": s.total,
+                        "requested": [{"height": h, "width": w, "items": n} for h, w, n in s.requested]}
                        for s in report.shapes],
             "failures": dict(report.errors)}
 

@@ -1,52 +1,18 @@
 """`diffq status`: done / failed / pending per shape, from the run folder alone.
 
-Counts come from the workers' progress summary (diffq/core/progress.py); runs
-without one yet read the records.
+Counts come from the workers' progress summary (diffq/core/progress.py).
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from diffq.core.contract import RunManifest
 from diffq.core.progress import ProgressSummary
-from diffq.core.runfolder import NotARun, ProgressTracker, read_manifest
-from diffq.core.storage import Storage, open_storage
+from diffq.core.records import RunManifest
+from diffq.core.runfolder import NotARun, read_manifest
+from diffq.core.storage import open_storage
 
-__all__ = ["NotARun", "RunProgress", "ShapeStatus", "Status", "make_status", "status"]
-
-
-class RunProgress:
-    """What status and watch count from: the progress summary once the run has
-    one; until then (nothing credited yet, or a run from before the summary)
-    every record, read incrementally."""
-
-    def __init__(self, storage: Storage):
-        self.storage = storage
-        self.summary = ProgressSummary(storage)
-        self.source: ProgressSummary | ProgressTracker | None = None
-        self._scan: ProgressTracker | None = None
-
-    def refresh(self) -> None:
-        if self.summary.refresh():
-            self.source = self.summary
-            return
-        if self._scan is None:
-            self._scan = ProgressTracker(self.storage)
-        self._scan.refresh()
-        self.source = self._scan
-
-    @property
-    def done(self) -> int:
-        return self.source.done
-
-    @property
-    def failed(self) -> int:
-        return self.source.failed
-
-    @property
-    def done_per_queue(self) -> dict[str, int]:
-        return self.source.done_per_queue
+__all__ = ["NotARun", "ShapeStatus", "Status", "make_status", "status"]
 
 
 @dataclass
@@ -78,7 +44,7 @@ class Status:
         return data
 
 
-def make_status(url: str, manifest: RunManifest, progress: RunProgress | ProgressTracker) -> Status:
+def make_status(url: str, manifest: RunManifest, progress: ProgressSummary) -> Status:
     shapes = {s.queue: ShapeStatus(total=s.items, done=progress.done_per_queue.get(s.queue, 0))
               for s in manifest.shapes}
     return Status(out=url, run_id=manifest.run_id, total=manifest.total,
@@ -88,6 +54,4 @@ def make_status(url: str, manifest: RunManifest, progress: RunProgress | Progres
 def status(out: str) -> Status:
     storage = open_storage(out)
     manifest = read_manifest(storage)
-    progress = RunProgress(storage)
-    progress.refresh()
-    return make_status(storage.url, manifest, progress)
+    return make_status(storage.url, manifest, ProgressSummary(storage).refresh())

@@ -1,9 +1,9 @@
 """`diffq status --watch`: live progress of a run from its run folder, while workers write.
 
-Built on RunProgress, so each refresh lists the progress segments and failures and
-reads only what changed (a run from before progress segments: the records it has
-not seen): a watch costs a listing per interval, on local, S3 or GCS alike. The rate is measured over a sliding window, so the ETA follows the
-fleet as workers join or leave.
+Built on the progress summary, so each refresh lists the progress segments and
+failures and reads only what changed: a watch costs a listing per interval, on
+local, S3 or GCS alike. The rate is measured over a sliding window, so the ETA
+follows the fleet as workers join or leave.
 """
 
 from __future__ import annotations
@@ -22,8 +22,9 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
-from diffq.results.status import RunProgress, Status, make_status
+from diffq.core.progress import ProgressSummary
 from diffq.core.runfolder import read_manifest
+from diffq.results.status import Status, make_status
 from diffq.core.storage import open_storage
 
 
@@ -52,7 +53,7 @@ def snapshots(out: str, *, interval: float = 2.0, window_s: float = 30.0,
     storage = open_storage(out)
     manifest = read_manifest(storage)
     labels = {s.queue: f"{s.shape.height}x{s.shape.width} b{s.shape.batch_size}" for s in manifest.shapes}
-    tracker = RunProgress(storage)
+    tracker = ProgressSummary(storage)
     started = clock()
     samples: deque[tuple[float, int]] = deque()
     while True:

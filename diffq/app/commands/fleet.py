@@ -9,6 +9,7 @@ from typing import Annotated, Optional
 import typer
 
 from diffq.core.settings import get_settings
+from diffq.app.choices import CompileMode, Device, Dtype
 
 fleet_app = typer.Typer(no_args_is_help=True, help="Render Kubernetes manifests for a worker fleet.")
 
@@ -17,10 +18,10 @@ def manifests(
     model: Annotated[str, typer.Option("--model", "-m", help="Model the workers load (the producer's --model)")],
     shapes: Annotated[str, typer.Option("--shapes", help="HEIGHTxWIDTH list: 1024x1024,768x1344")],
     batch_size: Annotated[int, typer.Option("--batch-size", "-b", min=1, help="Images per compiled batch")],
-    device: Annotated[str, typer.Option("--device", help="neuron | tpu | cuda | cpu")] = "neuron",
+    device: Annotated[Device, typer.Option("--device", help="Device kind, from the backend table")] = Device("neuron"),
     max_sequence_length: Annotated[int, typer.Option("--max-sequence-length", min=1)] = 64,
     guidance_scale: Annotated[float, typer.Option("--guidance-scale", min=0.0, help="> 1 means CFG queues")] = 1.0,
-    dtype: Annotated[str, typer.Option("--dtype", help="float32 | bfloat16 | float16")] = "float32",
+    dtype: Annotated[Optional[Dtype], typer.Option("--dtype", help="Pipeline dtype; default: the device's (bfloat16 on accelerators, float32 on cpu)")] = None,
     image: Annotated[Optional[str], typer.Option("--image", help="Worker image (default ghcr.io/diffq/diffq-<device>)")] = None,
     namespace: Annotated[str, typer.Option("--namespace")] = "diffq",
     devices_per_pod: Annotated[Optional[int], typer.Option("--devices-per-pod", min=1, help="Cores / chips / GPUs per pod")] = None,
@@ -29,7 +30,7 @@ def manifests(
     batches_per_replica: Annotated[int, typer.Option("--batches-per-replica", min=1, help="KEDA listLength target")] = 4,
     redis_db: Annotated[int, typer.Option("--redis-db", min=0, help="Redis database index of the broker")] = 0,
     grace_seconds: Annotated[Optional[int], typer.Option("--grace-seconds", min=1, help="Longer than a batch plus a first compile")] = None,
-    compile: Annotated[Optional[str], typer.Option("--compile", help="none | full | regional | defer-fuse")] = None,
+    compile: Annotated[Optional[CompileMode], typer.Option("--compile", help="As the device offers it (default: the device's pod default)")] = None,
     storage_class: Annotated[str, typer.Option("--storage-class", help="ReadWriteMany class for the cache PVC (efs-sc on EKS, standard-rwx on GKE)")] = "efs-sc",
     out: Annotated[Optional[str], typer.Option("--out", help="Write <name>.yaml per shape here instead of stdout")] = None,
 ) -> None:
@@ -38,14 +39,14 @@ def manifests(
     from diffq.app import fleet
 
     try:
-        options = fleet.FleetOptions(device=device, image=image, namespace=namespace,
+        options = fleet.FleetOptions(device=device.value, image=image, namespace=namespace,
                                      devices_per_pod=devices_per_pod, max_replicas=max_replicas,
                                      batches_per_replica=batches_per_replica, redis_db=redis_db,
-                                     grace_seconds=grace_seconds, compile=compile,
+                                     grace_seconds=grace_seconds, compile=compile.value if compile else None,
                                      storage_class=storage_class, tp=tp)
         keys = fleet.shape_keys(model, fleet.parse_shapes(shapes), batch_size=batch_size,
-                                max_sequence_length=max_sequence_length,
-                                guidance_scale=guidance_scale, dtype=dtype)
+                                max_sequence_length=max_sequence_length, guidance_scale=guidance_scale,
+                                dtype=dtype.value if dtype else options.backend.default_dtype)
         rendered = fleet.render(keys, options)
     except ValueError as exc:
         typer.echo(f"error: {exc}", err=True)

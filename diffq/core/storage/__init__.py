@@ -45,7 +45,7 @@ _SUPPORTED = "a local path, file:///abs/path, s3://bucket[/prefix] or gs://bucke
 
 
 def __getattr__(name: str):
-    # boto3 and google-cloud-storage take ~0.3 s each to import; load on demand.
+    # boto3 and google-cloud-storage are slow to import (docs/BENCHMARKS.md): load on demand.
     if name == "S3Storage":
         from .s3 import S3Storage
 

@@ -64,8 +64,8 @@ class LocalStorage(Storage):
         return self._path(key).is_file()
 
     def get_many(self, keys, max_workers=16):
-        # Local reads are a few syscalls each; a thread pool only adds GIL and
-        # queue overhead (measured ~5x slower on 12,500 small record files).
+        # Local reads are a few syscalls each: read in order, in the caller's thread
+        # (docs/BENCHMARKS.md, "Figures behind design choices", times both ways).
         keys = list(keys)
         for key in keys:  # every key is checked before anything is read
             validate_key(key)

@@ -1,0 +1,16 @@
+"""CLI choices read from the tables: devices, compile modes, dtypes, TPU generations.
+
+The backend table (worker/backends.py, torch-free) owns them, so a new backend or mode
+needs no edit in the command line.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+
+from diffq.worker import backends
+
+Device = Enum("Device", {name: name for name in backends.DEVICES}, type=str)
+CompileMode = Enum("CompileMode", {mode.replace("-", "_"): mode for mode in backends.COMPILE_MODES}, type=str)
+Dtype = Enum("Dtype", {name: name for name in backends.DTYPES}, type=str)
+TpuGeneration = Enum("TpuGeneration", {name: name for name in backends.TPU_GENERATIONS}, type=str)

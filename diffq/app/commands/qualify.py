@@ -1,0 +1,74 @@
+"""`diffq qualify`: one command that says whether a model runs right, and how fast, on a device."""
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+
+def register(app: typer.Typer) -> None:
+    from diffq.app.cli import CompileMode, Device, Dtype, Model, _devices, _fail, out
+    from diffq.app.qualify import DEFAULT_REPEATS, DEFAULT_SHAPE, GENERATION_DEFAULTS as GEN, REFERENCE_MAX_PIXELS, Thresholds
+
+    limits = Thresholds()
+
+    @app.command()
+    def qualify(
+        model: Model,
+        device: Annotated[Device, typer.Option("--device", help="Device kind, from the backend table")] = Device.cpu,
+        cores: Annotated[Optional[str], typer.Option("--cores", help="NeuronCore to qualify (the first listed)")] = None,
+        chips: Annotated[Optional[str], typer.Option("--chips", help="TPU chip to qualify (the first listed)")] = None,
+        gpus: Annotated[Optional[str], typer.Option("--gpus", help="GPU to qualify (the first listed)")] = None,
+        compile: Annotated[CompileMode, typer.Option("--compile", help="none | full | regional | defer-fuse (TPU)")] = CompileMode.none,
+        dtype: Annotated[Optional[Dtype], typer.Option("--dtype", help="Pipeline dtype (default: the backend's)")] = None,
+        offload: Annotated[Optional[str], typer.Option("--offload", help="'model': enable_model_cpu_offload()")] = None,
+        shapes: Annotated[Optional[str], typer.Option("--shapes", help=f"HxW[,HxW…] (default {DEFAULT_SHAPE[0]}x{DEFAULT_SHAPE[1]})")] = None,
+        batch_size: Annotated[Optional[int], typer.Option("--batch-size", "-b", min=1, help=f"Images per call (default {GEN['batch_size']})")] = None,
+        steps: Annotated[Optional[int], typer.Option("--steps", min=1, help=f"num_inference_steps (default {GEN['steps']})")] = None,
+        guidance_scale: Annotated[Optional[float], typer.Option("--guidance-scale", min=0.0, help=f"Guidance scale (default {GEN['guidance_scale']})")] = None,
+        max_sequence_length: Annotated[Optional[int], typer.Option("--max-sequence-length", min=1, help=f"Text tokens (default {GEN['max_sequence_length']})")] = None,
+        prompts: Annotated[Optional[Path], typer.Option("--prompts", help="Prompt file (.jsonl/.csv/.txt/.parquet): the first rows, with their seeds")] = None,
+        reference: Annotated[str, typer.Option("--reference", help="'cpu' (the same pipeline on CPU in float32) or a DIR from --save-reference")] = "cpu",
+        save_reference: Annotated[Optional[Path], typer.Option("--save-reference", help="Store this run's images and settings in DIR, for a later --reference DIR")] = None,
+        report: Annotated[Optional[Path], typer.Option("--report", help="Write DIR/index.html (self-contained) and DIR/qualify.json")] = None,
+        as_json: Annotated[bool, typer.Option("--json", help="Print the report as one JSON object")] = False,
+        price_per_device_hour: Annotated[Optional[float], typer.Option("--price-per-device-hour", min=0.0, help="Prints the cost per 1,000 images")] = None,
+        min_psnr: Annotated[float, typer.Option("--min-psnr", help="Parity fails below this PSNR (dB)")] = limits.min_psnr,
+        max_abs_diff: Annotated[int, typer.Option("--max-abs-diff", min=0, max=255, help="Parity fails above this absolute pixel difference")] = limits.max_abs_diff,
+        repeats: Annotated[int, typer.Option("--repeats", min=1, help="Steady-state calls per shape after the first")] = DEFAULT_REPEATS,
+        reference_max_pixels: Annotated[int, typer.Option("--reference-max-pixels", min=256, help="Larger shapes are compared at a reduced shape of the same aspect")] = REFERENCE_MAX_PIXELS,
+        threads: Annotated[int, typer.Option("--threads", min=1, help="Torch threads of the device process (as --threads of diffq worker)")] = 1,
+        compile_cache: Annotated[Optional[str], typer.Option("--compile-cache", help="Compile cache, as for diffq worker")] = None,
+    ) -> None:
+        """Qualify a device before you scale: compile vs steady state, recompiles, fallback ops, parity, memory.
+
+        Exit code 1 when a check fails, 2 on bad input.
+        """
+        from diffq.app.qualify import QualifyError, parse_shapes, qualify as run_qualify, render_text
+        from diffq.core.settings import get_settings
+
+        try:
+            slots = _devices(device, 1, cores, chips, gpus)
+            result = run_qualify(
+                model, device=device.value, slot=slots[0], compile=compile.value,
+                dtype=dtype.value if dtype else None, offload=offload,
+                shapes=parse_shapes(shapes) if shapes else None, batch_size=batch_size, steps=steps,
+                guidance_scale=guidance_scale, max_sequence_length=max_sequence_length, prompts_file=prompts,
+                reference=reference, save_reference=save_reference, report_dir=report,
+                price_per_device_hour=price_per_device_hour,
+                thresholds=Thresholds(min_psnr=min_psnr, max_abs_diff=max_abs_diff,
+                                      warn_margin_db=limits.warn_margin_db), threads=threads,
+                compile_cache=compile_cache or get_settings().compile_cache, repeats=repeats,
+                reference_max_pixels=reference_max_pixels)
+        except (QualifyError, ValueError) as exc:
+            _fail(str(exc))
+        if as_json:
+            sys.stdout.write(json.dumps(result) + "\n")
+        else:
+            out.print(render_text(result), highlight=False, markup=False, soft_wrap=True)
+            if report:
+                out.print(f"report: {report / 'index.html'}", highlight=False, markup=False, soft_wrap=True)
+        if not result["passed"]:
+            raise typer.Exit(1)

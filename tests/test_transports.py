@@ -1,0 +1,101 @@
+"""The transport table (diffq/core/transports.py): its rows agree with kombu, and
+every place that needs a broker fact reads it from there."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import pytest
+from kombu import Connection, Queue
+from kombu.utils.imports import symbol_by_name
+
+from diffq.core.broker import make_celery
+from diffq.core.transports import TRANSPORTS, UnknownTransport, renew_redis, transport_for
+from diffq.producer.publish import PUBLISHERS
+
+# What kombu names each row's transport (kombu/transport/__init__.py TRANSPORT_ALIASES).
+KOMBU = {"redis": "redis", "amqp": "pyamqp", "sqs": "sqs", "embedded": "filesystem", "memory": "memory"}
+
+
+def test_every_scheme_has_one_row_and_unknown_schemes_are_named():
+    schemes = [scheme for row in TRANSPORTS for scheme in row.schemes]
+    assert len(schemes) == len(set(schemes))
+    assert {row.name for row in TRANSPORTS} == set(KOMBU)
+    assert transport_for("rediss://:pw@h:6380/0").name == "redis"
+    assert transport_for("amqp://guest:guest@h:5672//").name == "amqp"
+    assert transport_for("sqs://").name == "sqs"
+    assert transport_for("filesystem://localhost/").name == "embedded"
+    with pytest.raises(UnknownTransport, match="'kafka://'"):
+        transport_for("kafka://h:9092")
+
+
+@pytest.mark.parametrize("row", TRANSPORTS, ids=lambda row: row.name)
+def test_event_loop_column_matches_kombu(row):
+    """Celery runs a consumer hub exactly when kombu's transport implements
+    `asynchronous` (kombu/transport/redis.py, pyamqp.py, SQS/__init__.py: True;
+    filesystem.py, memory.py: False, the base `virtual.Transport` default)."""
+    from kombu.transport import TRANSPORT_ALIASES
+
+    transport = symbol_by_name(row.kombu_transport or TRANSPORT_ALIASES[KOMBU[row.name]])
+    assert transport.implements.asynchronous is row.event_loop
+
+
+def test_only_transports_without_redelivery_lose_a_task_in_flight():
+    # The embedded runner reconciles from the run folder exactly where the table says
+    # the broker will not hand a dead worker's batch back (tests/test_embedded_run.py;
+    # the others: tests/test_reliability.py, tests/test_brokers.py).
+    lossy = {row.name for row in TRANSPORTS if row.loses_inflight_on_kill}
+    assert lossy == {"embedded", "memory"}
+    assert all(row.renew is None for row in TRANSPORTS if row.loses_inflight_on_kill)
+
+
+def test_every_publisher_named_by_the_table_exists():
+    assert {row.publisher for row in TRANSPORTS} <= set(PUBLISHERS)
+
+
+def test_embedded_row_swaps_in_diffqs_filesystem_transport(tmp_path):
+    from diffq.core.broker import EmbeddedTransport, embedded_broker
+
+    url, options = embedded_broker(tmp_path)
+    app = make_celery(url, options)
+    with app.connection_for_write() as connection:
+        assert isinstance(connection.transport, EmbeddedTransport)
+    assert app.conf.broker_transport_options == options
+
+
+def test_redis_options_come_from_the_row(monkeypatch):
+    monkeypatch.delenv("DIFFQ_VISIBILITY_TIMEOUT", raising=False)
+    options = make_celery("redis://127.0.0.1:1/0").conf.broker_transport_options
+    assert options["priority_steps"] == [0] and options["unacked_restore_throttle"] == 1
+    assert make_celery("redis://127.0.0.1:1/0", {"priority_steps": [0, 5]}).conf \
+        .broker_transport_options["priority_steps"] == [0, 5]
+
+
+def test_redis_renewal_moves_the_unacked_index_score_and_keeps_the_batch_held(redis_server):
+    """kombu's Redis QoS (kombu/transport/redis.py): `append` records the delivery time
+    in `unacked_index`; `restore_visible` puts back entries older than the visibility
+    timeout. A renewed entry stays held; an unrenewed one goes back to its queue."""
+    name = f"diffq.lease-{uuid.uuid4().hex[:8]}"
+    queue = Queue(name, routing_key=name)
+    options = {"visibility_timeout": 1, "unacked_restore_throttle": 1}
+    with Connection(redis_server, transport_options=options) as conn:
+        producer = conn.Producer()
+        for body in ("renewed", "abandoned"):
+            producer.publish(body, routing_key=queue.name, declare=[queue])
+        channel = conn.channel()
+        got = [channel.basic_get(queue.name) for _ in range(2)]  # held: in `unacked`
+        held = {m.payload: m for m in got}
+        index = channel.unacked_index_key
+        first = channel.client.zscore(index, held["renewed"].delivery_tag)
+        time.sleep(1.2)  # past the visibility timeout: both would be restored now
+        assert renew_redis(channel, [held["renewed"]]) == 1
+        assert channel.client.zscore(index, held["renewed"].delivery_tag) > first
+        channel.qos.restore_visible(num=100)
+        assert channel.client.zscore(index, held["renewed"].delivery_tag) is not None
+        assert channel.client.zscore(index, held["abandoned"].delivery_tag) is None
+        assert channel.basic_get(queue.name, no_ack=True).payload == "abandoned"
+        # An acked (or restored) delivery is never re-added by a late renewal (ZADD XX).
+        assert renew_redis(channel, [held["abandoned"]]) == 0
+        assert channel.client.hexists(channel.unacked_key, held["abandoned"].delivery_tag) is False
+        channel.close()

@@ -1,0 +1,133 @@
+"""A batch's life on the worker, from receipt to ack, in one object.
+
+`BatchLine` is the process's line of batches. On receipt it settles the acks
+whose stores finished; after generation it waits for the previous batch's store
+(back-pressure: one batch stored while the next generates, never a growing pile
+of images behind a slow store), hands the images to the sink and keeps the sink's
+`credited` future; when the task returns, the ack is *held* until that future is
+done, and the consumer's prefetch window widens by one meanwhile so the device
+starts the next batch while this one uploads; then the routing step re-chooses
+queues. A worker killed before the upload finishes never acked the batch: the
+broker delivers it again (its lease lapses, core/transports.py).
+
+Acks and requeues run only on the consumer's main thread (kombu channels are not
+thread-safe): from the task body, from an event-loop timer, and at shutdown.
+The Celery side of this (the request whose ack is held, the bootstep driving the
+timers) is worker/celery_adapter.py.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import threading
+from concurrent.futures import Future
+from typing import Protocol
+
+from diffq.core.contract import BatchMessage
+from diffq.core.storage import Storage
+from diffq.worker import metrics
+
+log = logging.getLogger(__name__)
+
+
+class Delivery(Protocol):
+    """What the line needs from a delivery whose ack it holds."""
+
+    id: str
+
+    def ack_now(self) -> None: ...
+
+    def requeue(self) -> None: ...
+
+
+class Window(Protocol):
+    """The consumer's prefetch window: one more delivery while an ack is held."""
+
+    def widen(self) -> None: ...
+
+    def narrow(self) -> None: ...
+
+
+class BatchLine:
+    def __init__(self, sink, router=None):
+        self.sink = sink
+        self.router = router  # worker/routing.py's Router, or None (round-robin)
+        self.window: Window | None = None  # set once the consumer is up
+        self._lock = threading.Lock()
+        self._expected: dict[str, Future] = {}  # task id -> what its ack waits for
+        self._held: list[tuple[Future, Delivery]] = []
+        self._last_store: Future | None = None
+
+    # -- the task body's side ------------------------------------------------------
+
+    def received(self) -> None:
+        """A batch arrives: ack what the sink finished meanwhile."""
+        self.settle()
+
+    def store(self, task_id: str, storage: Storage, message: BatchMessage, images: list, record: dict) -> None:
+        """Generation is done: back-pressure, hand to the sink, hold the ack, route."""
+        if self._last_store is not None:
+            concurrent.futures.wait([self._last_store])
+        self.settle()
+        handed = self.sink.submit(storage, message, images, record)
+        self._last_store = handed.stored
+        handed.stored.add_done_callback(_observe_store)
+        self._expect(task_id, handed.credited)
+        if self.router is not None:
+            self.router.update()  # before the next fetch
+
+    def credit_again(self, task_id: str, storage: Storage, message: BatchMessage) -> None:
+        """A redelivered batch already stored: credit it again (the copy that stored the
+        record may have died before crediting it) and ack after that."""
+        self._expect(task_id, self.sink.credit(storage, message))
+
+    def _expect(self, task_id: str, future: Future) -> None:
+        with self._lock:
+            self._expected[task_id] = future
+
+    def expected(self, task_id: str) -> Future | None:
+        with self._lock:
+            return self._expected.get(task_id)
+
+    # -- the consumer's side -------------------------------------------------------
+
+    def ack(self, delivery: Delivery) -> None:
+        """The task returned: ack now, or hold the ack until its sink work is done."""
+        with self._lock:
+            future = self._expected.pop(delivery.id, None)
+        if future is None:
+            delivery.ack_now()
+            return
+        with self._lock:
+            self._held.append((future, delivery))
+        if self.window is not None:
+            self.window.widen()
+        self.settle()
+
+    def settle(self, wait: bool = False) -> int:
+        """Ack (or requeue, if storing failed) every held batch whose sink work is done;
+        with `wait`, every held batch. Main thread only. Returns how many settled."""
+        settled = 0
+        while True:
+            with self._lock:
+                ready = [pair for pair in self._held if wait or pair[0].done()]
+                for pair in ready:
+                    self._held.remove(pair)
+            if not ready:
+                return settled
+            for future, delivery in ready:
+                concurrent.futures.wait([future])
+                if future.exception() is not None:
+                    log.error("storing batch %s failed, handing it back: %r", delivery.id, future.exception())
+                    delivery.requeue()
+                else:
+                    delivery.ack_now()
+                if self.window is not None:
+                    self.window.narrow()
+                settled += 1
+
+
+def _observe_store(future: Future) -> None:
+    if future.exception() is None:
+        metrics.observe_store(future.result().store_s, future.result().bytes)

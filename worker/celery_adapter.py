@@ -1,0 +1,134 @@
+"""The Celery adapter: all of the glue between diffq's worker and Celery, in one module.
+
+The worker's own logic is Celery-free where it can be: the task body (tasks.py),
+a batch's life from receipt to ack (batches.py), queue choice (routing.py). Here:
+
+- the ack policy, stated once (`ACK_POLICY`, `WORKER_ARGS`);
+- `BatchRequest`: Celery's request, whose ack goes through the batch line, so it
+  is held until the sink has stored the batch;
+- `BatchTask`: the task class; it carries the process's runtime (`task.runtime`);
+- `WorkerStep`: the consumer bootstep that widens the prefetch window while an ack
+  is held, runs the event-loop timers (settle held acks, re-route), and waits for
+  the held acks at shutdown;
+- `build_app` / `serve`: the app a worker process runs, and its solo-pool worker.
+"""
+
+from __future__ import annotations
+
+from celery import Celery, Task, bootsteps, signals
+from celery.exceptions import Reject
+from celery.worker import state as worker_state
+from celery.worker.request import Request
+
+from diffq.core.broker import TASK_NAME, make_celery
+from diffq.core.transports import transport_for
+from diffq.worker.spec import ChildSpec, hostname
+from diffq.worker.tasks import HandBack, Runtime, generate_batch
+
+# The ack policy. A batch is acknowledged only once its images, record and progress
+# credit are stored (late acks, held by the batch line), and a worker that dies
+# mid-batch hands it back instead of dropping it. One batch in hand per process:
+# a long accelerator batch must not sit in a busy worker's buffer while another
+# device idles (the window widens by one only while an ack is held). Compiled
+# pipelines live for the process: never recycle it.
+ACK_POLICY = {
+    "task_acks_late": True,
+    "task_reject_on_worker_lost": True,
+    "worker_prefetch_multiplier": 1,
+    "worker_max_tasks_per_child": None,
+}
+# Solo pool: the task runs in the consumer's own process and thread, where the
+# device and the compiled graphs live. Its plain SIGTERM is a warm shutdown (the
+# batch in hand finishes); soft/cold shutdown with solo acks and loses it
+# (../shared/CELERY.md), so SIGTERM is never remapped.
+WORKER_ARGS = ["--pool=solo", "--concurrency=1", "--without-mingle", "--without-gossip"]
+
+
+class BatchRequest(Request):
+    """The ack is the batch line's decision: at once, or when the sink is done."""
+
+    def acknowledge(self):
+        if self.acknowledged:
+            return super().acknowledge()
+        self.task.runtime.line.ack(self)
+
+    def ack_now(self) -> None:
+        Request.acknowledge(self)
+
+    def requeue(self) -> None:
+        self.reject(requeue=True)
+
+
+class BatchTask(Task):
+    Request = BatchRequest
+    typing = False
+    runtime: Runtime | None = None  # bound per app by build_app
+
+
+def run_batch(task: BatchTask, batch: dict) -> dict:
+    try:
+        return generate_batch(task, batch)
+    except HandBack as exc:
+        # Not a failed attempt: back to the queue at once, and the process stops.
+        worker_state.should_stop = exc.exit_code
+        raise Reject(str(exc), requeue=True) from exc
+
+
+class PrefetchWindow:
+    """The consumer's QoS: one more delivery may come in while an ack is held."""
+
+    def __init__(self, qos):
+        self.qos = qos
+
+    def widen(self) -> None:
+        self.qos.increment_eventually()
+
+    def narrow(self) -> None:
+        self.qos.decrement_eventually()
+
+
+class WorkerStep(bootsteps.StartStopStep):
+    """Consumer bootstep around the batch line (bound to a runtime by build_app)."""
+
+    requires = ("celery.worker.consumer.tasks:Tasks",)
+    runtime: Runtime | None = None
+    settle_interval = 0.05
+
+    def start(self, consumer):
+        line = self.runtime.line
+        line.window = PrefetchWindow(consumer.qos)
+        if not transport_for(self.runtime.spec.broker_url).event_loop:
+            return  # synloop: acks settle from the task body and at shutdown
+        consumer.hub.call_repeatedly(self.settle_interval, line.settle)
+        router = line.router
+        if router is not None and router.applies:
+            router.attach(consumer)
+            consumer.hub.call_repeatedly(router.interval, router.update)
+
+    def stop(self, consumer):
+        if self.runtime.line.router is not None:
+            self.runtime.line.router.detach()
+        self.runtime.line.settle(wait=True)
+
+    def shutdown(self, consumer):
+        self.runtime.line.settle(wait=True)
+
+
+def build_app(rt: Runtime) -> Celery:
+    app = make_celery(rt.spec.broker_url, rt.spec.transport_options)
+    app.conf.update(ACK_POLICY)
+    app.steps["consumer"].add(type("BoundWorkerStep", (WorkerStep,), {"runtime": rt}))
+    app.task(name=TASK_NAME, base=BatchTask, bind=True, runtime=rt)(run_batch)
+
+    def flush_on_shutdown(**_):
+        # Warm shutdown: the batch in hand finishes, then its images must be stored.
+        rt.sink.flush()
+
+    signals.worker_shutting_down.connect(flush_on_shutdown, weak=False)
+    return app
+
+
+def serve(app: Celery, spec: ChildSpec) -> None:
+    """Consume the spec's queues until a warm shutdown."""
+    app.worker_main(["--quiet", "worker", *WORKER_ARGS, f"--queues={','.join(spec.queues)}",
+                     f"--hostname={spec.name}@{hostname()}", f"--loglevel={spec.loglevel}"])

@@ -1,0 +1,253 @@
+"""`diffq qualify`, the child side: measure one pinned process exactly as a worker runs.
+
+`python -m diffq.worker.qualify SPEC.json` sets the worker's environment from the
+backend table (pinning, compile mode, compile cache) before `import torch`, imports
+the backend's extension, then drives the same `PipelineHost` a worker uses:
+
+- per shape: the first call (compile, or the per-op compile of eager Neuron/TPU),
+  then `repeats` timed calls, then one call with a different `num_inference_steps`;
+  after every shape one more call on each shape (revisit). Graphs are counted
+  with dynamo's own counter around each call (`pipeline_host.graphs_compiled`).
+- the first call's images (same prompts and seeds as the reference) are written as
+  PNG for the parent to compare; a reference run (`measure=False`) writes only those.
+- fallback ops, warnings (each once), peak device memory and host peak RSS, package
+  versions, the compile cache: from the backend table, never by device name.
+
+The result is one JSON file; a failure writes an `error` there instead of a traceback.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import logging
+import os
+import resource
+import statistics
+import sys
+import time
+import traceback
+import warnings
+from importlib import metadata
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from diffq.worker.spec import QUIET_ENV, ChildSpec
+
+# Versions reported besides the backend's own packages (backends.py cache_packages).
+PACKAGES = ("torch", "diffusers", "transformers")
+RESULT = "result.json"
+
+
+class QualifySpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    child: ChildSpec  # the worker's pinning, compile mode and cache, as `diffq worker` plans it
+    model: str
+    dtype: str
+    shapes: list[tuple[int, int]]
+    # Parity shapes not among `shapes` (a reduced shape for a slow reference).
+    extra_parity_shapes: list[tuple[int, int]] = Field(default_factory=list)
+    batch_size: int = 1
+    steps: int = 4
+    guidance_scale: float = 1.0
+    max_sequence_length: int = 64
+    prompts: list[str]
+    seeds: list[int]
+    repeats: int = 5
+    # False: a reference run, one call per shape, images only.
+    measure: bool = True
+    out_dir: str
+
+
+def image_path(out_dir: str | Path, height: int, width: int, index: int) -> Path:
+    return Path(out_dir, "images", f"{height}x{width}", f"{index}.png")
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Nearest-rank percentile: with few calls, an observed value, never an interpolation."""
+    ordered = sorted(values)
+    rank = max(1, -(-len(ordered) * q // 100))
+    return ordered[int(rank) - 1]
+
+
+def versions(backend) -> dict[str, str | None]:
+    found = {}
+    for package in (*PACKAGES, *backend.cache_packages):
+        try:
+            found[package] = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            found[package] = None
+    return found
+
+
+class _Collected(logging.Handler):
+    """Warning log records, kept alongside Python warnings."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.records: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(f"{record.name}: {record.getMessage()}")
+
+
+def _once(messages: list[str]) -> list[dict]:
+    counts: dict[str, int] = {}
+    for message in messages:
+        counts[message] = counts.get(message, 0) + 1
+    return [{"message": message, "count": count} for message, count in counts.items()]
+
+
+def _call_or_none(dotted: str | None):
+    """A backend-reported figure, or None where the backend (or this release) has none."""
+    if not dotted:
+        return None
+    from diffq.worker.backends import resolve
+
+    try:
+        return resolve(dotted)()
+    except Exception:  # noqa: BLE001 - an optional statistic must not fail qualification
+        return None
+
+
+def _save(images, spec: QualifySpec, height: int, width: int) -> None:
+    for index, image in enumerate(images):
+        path = image_path(spec.out_dir, height, width, index)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        image.save(path, format="PNG")
+
+
+def measure(spec: QualifySpec) -> dict:
+    """Everything the parent reports except parity; runs after `import torch`."""
+    from diffq.core.contract import BatchItem, BatchParams, ShapeKey
+    from diffq.worker.backends import device_count
+    from diffq.worker.compile_cache import CacheSync
+    from diffq.worker.pipeline_host import PipelineHost, graphs_compiled
+
+    backend = spec.child.backend  # read after the extension import: it may register itself
+    cache = spec.child.cache
+    sync = CacheSync(cache.remote, cache.local_dir) if cache.remote else None
+    if sync:
+        try:
+            sync.pull()
+        except Exception as exc:  # as in a worker: a missing cache costs compile time only
+            logging.getLogger("diffq.worker").warning("compile cache pull from %s failed: %s", cache.remote, exc)
+    host = PipelineHost(backend=backend, compile_mode=spec.child.compile, offload=spec.child.offload)
+    items = [BatchItem(id=f"q{i}", prompt=prompt, seed=seed)
+             for i, (prompt, seed) in enumerate(zip(spec.prompts, spec.seeds))]
+
+    def key(height: int, width: int) -> ShapeKey:
+        return ShapeKey(model=spec.model, height=height, width=width, batch_size=spec.batch_size,
+                        max_sequence_length=spec.max_sequence_length, cfg=spec.guidance_scale > 1,
+                        dtype=spec.dtype)
+
+    def call(shape: ShapeKey, steps: int):
+        before = graphs_compiled()
+        generated = host.generate(shape, BatchParams(num_inference_steps=steps,
+                                                     guidance_scale=spec.guidance_scale), items)
+        return generated, graphs_compiled() - before
+
+    started = time.perf_counter()
+    host.set_shape_budget(len(spec.shapes) + len(spec.extra_parity_shapes))
+    host.pipeline(spec.model, spec.dtype)
+    load_s = time.perf_counter() - started
+    # A reference run only generates images: its shapes are all parity shapes.
+    timed, images_only = (spec.shapes, spec.extra_parity_shapes) if spec.measure else ([], spec.shapes)
+    shapes = []
+    steps_change = 0
+    for height, width in timed:
+        shape = key(height, width)
+        first, first_graphs = call(shape, spec.steps)
+        _save(first.images, spec, height, width)
+        steady, steady_graphs = [], 0
+        for _ in range(spec.repeats):
+            generated, graphs = call(shape, spec.steps)
+            steady.append(generated.generate_s)
+            steady_graphs += graphs
+        _, changed = call(shape, spec.steps - 1 if spec.steps > 1 else spec.steps + 1)
+        steps_change += changed
+        median = statistics.median(steady)
+        shapes.append({
+            "shape": f"{height}x{width}",
+            "height": height, "width": width, "batch_size": spec.batch_size,
+            "first_call_s": round(first.generate_s, 4),
+            "first_call_graphs": first_graphs,
+            "steady_s": {"median": round(median, 4), "p90": round(percentile(steady, 90), 4),
+                         "calls": len(steady)},
+            "recompiles": {"steady": steady_graphs, "steps_change": changed, "revisit": None},
+            "images_per_s": round(spec.batch_size / median, 4) if median > 0 else None,
+        })
+    # Back to every shape, now that later shapes compiled in between: nothing new.
+    for entry in shapes:
+        _, entry["recompiles"]["revisit"] = call(key(entry["height"], entry["width"]), spec.steps)
+    revisit = sum(entry["recompiles"]["revisit"] for entry in shapes) if spec.measure else None
+    for height, width in images_only:
+        generated, _ = call(key(height, width), spec.steps)
+        _save(generated.images, spec, height, width)
+    if sync:
+        try:
+            sync.push()
+        except Exception as exc:  # noqa: BLE001 - reported, not fatal, as in a worker
+            logging.getLogger("diffq.worker").warning("compile cache push to %s failed: %s", cache.remote, exc)
+    peak = _call_or_none(backend.peak_memory)
+    stats = host.compile_stats()
+    return {
+        "device": {"kind": backend.name, "torch_device": backend.torch_device, "count": device_count(backend),
+                   "slot": spec.child.slot},
+        "compile": {"mode": stats["mode"], "backend": stats["backend"],
+                    "options": backend.compile_options if stats["backend"] else None,
+                    "cache_env": backend.cache_env,
+                    "cache_dir": os.environ.get(backend.cache_env) or cache.local_dir,
+                    "cache_remote": cache.remote,
+                    "cache_stats": {"inductor": stats["cache"],
+                                    "backend": _json_safe(_call_or_none(backend.cache_stats))}},
+        "versions": versions(backend),
+        "load_s": round(load_s, 4),
+        "shapes": shapes,
+        "recompiles": {"steps_change": steps_change if spec.measure else None, "revisit": revisit,
+                       "steady": sum(s["recompiles"]["steady"] for s in shapes),
+                       "new_shapes": {s["shape"]: s["first_call_graphs"] for s in shapes}},
+        "fallback_ops": list(dict.fromkeys(host.fallback_ops())),
+        "memory": {"device_peak_bytes": int(peak) if peak is not None else None,
+                   "host_peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024},
+    }
+
+
+def _json_safe(value):
+    return json.loads(json.dumps(value, default=str)) if value is not None else None
+
+
+def main(spec_path: str) -> int:
+    spec = QualifySpec.model_validate_json(Path(spec_path).read_text())
+    out = Path(spec.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    for name, value in QUIET_ENV.items():
+        os.environ.setdefault(name, value)
+    os.environ.update(spec.child.env())
+    collected = _Collected()
+    logging.getLogger().addHandler(collected)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        warnings.filterwarnings("ignore", message=".*superuser privileges.*")  # as a worker does
+        try:
+            import torch  # noqa: E402 - deliberately after pinning, as in a worker
+
+            torch.set_num_threads(spec.child.threads)
+            if spec.child.backend.extension:
+                importlib.import_module(spec.child.backend.extension)
+            result = measure(spec)
+            code = 0
+        except Exception as exc:  # noqa: BLE001 - reported to the parent as a failed check
+            traceback.print_exc(file=sys.stderr)  # the child's log, kept by the parent
+            result = {"error": f"{type(exc).__name__}: {exc}"}
+            code = 1
+    result["warnings"] = _once([f"{w.category.__name__}: {w.message}" for w in caught] + collected.records)
+    (out / (RESULT + ".tmp")).write_text(json.dumps(result))
+    os.replace(out / (RESULT + ".tmp"), out / RESULT)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))

@@ -1,0 +1,145 @@
+"""A worker process's spec and plan: what it serves, how it is pinned, its environment.
+
+Torch-free and Celery-free: the supervisor, the CLI's `--plan` and the fleet import
+it without loading a device runtime. The child that runs a spec is process.py.
+"""
+
+from __future__ import annotations
+
+import re
+import socket
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from diffq.core.contract import ShapeKey, shape_from_queue
+from diffq.worker.backends import COMPILING_MODES, Backend, Placement, get_backend
+from diffq.worker.compile_cache import CachePlan, plan_cache
+
+# Exit code for a child that can never succeed (bad model, bad option): the
+# supervisor must not restart it in a loop.
+EXIT_FATAL = 3
+
+
+class ChildSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+    device: str = "cpu"
+    slot: int = 0  # the device index this process is pinned to
+    threads: int = 1
+    broker_url: str
+    transport_options: dict = Field(default_factory=dict)
+    queues: list[str]
+    compile: str = "none"
+    offload: str | None = None
+    compile_cache: str | None = None
+    # Where a remote (URL) compile cache is mirrored on this host; default under /tmp.
+    compile_cache_local: str | None = None
+    # 'auto' (every served shape) or HxW sizes: compiled before consuming.
+    warmup: list[str] = Field(default_factory=list)
+    # compile-aware: drain already-compiled shapes before taking a new one.
+    routing: Literal["compile-aware", "round-robin"] = "compile-aware"
+    # Compile, push the cache, print a JSON report and exit 0 (bake a cache in CI).
+    warmup_only: bool = False
+    # Debug hook: write the environment as seen before `import torch` to this file.
+    env_report: str | None = None
+    # Loaded before consuming, so a missing model fails the process at once.
+    models: list[str] = Field(default_factory=list)
+    dtype: str = "float32"
+    allowed_out_prefixes: list[str] = Field(default_factory=list)
+    loglevel: str = "WARNING"
+    # Tensor-parallel group membership (worker/tensor_parallel.py). world_size 1 is
+    # an independent worker; otherwise rank 0 consumes and the others follow it.
+    rank: int = 0
+    world_size: int = 1
+    group: int = 0  # index of the group on this host
+    group_slots: list[int] = Field(default_factory=list)  # the group's devices, in rank order
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29500
+    # Device generation where launch facts differ by it (TPU: v5e, v5p, v6e, v7).
+    generation: str | None = None
+
+    @field_validator("warmup")
+    @classmethod
+    def _warmup_entries(cls, entries: list[str]) -> list[str]:
+        for entry in entries:
+            if entry != "auto" and not re.fullmatch(r"\d+x\d+", entry):
+                raise ValueError(f"warmup entry '{entry}' is neither 'auto' nor HxW (e.g. 1024x1024)")
+        return entries
+
+    @property
+    def backend(self) -> Backend:
+        return get_backend(self.device)
+
+    @property
+    def cache(self) -> CachePlan:
+        return plan_cache(self.compile_cache, self.backend, self.compile_cache_local)
+
+    def placement(self) -> Placement:
+        return Placement(slot=self.slot, threads=self.threads, rank=self.rank,
+                         group_slots=tuple(self.group_slots) if self.world_size > 1 else (),
+                         master_addr=self.master_addr, master_port=self.master_port,
+                         generation=self.generation)
+
+    def env(self) -> dict[str, str]:
+        """What this child adds to its environment before `import torch` (the backend table's)."""
+        backend = self.backend
+        env = backend.env(self.placement())
+        env.update(backend.mode_env.get(self.compile, {}))
+        env.update(self.cache.env)
+        env["DIFFQ_WORKER_NAME"] = self.name
+        return env
+
+    def unset_env(self) -> tuple[str, ...]:
+        """What this child removes from the environment it inherited (e.g. torchrun's, when single)."""
+        return self.backend.unset(self.placement())
+
+    def warmup_shapes(self) -> list[ShapeKey]:
+        """The served shapes to compile before consuming; an HxW no queue serves is an error."""
+        if not self.warmup:
+            return []
+        served = [s for s in (shape_from_queue(q, self.models) for q in self.queues) if s is not None]
+        if "auto" in self.warmup:
+            return served
+        shapes = []
+        for entry in self.warmup:
+            height, width = (int(x) for x in entry.split("x"))
+            matching = [s for s in served if (s.height, s.width) == (height, width)]
+            if not matching:
+                raise ValueError(f"--warmup {entry}: no served queue of the loaded model has that size")
+            shapes += [s for s in matching if s not in shapes]
+        return shapes
+
+    def plan(self) -> dict:
+        backend = self.backend
+        cache = self.cache
+        return {
+            "name": self.name,
+            "device": backend.torch_device,
+            "slot": self.slot,
+            "env": self.env(),
+            "unset": list(self.unset_env()),
+            "queues": self.queues,
+            "dtype": self.dtype,
+            "compile": self.compile,
+            "compile_backend": backend.compile_backend,
+            "compile_options": backend.compile_options if self.compile in COMPILING_MODES else None,
+            "cache_env": backend.cache_env,
+            "cache_dir": cache.local_dir,
+            "cache_remote": cache.remote,
+            "warmup": [shape.queue for shape in self.warmup_shapes()],
+            "dist_backend": backend.dist_backend,
+            **({"group": self.group, "rank": self.rank, "world_size": self.world_size,
+                "consumes": self.rank == 0} if self.world_size > 1 else {}),
+        }
+
+
+def hostname() -> str:
+    return socket.gethostname()
+
+
+# Library chatter (per-process load bars, torchvision fallbacks) would drown the
+# run's own output when N workers start at once.
+QUIET_ENV = {"TRANSFORMERS_VERBOSITY": "error", "DIFFUSERS_VERBOSITY": "error",
+             "HF_HUB_DISABLE_PROGRESS_BARS": "1", "TOKENIZERS_PARALLELISM": "false"}
