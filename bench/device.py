@@ -178,15 +178,17 @@ def knee(busy: list[tuple[float, float]]) -> float | None:
 def host_limit(height: int, width: int, fmt: str, out: str, cores: int, seconds: float = 1.5) -> dict:
     """Seconds per image of encode + store alone: diffq's encoder settings and storage
     client, a bare loop over the stand-in's images on `cores` threads."""
+    from diffq.core.layout import IMAGE_FORMATS
     from diffq.core.storage import open_storage
-    from diffq.worker.sink import _CONTENT_TYPES, _yield_to_generation, encode
+    from diffq.worker.sink import _yield_to_generation, encode
 
     storage = open_storage(out)
     pool = image_pool(height, width)
 
     def one(n: int) -> int:
         data = encode(pool[n % len(pool)], fmt)
-        storage.put_bytes(f"host/{n:06d}.{fmt}", data, content_type=_CONTENT_TYPES[fmt], if_absent=True)
+        storage.put_bytes(f"host/{n:06d}.{fmt}", data, content_type=IMAGE_FORMATS[fmt].content_type,
+                          if_absent=True)
         return len(data)
 
     # At the sink's priority: where other work shares the cores, both get the same share.
@@ -305,23 +307,28 @@ def summarise(config: dict, repeats: list[dict]) -> dict:
 
 
 def encode_settings(height: int = 1024, width: int = 1024, images: int = 8) -> list[dict]:
-    """What each encoder setting costs a core: ms and bytes per image of the stand-in's
-    images (the knee on one core follows the encode time). diffq's settings are PNG
-    compress_level 1 and JPEG/WebP quality 90 (worker/sink.py); the others are for
+    """What each encoder setting costs a core: CPU ms and bytes per image of the
+    stand-in's images (the knee on one core follows the encode time). diffq's own
+    settings come from its format table (diffq/core/layout.py); the others are for
     comparison."""
     import io
 
+    from diffq.core.layout import IMAGE_FORMATS
+
+    def diffq(fmt: str) -> tuple[str, str, dict]:
+        options = IMAGE_FORMATS[fmt].options
+        return fmt, ", ".join(f"{k}={v}" for k, v in options.items()) + " (diffq)", options
+
     pool = image_pool(height, width)[:images]
-    settings = [("png", "compress_level=0", {"compress_level": 0}), ("png", "compress_level=1 (diffq)",
-                {"compress_level": 1}), ("png", "compress_level=6 (PIL default)", {"compress_level": 6}),
-                ("jpeg", "quality=90 (diffq)", {"quality": 90}), ("webp", "quality=90 (diffq)", {"quality": 90}),
+    settings = [("png", "compress_level=0", {"compress_level": 0}), diffq("png"),
+                ("png", "compress_level=6 (PIL default)", {"compress_level": 6}), diffq("jpeg"), diffq("webp"),
                 ("webp", "quality=90, method=0", {"quality": 90, "method": 0})]
     rows = []
     for fmt, label, options in settings:
         sizes, started = [], time.thread_time()  # CPU time: other work on the core does not add to it
         for image in pool:
             buffer = io.BytesIO()
-            image.save(buffer, format={"png": "PNG", "jpeg": "JPEG", "webp": "WEBP"}[fmt], **options)
+            image.save(buffer, format=IMAGE_FORMATS[fmt].pil, **options)
             sizes.append(buffer.tell())
         rows.append({"format": fmt, "setting": label, "size": f"{height}x{width}",
                      "cpu_ms_per_image": round(1000 * (time.thread_time() - started) / len(pool), 1),
@@ -450,7 +457,8 @@ def findings(documents: dict[str, dict]) -> list[str]:
     if s3:
         lines += [
             f"- **S3** (moto on the same cores): PNG 1024² knee {ms(s3['knee_s_per_image'])}, host limit "
-            f"{ms(s3['host_limit_s_per_image'])}, {cpu(s3)}; moto's own CPU is outside both figures."]
+            f"{ms(s3['host_limit_s_per_image'])}, {cpu(s3)}. moto is one Python process on the same two cores, and "
+            "the run's CPU includes it (the bare loop's does not), so this ratio overstates diffq's share."]
     bound = [g for row in sweeps if row["cores"] == 1 for t, g in row["gap_ms"] if t >= 2 * row["host_limit_s_per_image"]]
     if bound:
         lines += [f"- **Idle gap** while device-bound: median {statistics.median(bound):.1f} ms between two calls."]
