@@ -392,15 +392,16 @@ LIMITS = """## What limits the figures (from profiles)
   calls the worker's main thread now only hands the images over: the sink's send
   thread copies the pixels out of PIL and writes each image straight to the socket
   (they were copied and joined between two calls: most of a 20–30 ms idle gap per
-  1024² batch of 8 under load, now 2–4 ms), and the helper reads a batch into one
-  reused buffer (the stdlib's `recv_bytes` goes through a growing BytesIO: ~27 ms of
-  CPU per 25 MB batch against ~7 ms). What the process boundary still costs at
-  1024², batch 8, is ~15 ms of CPU per batch (pixels out of PIL, through the socket,
-  back into PIL): a few % of PNG's or WebP's host work, about as much as JPEG's
-  encode itself. Wall-clock figures of this section were taken at load averages of
-  5–13 on 2 cores (other sessions' test suites): the sink helper runs at niceness 10
-  by design, so under that load it gets a fraction of a core and the wall-clock
-  knees sit well above the CPU ones; the CPU per image does not depend on the load."""
+  1024² batch of 8, now ~3 ms), and the helper reads a batch into one reused buffer
+  (the stdlib's `recv_bytes` goes through a growing BytesIO: ~27 ms of CPU per 25 MB
+  batch against ~7 ms). What the process boundary still costs at 1024², batch 8, is
+  ~15 ms of CPU per batch (pixels out of PIL, through the socket, back into PIL): a
+  few % of PNG's or WebP's host work, about as much as JPEG's encode itself, hence
+  JPEG's 1.6–2.3× against the bare loop where `DIFFQ_SINK=thread` (no boundary) is
+  ~1.05×. The wall-clock knees sit above the CPU ones because the sink helper runs
+  at niceness 10 by design: whatever else runs on its core (other sessions here;
+  load averages in the section) comes first; the CPU per image does not depend on
+  that."""
 
 
 if __name__ == "__main__":

@@ -421,8 +421,8 @@ def findings(documents: dict[str, dict]) -> list[str]:
     if png:
         lines += [
             f"- **PNG at 1024² on one spare core**: the knee is at {ms(png['knee_s_per_image'])} per image on the "
-            f"wall clock, against a bare-loop host limit of {ms(png['host_limit_s_per_image'])} (both inflated by "
-            f"the other sessions' load). In CPU, which that load does not inflate, diffq's host side spends "
+            f"wall clock, against a bare-loop host limit of {ms(png['host_limit_s_per_image'])} (both with the other "
+            f"sessions' load on the core). In CPU, which that load does not inflate, diffq's host side spends "
             f"{cpu(png)}: on a dedicated core the device stays fed down to about "
             f"{1000 * png['run_cpu_s_per_image']:.0f} ms per image (~{1 / png['run_cpu_s_per_image']:.0f} images/s "
             "per spare core). Nearly all of it is the PNG encoder (zlib)."]
