@@ -34,6 +34,15 @@ class SizedItem(Item):
     requested_width: int
 
 
+@dataclass(slots=True)
+class RichItem(SizedItem):
+    """An item whose row sets a negative prompt or metadata (kept apart so the common
+    item's message carries no null fields); its requested size may be None."""
+
+    negative_prompt: str | None
+    metadata: dict | None
+
+
 @dataclass(frozen=True)
 class RunOptions:
     model: str
@@ -42,6 +51,7 @@ class RunOptions:
     dtype: str = "float32"
     format: str = "png"
     fit: str = "none"  # none | resize | crop: what the sink does to a bucket's image
+    embed_metadata: bool = True
 
 
 @dataclass
@@ -53,26 +63,33 @@ class Batch:
 
 
 @functools.lru_cache(maxsize=4096)
-def shape_for(options: RunOptions, height: int, width: int, cfg: bool) -> ShapeKey:
-    return ShapeKey(model=options.model, height=height, width=width, batch_size=options.batch_size,
+def shape_for(options: RunOptions, model: str | None, height: int, width: int, cfg: bool) -> ShapeKey:
+    return ShapeKey(model=model or options.model, height=height, width=width, batch_size=options.batch_size,
                     max_sequence_length=options.max_sequence_length, cfg=cfg, dtype=options.dtype)
+
+
+def _cfg(prompt: Prompt) -> bool:
+    # Decided by the row's family when sources knew it; else the conservative rule.
+    return prompt.cfg if prompt.cfg is not None else prompt.guidance_scale > 1.0
 
 
 def shape_of(prompt: Prompt, options: RunOptions) -> ShapeKey:
     # Cached: a run has a handful of shapes and millions of rows.
-    return shape_for(options, prompt.height, prompt.width, prompt.guidance_scale > 1.0)
+    return shape_for(options, prompt.model, prompt.height, prompt.width, _cfg(prompt))
 
 
 @functools.lru_cache(maxsize=4096)
-def _params(steps: int, guidance_scale: float, fmt: str, fit: str) -> BatchParams:
-    return BatchParams(num_inference_steps=steps, guidance_scale=guidance_scale, format=fmt, fit=fit)
+def _params(steps: int, guidance_scale: float, fmt: str, fit: str, embed_metadata: bool) -> BatchParams:
+    return BatchParams(num_inference_steps=steps, guidance_scale=guidance_scale, format=fmt, fit=fit,
+                       embed_metadata=embed_metadata)
 
 
 def group_key(prompt: Prompt) -> tuple:
-    """(height, width, cfg, steps, guidance): rows that may share a batch. Its first
-    three fields are what decides the shape (`shape_for`); the validation pass counts
-    batches per group with the same key the bucketer batches by."""
-    return prompt.height, prompt.width, prompt.guidance_scale > 1.0, prompt.num_inference_steps, prompt.guidance_scale
+    """(model, height, width, cfg, steps, guidance): rows that may share a batch. Its
+    first four fields are what decides the shape (`shape_for`); the validation pass
+    counts batches per group with the same key the bucketer batches by."""
+    return (prompt.model, prompt.height, prompt.width, _cfg(prompt), prompt.num_inference_steps,
+            prompt.guidance_scale)
 
 
 class Bucketer:
@@ -86,13 +103,13 @@ class Bucketer:
 
     def _group(self, prompt: Prompt) -> tuple[tuple, Batch]:
         group = group_key(prompt)
-        shape_key = group[:3]
+        shape_key = group[:4]
         batch = self._open.get(group)
         if batch is None:
             index = self._counts.get(shape_key, 0)
             self._counts[shape_key] = index + 1
             params = _params(prompt.num_inference_steps, prompt.guidance_scale, self.options.format,
-                             self.options.fit)
+                             self.options.fit, self.options.embed_metadata)
             batch = self._open[group] = Batch(shape_of(prompt, self.options), params, index=index)
         return group, batch
 
@@ -100,7 +117,10 @@ class Bucketer:
         """Add one prompt; returns a batch when it fills up."""
         group, batch = self._group(prompt)
         seed = prompt.seed if prompt.seed is not None else derive_seed(self.seed_base, prompt.id)
-        if prompt.requested_height is None:
+        if prompt.negative_prompt is not None or prompt.metadata is not None:
+            batch.items.append(RichItem(prompt.id, prompt.prompt, seed, prompt.requested_height,
+                                        prompt.requested_width, prompt.negative_prompt, prompt.metadata))
+        elif prompt.requested_height is None:
             batch.items.append(Item(prompt.id, prompt.prompt, seed))
         else:
             batch.items.append(SizedItem(prompt.id, prompt.prompt, seed,

@@ -12,13 +12,18 @@ pending in `status` forever); so does the embedded runner, through `scan`.
 
 from __future__ import annotations
 
+import getpass
 import hashlib
+import json
+import socket
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
+from diffq.core import layout
 from diffq.core.contract import BatchMessage
 from diffq.core.progress import reconcile
-from diffq.core.runfolder import read_failures, read_manifest, recorded_batches
+from diffq.core.runfolder import read_cancel, read_failures, read_manifest, recorded_batches
 from diffq.core.storage import Storage, open_storage
 from diffq.producer.submit import CeleryPublisher, read_plan
 
@@ -83,15 +88,44 @@ def scan(storage: Storage) -> Recorded:
                     failed={item for failure in read_failures(storage) for item in failure.item_ids})
 
 
-def resume(out: str, broker_url: str, transport_options: dict | None = None) -> Requeued:
-    """Re-enqueue exactly the items that are neither done nor failed."""
+def cancel(out: str) -> bool:
+    """Mark the run cancelled: workers drop its batches as they receive them, without
+    generating them; nothing stored is touched. Returns False if it already was."""
     storage = open_storage(out)
-    return _publish(storage, missing_batches(storage, scan(storage).settled), broker_url, transport_options)
+    read_manifest(storage)
+    marker = json.dumps({"cancelled_at": time.time(), "by": f"{getpass.getuser()}@{socket.gethostname()}"})
+    return storage.put_bytes(layout.CANCEL, marker.encode(), content_type="application/json", if_absent=True)
+
+
+def uncancel(storage: Storage) -> bool:
+    """Remove the run's cancel marker, then wait out the workers' cached look at it,
+    so none drops what is published next. Returns whether the run was cancelled."""
+    if read_cancel(storage) is None:
+        return False
+    storage.delete(layout.CANCEL)
+    time.sleep(layout.CANCEL_CHECK_S)
+    return True
+
+
+def resume(out: str, broker_url: str, transport_options: dict | None = None) -> Requeued:
+    """Re-enqueue exactly the items that are neither done nor failed (a cancelled run
+    is un-cancelled first)."""
+    storage = open_storage(out)
+    settled = scan(storage).settled
+    uncancel(storage)
+    return _publish(storage, missing_batches(storage, settled), broker_url, transport_options)
+
+
+class RunCancelled(RuntimeError):
+    pass
 
 
 def retry_failed(out: str, broker_url: str, transport_options: dict | None = None) -> Requeued:
     """Re-enqueue the items that failed (and are not done since)."""
     storage = open_storage(out)
     recorded = scan(storage)
+    if read_cancel(storage) is not None:
+        # Workers would drop what this publishes; resume un-cancels and redoes it all.
+        raise RunCancelled(f"{storage.url} is cancelled: `diffq resume` re-enqueues everything missing")
     failed = recorded.failed - recorded.done
     return _publish(storage, select_batches(storage, failed.__contains__, "f"), broker_url, transport_options)

@@ -20,7 +20,8 @@ from typing import NamedTuple
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from diffq.core.contract import MAX_PROMPT_CHARS
+from diffq.core.contract import MAX_METADATA_BYTES, MAX_PROMPT_CHARS, metadata_size
+from diffq.core.families import Family, FamilyError, cfg_bit, family_of
 from diffq.producer.sizes import SizeBuckets
 
 FORMATS = ("jsonl", "csv", "txt", "parquet")
@@ -44,10 +45,11 @@ class Defaults:
     width: int = 128
     num_inference_steps: int = 4
     guidance_scale: float = 1.0
-    size_multiple: int = 16
+    size_multiple: int = 16  # where the family is unknown; a known family has its own
     # With buckets, a row's size is what was asked for and the bucket is what is
     # generated: only the buckets must be multiples of `size_multiple`.
     size_buckets: SizeBuckets | None = None
+    model: str | None = None  # rows without a `model` field use this one
 
 
 class PromptRow(BaseModel):
@@ -62,6 +64,9 @@ class PromptRow(BaseModel):
     seed: int | None = Field(default=None, ge=0, lt=2**63)
     num_inference_steps: int | None = Field(default=None, gt=0, le=1000)
     guidance_scale: float | None = Field(default=None, ge=0, le=100)
+    negative_prompt: str | None = Field(default=None, max_length=MAX_PROMPT_CHARS)
+    metadata: dict | None = None
+    model: str | None = Field(default=None, min_length=1, max_length=1024)
 
     @field_validator("prompt")
     @classmethod
@@ -70,6 +75,13 @@ class PromptRow(BaseModel):
             raise ValueError("prompt is blank")
         if "\x00" in value:
             raise ValueError("prompt contains a NUL character")
+        return value
+
+    @field_validator("negative_prompt")
+    @classmethod
+    def _no_nul(cls, value: str | None) -> str | None:
+        if value is not None and "\x00" in value:
+            raise ValueError("negative_prompt contains a NUL character")
         return value
 
     @field_validator("id")
@@ -98,6 +110,12 @@ class Prompt(NamedTuple):
     # Set only with size buckets: the size the row asked for (height/width: its bucket).
     requested_height: int | None = None
     requested_width: int | None = None
+    # Optional so a Prompt can be built from the first eight alone (None: derived from
+    # guidance_scale / the run's model, as for an unknown family).
+    cfg: bool | None = None
+    model: str | None = None
+    negative_prompt: str | None = None
+    metadata: dict | None = None
 
 
 def detect_format(path: str | Path) -> str:
@@ -211,14 +229,69 @@ def _plain_row(raw: dict) -> dict | None:
         elif name == "guidance_scale":
             if value is not None and (type(value) not in (int, float) or not 0 <= value <= 100):
                 return None
+        elif name == "negative_prompt":
+            if value is not None and (type(value) is not str or len(value) > MAX_PROMPT_CHARS or "\x00" in value):
+                return None
+        elif name == "model":
+            if value is not None and (type(value) is not str or not 0 < len(value) <= 1024):
+                return None
+        elif name == "metadata":
+            if value is not None and type(value) is not dict:
+                return None
         elif name != "prompt":  # an unknown field, even if null
             return None
     return raw
 
 
-def read_prompts(path: str | Path, defaults: Defaults = Defaults()) -> Iterator[Prompt]:
+def _keep(path: str | Path, line: int, raw: dict, keep_columns: tuple[str, ...], parse_metadata: bool) -> dict:
+    """Move the `keep_columns` of a row into its `metadata` object (CSV / Parquet).
+
+    In CSV a `metadata` cell is JSON text; in Parquet it may be a struct or JSON text.
+    """
+    metadata = raw.get("metadata")
+    if parse_metadata and isinstance(metadata, str):
+        try:
+            metadata = json.loads(metadata)
+        except json.JSONDecodeError as exc:
+            raise InputError(path, line, "metadata", f"not valid JSON ({exc.msg} at column {exc.colno})") from None
+        if not isinstance(metadata, dict):
+            raise InputError(path, line, "metadata", f"expected a JSON object, got {type(metadata).__name__}")
+    kept = {name: raw[name] for name in keep_columns if name in raw}
+    if not kept and metadata is raw.get("metadata"):
+        return raw
+    row = {name: value for name, value in raw.items() if name not in kept}
+    if kept:
+        if metadata is not None and not isinstance(metadata, dict):
+            return row | {"metadata": metadata}  # the validator names the problem
+        clash = sorted(set(kept) & set(metadata or {}))
+        if clash:
+            raise InputError(path, line, clash[0], "is both a kept column and a key of the row's metadata")
+        metadata = (metadata or {}) | kept
+    row["metadata"] = metadata
+    return row
+
+
+def read_prompts(path: str | Path, defaults: Defaults = Defaults(),
+                 keep_columns: tuple[str, ...] | list[str] = ()) -> Iterator[Prompt]:
+    """Validated rows with every default applied. `keep_columns`: CSV / Parquet columns
+    moved into the row's `metadata` instead of being refused as unknown."""
+    keep_columns = tuple(keep_columns)
+    parse_metadata = detect_format(path) in ("csv", "parquet")
+    families: dict[str | None, type[Family] | None] = {}
+
+    def family(model: str | None, line: int, field: str | None) -> type[Family] | None:
+        if model not in families:
+            try:
+                families[model] = family_of(model) if model else None
+            except FamilyError as exc:
+                raise InputError(path, line if field else None, field, str(exc)) from None
+        return families[model]
+
+    family(defaults.model, 0, None)  # a bad --model is reported before any row
     buckets = defaults.size_buckets.nearest if defaults.size_buckets is not None else None
     for line, raw in iter_raw_rows(path):
+        if keep_columns or (parse_metadata and "metadata" in raw):
+            raw = _keep(path, line, raw, keep_columns, parse_metadata)
         row = _plain_row(raw)
         if row is None:
             try:
@@ -228,16 +301,29 @@ def read_prompts(path: str | Path, defaults: Defaults = Defaults()) -> Iterator[
                 field = ".".join(str(part) for part in error["loc"]) or None
                 raise InputError(path, line, field, error["msg"]) from None
         get = row.get
+        model = get("model")
+        fam = family(model, line, "model") if model is not None else families[defaults.model]
+        model = model if model is not None else defaults.model
+        multiple = fam.size_multiple if fam is not None else defaults.size_multiple
         height = get("height") or defaults.height
         width = get("width") or defaults.width
         requested_height = requested_width = None
         if buckets is not None:
             requested_height, requested_width = height, width
             height, width = buckets(height, width)
-        elif height % defaults.size_multiple or width % defaults.size_multiple:
-            name, value = ("height", height) if height % defaults.size_multiple else ("width", width)
-            raise InputError(path, line, name, f"{value} is not a multiple of {defaults.size_multiple}")
+        elif height % multiple or width % multiple:
+            name, value = ("height", height) if height % multiple else ("width", width)
+            raise InputError(path, line, name, f"{value} is not a multiple of {multiple}")
         item_id, guidance = get("id"), get("guidance_scale")
+        guidance = float(guidance) if guidance is not None else defaults.guidance_scale
+        negative, metadata = get("negative_prompt"), get("metadata")
+        if metadata is not None and (size := metadata_size(metadata)) > MAX_METADATA_BYTES:
+            raise InputError(path, line, "metadata",
+                             f"{size} bytes of JSON, over the {MAX_METADATA_BYTES}-byte limit")
+        if fam is not None and negative is not None:
+            refused = fam.refusal(negative_prompt=negative, guidance_scale=guidance)
+            if refused:
+                raise InputError(path, line, *refused)
         yield Prompt(  # positional: the field order of Prompt
             line,
             item_id if item_id is not None else generated_id(line),
@@ -246,9 +332,13 @@ def read_prompts(path: str | Path, defaults: Defaults = Defaults()) -> Iterator[
             width,
             get("seed"),
             get("num_inference_steps") or defaults.num_inference_steps,
-            float(guidance) if guidance is not None else defaults.guidance_scale,
+            guidance,
             requested_height,
             requested_width,
+            cfg_bit(fam, guidance),
+            model,
+            negative,
+            metadata,
         )
 
 

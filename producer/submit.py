@@ -70,6 +70,10 @@ class Plan:
     shapes: list[ShapeSummary]
 
     @property
+    def models(self) -> list[str]:
+        return sorted({summary.shape.model for summary in self.shapes})
+
+    @property
     def compiles(self) -> int:
         """What a fleet compiles: one graph per shape per compile cache."""
         return len(self.shapes)
@@ -81,7 +85,7 @@ class Plan:
     def to_json(self) -> dict:
         """`diffq plan --json`: the shape histogram submit would publish."""
         return {
-            "total": self.total, "batches": self.batches, "compiles": self.compiles,
+            "total": self.total, "batches": self.batches, "compiles": self.compiles, "models": self.models,
             "padded_slots": self.padded_slots,
             "shapes": [{"height": s.shape.height, "width": s.shape.width, "items": s.items,
                         "batches": s.batches, "padded_slots": padded_slots(s), "queue": s.queue,
@@ -104,7 +108,7 @@ class Validation:
         self._ids = IdChecker(path)
         # Plain tuple keys per row; shape keys are built once per shape at the end.
         self._per_group: Counter = Counter()
-        # With size buckets, per (bucket height, width, cfg): packed requested size -> rows.
+        # With size buckets, per (model, bucket height, width, cfg): packed requested size -> rows.
         # One small int key per distinct size: copied sizes are often nearly all distinct.
         self._requested: dict[tuple, Counter] = {}
         self._total = 0
@@ -118,9 +122,9 @@ class Validation:
                 group = group_key(prompt)
                 per_group[group] += 1
                 if prompt.requested_height is not None:
-                    sizes = requested.get(group[:3])
+                    sizes = requested.get(group[:4])
                     if sizes is None:
-                        sizes = requested[group[:3]] = Counter()
+                        sizes = requested[group[:4]] = Counter()
                     sizes[prompt.requested_height << _SIDE_BITS | prompt.requested_width] += 1
                 self._total += 1
                 yield prompt
@@ -135,8 +139,8 @@ class Validation:
         items: Counter = Counter()
         batches: Counter = Counter()
         shapes: dict[str, ShapeKey] = {}
-        for (height, width, cfg, _, _), count in self._per_group.items():
-            shape = shape_for(self.options, height, width, cfg)
+        for (model, height, width, cfg, _, _), count in self._per_group.items():
+            shape = shape_for(self.options, model, height, width, cfg)
             shapes[shape.queue] = shape
             items[shape.queue] += count
             batches[shape.queue] += math.ceil(count / self.options.batch_size)
@@ -152,9 +156,9 @@ class Validation:
         return Plan(total=self._total, batches=sum(batches.values()), shapes=summaries)
 
 
-def validate(path: str | Path, options: RunOptions, defaults: Defaults) -> Plan:
+def validate(path: str | Path, options: RunOptions, defaults: Defaults, keep_columns=()) -> Plan:
     validation = Validation(path, options)
-    for _ in validation.check(read_prompts(path, defaults)):
+    for _ in validation.check(read_prompts(path, defaults, keep_columns)):
         pass
     return validation.plan()
 
@@ -163,7 +167,7 @@ def make_options(*, model: str, batch_size: int = 4, steps: int = 4, guidance_sc
                  max_sequence_length: int = 64, height: int = 128, width: int = 128,
                  format: str = "png", dtype: str = "float32",
                  size_multiple: int = 16, size_buckets: str | None = None,
-                 fit: str = "none") -> tuple[RunOptions, Defaults]:
+                 fit: str = "none", embed_metadata: bool = True) -> tuple[RunOptions, Defaults]:
     """The run-wide options (shape and output) and the per-row defaults.
 
     A bad `size_buckets` spec raises `BucketSpecError` before any row is read.
@@ -175,18 +179,19 @@ def make_options(*, model: str, batch_size: int = 4, steps: int = 4, guidance_sc
                          "generated at the size its row asks for")
     return (
         RunOptions(model=model, batch_size=batch_size, max_sequence_length=max_sequence_length,
-                   dtype=dtype, format=format, fit=fit),
+                   dtype=dtype, format=format, fit=fit, embed_metadata=embed_metadata),
         Defaults(height=height, width=width, num_inference_steps=steps,
                  guidance_scale=guidance_scale, size_multiple=size_multiple,
-                 size_buckets=parse_buckets(size_buckets, size_multiple) if size_buckets else None),
+                 size_buckets=parse_buckets(size_buckets, size_multiple) if size_buckets else None,
+                 model=model),
     )
 
 
-def plan(prompts: str | Path, *, model: str, **generation) -> Plan:
+def plan(prompts: str | Path, *, model: str, keep_columns=(), **generation) -> Plan:
     """`diffq plan`: what `submit` with these options would publish (the same
     validation pass, the same errors); nothing is written or enqueued."""
     options, defaults = make_options(model=model, **generation)
-    return validate(prompts, options, defaults)
+    return validate(prompts, options, defaults, keep_columns)
 
 
 def write_plan_part(storage: Storage, part: int, messages: list[EncodedBatch]) -> None:
@@ -220,6 +225,8 @@ def submit(
     size_multiple: int = 16,
     size_buckets: str | None = None,
     fit: str = "none",
+    keep_columns: tuple[str, ...] | list[str] = (),
+    embed_metadata: bool = True,
     on_published: Callable[[int], None] | None = None,
     plan: Plan | None = None,
 ) -> SubmitResult:
@@ -232,7 +239,8 @@ def submit(
                                      guidance_scale=guidance_scale,
                                      max_sequence_length=max_sequence_length, height=height,
                                      width=width, format=format, dtype=dtype,
-                                     size_multiple=size_multiple, size_buckets=size_buckets, fit=fit)
+                                     size_multiple=size_multiple, size_buckets=size_buckets, fit=fit,
+                                     embed_metadata=embed_metadata)
     storage = open_storage(out)
     run_id = run_id or uuid.uuid4().hex[:12]
     seed_base = seed_base or run_id
@@ -247,12 +255,12 @@ def submit(
             # and the encoded plan parts wait on local disk until the last row passed.
             validation = Validation(prompts, options)
             spill = stack.enter_context(PlanSpill())
-            for part in plan_parts(encoded(validation.check(read_prompts(prompts, defaults)))):
+            for part in plan_parts(encoded(validation.check(read_prompts(prompts, defaults, keep_columns)))):
                 spill.add(part)
             plan = validation.plan()
             parts = spill.parts()
         else:  # validated by the caller
-            parts = plan_parts(encoded(read_prompts(prompts, defaults)))
+            parts = plan_parts(encoded(read_prompts(prompts, defaults, keep_columns)))
         manifest = write_manifest(storage, prompts, plan, run_id, defaults={
             "model": model, "batch_size": batch_size, "steps": steps,
             "guidance_scale": guidance_scale, "max_sequence_length": max_sequence_length,
@@ -260,7 +268,8 @@ def submit(
             "seed_base": seed_base, "fit": fit,
             # Resolved (a preset's sizes, not its name): the run folder says what was used.
             "size_buckets": ([f"{h}x{w}" for h, w in defaults.size_buckets.sizes]
-                             if defaults.size_buckets else None)})
+                             if defaults.size_buckets else None),
+            "keep_columns": list(keep_columns), "embed_metadata": embed_metadata})
         if publisher is None:
             if not broker_url:
                 raise ValueError("submit needs a broker URL (--broker or DIFFQ_BROKER_URL)")
@@ -336,6 +345,7 @@ def write_manifest(storage: Storage, prompts: str | Path, plan: Plan, run_id: st
         shapes=plan.shapes,
         defaults=defaults,
         diffq_version=__version__,
+        models=plan.models,
     )
     body = json.dumps(manifest.model_dump(mode="json"), indent=2).encode()
     if not storage.put_bytes(layout.MANIFEST, body, content_type="application/json", if_absent=True):

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import io
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 from PIL import Image
@@ -79,3 +81,11 @@ def wait_until(out: str, supervisor, predicate, timeout: float = 300.0):
         assert not supervisor.all_fatal, "workers could not start"
         time.sleep(0.25)
     raise AssertionError(f"timed out after {timeout}s: {status(out)}")
+
+
+def diffq(*args, check=True):
+    """Run the `diffq` CLI in a fresh interpreter, as a user would."""
+    proc = subprocess.run([sys.executable, "-m", "diffq", *args], capture_output=True, text=True, timeout=600)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"diffq {' '.join(args)} exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}")
+    return proc

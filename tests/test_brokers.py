@@ -6,6 +6,7 @@ from __future__ import annotations
 import shutil
 import socket
 import subprocess
+import time
 import uuid
 from pathlib import Path
 
@@ -109,3 +110,33 @@ def test_embedded_broker_wait_ends_when_the_worker_stops(tmp_path, monkeypatch):
             monkeypatch.setattr(state, "should_stop", 0)
             with pytest.raises(socket.timeout):
                 connection.drain_events(timeout=3600)  # returns in one polling interval
+
+
+@pytest.mark.slow
+def test_rabbitmq_consumer_carries_the_ack_timeout(amqp_url, tiny_model, tmp_path):
+    """RabbitMQ closes a channel whose delivery stays unacked past `consumer_timeout`
+    (30 min by default): a long first compile would hit it. The worker consumes with
+    `x-consumer-timeout` = DIFFQ_MAX_HOLD_S (read per consumer by RabbitMQ >= 3.11.15;
+    older servers need the server setting, docs/RELIABILITY.md)."""
+    from diffq.core.settings import Settings
+
+    out = str(tmp_path / "run")
+    result = submit(EXAMPLES, out, model=tiny_model, broker_url=amqp_url, batch_size=4, steps=2)
+    queue = sorted(result.queues)[0]
+    vhost = amqp_url.rsplit("/", 1)[1]
+    supervisor = start_workers(amqp_url, [queue], tiny_model, n=1)
+
+    def consumer_arguments() -> str:
+        listed = subprocess.run(["rabbitmqctl", "-q", "list_consumers", "-p", vhost, "queue_name", "arguments"],
+                                check=True, capture_output=True, text=True, timeout=60).stdout
+        return "\n".join(line for line in listed.splitlines() if line.startswith(queue))
+
+    try:
+        deadline = time.monotonic() + 120
+        while not consumer_arguments() and time.monotonic() < deadline:
+            supervisor.poll()
+            time.sleep(0.5)
+        listed = consumer_arguments()
+    finally:
+        supervisor.stop(timeout=60)
+    assert "x-consumer-timeout" in listed and str(Settings().max_hold_s * 1000) in listed, listed

@@ -13,7 +13,7 @@ CONTRACT = {
     "submit": ["--model", "--out", "--broker", "--batch-size", "--steps", "--guidance-scale",
                "--max-sequence-length", "--height", "--width", "--format", "--seed-base"],
     "worker": ["--broker", "--device", "--workers", "--queues", "--cores", "--chips", "--gpus", "--plan",
-               "--compile", "--compile-cache", "--warmup", "--offload"],
+               "--compile", "--compile-cache", "--warmup", "--offload", "--drain-timeout"],
     "status": ["--json", "--watch"],
     "fetch": ["--only-new"],
     "resume": ["--broker"],

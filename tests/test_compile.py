@@ -26,6 +26,7 @@ from torch._dynamo.utils import counters
 from diffq.core.contract import BatchItem, BatchParams, ShapeKey, queue_name
 from diffq.worker.backends import get_backend
 from diffq.worker.compile_cache import CacheSync
+from diffq.core.families import Family, StableDiffusion3
 from diffq.worker.pipeline_host import CompileUnsupported, PipelineHost
 from diffq.worker.spec import ChildSpec
 
@@ -136,7 +137,7 @@ def test_regional_without_repeated_blocks_is_a_clear_error():
     host = PipelineHost(backend=stand_in("neuron"), compile_mode="regional")
     pipe = SimpleNamespace(transformer=torch.nn.Linear(2, 2))
     with pytest.raises(CompileUnsupported, match="no repeated blocks.*--compile full"):
-        host._compile(pipe)
+        host._compile(pipe, StableDiffusion3)
 
 
 class Scale(torch.nn.Module):
@@ -156,6 +157,16 @@ class ScalePipe:
         return SimpleNamespace(images=list(out))
 
 
+class ScaleFamily(Family):
+    """Its family-table entry: the host passes only what the family declares."""
+
+    name = pipeline_class = "ScalePipe"
+    source = "tests/test_compile.py"
+    call_arguments = frozenset({"prompt", "height", "width", "generator"})
+    guidance = "embedded"
+    repeated_blocks = False
+
+
 def test_ninth_shape_within_raised_recompile_limit(compiled):
     # BACKENDS.md "recompile limit": 8 by default; the 9th shape with fullgraph=True
     # raises FailOnRecompileLimitHit. First show the limit is real here...
@@ -167,8 +178,9 @@ def test_ninth_shape_within_raised_recompile_limit(compiled):
     # ...then that a host serving 10 shapes raises it and never fails.
     host = PipelineHost(backend=stand_in("tpu"), compile_mode="full")
     pipe = ScalePipe()
-    host._compile(pipe)
+    host._compile(pipe, ScaleFamily)
     host._pipelines[("m", "float32")] = pipe
+    host._families[("m", "float32")] = ScaleFamily
     shapes = [shape("m", 16 * rows) for rows in range(1, 11)]
     host.warmup(shapes)
     assert len(host.compile_graphs) == 10 and host.recompiles == 0

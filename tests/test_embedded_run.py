@@ -1,22 +1,13 @@
 """`diffq run`: the embedded default, end to end through real worker processes."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 
 from diffq.results.status import status
-from tests.helpers import assert_run_complete
+from tests.helpers import assert_run_complete, diffq
 
 pytestmark = pytest.mark.slow
-
-
-def diffq(*args, check=True):
-    proc = subprocess.run([sys.executable, "-m", "diffq", *args], capture_output=True, text=True, timeout=600)
-    if check and proc.returncode != 0:
-        raise AssertionError(f"diffq {' '.join(args)} exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}")
-    return proc
 
 
 def test_run_mixed_shapes_with_two_workers(tmp_path, tiny_model):

@@ -26,7 +26,7 @@ from typer.testing import CliRunner
 
 from diffq.app import fleet
 from diffq.app.cli import app
-from diffq.core.contract import ShapeKey, queue_name
+from diffq.core.contract import ShapeKey, is_shape_queue, queue_name
 from diffq.producer.submit import make_options, validate
 from diffq.worker.backends import get_backend
 
@@ -129,18 +129,21 @@ def test_compose_worker_plan_runs(compose):
     assert [child["device"] for child in plan] == ["cpu"]
 
 
-def test_compose_worker_queues_are_the_producers(compose):
-    """Workers consume exactly the queues `diffq submit` publishes the examples to."""
+def test_compose_workers_discover_the_producers_queues(compose):
+    """Workers name no queues: they serve every shape queue of the producer's model
+    that the broker lists (worker/routing.py), whatever shapes a run has."""
     _, submit = parse_cli(diffq_argv(compose["services"]["producer"]))
     _, worker = parse_cli(diffq_argv(compose["services"]["worker"]))
+    assert worker["queues"] is None and worker["run"] is None
+    assert worker["serve_models"] == worker["model"] == submit["model"]
     options, defaults = make_options(model=submit["model"], batch_size=submit["batch_size"],
                                      steps=submit["steps"], guidance_scale=submit["guidance_scale"],
                                      max_sequence_length=submit["max_sequence_length"],
                                      height=submit["height"], width=submit["width"],
                                      dtype=submit["dtype"].value)
     plan = validate(ROOT / submit["prompts"], options, defaults)
-    assert sorted(worker["queues"].split(",")) == sorted(s.queue for s in plan.shapes)
-    assert worker["model"] == submit["model"]
+    assert all(is_shape_queue(s.queue, [worker["serve_models"]]) for s in plan.shapes)
+    assert "diffq.tiny-" not in COMPOSE.read_text()  # no example queue names hard-coded
 
 
 def test_compose_fleet_wiring(compose):
@@ -266,19 +269,24 @@ def render_cli(*args: str) -> list[dict]:
     return [d for d in yaml.safe_load_all(result.output) if d]
 
 
-@pytest.mark.parametrize("device", ["neuron", "tpu", "cuda", "cpu"])
-def test_rendered_manifests_validate_and_match_queue_names(device):
+def flux2_queues(device: str) -> list[str]:
+    # No --dtype: the device's default_dtype from the backend table.
+    return [queue_name(ShapeKey(model="/models/flux2", height=h, width=w, batch_size=2, max_sequence_length=256,
+                                cfg=True, dtype=get_backend(device).default_dtype))
+            for h, w in [(1024, 1024), (768, 1344)]]
+
+
+@pytest.mark.parametrize("device", ["neuron", "tpu"])
+def test_rendered_shape_pools_validate_and_match_queue_names(device):
+    """Devices whose compiles take minutes: one pool per shape queue."""
     docs = render_cli("--model", "/models/flux2", "--shapes", "1024x1024,768x1344", "--batch-size", "2",
                       "--device", device, "--guidance-scale", "3.5", "--max-sequence-length", "256")
     for doc in docs:
         validate_manifest(doc)
     deployments, scaled = by_kind(docs, "Deployment"), by_kind(docs, "ScaledObject")
     assert len(deployments) == len(scaled) == 2
-    for (h, w), dep, so in zip([(1024, 1024), (768, 1344)], deployments, scaled):
-        # No --dtype: the device's default_dtype from the backend table.
-        queue = queue_name(ShapeKey(model="/models/flux2", height=h, width=w, batch_size=2,
-                                    max_sequence_length=256, cfg=True, dtype=get_backend(device).default_dtype))
-        trigger = so["spec"]["triggers"][0]
+    for queue, dep, so in zip(flux2_queues(device), deployments, scaled):
+        [trigger] = so["spec"]["triggers"]
         assert trigger["type"] == "redis" and trigger["metadata"]["listName"] == queue
         assert so["spec"]["minReplicaCount"] == 0
         assert so["spec"]["scaleTargetRef"]["name"] == dep["metadata"]["name"]
@@ -290,6 +298,27 @@ def test_rendered_manifests_validate_and_match_queue_names(device):
         assert (name, params["device"].value, params["queues"]) == ("worker", device, queue)
         env = {e["name"]: e for e in container["env"]}
         assert env["DIFFQ_BROKER_URL"]["valueFrom"]["secretKeyRef"]["name"] == fleet.SECRET
+
+
+@pytest.mark.parametrize("device", ["cuda", "cpu"])
+def test_rendered_model_pools_discover_every_shape(device):
+    """Devices whose workers serve every shape: one pool per model, no queue names in
+    its args (the workers list the model's queues), scaled on every shape's list."""
+    docs = render_cli("--model", "/models/flux2", "--shapes", "1024x1024,768x1344", "--batch-size", "2",
+                      "--device", device, "--guidance-scale", "3.5", "--max-sequence-length", "256")
+    for doc in docs:
+        validate_manifest(doc)
+    [dep], [so] = by_kind(docs, "Deployment"), by_kind(docs, "ScaledObject")
+    assert [t["metadata"]["listName"] for t in so["spec"]["triggers"]] == flux2_queues(device)
+    assert so["spec"]["scaleTargetRef"]["name"] == dep["metadata"]["name"]
+    args = dep["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert not any(queue in " ".join(args) for queue in flux2_queues(device))
+    name, params = parse_cli(DIFFQ_IMAGE_ENTRYPOINT + args)
+    assert (name, params["device"].value, params["queues"], params["serve_models"]) == \
+        ("worker", device, None, "/models/flux2")
+    result = runner.invoke(app, ["worker", *args, "--plan"], env={"DIFFQ_BROKER_URL": "redis://redis:6379/0"})
+    assert result.exit_code == 0, result.output
+    assert all(child["discover"] and child["serve_models"] == ["/models/flux2"] for child in json.loads(result.output))
 
 
 def test_neuron_cores_match_request():
@@ -344,7 +373,9 @@ def test_every_backend_is_deployable_or_says_it_is_not(monkeypatch):
     for name, backend in backends.BACKENDS.items():
         assert backend.k8s is None or isinstance(backend.k8s, backends.K8sPod), name
         if backend.k8s is not None:
-            for doc in fleet.render(keys, fleet.FleetOptions(device=name))[fleet.k8s_name(keys[0].queue)]:
+            rendered = fleet.render(keys, fleet.FleetOptions(device=name))
+            [pool] = [stem for stem in rendered if stem != "common"]
+            for doc in rendered[pool]:
                 validate_manifest(doc)
     fields = dataclasses.fields(backends.Backend)
     required = {f.name for f in fields if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
@@ -381,7 +412,7 @@ def test_long_queue_names_make_valid_object_names():
                      dtype="bfloat16")
     name = fleet.k8s_name(shape.queue)
     assert len(name) <= 52 and "1024x1344-b16-l512-cfg-bf16" in name
-    for doc in fleet.render([shape], fleet.FleetOptions(device="cuda"))[name]:
+    for doc in fleet.render([shape], fleet.FleetOptions(device="neuron"))[name]:
         validate_manifest(doc)
 
 
@@ -402,3 +433,21 @@ def test_validators_reject_mistakes():
 def test_fleet_manifests_rejects_bad_shapes():
     result = runner.invoke(app, ["fleet", "manifests", "--model", "m", "--shapes", "1024", "--batch-size", "1"])
     assert result.exit_code == 2 and "HEIGHTxWIDTH" in result.output
+
+
+@pytest.mark.parametrize("device", ["neuron", "tpu", "cuda", "cpu"])
+@pytest.mark.parametrize("grace", [None, "1000"])
+def test_drain_timeout_ends_before_the_grace_period(device, grace):
+    """SIGTERM: the worker finishes or hands back its batch within --drain-timeout and
+    exits 0, so Kubernetes never has to SIGKILL it at the end of the grace period."""
+    from diffq.worker.backends import BACKENDS
+    from diffq.worker.spec import DRAIN_MARGIN_S, DRAIN_TIMEOUT_S
+
+    docs = render_cli("--model", "m", "--shapes", "1024x1024", "--batch-size", "1", "--device", device,
+                      *(["--grace-seconds", grace] if grace else []))
+    pod = by_kind(docs, "Deployment")[0]["spec"]["template"]["spec"]
+    args = pod["containers"][0]["args"]
+    drain = float(args[args.index("--drain-timeout") + 1])
+    assert drain == pod["terminationGracePeriodSeconds"] - DRAIN_MARGIN_S > 0
+    # The CLI's default fits inside the smallest grace period a profile sets.
+    assert DRAIN_TIMEOUT_S <= min(b.k8s.grace_seconds for b in BACKENDS.values() if b.k8s) - DRAIN_MARGIN_S

@@ -52,3 +52,70 @@ def test_supervisor_reaps_adopted_orphans_and_leaves_its_workers_exit_codes():
     result = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("reaped [")
+
+
+LIFELINE = r"""
+import multiprocessing, os, signal, sys, time
+
+def child(signum):
+    from diffq.worker.lifeline import die_with_parent
+    if signum == signal.SIGTERM:
+        signal.signal(signal.SIGTERM, lambda *_: (open(sys.argv[1], "w").write("handed back"), os._exit(0)))
+    assert die_with_parent(signum)
+    with open(sys.argv[1] + ".armed.tmp", "w") as f:
+        f.write(str(os.getpid()))
+    os.replace(sys.argv[1] + ".armed.tmp", sys.argv[1] + ".armed")
+    time.sleep(120)
+
+def parent(signum):
+    p = multiprocessing.get_context("spawn").Process(target=child, args=(signum,))
+    p.start()
+    time.sleep(120)
+
+if __name__ == "__main__":
+    signum = int(sys.argv[2])
+    p = multiprocessing.get_context("spawn").Process(target=parent, args=(signum,))
+    p.start()
+    print(p.pid, flush=True)
+    p.join()
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_a_worker_child_ends_when_its_parent_is_killed(tmp_path):
+    """PR_SET_PDEATHSIG (worker/lifeline.py): SIGTERM for a consumer, which hands back
+    what it holds first; SIGKILL for a tensor-parallel follower, which holds nothing."""
+    import os
+    import signal
+    import time
+
+    script = tmp_path / "lifeline.py"
+    script.write_text(LIFELINE)
+    for signum in (signal.SIGTERM, signal.SIGKILL):
+        marker = tmp_path / f"handed-{signum}"
+        top = subprocess.Popen([sys.executable, str(script), str(marker), str(int(signum))],
+                               stdout=subprocess.PIPE, text=True)
+        try:
+            parent = int(top.stdout.readline())
+            armed = tmp_path / f"handed-{signum}.armed"
+            deadline = time.monotonic() + 60
+            while not armed.exists():  # the child has armed its lifeline
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+            child = int(armed.read_text())
+            os.kill(parent, signal.SIGKILL)
+            deadline = time.monotonic() + 10
+            while _alive(child) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert not _alive(child)
+            assert marker.exists() == (signum == signal.SIGTERM)
+        finally:
+            top.kill()
+            top.wait()

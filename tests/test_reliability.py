@@ -26,14 +26,7 @@ def write_prompts(path, n, poison_at=()):
     return path
 
 
-@pytest.fixture
-def fast_redelivery(monkeypatch):
-    # Batches here take well under a second; a short visibility timeout lets Redis
-    # hand a killed worker's batch to another one within seconds.
-    monkeypatch.setenv("DIFFQ_VISIBILITY_TIMEOUT", "10")
-
-
-def test_sigkill_workers_ten_times_loses_and_duplicates_nothing(tmp_path, redis_server, tiny_model, fast_redelivery):
+def test_sigkill_workers_ten_times_loses_and_duplicates_nothing(tmp_path, redis_server, tiny_model):
     prompts = write_prompts(tmp_path / "p.jsonl", 400)
     out = str(tmp_path / "run")
     result = submit(prompts, out, model=tiny_model, broker_url=redis_server, batch_size=8, steps=4)
@@ -59,7 +52,7 @@ def test_sigkill_workers_ten_times_loses_and_duplicates_nothing(tmp_path, redis_
     assert_run_complete(out, prompts, steps=4, model=tiny_model)  # exactly once, all decode
 
 
-def test_redis_restart_with_aof_loses_nothing(tmp_path, make_redis_server, tiny_model, fast_redelivery):
+def test_redis_restart_with_aof_loses_nothing(tmp_path, make_redis_server, tiny_model):
     server = make_redis_server(appendonly=True)
     broker = server.url
     prompts = write_prompts(tmp_path / "p.jsonl", 160)
@@ -129,7 +122,7 @@ def test_resume_reenqueues_exactly_what_is_missing(tmp_path, make_redis_server, 
 
 
 def test_s3_outage_delays_the_run_and_loses_nothing(tmp_path, s3_bucket, s3_server, redis_server, tiny_model,
-                                                     monkeypatch, fast_redelivery):
+                                                     monkeypatch):
     from tests.proxy import CuttableProxy
 
     proxy = CuttableProxy(s3_server.port)

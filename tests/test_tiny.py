@@ -6,14 +6,15 @@ import socket
 import numpy as np
 import pytest
 import torch
-from diffusers import DiffusionPipeline, Flux2KleinPipeline, FluxPipeline
+from diffusers import DiffusionPipeline, Flux2KleinPipeline, Flux2Pipeline, FluxPipeline, StableDiffusion3Pipeline
 from PIL import Image
 
 from diffq.app.tiny import FAMILIES, build_tiny_pipeline
 
 torch.set_num_threads(1)
 
-EXPECTED_CLASS = {"flux2-klein": Flux2KleinPipeline, "flux": FluxPipeline}
+EXPECTED_CLASS = {"flux2-klein": Flux2KleinPipeline, "flux": FluxPipeline, "sd3": StableDiffusion3Pipeline,
+                  "flux2": Flux2Pipeline}
 SIZE = 64
 STEPS = 2
 
@@ -86,28 +87,61 @@ def test_runs_with_default_call_arguments(tiny):
 
 
 def test_classifier_free_guidance_switch(tiny):
+    """What guidance_scale does per family, as the family table says (diffq/core/families.py)."""
     family, _, pipe = tiny
     calls = []
-    handle = pipe.transformer.register_forward_hook(lambda *_: calls.append(1))
+    handle = pipe.transformer.register_forward_hook(
+        lambda module, args, kwargs, out: calls.append(kwargs["hidden_states"].shape[0]), with_kwargs=True)
     try:
         if family == "flux2-klein":
-            # Not distilled: guidance_scale > 1 adds an unconditional pass per step.
+            # Not distilled: guidance_scale > 1 adds an unconditional pass per step, same batch.
             assert pipe.config.is_distilled is False
             _generate(pipe, ["a red fox"], (1,), guidance_scale=1.0)
-            assert len(calls) == STEPS
+            assert calls == [1] * STEPS
             calls.clear()
             _generate(pipe, ["a red fox"], (1,), guidance_scale=4.0)
-            assert len(calls) == 2 * STEPS
-        else:
-            # guidance_scale is an embedding input (guidance_embeds=True); true CFG needs a negative prompt.
-            assert pipe.transformer.config.guidance_embeds is True
-            _generate(pipe, ["a red fox"], (1,), true_cfg_scale=4.0)
-            assert len(calls) == STEPS
+            assert calls == [1] * 2 * STEPS
+        elif family == "sd3":
+            # CFG concatenates the unconditional batch: the transformer sees 2B.
+            _generate(pipe, ["a red fox"], (1,), guidance_scale=1.0)
+            assert calls == [1] * STEPS
             calls.clear()
-            _generate(pipe, ["a red fox"], (1,), true_cfg_scale=4.0, negative_prompt="blurry")
-            assert len(calls) == 2 * STEPS
+            _generate(pipe, ["a red fox"], (1,), guidance_scale=5.0, negative_prompt=["blurry"])
+            assert calls == [2] * STEPS
+        else:
+            # Guidance-distilled: guidance_scale is an embedding input, one pass whatever its value.
+            assert pipe.transformer.config.guidance_embeds is True
+            _generate(pipe, ["a red fox"], (1,), guidance_scale=1.0)
+            _generate(pipe, ["a red fox"], (1,), guidance_scale=4.0)
+            assert calls == [1] * 2 * STEPS
+            if family == "flux":
+                # FluxPipeline's "true CFG" needs true_cfg_scale and a negative prompt (not driven by diffq).
+                calls.clear()
+                _generate(pipe, ["a red fox"], (1,), true_cfg_scale=4.0, negative_prompt="blurry")
+                assert calls == [1] * 2 * STEPS
     finally:
         handle.remove()
+
+
+@pytest.fixture(scope="module")
+def sd3(tmp_path_factory):
+    pipe = DiffusionPipeline.from_pretrained(build_tiny_pipeline(tmp_path_factory.mktemp("sd3"), family="sd3"),
+                                             local_files_only=True)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def test_sd3_negative_prompt_changes_the_image(sd3):
+    pipe = sd3
+    plain = _generate(pipe, ["a red fox"], (1,), guidance_scale=5.0)[0]
+    negative = _generate(pipe, ["a red fox"], (1,), guidance_scale=5.0, negative_prompt=["blurry, dark"])[0]
+    assert not np.array_equal(_pixels(plain), _pixels(negative))
+
+
+def test_sd3_has_three_text_encoders(sd3):
+    pipe = sd3
+    names = [type(pipe.text_encoder).__name__, type(pipe.text_encoder_2).__name__, type(pipe.text_encoder_3).__name__]
+    assert names == ["CLIPTextModelWithProjection", "CLIPTextModelWithProjection", "T5EncoderModel"]
 
 
 def _digest(path):

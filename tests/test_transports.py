@@ -99,3 +99,64 @@ def test_redis_renewal_moves_the_unacked_index_score_and_keeps_the_batch_held(re
         assert renew_redis(channel, [held["abandoned"]]) == 0
         assert channel.client.hexists(channel.unacked_key, held["abandoned"].delivery_tag) is False
         channel.close()
+
+
+def test_sqs_renewal_keeps_a_held_message_hidden_and_hand_back_shows_it_at_once(s3_server):
+    """kombu's SQS channel (kombu/transport/SQS/__init__.py) keeps the receipt handle in
+    `delivery_info['sqs_message']` and the queue URL in `delivery_info['sqs_queue']`; a
+    renewal is ChangeMessageVisibility on them (moto's SQS, in the s3_server process)."""
+    pytest.importorskip("pycurl", reason="kombu's SQS transport needs pycurl")
+    from diffq.core.transports import hand_back_sqs, renew_sqs
+
+    url = f"sqs://testing:testing@127.0.0.1:{s3_server.port}"
+    options = {"region": "us-east-1", "queue_name_prefix": f"t{uuid.uuid4().hex[:8]}-",
+               "visibility_timeout": 2, "wait_time_seconds": 0}
+    name = "diffq.lease"
+    with Connection(url, transport_options=options) as holder, Connection(url, transport_options=options) as other:
+        holder.Producer().publish("held", routing_key=name, declare=[Queue(name, routing_key=name)])
+        channel, peer = holder.channel(), other.channel()
+        message = channel.basic_get(name)
+        assert message.payload == "held"
+        time.sleep(1.2)
+        assert renew_sqs(channel, [message]) == 1  # hidden for 2 s from now
+        time.sleep(1.3)  # past the first 2 s: visible again without the renewal
+        assert peer.basic_get(name) is None
+        assert hand_back_sqs(channel, [message]) == 1
+        assert peer.basic_get(name, no_ack=True).payload == "held"
+
+
+def test_several_workers_sweeping_at_once_restore_each_lapsed_lease_exactly_once(redis_server):
+    """Every live worker's loop runs kombu's sweep (`restore_visible`, every
+    `unacked_restore_interval`); the `unacked_mutex` lets one sweep at a time, and
+    `restore_by_tag` is a WATCH transaction on the `unacked` hash, so a lapsed batch
+    goes back once however many workers sweep (kombu/transport/redis.py)."""
+    import threading
+
+    name = f"diffq.sweep-{uuid.uuid4().hex[:8]}"
+    options = {"visibility_timeout": 1, "unacked_restore_throttle": 1, "unacked_mutex_expire": 30}
+    held = 60
+    with Connection(redis_server, transport_options=options) as conn:
+        producer = conn.Producer()
+        for i in range(held):
+            producer.publish(str(i), routing_key=name, declare=[Queue(name, routing_key=name)])
+        channel = conn.channel()
+        for _ in range(held):
+            channel.basic_get(name)  # held by a worker that then dies
+        channel.qos._delivered.clear()
+        time.sleep(1.2)  # every lease lapsed
+
+        def sweep():
+            with Connection(redis_server, transport_options=options) as own:
+                sweeper = own.channel()
+                for _ in range(50):
+                    sweeper.qos.restore_visible(num=None)
+
+        threads = [threading.Thread(target=sweep) for _ in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        bodies = [channel.basic_get(name, no_ack=True).payload for _ in range(channel.client.llen(name))]
+        assert sorted(bodies, key=int) == [str(i) for i in range(held)]
+        assert channel.client.hlen(channel.unacked_key) == 0
+        channel.close()

@@ -104,6 +104,9 @@ class K8sPod:
     devices_arg: str | None = None
     # The device generation the node selector picks (layouts are checked against it).
     generation: str | None = None
+    # "model": one pool per model whose workers serve every shape (found on the
+    # broker); "shape": one pool per shape queue, each pod compiling only its shape.
+    pool: str = "shape"
 
 
 # --- pinning: one process, one device ------------------------------------------------
@@ -323,7 +326,7 @@ BACKENDS: dict[str, Backend] = {
         device_option="--workers",
         count_devices="os.cpu_count",
         tensor_parallel=False,
-        k8s=K8sPod(resource=None, devices_per_pod=2, grace_seconds=300, cpu="2", memory="4Gi"),
+        k8s=K8sPod(resource=None, devices_per_pod=2, grace_seconds=300, cpu="2", memory="4Gi", pool="model"),
         peak_memory=None,
     ),
     "cuda": Backend(
@@ -340,7 +343,8 @@ BACKENDS: dict[str, Backend] = {
         cache_packages=("triton",),
         k8s=K8sPod(resource="nvidia.com/gpu",
                    tolerations=({"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"},),
-                   devices_per_pod=1, grace_seconds=900, cpu="8", memory="32Gi", compile="full"),
+                   devices_per_pod=1, grace_seconds=900, cpu="8", memory="32Gi", compile="full",
+                   pool="model"),
     ),
     "neuron": Backend(
         name="neuron",

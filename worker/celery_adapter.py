@@ -8,12 +8,21 @@ a batch's life from receipt to ack (batches.py), queue choice (routing.py). Here
   is held until the sink has stored the batch;
 - `BatchTask`: the task class; it carries the process's runtime (`task.runtime`);
 - `WorkerStep`: the consumer bootstep that widens the prefetch window while an ack
-  is held, runs the event-loop timers (settle held acks, re-route), and waits for
-  the held acks at shutdown;
+  is held, runs the event-loop timers (settle held acks, re-route), keeps the
+  leases of held batches (worker/lease.py), and waits for the held acks at shutdown;
+- the drain: on SIGTERM the batch in hand may finish within the spec's drain
+  timeout; past it (or at once, when the parent is gone) everything held is handed
+  back, not as a failed attempt, what was generated is stored, and the process
+  exits 0;
 - `build_app` / `serve`: the app a worker process runs, and its solo-pool worker.
 """
 
 from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
 
 from celery import Celery, Task, bootsteps, signals
 from celery.exceptions import Reject
@@ -21,9 +30,15 @@ from celery.worker import state as worker_state
 from celery.worker.request import Request
 
 from diffq.core.broker import TASK_NAME, make_celery
+from diffq.core.settings import get_settings
 from diffq.core.transports import transport_for
+from diffq.worker.lease import LeaseKeeper, held_deliveries
+from diffq.worker.lifeline import parent_gone
+from diffq.worker.dead_letters import DeadLetterStep
 from diffq.worker.spec import ChildSpec, hostname
 from diffq.worker.tasks import HandBack, Runtime, generate_batch
+
+log = logging.getLogger("diffq.worker")
 
 # The ack policy. A batch is acknowledged only once its images, record and progress
 # credit are stored (late acks, held by the batch line), and a worker that dies
@@ -95,9 +110,15 @@ class WorkerStep(bootsteps.StartStopStep):
     settle_interval = 0.05
 
     def start(self, consumer):
-        line = self.runtime.line
+        rt = self.runtime
+        line = rt.line
         line.window = PrefetchWindow(consumer.qos)
-        if not transport_for(self.runtime.spec.broker_url).event_loop:
+        transport = transport_for(rt.spec.broker_url)
+        settings = get_settings()
+        rt.lease = LeaseKeeper(transport, consumer.app.connection_for_write, lambda: held_deliveries(consumer),
+                               period=settings.lease_renew_s, max_hold_s=settings.max_hold_s)
+        rt.lease.start()
+        if not transport.event_loop:
             return  # synloop: acks settle from the task body and at shutdown
         consumer.hub.call_repeatedly(self.settle_interval, line.settle)
         router = line.router
@@ -106,25 +127,66 @@ class WorkerStep(bootsteps.StartStopStep):
             consumer.hub.call_repeatedly(router.interval, router.update)
 
     def stop(self, consumer):
-        if self.runtime.line.router is not None:
-            self.runtime.line.router.detach()
-        self.runtime.line.settle(wait=True)
+        rt = self.runtime
+        if rt.line.router is not None:
+            rt.line.router.detach()
+        rt.line.settle(wait=True)  # leases still renewed meanwhile
+        if rt.lease is not None:
+            rt.lease.stop()
 
     def shutdown(self, consumer):
         self.runtime.line.settle(wait=True)
+        if self.runtime.lease is not None:
+            self.runtime.lease.stop()
+
+
+class Drain:
+    """Started by a warm shutdown (SIGTERM): if the process is still here after the
+    drain timeout, store what was generated, hand back everything held, exit 0."""
+
+    def __init__(self, rt: Runtime, timeout: float):
+        self.rt = rt
+        self.timeout = timeout
+        self.thread = threading.Thread(target=self._run, name="diffq-drain", daemon=True)
+
+    def _run(self) -> None:
+        time.sleep(self.timeout)  # a batch that finishes first ends the process before this
+        rt = self.rt
+        try:
+            rt.sink.flush()
+        except Exception as exc:  # not stored: the handed-back copy stores it again
+            log.warning("drain: storing what was generated failed: %r", exc)
+        handed = 0
+        try:
+            handed = rt.lease.hand_back() if rt.lease is not None else 0
+        except Exception as exc:  # its lease lapses instead
+            log.warning("drain: handing back held batches failed: %r", exc)
+        log.warning("%s: drain timeout (%.0f s) passed; handed back %d held batch(es), exiting",
+                    rt.spec.name, self.timeout, handed)
+        os._exit(0)
 
 
 def build_app(rt: Runtime) -> Celery:
     app = make_celery(rt.spec.broker_url, rt.spec.transport_options)
     app.conf.update(ACK_POLICY)
+    arguments = transport_for(rt.spec.broker_url).consumer_arguments(get_settings())
+    if arguments:
+        for queue in rt.spec.queues:
+            app.amqp.queues[queue].consumer_arguments = arguments
     app.steps["consumer"].add(type("BoundWorkerStep", (WorkerStep,), {"runtime": rt}))
+    app.steps["consumer"].add(type("BoundDeadLetterStep", (DeadLetterStep,), {"worker": rt.worker}))
     app.task(name=TASK_NAME, base=BatchTask, bind=True, runtime=rt)(run_batch)
+    drains: list[Drain] = []
 
-    def flush_on_shutdown(**_):
-        # Warm shutdown: the batch in hand finishes, then its images must be stored.
+    def on_shutdown(**_):
+        # Warm shutdown: the batch in hand finishes within the drain timeout (at once
+        # handed back if the parent is gone), then its images must be stored.
+        if not drains:
+            drains.append(Drain(rt, 0.0 if parent_gone() else rt.spec.drain_timeout_s))
+            drains[0].thread.start()
         rt.sink.flush()
 
-    signals.worker_shutting_down.connect(flush_on_shutdown, weak=False)
+    signals.worker_shutting_down.connect(on_shutdown, weak=False)
     return app
 
 

@@ -3,6 +3,9 @@
 DIFFQ_FAULT_POISON=<text>: any batch holding a prompt that contains <text> raises in
 generation, as a prompt that crashes a real pipeline would.
 
+DIFFQ_FAULT_HOLD=<text>:<seconds>: a batch holding a prompt that contains <text>
+takes <seconds> longer before generating, as a first compile would (the lease tests).
+
 DIFFQ_FAULT_KILL_RANK=<rank>:<marker file>: the tensor-parallel rank <rank> SIGKILLs
 itself on receiving a batch, once per marker file (the restarted group runs on).
 """
@@ -11,6 +14,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 from diffq.core.contract import BatchItem
 
@@ -23,6 +27,11 @@ def check(items: list[BatchItem]) -> None:
     poison = os.environ.get("DIFFQ_FAULT_POISON")
     if poison and any(poison in item.prompt for item in items):
         raise PoisonedPrompt(f"prompt containing {poison!r} makes generation fail")
+    hold = os.environ.get("DIFFQ_FAULT_HOLD")
+    if hold:
+        text, _, seconds = hold.rpartition(":")
+        if any(text in item.prompt for item in items):
+            time.sleep(float(seconds))
 
 
 def check_rank(rank: int, items: list[BatchItem]) -> None:

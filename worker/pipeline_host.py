@@ -8,7 +8,6 @@ generator so its image does not depend on its neighbours in the batch.
 
 from __future__ import annotations
 
-import inspect
 import logging
 import time
 from collections.abc import Callable
@@ -18,6 +17,7 @@ from pathlib import Path
 import torch
 
 from diffq.core.contract import BatchItem, BatchParams, ShapeKey
+from diffq.core.families import Family, FamilyError, family_for_class
 from diffq.worker.backends import COMPILING_MODES, DTYPES, Backend, resolve
 from diffq.worker.models import resolve_model
 
@@ -34,6 +34,15 @@ def torch_dtype(name: str) -> torch.dtype:
 
 class CompileUnsupported(ValueError):
     pass
+
+
+class FamilyUnsupported(FamilyError):
+    """A model outside the family table, or items its family cannot honour: no retry helps.
+    `item_ids`: the refused items, when the others of the batch could go on."""
+
+    def __init__(self, message: str, item_ids: tuple[str, ...] = ()):
+        super().__init__(message)
+        self.item_ids = item_ids
 
 
 @dataclass
@@ -53,6 +62,7 @@ class PipelineHost:
     compile_mode: str = "none"
     offload: str | None = None
     _pipelines: dict = field(default_factory=dict)
+    _families: dict = field(default_factory=dict)  # (model, dtype) -> Family
     shapes_seen: set = field(default_factory=set)
     # Per shape queue: seconds of the call that compiled it, and graphs it added.
     compile_seconds: dict = field(default_factory=dict)
@@ -84,12 +94,18 @@ class PipelineHost:
         diffusers_logging.disable_progress_bar()
 
         source = resolve_model(model)
+        # The family decides every call argument, so a model outside the table is
+        # refused before its weights are read.
+        try:
+            family = family_for_class(DiffusionPipeline.load_config(source)["_class_name"])
+        except FamilyError as exc:
+            raise FamilyUnsupported(f"model {model}: {exc}") from None
         started = time.perf_counter()
         sharded = {}
         if self.group is not None:
             from diffq.worker.tensor_parallel import sharded_components
 
-            sharded = sharded_components(source, torch_dtype(dtype), self.group)
+            sharded = sharded_components(source, torch_dtype(dtype), self.group, family)
         pipe = DiffusionPipeline.from_pretrained(source, dtype=torch_dtype(dtype),
                                                  local_files_only=Path(source).is_dir(), **sharded)
         device = self.group.device if self.group is not None else self.backend.torch_device
@@ -103,23 +119,20 @@ class PipelineHost:
         else:
             pipe.to(device)
         pipe.set_progress_bar_config(disable=True)
-        self._compile(pipe)
+        self._compile(pipe, family)
+        self._families[(model, dtype)] = family
         log.info("loaded %s (%s) on %s in %.1fs", model, type(pipe).__name__,
                  self.backend.torch_device, time.perf_counter() - started)
         return pipe
 
-    def _compile(self, pipe) -> None:
+    def _compile(self, pipe, family: type[Family]) -> None:
         if self.compile_mode not in COMPILING_MODES:
             return  # eager, or a call-time mode set by env (defer-fuse)
         options = self.backend.compile_options
         if self.compile_mode == "full":
             pipe.transformer.compile(**options)
         elif self.compile_mode == "regional":
-            if not getattr(pipe.transformer, "_repeated_blocks", None):
-                raise CompileUnsupported(
-                    f"{type(pipe.transformer).__name__} declares no repeated blocks, so "
-                    f"--compile regional cannot apply; use --compile full or none"
-                )
+            check_compile_mode(family, self.compile_mode)
             pipe.transformer.compile_repeated_blocks(**options)
         else:
             raise CompileUnsupported(f"unknown compile mode '{self.compile_mode}'")
@@ -140,19 +153,25 @@ class PipelineHost:
         # Pad to the compiled batch size by repeating the last item: the graph never
         # sees a new batch dimension, and the extra images are dropped below.
         padded = items + [items[-1]] * (shape.batch_size - len(items))
+        family = self._families[(shape.model, shape.dtype)]
+        refused = [(item.id, reason) for item in items
+                   if (reason := family.refusal(negative_prompt=item.negative_prompt,
+                                                guidance_scale=params.guidance_scale))]
+        if refused:
+            raise FamilyUnsupported("; ".join(f"item {item_id}: field '{name}': {why}"
+                                              for item_id, (name, why) in refused[:5]),
+                                    item_ids=tuple(item_id for item_id, _ in refused))
         generators = [torch.Generator("cpu").manual_seed(item.seed) for item in padded]
-        kwargs = dict(
-            prompt=[item.prompt for item in padded],
+        kwargs = family.call_kwargs(
+            prompts=[item.prompt for item in padded],
+            negative_prompts=[item.negative_prompt for item in padded],
             height=shape.height,
             width=shape.width,
             num_inference_steps=params.num_inference_steps,
             guidance_scale=params.guidance_scale,
             max_sequence_length=shape.max_sequence_length,
             generator=generators,
-            output_type="pil",
         )
-        accepted = inspect.signature(pipe.__call__).parameters
-        kwargs = {name: value for name, value in kwargs.items() if name in accepted}
         new_shape = shape not in self.shapes_seen
         if new_shape:
             self.shapes_seen.add(shape)
@@ -221,6 +240,12 @@ class PipelineHost:
         if not self.backend.fallback_report:
             return []
         return [str(op) for op in resolve(self.backend.fallback_report)()]
+
+
+def check_compile_mode(family: type[Family], compile_mode: str) -> None:
+    """Refuse a compile mode the family cannot take (`diffq run` checks before spawning)."""
+    if reason := family.compile_refusal(compile_mode):
+        raise CompileUnsupported(reason)
 
 
 def graphs_compiled() -> int:

@@ -12,6 +12,7 @@ import importlib
 import json
 import logging
 import os
+import signal
 import sys
 import time
 import warnings
@@ -19,6 +20,7 @@ from pathlib import Path
 
 from diffq.core.storage.base import atomic_write
 from diffq.worker.compile_cache import CacheSync
+from diffq.worker.lifeline import die_with_parent
 from diffq.worker.spec import EXIT_FATAL, QUIET_ENV, ChildSpec
 
 log = logging.getLogger("diffq.worker")
@@ -67,6 +69,9 @@ def warm_start(rt) -> dict:
 
 def child_main(spec_json: str) -> None:
     spec = ChildSpec.model_validate_json(spec_json)
+    # A consumer's SIGTERM hands back what it holds and exits; a follower rank holds
+    # nothing and ignores SIGTERM (below), so it is killed outright.
+    die_with_parent(signal.SIGTERM if spec.rank == 0 else signal.SIGKILL)
     for name, value in QUIET_ENV.items():
         os.environ.setdefault(name, value)
     for name in spec.unset_env():
@@ -149,8 +154,6 @@ def _join_group(spec: ChildSpec):
 
 def _follow(spec: ChildSpec, group) -> int:
     """A rank > 0: no consumer of its own; it generates what rank 0 announces."""
-    import signal
-
     from diffq.worker.pipeline_host import PipelineHost
     from diffq.worker.tensor_parallel import follow
 

@@ -174,7 +174,7 @@ def measure(spec: QualifySpec) -> dict:
             "height": height, "width": width, "batch_size": spec.batch_size,
             "first_call_s": round(first.generate_s, 4),
             "first_call_graphs": first_graphs,
-            "steady_s": {"median": round(median, 4), "p90": round(percentile(steady, 90), 4),
+            "steady_s": {"median": round(median, 6), "p90": round(percentile(steady, 90), 6),
                          "calls": len(steady)},
             "recompiles": {"steady": steady_graphs, "steps_change": changed, "revisit": None},
             "images_per_s": round(spec.batch_size / median, 4) if median > 0 else None,

@@ -1,4 +1,4 @@
-"""Compile-aware routing: which of its queues a worker consumes from now.
+"""Compile-aware routing and queue discovery: which queues a worker consumes from now.
 
 A worker serving several shape queues keeps consuming the shapes it has already
 compiled while they have a backlog, and takes on one new shape at a time only
@@ -6,14 +6,25 @@ when they are empty (chosen at random, weighted by backlog, so idle workers of a
 fleet spread over new shapes instead of all compiling the same ones). Celery's
 own consumer API switches queues: `add_task_queue` / `cancel_task_queue`.
 Queue names parse back to shapes with `diffq.core.contract.shape_from_queue`.
+
+A worker started without --queues discovers them: every few seconds it lists the
+broker's diffq shape queues (the transport table's `list_queues`), keeps those of
+its models (--models; the queue name carries a model slug), and adds them to what
+it serves, so the queues of a run submitted later are served within seconds.
 """
 
 from __future__ import annotations
 
+import logging
 import random
+import time
 from collections.abc import Callable
 
-from diffq.core.transports import Transport
+from diffq.core.contract import is_shape_queue
+from diffq.core.transports import PREFIX, CannotList, Transport, transport_for
+
+log = logging.getLogger(__name__)
+
 
 def choose_queues(served: list[str], compiled: set[str], depths: dict[str, int], rng: random.Random) -> set[str]:
     """The queues to consume from now."""
@@ -29,6 +40,48 @@ def choose_queues(served: list[str], compiled: set[str], depths: dict[str, int],
     return set(served)
 
 
+class Discovery:
+    """The shape queues of `models` (empty: every model) that the broker lists now."""
+
+    interval = 2.0
+
+    def __init__(self, transport: Transport, models: list[str] | None = None, api: str | None = None,
+                 prefix: str = PREFIX):
+        if transport.list_queues is None:
+            raise CannotList(f"no queues: a {transport.name} broker cannot list its queues; "
+                             "name them with --queues or --run")
+        if transport.list_needs_api and not api:
+            raise CannotList(transport.list_needs_api)
+        self.transport = transport
+        self.models = list(models or [])
+        self.api = api
+        self.prefix = prefix
+
+    def find(self, connection) -> list[str]:
+        names = self.transport.list_queues(connection, self.prefix, self.api)
+        return [queue for queue in names if is_shape_queue(queue, self.models)]
+
+
+def startup_queues(broker_url: str, models: list[str] | None = None, api: str | None = None, *,
+                   transport_options: dict | None = None) -> list[str]:
+    """The queues a worker without --queues starts on: one listing now. Raises
+    CannotList (saying what to pass instead) where the broker cannot list, before
+    anything starts; [] while the broker is not up yet (the workers connect with
+    Celery's retries and list it then)."""
+    from diffq.core.broker import make_celery
+
+    discovery = Discovery(transport_for(broker_url), models, api)
+    try:
+        with make_celery(broker_url, transport_options).connection_for_write() as connection:
+            connection.ensure_connection(max_retries=1)
+            return discovery.find(connection)
+    except CannotList:
+        raise
+    except Exception as exc:
+        log.warning("broker not reachable yet (%s): the workers will list its queues once it is", exc)
+        return []
+
+
 class Router:
     """Re-chooses the consumer's queues: on a 1 s timer and right after each batch.
 
@@ -39,17 +92,22 @@ class Router:
     interval = 1.0
 
     def __init__(self, served: list[str], compiled: Callable[[], set[str]], transport: Transport,
-                 rng: random.Random | None = None):
+                 rng: random.Random | None = None, discovery: Discovery | None = None,
+                 compile_aware: bool = True):
         self.served = list(served)
         self.compiled = compiled  # the queues whose shapes this process has compiled
         self.transport = transport
         self.rng = rng or random.Random()
+        self.discovery = discovery
+        self.compile_aware = compile_aware
         self.consumer = None
+        self._next_discovery = 0.0
+        self._listing_failed = False
 
     @property
     def applies(self) -> bool:
-        """Only a choice among several queues, and only with an event loop to run it."""
-        return len(self.served) >= 2 and self.transport.event_loop
+        """A choice among several queues, or queues to discover, and an event loop to run it."""
+        return self.transport.event_loop and (self.discovery is not None or len(self.served) >= 2)
 
     def attach(self, consumer) -> None:
         self.consumer = consumer
@@ -57,14 +115,44 @@ class Router:
     def detach(self) -> None:
         self.consumer = None
 
+    def discover(self, connection) -> list[str]:
+        """Add the queues the broker lists now (at most every `Discovery.interval`)."""
+        now = time.monotonic()
+        if self.discovery is None or now < self._next_discovery:
+            return []
+        self._next_discovery = now + self.discovery.interval
+        try:
+            found = self.discovery.find(connection)
+        except Exception as exc:  # a failed listing keeps what is served; said once until it works
+            if not self._listing_failed:
+                log.warning("listing the broker's queues failed, serving the %d known: %s", len(self.served), exc)
+            self._listing_failed = True
+            return []
+        self._listing_failed = False
+        new = [queue for queue in found if queue not in self.served]
+        if new:
+            # Queues stay served once found: an emptied Redis queue has no key to list.
+            self.served += new
+            log.info("serving %d more queues: %s", len(new), ", ".join(new))
+        return new
+
     def update(self) -> None:
         consumer = self.consumer
         if consumer is None or consumer.task_consumer is None:
             return
-        depths = self.transport.queue_depths(consumer.connection, self.served)
-        want = choose_queues(self.served, self.compiled(), depths, self.rng)
-        current = {queue for queue in self.served if consumer.task_consumer.consuming_from(queue)}
+        self.discover(consumer.connection)
+        if not self.served:
+            return
+        if self.compile_aware:
+            depths = self.transport.queue_depths(consumer.connection, self.served)
+            want = choose_queues(self.served, self.compiled(), depths, self.rng)
+        else:
+            want = set(self.served)
+        task_consumer = consumer.task_consumer
+        current = {queue.name for queue in task_consumer.queues if task_consumer.consuming_from(queue.name)}
         for queue in sorted(want - current):
             consumer.add_task_queue(queue)
-        for queue in sorted(current - want):
+        # A discovering worker starts on Celery's default queue when none is listed yet.
+        drop = (current - want) if self.discovery is not None else (current & set(self.served)) - want
+        for queue in sorted(drop):
             consumer.cancel_task_queue(queue)

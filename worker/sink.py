@@ -17,6 +17,7 @@ written together; the worker's back-pressure waits only for images + record
 from __future__ import annotations
 
 import io
+import json
 import logging
 import os
 import threading
@@ -28,6 +29,7 @@ from dataclasses import dataclass, field
 
 from pydantic import ValidationError
 
+from diffq import __version__
 from diffq.core import layout
 from diffq.core.contract import BatchMessage
 from diffq.core.progress import ProgressLog
@@ -70,9 +72,46 @@ def fit_image(image, fit: str, height: int | None, width: int | None):
     return ImageOps.fit(image, (width, height), Image.Resampling.LANCZOS)
 
 
-def encode(image, fmt: str) -> bytes:
+# EXIF tags: the Exif sub-IFD pointer and its UserComment (undefined bytes, whose
+# first 8 name the character code).
+_EXIF_IFD, _USER_COMMENT = 0x8769, 0x9286
+
+
+def provenance(message: BatchMessage, item, size: tuple[int, int]) -> dict[str, str]:
+    """What made this image, as text: written into the file itself (off with
+    --no-embed-metadata), so it travels with the image wherever it is copied."""
+    fields = {
+        "prompt": item.prompt,
+        "negative_prompt": item.negative_prompt,
+        "seed": str(item.seed),
+        "steps": str(message.params.num_inference_steps),
+        "guidance_scale": f"{message.params.guidance_scale:g}",
+        "size": f"{size[0]}x{size[1]}",  # width x height, as stored
+        "model": message.shape.model,
+        "diffq_version": __version__,
+    }
+    return {key: value for key, value in fields.items() if value is not None}
+
+
+def encode(image, fmt: str, text: dict[str, str] | None = None) -> bytes:
     buffer = io.BytesIO()
-    image.save(buffer, format=layout.IMAGE_FORMATS[fmt].pil, **layout.IMAGE_FORMATS[fmt].options)
+    options = dict(layout.IMAGE_FORMATS[fmt].options)
+    if text and fmt == "png":
+        from PIL.PngImagePlugin import PngInfo
+
+        info = PngInfo()
+        for key, value in text.items():
+            info.add_itxt(key, value)  # iTXt: UTF-8, unlike tEXt's Latin-1
+        options["pnginfo"] = info
+    elif text:
+        # JPEG and WebP carry EXIF. JSON with \u escapes is pure ASCII, so the
+        # "ASCII" character code holds any prompt losslessly.
+        from PIL import Image
+
+        exif = Image.Exif()
+        exif.get_ifd(_EXIF_IFD)[_USER_COMMENT] = b"ASCII\0\0\0" + json.dumps(text, sort_keys=True).encode()
+        options["exif"] = exif
+    image.save(buffer, format=layout.IMAGE_FORMATS[fmt].pil, **options)
     return buffer.getvalue()
 
 
@@ -203,10 +242,12 @@ class Sink:
         keys = [layout.image_key(item.id, fmt) for item in message.items]
 
         fit = message.params.fit
+        embed = message.params.embed_metadata
 
         def put(index: int) -> tuple[bool, int]:
             item = message.items[index]
-            data = encode(fit_image(images[index], fit, item.requested_height, item.requested_width), fmt)
+            image = fit_image(images[index], fit, item.requested_height, item.requested_width)
+            data = encode(image, fmt, provenance(message, item, image.size) if embed else None)
             return storage.put_bytes(keys[index], data, content_type=layout.IMAGE_FORMATS[fmt].content_type,
                                      if_absent=True), len(data)
 
@@ -221,7 +262,8 @@ class Sink:
             requested_width=item.requested_width or message.shape.width, fit=fit,
             steps=message.params.num_inference_steps, guidance_scale=message.params.guidance_scale,
             model=message.shape.model, run_id=message.run_id, batch_id=message.batch_id,
-            queue=message.shape.queue, finished_at=finished_at, store_s=store_s, **record_extra,
+            queue=message.shape.queue, finished_at=finished_at, store_s=store_s,
+            negative_prompt=item.negative_prompt, metadata=item.metadata, **record_extra,
         ) for item, key in zip(message.items, keys)]
         # One record per batch id: a redelivered batch finds it and writes nothing.
         storage.put_bytes(layout.record_key(message.batch_id), jsonl(records),

@@ -19,6 +19,11 @@ from diffq.worker.compile_cache import CachePlan, plan_cache
 # Exit code for a child that can never succeed (bad model, bad option): the
 # supervisor must not restart it in a loop.
 EXIT_FATAL = 3
+# After SIGTERM, how long the batch in hand may take before it is handed back:
+# below the smallest Kubernetes grace period the fleet manifests set (diffq/app/fleet.py
+# passes each profile's own, grace - DRAIN_MARGIN_S).
+DRAIN_MARGIN_S = 60
+DRAIN_TIMEOUT_S = 240.0
 
 
 class ChildSpec(BaseModel):
@@ -38,6 +43,11 @@ class ChildSpec(BaseModel):
     compile_cache_local: str | None = None
     # 'auto' (every served shape) or HxW sizes: compiled before consuming.
     warmup: list[str] = Field(default_factory=list)
+    # No --queues: list the broker's shape queues every few seconds and serve those
+    # of `serve_models` (empty: every model's). `rabbitmq_api`: AMQP's listing.
+    discover: bool = False
+    serve_models: list[str] = Field(default_factory=list)
+    rabbitmq_api: str | None = None
     # compile-aware: drain already-compiled shapes before taking a new one.
     routing: Literal["compile-aware", "round-robin"] = "compile-aware"
     # Compile, push the cache, print a JSON report and exit 0 (bake a cache in CI).
@@ -49,6 +59,7 @@ class ChildSpec(BaseModel):
     dtype: str = "float32"
     allowed_out_prefixes: list[str] = Field(default_factory=list)
     loglevel: str = "WARNING"
+    drain_timeout_s: float = Field(default=DRAIN_TIMEOUT_S, ge=0)
     # Tensor-parallel group membership (worker/tensor_parallel.py). world_size 1 is
     # an independent worker; otherwise rank 0 consumes and the others follow it.
     rank: int = 0
@@ -122,6 +133,7 @@ class ChildSpec(BaseModel):
             "unset": list(self.unset_env()),
             "queues": self.queues,
             "dtype": self.dtype,
+            **({"discover": True, "serve_models": self.serve_models} if self.discover else {}),
             "compile": self.compile,
             "compile_backend": backend.compile_backend,
             "compile_options": backend.compile_options if self.compile in COMPILING_MODES else None,

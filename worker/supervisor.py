@@ -6,8 +6,9 @@ a group starts, dies and restarts as one unit.
 The supervisor never imports torch and never touches a device, and children are
 *spawned*, never forked: Neuron, TPU and CUDA runtimes cannot be re-initialised in
 a forked child. SIGTERM is forwarded to every child, which finishes the batch in
-hand, stores it, and exits (Celery's warm shutdown of the solo pool); a second
-SIGTERM or SIGINT kills.
+hand within its drain timeout (or hands it back), stores it, and exits 0 (Celery's
+warm shutdown of the solo pool, worker/celery_adapter.py); a second SIGTERM or
+SIGINT kills. Children die with the supervisor (worker/lifeline.py).
 """
 
 from __future__ import annotations
@@ -197,8 +198,16 @@ class Supervisor:
             if child.alive:
                 os.kill(child.process.pid, signum)
 
-    def stop(self, timeout: float = 600.0) -> None:
-        """Warm shutdown: SIGTERM, wait up to `timeout` for the batches in hand, then kill."""
+    @property
+    def drain_timeout(self) -> float:
+        """How long a warm stop waits before SIGKILL: the children's drain timeout (they
+        hand back and exit by then) and a margin to store and exit."""
+        return max((child.spec.drain_timeout_s for child in self.children), default=0.0) + 30.0
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Warm shutdown: SIGTERM, wait up to `timeout` (default: the drain timeout) for
+        the batches in hand, then kill."""
+        timeout = self.drain_timeout if timeout is None else timeout
         self._stopping = True
         self.signal_all(signal.SIGTERM)
         deadline = time.monotonic() + timeout

@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass, field
 
 from celery import Task
+from pydantic import ValidationError
 
 from diffq.core import layout
 from diffq.core.broker import TASK_NAME
@@ -26,9 +27,11 @@ from diffq.core.storage import Storage, open_storage
 from diffq.core.transports import transport_for
 from diffq.worker import faults, metrics
 from diffq.worker.batches import BatchLine
+from diffq.worker.lease import LeaseKeeper
+from diffq.worker.dead_letters import DeadLetters
 from diffq.worker.models import ModelUnavailable
-from diffq.worker.pipeline_host import CompileUnsupported, PipelineHost
-from diffq.worker.routing import Router
+from diffq.worker.pipeline_host import CompileUnsupported, FamilyUnsupported, PipelineHost
+from diffq.worker.routing import Discovery, Router
 from diffq.worker.sink import Sink
 from diffq.worker.sink_process import SinkProcess, make_sink
 from diffq.worker.spec import ChildSpec, hostname
@@ -42,7 +45,7 @@ class OutNotAllowed(PermissionError):
 
 
 # Errors no retry can fix: fail the batch's items at once.
-PERMANENT_ERRORS = (ModelUnavailable, CompileUnsupported, OutNotAllowed)
+PERMANENT_ERRORS = (ModelUnavailable, CompileUnsupported, OutNotAllowed, FamilyUnsupported)
 
 
 class HandBack(Exception):
@@ -63,6 +66,9 @@ class Runtime:
     sink: Sink | SinkProcess = field(default_factory=make_sink)
     storages: dict[str, Storage] = field(default_factory=dict)
     line: BatchLine | None = None  # built on the sink when not given
+    lease: LeaseKeeper | None = None  # while consuming (worker/celery_adapter.py)
+    # run folder -> (when looked at, cancelled then): `diffq cancel`'s marker
+    cancel_seen: dict[str, tuple[float, bool]] = field(default_factory=dict)
 
     def __post_init__(self):
         if self.line is None:
@@ -74,8 +80,11 @@ class Runtime:
         the model loads."""
         rt = cls(spec=spec, host=PipelineHost(backend=spec.backend, compile_mode=spec.compile,
                                               offload=spec.offload, group=group))
-        if spec.routing == "compile-aware":
-            rt.line.router = Router(spec.queues, rt.compiled_queues, transport_for(spec.broker_url))
+        transport = transport_for(spec.broker_url)
+        discovery = Discovery(transport, spec.serve_models, spec.rabbitmq_api) if spec.discover else None
+        if spec.routing == "compile-aware" or discovery is not None:
+            rt.line.router = Router(spec.queues, rt.compiled_queues, transport, discovery=discovery,
+                                    compile_aware=spec.routing == "compile-aware")
         return rt
 
     def compiled_queues(self) -> set[str]:
@@ -97,6 +106,29 @@ class Runtime:
         return self.storages[out]
 
 
+def run_cancelled(rt: Runtime, storage: Storage, out: str) -> bool:
+    """Whether `diffq cancel` marked the run, looked at once per CANCEL_CHECK_S per run."""
+    now = time.monotonic()
+    seen = rt.cancel_seen.get(out)
+    if seen is None or now - seen[0] >= layout.CANCEL_CHECK_S:
+        seen = rt.cancel_seen[out] = (now, storage.exists(layout.CANCEL))
+    return seen[1]
+
+
+def dead_letter(task: Task, batch, exc: ValueError) -> dict:
+    """A message that is not a diffq batch: to the dead letters, acked, never retried."""
+    if isinstance(exc, ValidationError):
+        first = exc.errors()[0]
+        where = ".".join(str(part) for part in first["loc"]) or "message"
+        reason = f"not a diffq batch: {exc.error_count()} schema errors, first {where}: {first['msg']}"
+    else:
+        reason = str(exc)
+    queue = (task.request.delivery_info or {}).get("routing_key") or "?"
+    DeadLetters(task.app, task.runtime.worker).send(queue, reason, {"batch": batch}, "application/json",
+                                                    {"task": task.name, "id": task.request.id})
+    return {"dead_letter": reason}
+
+
 def write_failure(storage: Storage, message: BatchMessage, error: str, attempts: int, worker: str) -> None:
     record = FailureRecord(run_id=message.run_id, batch_id=message.batch_id,
                            item_ids=[item.id for item in message.items], error=error[:2000], attempts=attempts,
@@ -105,10 +137,15 @@ def write_failure(storage: Storage, message: BatchMessage, error: str, attempts:
                       content_type="application/json", if_absent=True)
 
 
-def split(task: Task, message: BatchMessage) -> list[BatchMessage]:
-    """Halve a failing batch so a poison item ends up failing alone."""
-    middle = len(message.items) // 2
-    halves = [message.items[:middle], message.items[middle:]]
+def split(task: Task, message: BatchMessage, apart: set[str] | None = None) -> list[BatchMessage]:
+    """Halve a failing batch so a poison item ends up failing alone; or, given `apart`,
+    split those items off (items the family refuses fail, the others go on)."""
+    if apart:
+        halves = [[item for item in message.items if item.id not in apart],
+                  [item for item in message.items if item.id in apart]]
+    else:
+        middle = len(message.items) // 2
+        halves = [message.items[:middle], message.items[middle:]]
     children = [message.model_copy(update={"items": items, "batch_id": f"{message.batch_id}.s{i}"})
                 for i, items in enumerate(halves)]
     for child in children:
@@ -126,8 +163,20 @@ def retry_later(task: Task, exc: Exception):
 def generate_batch(task: Task, batch: dict) -> dict:
     rt: Runtime = task.runtime
     rt.line.received()
-    message = BatchMessage.from_json_payload(batch)
+    try:
+        message = BatchMessage.from_json_payload(batch)
+    except ValueError as exc:  # pydantic's ValidationError included: no retry can fix it
+        return dead_letter(task, batch, exc)
     storage = rt.storage_for(message.out)
+    try:
+        cancelled = run_cancelled(rt, storage, message.out)
+    except Exception as exc:
+        raise retry_later(task, exc)
+    if cancelled:
+        # Dropped unseen: acked, nothing generated or written.
+        log.info(json.dumps({"event": "cancelled", "run": message.run_id, "batch": message.batch_id,
+                             "queue": message.shape.queue, "items": len(message.items)}))
+        return {"batch_id": message.batch_id, "cancelled": len(message.items)}
     # Only a redelivered or retried batch can already be stored; first deliveries
     # skip the lookup so it does not sit between two batches on the device. (A
     # duplicate that slips through only costs compute: every write is if_absent.)
@@ -180,6 +229,12 @@ def handle_failure(task: Task, storage: Storage, message: BatchMessage, exc: Exc
     settings = get_settings()
     if not permanent and task.request.retries < settings.task_max_retries:
         raise task.retry(exc=exc, countdown=min(30.0, settings.retry_backoff_s * 2**task.request.retries))
+    refused = set(getattr(exc, "item_ids", ()))
+    if refused and len(refused) < len(message.items):
+        children = split(task, message, apart=refused)
+        log.warning("batch %s: %d item(s) refused by the model's family (%s); split into %s", message.batch_id,
+                    len(refused), error, [child.batch_id for child in children])
+        return {"batch_id": message.batch_id, "split": [child.batch_id for child in children]}
     if not permanent and len(message.items) > 1:
         children = split(task, message)
         log.warning("batch %s failed %d times (%s); split into %s", message.batch_id, attempts, error,

@@ -189,11 +189,12 @@ def join(rank: int, world_size: int, backend: Backend) -> Group:
     return group
 
 
-def sharded_components(source: str, dtype, group: Group) -> dict:
+def sharded_components(source: str, dtype, group: Group, family=None) -> dict:
     """Components to pass to `DiffusionPipeline.from_pretrained`, each read as its shard.
 
     Only components that can be sharded are returned; the pipeline loads the others
-    whole, and the caller moves only those to the device.
+    whole, and the caller moves only those to the device. Text encoders are sharded
+    only where the family table lists them (`Family.tp_text_encoders`).
     """
     if group.mesh is None:
         return {}
@@ -208,6 +209,8 @@ def sharded_components(source: str, dtype, group: Group) -> dict:
             continue
         library, class_name = entry
         if library not in ("diffusers", "transformers"):
+            continue
+        if library == "transformers" and family is not None and name not in family.tp_text_encoders:
             continue
         cls = getattr(importlib.import_module(library), class_name)
         kwargs = shard_load_kwargs(library, cls, source, name, group)
@@ -229,7 +232,10 @@ def shard_load_kwargs(library: str, cls, source: str, subfolder: str, group: Gro
     if not (isinstance(cls, type) and issubclass(cls, PreTrainedModel)):
         return None  # a tokenizer or processor: nothing to shard
     config = cls.config_class.from_pretrained(source, subfolder=subfolder)
-    if not getattr(config, "base_model_tp_plan", None):
+    # A composite model (Mistral3: Pixtral vision tower + Mistral text model) declares
+    # its plan on the text model's config, not its own.
+    if not (getattr(config, "base_model_tp_plan", None)
+            or getattr(getattr(config, "text_config", None), "base_model_tp_plan", None)):
         return None
     return {"distributed_config": DistributedConfig(tp_plan="auto")}
 

@@ -1,4 +1,4 @@
-"""CLI choices read from the tables: devices, compile modes, dtypes, TPU generations.
+"""CLI choices read from the tables: devices, compile modes, dtypes, pipeline families, TPU generations.
 
 The backend table (worker/backends.py, torch-free) owns them, so a new backend or mode
 needs no edit in the command line.
@@ -8,9 +8,12 @@ from __future__ import annotations
 
 from enum import Enum
 
+from diffq.core import families
 from diffq.worker import backends
 
 Device = Enum("Device", {name: name for name in backends.DEVICES}, type=str)
 CompileMode = Enum("CompileMode", {mode.replace("-", "_"): mode for mode in backends.COMPILE_MODES}, type=str)
 Dtype = Enum("Dtype", {name: name for name in backends.DTYPES}, type=str)
+# The family table's names (diffq/core/families.py); each has a tiny builder.
+Family = Enum("Family", {name.replace("-", "_"): name for name in families.BY_NAME}, type=str)
 TpuGeneration = Enum("TpuGeneration", {name: name for name in backends.TPU_GENERATIONS}, type=str)

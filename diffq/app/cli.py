@@ -13,89 +13,22 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from diffq.app.choices import CompileMode, Device, Dtype, TpuGeneration
-from diffq.core.layout import IMAGE_FORMATS
+from diffq.app.choices import CompileMode, Device, Dtype, Family, TpuGeneration
+from diffq.app.commands import cancel, data, fleet, plan, qualify
+from diffq.app.options import (Broker, Compile, CompileCache, DeviceDtypeOpt, DeviceOpt, Generation, Model, Offload,
+                               Out, Prompts, RunId, Routing, SeedBase, check_compile, devices_of, err, fail,
+                               generation_options, out, resolve_dtype)
 from diffq.core.settings import get_settings
-from diffq.worker import backends
+from diffq.worker.spec import DRAIN_TIMEOUT_S
 
 app = typer.Typer(no_args_is_help=True, add_completion=False,
                   help="Shape-bucketed diffusers image generation over Celery queues.")
-err = Console(stderr=True, soft_wrap=True)
-out = Console()
-
-
-class Family(str, Enum):
-    flux2_klein = "flux2-klein"
-    flux = "flux"
-
-
-ImageFormat = Enum("ImageFormat", {name: name for name in IMAGE_FORMATS}, type=str)
-
-
-class Routing(str, Enum):
-    compile_aware = "compile-aware"
-    round_robin = "round-robin"
-
-
-class Fit(str, Enum):
-    none = "none"
-    resize = "resize"
-    crop = "crop"
-
-
-Prompts = Annotated[Path, typer.Argument(help="Prompt file: .jsonl, .csv, .txt or .parquet")]
-Out = Annotated[str, typer.Option("--out", "-o", help="Run folder: path, file://, s3://bucket/prefix or gs://bucket/prefix")]
-Model = Annotated[str, typer.Option("--model", "-m", help="Pipeline folder or Hugging Face model id")]
-BatchSize = Annotated[int, typer.Option("--batch-size", "-b", min=1, help="Images per compiled batch")]
-Steps = Annotated[int, typer.Option("--steps", min=1, help="Default num_inference_steps")]
-Guidance = Annotated[float, typer.Option("--guidance-scale", min=0.0, help="Default guidance scale (> 1 turns CFG on)")]
-SeqLen = Annotated[int, typer.Option("--max-sequence-length", min=1, help="Text tokens per prompt (padded)")]
-Height = Annotated[int, typer.Option("--height", min=16, help="Default image height (multiple of 16, any with --size-buckets)")]
-Width = Annotated[int, typer.Option("--width", min=16, help="Default image width (multiple of 16, any with --size-buckets)")]
-Format = Annotated[ImageFormat, typer.Option("--format", help="Image file format")]
-DtypeOpt = Annotated[Dtype, typer.Option("--dtype", help="Pipeline dtype (part of the shape key)")]
-DeviceDtypeOpt = Annotated[Optional[Dtype], typer.Option("--dtype", help="Pipeline dtype (part of the shape key); default: the device's (bfloat16 on accelerators, float32 on cpu)")]
-DeviceOpt = Annotated[Device, typer.Option("--device", help="Device kind, from the backend table")]
-Compile = Annotated[CompileMode, typer.Option("--compile", help="none | full (whole transformer) | regional (repeated blocks) | defer-fuse (TPU only); checked against the device")]
-CompileCache = Annotated[Optional[str], typer.Option("--compile-cache", help="Compile cache: a shared directory used in place, or s3://… / gs://… / file://… mirrored locally (pull before warmup, push after compiling)")]
-Offload = Annotated[Optional[str], typer.Option("--offload", help="'model': enable_model_cpu_offload()")]
-RunId = Annotated[Optional[str], typer.Option("--run-id", help="Run id (default: random)")]
-SizeBucketsOpt = Annotated[Optional[str], typer.Option("--size-buckets", help="HxW[,HxW…] and/or a preset (aspect-1024, aspect-512, aspect-256): each row is generated at the bucket of nearest aspect ratio; requested sizes need not be multiples of 16")]
-FitOpt = Annotated[Fit, typer.Option("--fit", help="With --size-buckets: store the bucket's image as is (none), resized to the requested size (resize), or scaled and centre-cropped to it (crop)")]
-SeedBase = Annotated[Optional[str], typer.Option("--seed-base", help="Derive item seeds from this instead of the run id (reproducible reruns)")]
-
-
-def _fail(message: str, code: int = 2) -> None:
-    err.print(f"[red]error:[/red] {message}", highlight=False)
-    raise typer.Exit(code)
-
-
-def _generation(batch_size, steps, guidance_scale, max_sequence_length, height, width, format, dtype,
-                size_buckets: str | None = None, fit: Fit = Fit.none) -> dict:
-    return dict(batch_size=batch_size, steps=steps, guidance_scale=guidance_scale,
-                max_sequence_length=max_sequence_length, height=height, width=width,
-                format=format.value, dtype=dtype if isinstance(dtype, str) else dtype.value,
-                size_buckets=size_buckets, fit=fit.value)
-
-
-def _dtype(device: Device, dtype) -> str:
-    """--dtype as given, else the device's default (the backend table's default_dtype)."""
-    return dtype.value if dtype is not None else backends.get_backend(device.value).default_dtype
-
-
-def _devices(device: Device, workers: int, cores: str | None, chips: str | None, gpus: str | None) -> list[int]:
-    # Which option lists this kind's devices is the backend table's business.
-    backend = backends.get_backend(device.value)
-    spec = {"--cores": cores, "--chips": chips, "--gpus": gpus}.get(backend.device_option)
-    if spec == "auto":
-        return backends.allocated_devices(backend)
-    return backends.parse_devices(spec) if spec else list(range(workers))
 
 
 @app.command("tiny-pipeline")
 def tiny_pipeline(
     directory: Annotated[Path, typer.Argument(help="Folder to write the pipeline into")],
-    family: Annotated[Family, typer.Option("--family", help="Pipeline family")] = Family.flux2_klein,
+    family: Annotated[Family, typer.Option("--family", help="Pipeline family")] = Family("flux2-klein"),
     seed: Annotated[int, typer.Option("--seed", help="Weight seed")] = 0,
 ) -> None:
     """Write a tiny random-weight pipeline that loads and runs offline (tests, demo, benchmarks)."""
@@ -107,21 +40,12 @@ def tiny_pipeline(
 
 
 @app.command()
+@generation_options(dtype_from_device=True)
 def run(
     prompts: Prompts,
     out_: Out,
     model: Model,
     workers: Annotated[int, typer.Option("--workers", "-w", min=1, help="Worker processes (cpu)")] = 1,
-    batch_size: BatchSize = 4,
-    steps: Steps = 4,
-    guidance_scale: Guidance = 1.0,
-    max_sequence_length: SeqLen = 64,
-    height: Height = 128,
-    width: Width = 128,
-    format: Format = ImageFormat.png,
-    dtype: DeviceDtypeOpt = None,
-    size_buckets: SizeBucketsOpt = None,
-    fit: FitOpt = Fit.none,
     device: DeviceOpt = Device("cpu"),
     cores: Annotated[Optional[str], typer.Option("--cores", help="NeuronCores, e.g. 0-7, or auto (those the Neuron device plugin allocated)")] = None,
     chips: Annotated[Optional[str], typer.Option("--chips", help="TPU chips, e.g. 0-3")] = None,
@@ -134,6 +58,7 @@ def run(
     run_id: RunId = None,
     seed_base: SeedBase = None,
     progress: Annotated[bool, typer.Option("--progress/--no-progress", help="Show a progress bar")] = True,
+    generation: Generation = None,
 ) -> None:
     """Run everything locally (embedded broker, no servers) and wait; exit 0 only if every item was produced."""
     from diffq.producer.sources import InputError
@@ -143,14 +68,13 @@ def run(
 
     try:
         result = run_embedded(
-            prompts, out_, model=model, devices=_devices(device, workers, cores, chips, gpus),
+            prompts, out_, model=model, devices=devices_of(device, workers, cores, chips, gpus),
             device=device.value, compile=compile.value, compile_cache=compile_cache, offload=offload,
             warmup=[w for w in (warmup or "").split(",") if w], threads=threads, progress=progress, console=err, run_id=run_id, seed_base=seed_base,
-            **_generation(batch_size, steps, guidance_scale, max_sequence_length, height, width, format,
-                          _dtype(device, dtype), size_buckets, fit),
+            **generation.kwargs(dtype=resolve_dtype(device, generation.dtype)),
         )
     except (InputError, RunExists, ModelUnavailable, RunFailed, ValueError) as exc:
-        _fail(str(exc))
+        fail(str(exc))
     out.print(f"{result.out}")
     out.print(f"{result.done}/{result.total} images, {result.failed} failed, "
               f"{result.seconds:.1f}s, {result.images_per_s:.1f} images/s"
@@ -160,23 +84,15 @@ def run(
 
 
 @app.command()
+@generation_options()
 def submit(
     prompts: Prompts,
     out_: Out,
     model: Model,
-    broker: Annotated[Optional[str], typer.Option("--broker", help="Broker URL (or DIFFQ_BROKER_URL)")] = None,
-    batch_size: BatchSize = 4,
-    steps: Steps = 4,
-    guidance_scale: Guidance = 1.0,
-    max_sequence_length: SeqLen = 64,
-    height: Height = 128,
-    width: Width = 128,
-    format: Format = ImageFormat.png,
-    dtype: DtypeOpt = Dtype("float32"),
-    size_buckets: SizeBucketsOpt = None,
-    fit: FitOpt = Fit.none,
+    broker: Broker = None,
     run_id: RunId = None,
     seed_base: SeedBase = None,
+    generation: Generation = None,
 ) -> None:
     """Validate the whole file, write the run manifest to OUT, publish batches to per-shape queues."""
     from diffq.producer.sources import InputError
@@ -184,20 +100,19 @@ def submit(
 
     broker = broker or get_settings().broker_url
     if not broker:
-        _fail("no broker: pass --broker URL or set DIFFQ_BROKER_URL")
+        fail("no broker: pass --broker URL or set DIFFQ_BROKER_URL")
     try:
         result = submit_run(prompts, out_, model=model, broker_url=broker, run_id=run_id, seed_base=seed_base,
-                            **_generation(batch_size, steps, guidance_scale, max_sequence_length, height,
-                                          width, format, dtype, size_buckets, fit))
+                            **generation.kwargs())
     except (InputError, RunExists, ValueError) as exc:
-        _fail(str(exc))
+        fail(str(exc))
     out.print(result.out)
     out.print(f"run {result.run_id}: {result.summary()}")
 
 
 @app.command()
 def worker(
-    broker: Annotated[Optional[str], typer.Option("--broker", help="Broker URL (or DIFFQ_BROKER_URL)")] = None,
+    broker: Broker = None,
     device: DeviceOpt = Device("cpu"),
     workers: Annotated[int, typer.Option("--workers", "-w", min=1, help="Processes (cpu)")] = 1,
     cores: Annotated[Optional[str], typer.Option("--cores", help="NeuronCores, one process each: 0-7, or auto (those the Neuron device plugin allocated)")] = None,
@@ -206,6 +121,8 @@ def worker(
     queues: Annotated[Optional[str], typer.Option("--queues", "-Q", help="Comma-separated shape queues")] = None,
     run: Annotated[Optional[str], typer.Option("--run", help="Serve the queues of this run folder's manifest")] = None,
     model: Annotated[Optional[str], typer.Option("--model", help="Load this model before consuming (fail fast)")] = None,
+    serve_models: Annotated[Optional[str], typer.Option("--models", help="Without --queues: serve only these models' queues, M1,M2 (default: --model's, else every model's)")] = None,
+    rabbitmq_api: Annotated[Optional[str], typer.Option("--rabbitmq-api", help="RabbitMQ management API URL (http://USER:PASS@HOST:15672): how a worker without --queues lists an AMQP broker's queues")] = None,
     dtype: DeviceDtypeOpt = None,
     compile: Compile = CompileMode("none"),
     compile_cache: CompileCache = None,
@@ -220,6 +137,7 @@ def worker(
     tpu_generation: Annotated[Optional[TpuGeneration], typer.Option("--tpu-generation", help="TPU generation where none is attached (--plan, manifests); default: read from PCI ids")] = None,
     plan: Annotated[bool, typer.Option("--plan", help="Print each child's pinning and queues as JSON (no --queues needed); start nothing")] = False,
     loglevel: Annotated[str, typer.Option("--loglevel", help="Celery log level")] = "INFO",
+    drain_timeout: Annotated[float, typer.Option("--drain-timeout", min=0, help="On SIGTERM, seconds the batch in hand may take before it is handed back (exit 0 either way)")] = DRAIN_TIMEOUT_S,
 ) -> None:
     """Start one pinned worker process per device, consuming shape queues until SIGTERM.
 
@@ -232,7 +150,7 @@ def worker(
     settings = get_settings()
     broker = broker or settings.broker_url
     if not broker:
-        _fail("no broker: pass --broker URL or set DIFFQ_BROKER_URL")
+        fail("no broker: pass --broker URL or set DIFFQ_BROKER_URL")
     names = [q for q in (queues or "").split(",") if q]
     models = [model] if model else []
     if run:
@@ -241,21 +159,32 @@ def worker(
 
         manifest = read_manifest(open_storage(run))
         names += [s.queue for s in manifest.shapes if s.queue not in names]
-        models = models or [manifest.defaults["model"]]
-    if not names and not plan:
-        _fail("no queues: pass --queues or --run OUT")
+        models = models or manifest.models or [manifest.defaults["model"]]
+    discovery = {}
+    if not names:
+        from diffq.worker.routing import startup_queues
+
+        serve = [m for m in (serve_models or "").split(",") if m] or models
+        if not plan:  # a plan needs no queues and starts nothing
+            try:
+                names = startup_queues(broker, serve, rabbitmq_api)
+            except ValueError as exc:
+                fail(str(exc))
+        discovery = {"discover": True, "serve_models": serve, "rabbitmq_api": rabbitmq_api}
+    check_compile(models, compile.value)
     try:
-        specs = plan_children(device=device.value, devices=_devices(device, workers, cores, chips, gpus),
+        specs = plan_children(device=device.value, devices=devices_of(device, workers, cores, chips, gpus),
                               broker_url=broker, queues=names, threads=threads, compile=compile.value,
                               compile_cache=compile_cache or settings.compile_cache,
                               compile_cache_local=compile_cache_local, offload=offload,
                               warmup=[w for w in (warmup or ("auto" if warmup_only else "")).split(",") if w],
                               warmup_only=warmup_only, routing=routing.value,
-                              models=models, dtype=_dtype(device, dtype), tp=tp, master_port=master_port,
+                              models=models, dtype=resolve_dtype(device, dtype), tp=tp, master_port=master_port,
                               generation=tpu_generation.value if tpu_generation else None,
-                              allowed_out_prefixes=settings.allowed_out_prefixes, loglevel=loglevel)
+                              allowed_out_prefixes=settings.allowed_out_prefixes, loglevel=loglevel,
+                              drain_timeout_s=drain_timeout, **discovery)
     except ValueError as exc:
-        _fail(str(exc))
+        fail(str(exc))
     if plan:
         def child_plan(spec) -> dict:
             # Without --queues the worker would consume the queues it discovers.
@@ -296,12 +225,12 @@ def status(
         try:
             watch_run(out_dir, interval=interval, console=out, as_json=as_json)
         except NotARun as exc:
-            _fail(str(exc))
+            fail(str(exc))
         return
     try:
         st = run_status(out_dir)
     except NotARun as exc:
-        _fail(str(exc))
+        fail(str(exc))
     if as_json:
         sys.stdout.write(json.dumps(st.to_json()) + "\n")
         return
@@ -311,7 +240,8 @@ def status(
     for queue, shape in st.shapes.items():
         table.add_row(queue, str(shape.done), str(shape.total))
     out.print(table)
-    out.print(f"{st.done}/{st.total} done, {st.failed} failed, {st.pending} pending")
+    out.print(f"{st.done}/{st.total} done, {st.failed} failed, "
+              + (f"{st.cancelled} cancelled, " if st.cancelled else "") + f"{st.pending} pending")
 
 
 @app.command()
@@ -338,11 +268,9 @@ def fetch(
             result = fetch_run(out_dir, dest, only_new=only_new,
                                on_progress=lambda done, total: bar.update(task, completed=done, total=total))
     except NotARun as exc:
-        _fail(str(exc))
+        fail(str(exc))
     out.print(f"{result.images} images in {result.dest} ({result.downloaded} downloaded)")
 
-
-Broker = Annotated[Optional[str], typer.Option("--broker", help="Broker URL (or DIFFQ_BROKER_URL)")]
 
 
 def _requeue(kind: str, out_dir: str, broker: str | None) -> None:
@@ -351,11 +279,11 @@ def _requeue(kind: str, out_dir: str, broker: str | None) -> None:
 
     broker = broker or get_settings().broker_url
     if not broker:
-        _fail("no broker: pass --broker URL or set DIFFQ_BROKER_URL")
+        fail("no broker: pass --broker URL or set DIFFQ_BROKER_URL")
     try:
         result = getattr(requeue, kind)(out_dir, broker)
-    except NotARun as exc:
-        _fail(str(exc))
+    except (NotARun, requeue.RunCancelled) as exc:
+        fail(str(exc))
     out.print(f"{result.out}: re-enqueued {result.items} items in {result.batches} batches")
 
 
@@ -377,16 +305,9 @@ def retry_failed(
     _requeue("retry_failed", out_dir, broker)
 
 
-def _register_command_groups() -> None:
-    import importlib
-
-    for name in COMMAND_GROUPS:
-        importlib.import_module(f"diffq.app.commands.{name}").register(app)
-
-
-# Modules under diffq/commands/, each adding its commands to `app`.
-COMMAND_GROUPS: list[str] = ["fleet", "data", "plan", "qualify"]
-_register_command_groups()
+# The other command groups, each adding its commands to `app`.
+for group in (fleet, data, plan, qualify, cancel):
+    group.register(app)
 
 if __name__ == "__main__":
     app()

@@ -1,9 +1,13 @@
 """Kubernetes manifests for a worker fleet, rendered from the producer's shape keys.
 
-One Deployment and one KEDA ScaledObject per shape queue. Queue names come from
-`ShapeKey.queue` built by the producer's own `shape_of`, so the queue a worker
-consumes and the Redis list KEDA watches are the names `diffq submit` publishes to.
-A device kind's pod facts (resource, selectors, sizes) are its backend table row's
+Where one worker serves every shape (CPU, CUDA: compile-aware routing drains a
+compiled shape before taking another), one Deployment per model whose workers find
+the model's queues themselves (`diffq worker --models M`, no --queues), scaled by
+one KEDA ScaledObject with a trigger per shape queue. Where a shape's compile takes
+many minutes (Neuron, TPU), one Deployment and ScaledObject per shape queue. Queue
+names come from `ShapeKey.queue` built by the producer's own `shape_of`, so the
+lists KEDA watches are the names `diffq submit` publishes to.
+A device kind's pod facts (resource, selectors, sizes, pool) are its backend table row's
 `k8s` field: a backend cannot be added without saying whether and how it deploys.
 """
 
@@ -15,9 +19,11 @@ from pathlib import Path
 
 import yaml
 
-from diffq.core.contract import ShapeKey
+from diffq.core.contract import ShapeKey, model_slug
+from diffq.core.families import cfg_bit, family_of
 from diffq.producer.bucketing import RunOptions, shape_of
 from diffq.worker.backends import Backend, K8sPod, get_backend
+from diffq.worker.spec import DRAIN_MARGIN_S
 from diffq.producer.sources import Prompt
 
 NAMESPACE = "diffq"
@@ -51,8 +57,9 @@ def shape_keys(model: str, shapes: list[tuple[int, int]], *, batch_size: int,
     """The producer's own shape rule (`shape_of`) applied to one prompt per size."""
     options = RunOptions(model=model, batch_size=batch_size,
                          max_sequence_length=max_sequence_length, dtype=dtype)
+    cfg = cfg_bit(family_of(model), guidance_scale)  # as the producer decides it
     return [shape_of(Prompt(line=0, id="fleet", prompt="-", height=h, width=w, seed=None,
-                            num_inference_steps=1, guidance_scale=guidance_scale), options)
+                            num_inference_steps=1, guidance_scale=guidance_scale, cfg=cfg), options)
             for h, w in shapes]
 
 
@@ -101,7 +108,16 @@ class FleetOptions:
 
 
 def worker_args(shape: ShapeKey, options: FleetOptions) -> list[str]:
-    """The container args after the image's `ENTRYPOINT ["diffq", "worker"]`."""
+    """The container args after the image's `ENTRYPOINT ["diffq", "worker"]`: one shape queue."""
+    return _args(options, ["--queues", shape.queue, "--model", shape.model, "--dtype", shape.dtype])
+
+
+def pool_args(model: str, dtype: str, options: FleetOptions) -> list[str]:
+    """A pool's container args: no --queues, the workers list the model's shape queues."""
+    return _args(options, ["--models", model, "--model", model, "--dtype", dtype])
+
+
+def _args(options: FleetOptions, serve: list[str]) -> list[str]:
     backend, profile = options.backend, options.profile
     n = options.devices_per_pod or profile.devices_per_pod
     if n % options.tp:
@@ -115,13 +131,18 @@ def worker_args(shape: ShapeKey, options: FleetOptions) -> list[str]:
     option = backend.device_option
     pin = [option, str(n)] if option == "--workers" else [option, profile.devices_arg or f"0-{n - 1}"]
     tp = ["--tp", str(options.tp)] if options.tp > 1 else []
-    return ["--device", backend.name, *pin, *tp, "--queues", shape.queue, "--model", shape.model,
-            "--dtype", shape.dtype, "--compile", compile, "--compile-cache", f"{CACHE_MOUNT}/compile"]
+    # The drain ends (batch finished or handed back, exit 0) before the pod's grace period.
+    drain = max(0, grace_seconds(options) - DRAIN_MARGIN_S)
+    return ["--device", backend.name, *pin, *tp, *serve, "--compile", compile,
+            "--compile-cache", f"{CACHE_MOUNT}/compile", "--drain-timeout", str(drain)]
 
 
-def deployment(shape: ShapeKey, options: FleetOptions) -> dict:
+def grace_seconds(options: FleetOptions) -> int:
+    return options.grace_seconds or options.profile.grace_seconds
+
+
+def deployment(name: str, args: list[str], annotations: dict[str, str], options: FleetOptions) -> dict:
     profile = options.profile
-    name = k8s_name(shape.queue)
     n = options.devices_per_pod or profile.devices_per_pod
     labels = {"app.kubernetes.io/name": "diffq-worker", "app.kubernetes.io/instance": name,
               "diffq/device": options.device}
@@ -138,12 +159,12 @@ def deployment(shape: ShapeKey, options: FleetOptions) -> dict:
         {"name": "DIFFQ_LOG_JSON", "value": "true"},
     ]
     pod: dict = {
-        "terminationGracePeriodSeconds": options.grace_seconds or profile.grace_seconds,
+        "terminationGracePeriodSeconds": grace_seconds(options),
         "securityContext": {"runAsNonRoot": True, "runAsUser": 1000, "fsGroup": 1000},
         "containers": [{
             "name": "worker",
             "image": options.image or DEFAULT_IMAGE.format(device=options.device),
-            "args": worker_args(shape, options),
+            "args": args,
             "env": env,
             "ports": [{"name": "metrics", "containerPort": METRICS_PORT}],
             "resources": resources,
@@ -163,7 +184,7 @@ def deployment(shape: ShapeKey, options: FleetOptions) -> dict:
         "apiVersion": "apps/v1",
         "kind": "Deployment",
         "metadata": {"name": name, "namespace": options.namespace, "labels": labels,
-                     "annotations": {"diffq/queue": shape.queue}},
+                     "annotations": annotations},
         # No `replicas`: KEDA owns the count; re-applying must not reset it.
         "spec": {
             "selector": {"matchLabels": {"app.kubernetes.io/instance": name}},
@@ -176,13 +197,12 @@ def deployment(shape: ShapeKey, options: FleetOptions) -> dict:
     }
 
 
-def scaled_object(shape: ShapeKey, options: FleetOptions) -> dict:
-    name = k8s_name(shape.queue)
+def scaled_object(name: str, queues: list[str], annotations: dict[str, str], options: FleetOptions) -> dict:
+    """Scaled on the Redis lists of `queues` (KEDA takes the largest of the triggers)."""
     return {
         "apiVersion": "keda.sh/v1alpha1",
         "kind": "ScaledObject",
-        "metadata": {"name": name, "namespace": options.namespace,
-                     "annotations": {"diffq/queue": shape.queue}},
+        "metadata": {"name": name, "namespace": options.namespace, "annotations": annotations},
         "spec": {
             "scaleTargetRef": {"name": name},
             "minReplicaCount": 0,
@@ -196,13 +216,13 @@ def scaled_object(shape: ShapeKey, options: FleetOptions) -> dict:
                 "metadata": {
                     # The Celery queue is one Redis list of exactly this name
                     # (broker.py sets priority_steps [0]).
-                    "listName": shape.queue,
+                    "listName": queue,
                     "listLength": str(options.batches_per_replica),
                     "activationListLength": "0",
                     "databaseIndex": str(options.redis_db),
                 },
                 "authenticationRef": {"name": TRIGGER_AUTH},
-            }],
+            } for queue in queues],
         },
     }
 
@@ -223,10 +243,24 @@ def common(options: FleetOptions) -> list[dict]:
 
 
 def render(shapes: list[ShapeKey], options: FleetOptions) -> dict[str, list[dict]]:
-    """File stem -> documents: `common`, then one Deployment + ScaledObject per shape queue."""
+    """File stem -> documents: `common`, then a Deployment + ScaledObject per pool
+    (per model where the profile's workers serve every shape, else per shape queue)."""
     rendered = {"common": common(options)}
+    if options.profile.pool == "model":
+        pools: dict[tuple[str, str], list[str]] = {}
+        for shape in shapes:
+            pools.setdefault((shape.model, shape.dtype), []).append(shape.queue)
+        for (model, dtype), queues in pools.items():
+            name = k8s_name(f"diffq.{model_slug(model)}.{dtype}")
+            annotations = {"diffq/model": model, "diffq/queues": ",".join(queues)}
+            rendered[name] = [deployment(name, pool_args(model, dtype, options), annotations, options),
+                              scaled_object(name, queues, annotations, options)]
+        return rendered
     for shape in shapes:
-        rendered[k8s_name(shape.queue)] = [deployment(shape, options), scaled_object(shape, options)]
+        name = k8s_name(shape.queue)
+        annotations = {"diffq/queue": shape.queue}
+        rendered[name] = [deployment(name, worker_args(shape, options), annotations, options),
+                          scaled_object(name, [shape.queue], annotations, options)]
     return rendered
 
 

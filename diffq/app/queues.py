@@ -6,6 +6,10 @@ for `diffq.*` lists plus one pipelined LLEN, and a queue with no key is empty)
 reports every diffq queue; on the others the names come from the caller and from
 the workers' replies, and each depth is a passive declare.
 
+The dead letters (`diffq.dead`: messages a worker refused, worker/dead_letters.py)
+are always reported. SQS and, given its management API URL, RabbitMQ list their
+queues too (the transport table's `list_queues`).
+
 Consumers come from `inspect().active_queues()`. A solo-pool worker busy with a
 batch does not answer remote control until the batch ends, so that count is a
 lower bound while batches run; a passive declare also reports the broker's own
@@ -18,9 +22,9 @@ from collections import Counter
 from dataclasses import asdict, dataclass
 
 from diffq.core.broker import make_celery
-from diffq.core.transports import PREFIX, PRIORITY_SEP, declared_depths, transport_for
+from diffq.core.transports import DEAD_LETTERS, PREFIX, PRIORITY_SEP, declared_depths, transport_for
 
-__all__ = ["PREFIX", "PRIORITY_SEP", "QueueInfo", "queue_report", "worker_queues"]
+__all__ = ["DEAD_LETTERS", "PREFIX", "PRIORITY_SEP", "QueueInfo", "queue_report", "worker_queues"]
 
 
 @dataclass
@@ -44,7 +48,8 @@ def worker_queues(app, timeout: float) -> Counter:
 
 
 def queue_report(broker_url: str, queues: list[str] | None = None, *, timeout: float = 1.0,
-                 prefix: str = PREFIX, transport_options: dict | None = None) -> list[QueueInfo]:
+                 prefix: str = PREFIX, transport_options: dict | None = None,
+                 rabbitmq_api: str | None = None) -> list[QueueInfo]:
     """Depth and consumers for every diffq queue the broker or the workers know of."""
     transport = transport_for(broker_url)
     app = make_celery(broker_url, transport_options)
@@ -55,7 +60,10 @@ def queue_report(broker_url: str, queues: list[str] | None = None, *, timeout: f
         conn.ensure_connection(max_retries=1)
         if timeout > 0:
             consumers = worker_queues(app, timeout)
-        names = set(queues or []) | {q for q in consumers if q.startswith(prefix)}
+        names = set(queues or []) | {q for q in consumers if q.startswith(prefix)} | {DEAD_LETTERS}
+        if transport.list_depths is None and transport.list_queues is not None \
+                and (rabbitmq_api or not transport.list_needs_api):
+            names |= set(transport.list_queues(conn, prefix, rabbitmq_api))
         if transport.list_depths is not None:
             depths = transport.list_depths(conn, prefix)
             names |= set(depths)

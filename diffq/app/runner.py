@@ -23,10 +23,12 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from diffq.core import layout
 from diffq.core.broker import embedded_broker
+from diffq.core.families import compile_refusal
 from diffq.core.progress import ProgressSummary
 from diffq.core.runfolder import iter_records
 from diffq.core.transports import transport_for
 from diffq.producer.resume import missing_batches, scan
+from diffq.core.runfolder import read_cancel
 from diffq.producer.submit import CeleryPublisher, RunExists, make_options, submit, validate
 from diffq.core.storage import open_storage
 from diffq.worker.backends import get_backend
@@ -104,13 +106,20 @@ def run(
     console: Console | None = None,
     run_id: str | None = None,
     seed_base: str | None = None,
+    keep_columns: tuple[str, ...] | list[str] = (),
     **generation,
 ) -> RunResult:
     console = console or Console(stderr=True)
     started = time.monotonic()
     resolve_model(model)
     options, defaults = make_options(model=model, **generation)
-    plan = validate(prompts, options, defaults)
+    plan = validate(prompts, options, defaults, keep_columns)
+    for name in plan.models:
+        if name != model:
+            resolve_model(name)
+    # A compile mode a family cannot take fails here, not in every worker.
+    if reason := compile_refusal(plan.models, compile):
+        raise ValueError(reason)
     storage = open_storage(out)
     if storage.exists(layout.MANIFEST):
         raise RunExists(f"{storage.url} already holds a run; use a new OUT, or `diffq resume {storage.url}`")
@@ -132,7 +141,7 @@ def run(
         compile_cache=compile_cache,
         offload=offload,
         warmup=warmup or [],
-        models=[model],
+        models=plan.models,
         dtype=options.dtype,
     )
     supervisor = Supervisor(specs)
@@ -144,7 +153,8 @@ def run(
     def publish_all() -> None:
         try:
             submitted["result"] = submit(prompts, out, model=model, publisher=publisher, plan=plan,
-                                         run_id=run_id, seed_base=seed_base, **generation)
+                                         run_id=run_id, seed_base=seed_base, keep_columns=keep_columns,
+                                         **generation)
         except BaseException as exc:  # reported by the main thread
             submitted["error"] = exc
 
@@ -160,6 +170,7 @@ def run(
         with bar:
             task = bar.add_task("run", total=plan.total, rate=0.0, failed=0)
             last_progress, deaths_seen, batch_time = time.monotonic(), 0, None
+            next_cancel_check = 0.0
             while True:
                 before = tracker.done + tracker.failed
                 tracker.refresh()
@@ -171,6 +182,11 @@ def run(
                            rate=tracker.done / elapsed if elapsed else 0.0)
                 if tracker.done + tracker.failed >= plan.total:
                     break
+                # `diffq cancel` from elsewhere: the workers drop what is queued.
+                if now >= next_cancel_check:
+                    next_cancel_check = now + layout.CANCEL_CHECK_S
+                    if "result" in submitted and publisher.depth() == 0 and read_cancel(storage) is not None:
+                        break
                 if "error" in submitted:
                     raise submitted["error"]
                 supervisor.poll()

@@ -4,8 +4,9 @@ They exercise the real pipeline classes (tokenizers, text encoders, transformer,
 scheduler, save/load round trip) in tests and CPU benchmarks without the Hugging Face Hub.
 Images are noise; only shapes, plumbing and determinism are meaningful.
 
-Both VAEs keep the real 8x downsampling (four blocks), so as with the real models
-height and width must be multiples of 16 (vae_scale_factor 8 x 2x2 latent packing).
+Every VAE keeps the real 8x downsampling (four blocks), so as with the real models
+height and width must be multiples of 16 (vae_scale_factor 8 x 2x2 latent packing, or
+SD3's patch size 2). One builder per family of diffq.core.families.
 """
 
 from __future__ import annotations
@@ -19,15 +20,21 @@ from diffusers import (
     DiffusionPipeline,
     FlowMatchEulerDiscreteScheduler,
     Flux2KleinPipeline,
+    Flux2Pipeline,
     Flux2Transformer2DModel,
     FluxPipeline,
     FluxTransformer2DModel,
+    SD3Transformer2DModel,
+    StableDiffusion3Pipeline,
 )
 from tokenizers import pre_tokenizers
 from transformers import (
     CLIPTextConfig,
     CLIPTextModel,
+    CLIPTextModelWithProjection,
     CLIPTokenizer,
+    Mistral3Config,
+    Mistral3ForConditionalGeneration,
     Qwen2Tokenizer,
     Qwen3Config,
     Qwen3ForCausalLM,
@@ -36,7 +43,8 @@ from transformers import (
     T5Tokenizer,
 )
 
-FAMILIES = ("flux2-klein", "flux")
+# The names of diffq.core.families' table, each with a builder below.
+FAMILIES = ("flux2-klein", "flux", "sd3", "flux2")
 
 # The 256 printable stand-ins that byte-level BPE uses for raw bytes: with no merges,
 # every byte of any UTF-8 text is exactly one token, so no text is ever <unk>.
@@ -63,7 +71,7 @@ def build_tiny_pipeline(out_dir: str | Path, family: str = "flux2-klein", seed: 
     Load it with `DiffusionPipeline.from_pretrained(out_dir, local_files_only=True)`.
     Weights depend only on `seed`; the caller's global torch RNG state is left untouched.
     """
-    builders = {"flux2-klein": _flux2_klein, "flux": _flux}
+    builders = {"flux2-klein": _flux2_klein, "flux": _flux, "sd3": _sd3, "flux2": _flux2}
     if family not in builders:
         raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES}")
     out = Path(out_dir)
@@ -92,16 +100,17 @@ def _vae_blocks() -> dict:
     )
 
 
-def _flux2_klein() -> DiffusionPipeline:
+def _byte_tokenizer(specials: list[str], **kwargs) -> Qwen2Tokenizer:
+    """Byte-level BPE with no merges (every byte one token) plus `specials`."""
     vocab = {s: i for i, s in enumerate(_BYTE_SYMBOLS)}
-    for special in ("<|endoftext|>", "<|im_start|>", "<|im_end|>"):
+    for special in specials:
         vocab[special] = len(vocab)
-    tokenizer = Qwen2Tokenizer(
-        vocab=vocab,
-        merges=[],
-        model_max_length=1024,
-        extra_special_tokens=["<|im_start|>", "<|im_end|>"],
-    )
+    return Qwen2Tokenizer(vocab=vocab, merges=[], model_max_length=1024, **kwargs)
+
+
+def _flux2_klein() -> DiffusionPipeline:
+    tokenizer = _byte_tokenizer(["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                                extra_special_tokens=["<|im_start|>", "<|im_end|>"])
     tokenizer.chat_template = _QWEN3_CHAT_TEMPLATE
 
     # 28 layers so the pipeline's default text_encoder_out_layers=(9, 18, 27) index real
@@ -147,21 +156,20 @@ def _flux2_klein() -> DiffusionPipeline:
     )
 
 
-def _flux() -> DiffusionPipeline:
+def _clip(hidden: int, model_class=CLIPTextModel):
     clip_vocab = {"<|startoftext|>": 0, "<|endoftext|>": 1}
     # CLIP's BPE marks the last symbol of each word with "</w>", so each byte needs both forms.
     for suffix in ("", "</w>"):
         for s in _BYTE_SYMBOLS:
             clip_vocab[s + suffix] = len(clip_vocab)
-    # FluxPipeline pads CLIP prompts to tokenizer.model_max_length.
+    # FluxPipeline and StableDiffusion3Pipeline pad CLIP prompts to tokenizer.model_max_length.
     tokenizer = CLIPTokenizer(vocab=clip_vocab, merges=[], model_max_length=77)
-    clip_hidden = 16
-    text_encoder = CLIPTextModel(
+    text_encoder = model_class(
         CLIPTextConfig(
             vocab_size=len(tokenizer),
-            hidden_size=clip_hidden,
-            intermediate_size=32,
-            projection_dim=clip_hidden,
+            hidden_size=hidden,
+            intermediate_size=2 * hidden,
+            projection_dim=hidden,
             num_hidden_layers=2,
             num_attention_heads=2,
             max_position_embeddings=77,
@@ -171,28 +179,37 @@ def _flux() -> DiffusionPipeline:
             pad_token_id=tokenizer.pad_token_id,
         )
     )
+    return tokenizer, text_encoder
 
+
+def _t5(hidden: int):
     # T5 is SentencePiece Unigram with Metaspace pre-tokenization, not byte-level, so
     # its vocabulary is one piece per non-space Latin-1 character; anything else is <unk>.
     pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("\u2581", -2.0)]
     pieces += [(chr(i), -3.0) for i in range(256) if chr(i).isprintable() and not chr(i).isspace()]
-    tokenizer_2 = T5Tokenizer(vocab=pieces, extra_ids=0, model_max_length=512)
-    t5_hidden = 16
-    text_encoder_2 = T5EncoderModel(
+    tokenizer = T5Tokenizer(vocab=pieces, extra_ids=0, model_max_length=512)
+    text_encoder = T5EncoderModel(
         T5Config(
-            vocab_size=len(tokenizer_2),
-            d_model=t5_hidden,
+            vocab_size=len(tokenizer),
+            d_model=hidden,
             d_kv=8,
-            d_ff=32,
+            d_ff=2 * hidden,
             num_layers=2,
             num_heads=2,
             relative_attention_num_buckets=8,
-            feed_forward_proj="gated-gelu",  # T5 v1.1, as used by Flux
-            pad_token_id=tokenizer_2.pad_token_id,
-            eos_token_id=tokenizer_2.eos_token_id,
-            decoder_start_token_id=tokenizer_2.pad_token_id,
+            feed_forward_proj="gated-gelu",  # T5 v1.1, as used by Flux and SD3
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            decoder_start_token_id=tokenizer.pad_token_id,
         )
     )
+    return tokenizer, text_encoder
+
+
+def _flux() -> DiffusionPipeline:
+    clip_hidden, t5_hidden = 16, 16
+    tokenizer, text_encoder = _clip(clip_hidden)
+    tokenizer_2, text_encoder_2 = _t5(t5_hidden)
 
     # Real FLUX.1 VAE latent normalisation constants.
     vae = AutoencoderKL(
@@ -223,3 +240,91 @@ def _flux() -> DiffusionPipeline:
         tokenizer_2=tokenizer_2,
         transformer=transformer,
     )
+
+
+def _sd3() -> DiffusionPipeline:
+    """SD 3.5 Medium's layout: CLIP-L, CLIP-G (with projections) and T5; CFG by batch doubling."""
+    clip_l, clip_g = 8, 16
+    tokenizer, text_encoder = _clip(clip_l, CLIPTextModelWithProjection)
+    tokenizer_2, text_encoder_2 = _clip(clip_g, CLIPTextModelWithProjection)
+    # The pipeline pads the joined CLIP embeddings (clip_l + clip_g wide) to T5's width.
+    t5_hidden = 32
+    tokenizer_3, text_encoder_3 = _t5(t5_hidden)
+    vae = AutoencoderKL(**_vae_blocks(), scaling_factor=1.5305, shift_factor=0.0609)  # SD3's constants
+    transformer = SD3Transformer2DModel(
+        sample_size=16,
+        patch_size=2,
+        in_channels=vae.config.latent_channels,
+        out_channels=vae.config.latent_channels,
+        num_layers=2,
+        attention_head_dim=8,
+        num_attention_heads=2,
+        joint_attention_dim=t5_hidden,
+        caption_projection_dim=16,
+        pooled_projection_dim=clip_l + clip_g,
+        pos_embed_max_size=96,  # latent positions up to 96 patches: 1536 px, as the real model
+        dual_attention_layers=(0,),  # SD 3.5 style (MMDiT-X), with its RMS q/k norm
+        qk_norm="rms_norm",
+    )
+    return StableDiffusion3Pipeline(
+        transformer=transformer,
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
+        vae=vae,
+        text_encoder=text_encoder,
+        tokenizer=tokenizer,
+        text_encoder_2=text_encoder_2,
+        tokenizer_2=tokenizer_2,
+        text_encoder_3=text_encoder_3,
+        tokenizer_3=tokenizer_3,
+    )
+
+
+# Mistral's [INST] turn, without the system turn: Flux2Pipeline sends a 168-character
+# system message first, which byte-level tokens would make longer than the short
+# max_sequence_length tests use, truncating every prompt away.
+_MISTRAL_CHAT_TEMPLATE = (
+    "{%- for message in messages %}{%- if message.role == 'user' %}"
+    "{{- '[INST]' }}{%- for part in message.content %}{{- part.text }}{%- endfor %}{{- '[/INST]' }}"
+    "{%- endif %}{%- endfor %}"
+)
+
+
+def _flux2() -> DiffusionPipeline:
+    """FLUX.2-dev's layout: a Mistral3 text encoder (Mistral text model + Pixtral vision tower)."""
+    # FLUX.2-dev ships a PixtralProcessor, which transformers refuses to build without
+    # torchvision; the pipeline only calls its apply_chat_template, which the
+    # tokenizer has too, so the tiny pipeline's "tokenizer" is the tokenizer itself.
+    tokenizer = _byte_tokenizer(["<unk>", "<s>", "</s>", "<pad>", "[INST]", "[/INST]", "[IMG]"],
+                                unk_token="<unk>", bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+                                extra_special_tokens=["[INST]", "[/INST]", "[IMG]"])
+    tokenizer.chat_template = _MISTRAL_CHAT_TEMPLATE
+    hidden = 16
+    text_encoder = Mistral3ForConditionalGeneration(
+        Mistral3Config(
+            # 30 layers so the pipeline's default text_encoder_out_layers=(10, 20, 30) exist.
+            text_config=dict(model_type="mistral", vocab_size=len(tokenizer), hidden_size=hidden,
+                             intermediate_size=32, num_hidden_layers=30, num_attention_heads=2,
+                             num_key_value_heads=1, head_dim=8, max_position_embeddings=1024,
+                             sliding_window=None, pad_token_id=tokenizer.pad_token_id,
+                             bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id),
+            vision_config=dict(model_type="pixtral", hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+                               num_attention_heads=2, head_dim=4, patch_size=4, image_size=64),
+            image_token_index=tokenizer.convert_tokens_to_ids("[IMG]"),
+            spatial_merge_size=1,
+            tie_word_embeddings=True,
+        )
+    )
+    vae = AutoencoderKLFlux2(**_vae_blocks())
+    transformer = Flux2Transformer2DModel(
+        patch_size=1,
+        in_channels=vae.config.latent_channels * 4,
+        num_layers=1,
+        num_single_layers=1,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        joint_attention_dim=3 * hidden,  # three stacked text-encoder layers
+        axes_dims_rope=(4, 4, 4, 4),
+        guidance_embeds=True,  # FLUX.2-dev: guidance-distilled, guidance_scale is an embedding input
+    )
+    return Flux2Pipeline(scheduler=_scheduler(), vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
+                         transformer=transformer)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import json
 import re
 from typing import Literal
 
@@ -22,6 +23,9 @@ SCHEMA_VERSION = 1
 # stops a runaway prompt (or a hostile producer) from filling the broker.
 MAX_MESSAGE_BYTES = 256 * 1024
 MAX_PROMPT_CHARS = 16_000
+# A row's `metadata` object, as compact JSON: carried in every message and record,
+# so it is capped like the prompt.
+MAX_METADATA_BYTES = 8 * 1024
 # Pipeline dtypes, each with its short tag in queue names: the one list of them
 # (CLI choices, the shape key, queue names and the worker's torch dtypes read it).
 DTYPE_TAGS = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
@@ -89,6 +93,25 @@ def queue_name(shape: ShapeKey) -> str:
     )
 
 
+# The same name as kombu's SQS transport spells it ('.' -> '-').
+_ENTITY_RE = re.compile(_QUEUE_RE.pattern.replace(r"\.", "-"))
+
+
+def queue_from_entity_name(name: str) -> str | None:
+    """A shape queue's name back from its SQS spelling, or None if it is not one."""
+    match = _ENTITY_RE.fullmatch(name)
+    if not match:
+        return None
+    return (f"diffq.{match['slug']}.{match['height']}x{match['width']}.b{match['batch']}"
+            f".l{match['seq']}.{match['cfg']}.{match['dtype']}")
+
+
+def is_shape_queue(queue: str, models: list[str] | None = None) -> bool:
+    """A diffq shape queue; with `models`, only one of theirs (its slug matches)."""
+    match = _QUEUE_RE.fullmatch(queue)
+    return bool(match) and (not models or match["slug"] in {model_slug(m) for m in models})
+
+
 def shape_from_queue(queue: str, models: list[str]) -> ShapeKey | None:
     """The shape a queue carries (the inverse of `queue_name`, given the models whose
     slugs may appear), or None if it is not a shape queue of these models."""
@@ -104,6 +127,10 @@ def shape_from_queue(queue: str, models: list[str]) -> ShapeKey | None:
                     cfg=match["cfg"] == "cfg", dtype=dtype)
 
 
+def metadata_size(value: dict) -> int:
+    return len(json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode())
+
+
 class BatchItem(Strict):
     id: str = Field(min_length=1, max_length=200)
     prompt: str = Field(max_length=MAX_PROMPT_CHARS)
@@ -111,6 +138,16 @@ class BatchItem(Strict):
     # Size buckets: the size the row asked for (the shape's size is what is generated).
     requested_height: int | None = Field(default=None, gt=0, le=16384)
     requested_width: int | None = Field(default=None, gt=0, le=16384)
+    # Optional per-item fields; absent from messages of rows that do not set them.
+    negative_prompt: str | None = Field(default=None, max_length=MAX_PROMPT_CHARS)
+    metadata: dict | None = None  # the row's own object, carried unchanged into the record
+
+    @field_validator("metadata")
+    @classmethod
+    def _metadata_capped(cls, value: dict | None) -> dict | None:
+        if value is not None and (size := metadata_size(value)) > MAX_METADATA_BYTES:
+            raise ValueError(f"metadata is {size} bytes of JSON, over the {MAX_METADATA_BYTES}-byte limit")
+        return value
 
 
 FITS = ("none", "resize", "crop")
@@ -125,6 +162,9 @@ class BatchParams(Strict):
     # What the sink stores for an item whose requested size differs from the shape's:
     # the bucket's image as generated, resized, or scaled and centre-cropped to it.
     fit: Literal["none", "resize", "crop"] = "none"
+    # Provenance (prompt, seed, steps, ...) inside each image file: PNG text chunks,
+    # EXIF UserComment for JPEG and WebP.
+    embed_metadata: bool = True
 
 
 class BatchMessage(Strict):
@@ -158,8 +198,12 @@ class BatchMessage(Strict):
 
     @classmethod
     def from_json_payload(cls, payload: dict | str | bytes) -> BatchMessage:
-        """Validate a message on receipt, refusing oversized ones before parsing."""
+        """Validate a message on receipt, refusing oversized ones before parsing (a dict
+        already parsed by the broker client is measured as compact JSON)."""
         if isinstance(payload, dict):
+            size = len(json.dumps(payload, separators=(",", ":")).encode())
+            if size > MAX_MESSAGE_BYTES:
+                raise ValueError(f"message of {size} bytes exceeds {MAX_MESSAGE_BYTES}")
             return cls.model_validate(payload)
         if len(payload) > MAX_MESSAGE_BYTES:
             raise ValueError(f"message of {len(payload)} bytes exceeds {MAX_MESSAGE_BYTES}")

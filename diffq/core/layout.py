@@ -9,6 +9,9 @@ file's schema is in records.py.
                                   resume's reconciliation): what status reads, see
                                   progress.py. Written after the record, before the ack
     failures/<batch id>.json      items that failed after every retry
+    cancel.json                   `diffq cancel`: workers drop the run's batches they
+                                  receive (checked before each batch, cached for
+                                  CANCEL_CHECK_S); `diffq resume` removes it
 
 Batch ids: a plan batch's id has no '.'; work derived from a batch appends a
 '.'-suffix (`<id>.s0`/`.s1` halves of a failing batch, `<id>.r<hash>` resumed,
@@ -27,6 +30,10 @@ IMAGES_PREFIX = "images/"
 RECORDS_PREFIX = "records/"
 FAILURES_PREFIX = "failures/"
 PROGRESS_PREFIX = "progress/"
+CANCEL = "cancel.json"
+# How long a worker trusts its last look at CANCEL; resume waits this long after
+# removing it before publishing, so no worker drops the resumed batches.
+CANCEL_CHECK_S = 2.0
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,11 @@ class Dtype(str):
     """A field's Hugging Face `datasets` dtype where its Python type alone would widen it."""
 
 
+class JsonText(Dtype):
+    """An object field that columnar exports store as JSON text (a string column): rows
+    may hold different keys, which a streamed shard's schema cannot declare up front."""
+
+
 # Image sides and step counts fit in 32 bits: export's Parquet columns say so.
 Int32 = Annotated[int, Dtype("int32")]
 _DTYPES = {str: "string", int: "int64", float: "float64", bool: "bool"}
@@ -70,6 +75,8 @@ class RunManifest(Strict):
     shapes: list[ShapeSummary]
     defaults: dict
     diffq_version: str
+    # Every model the run's rows name (rows may name their own): what workers preload.
+    models: list[str] = Field(default_factory=list)
 
 
 # plan/part-NNNNNN.jsonl: one BatchMessage per line, the bytes as published ---------
@@ -111,6 +118,9 @@ class ImageRecord(Strict):
     finished_at: float  # when the batch's images were stored
     tp_world_size: int = 1  # ranks of a tensor-parallel group that generated it
     tp_ranks_agree: bool = True  # every rank produced the same images (a record exists only then)
+    # The row's own fields, null where it set none: `datasets` loads metadata as a struct.
+    negative_prompt: Annotated[str | None, Dtype("string")] = None
+    metadata: Annotated[dict | None, JsonText("string")] = None
 
     @model_validator(mode="before")
     @classmethod
@@ -122,6 +132,10 @@ class ImageRecord(Strict):
     @classmethod
     def fields(cls) -> list[str]:
         return list(cls.model_fields)
+
+    @classmethod
+    def json_text_fields(cls) -> set[str]:
+        return {name for name, info in cls.model_fields.items() if any(isinstance(m, JsonText) for m in info.metadata)}
 
     @classmethod
     def dtypes(cls) -> dict[str, str]:

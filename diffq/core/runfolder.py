@@ -6,6 +6,7 @@ nothing here asks the broker. The schemas are in records.py.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Iterator
 
 from diffq.core import layout
@@ -49,6 +50,14 @@ def recorded_batches(storage: Storage) -> dict[str, tuple[str, list[str]]]:
     """Every recorded batch: batch id -> (queue, item ids). A record means done."""
     return {batch_id: (records[0].queue, [record.id for record in records])
             for batch_id, records in read_records(storage, record_keys(storage)) if records}
+
+
+def read_cancel(storage: Storage) -> dict | None:
+    """The run's cancel marker (`diffq cancel`), or None if it is not cancelled."""
+    try:
+        return json.loads(storage.get_bytes(layout.CANCEL))
+    except NotFound:
+        return None
 
 
 def read_failures(storage: Storage) -> Iterator[FailureRecord]:

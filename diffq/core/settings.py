@@ -12,10 +12,15 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="DIFFQ_", extra="ignore")
 
     broker_url: str | None = None
-    # Longer than the worst first compile plus one batch: a task that outlives it is
-    # delivered a second time on Redis (../shared/CELERY.md). Neuron/TPU first
-    # compiles take tens of minutes, so the default is generous.
-    visibility_timeout: int = Field(default=4 * 3600, gt=0)
+    # The lease on a held batch: a broker hands a batch back once its holder has not
+    # renewed it for this long (Redis's visibility timeout, SQS's message visibility).
+    # Live holders renew every `lease_renew_s`, so a batch that compiles for an hour
+    # is never started twice, and one whose holder died is back within about a minute.
+    visibility_timeout: int = Field(default=60, gt=0)
+    lease_renew_s: float = Field(default=15.0, gt=0)
+    # The outer bound: a batch held longer than this (a hung holder that still
+    # renews) stops being renewed; also RabbitMQ's per-consumer ack timeout.
+    max_hold_s: int = Field(default=4 * 3600, gt=0)
     # A worker only writes into run folders under these prefixes (empty = any).
     allowed_out_prefixes: list[str] = Field(default_factory=list)
     compile_cache: str | None = None

@@ -18,16 +18,32 @@ Facts pinned to kombu 5.7's sources (tests/test_transports.py cites them):
 - The filesystem transport removes the message file on fetch: a task in flight
   when its worker is SIGKILLed is lost, so the embedded runner reconciles from the
   run folder (../shared/CELERY.md).
+- Listing queues (a worker with no --queues finds them, `list_queues`): Redis has
+  no queue objects, only lists, and an empty queue has no key, so a SCAN finds the
+  queues that hold work; SQS lists queue URLs by name prefix (kombu maps '.' to '-'
+  and prepends its `queue_name_prefix`, kombu/transport/SQS/__init__.py
+  `entity_name`); AMQP has no listing at all, only RabbitMQ's management HTTP API
+  (`GET /api/queues/<vhost>`) can, so that row needs its URL.
 """
 
 from __future__ import annotations
 
+import base64
+import json
+import re
 import time
+import urllib.parse
+import urllib.request
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from diffq.core.contract import queue_from_entity_name
+
 PREFIX = "diffq."
+# Where a worker puts messages it cannot take (not JSON, pickle, wrong schema, too
+# big): one queue on every broker, shown by `diffq queues`, never consumed by workers.
+DEAD_LETTERS = "diffq.dead"
 # kombu's Redis priority sub-lists are '<queue>\x06\x16<priority>'.
 PRIORITY_SEP = "\x06\x16"
 
@@ -64,14 +80,17 @@ def redis_list_depths(connection, prefix: str = PREFIX) -> dict[str, int]:
 
     Each queue is one list named exactly like it (priority_steps=[0]) and an empty
     queue has no key; any priority sub-list another producer made is folded in."""
-    client = connection.default_channel.client
-    keys = sorted(k.decode() if isinstance(k, bytes) else k
-                  for k in client.scan_iter(match=f"{prefix}*", count=1000, _type="list"))
-    pipe = client.pipeline(transaction=False)
-    for key in keys:
-        pipe.llen(key)
+    # A client of its own from the channel's pool: inside a worker the channel's
+    # client holds the connection its event loop is blocked in BRPOP on.
+    with connection.default_channel.conn_or_acquire() as client:
+        keys = sorted(k.decode() if isinstance(k, bytes) else k
+                      for k in client.scan_iter(match=f"{prefix}*", count=1000, _type="list"))
+        pipe = client.pipeline(transaction=False)
+        for key in keys:
+            pipe.llen(key)
+        lengths = pipe.execute()
     depths: Counter = Counter()
-    for key, n in zip(keys, pipe.execute()):
+    for key, n in zip(keys, lengths):
         depths[key.split(PRIORITY_SEP, 1)[0]] += n
     return dict(depths)
 
@@ -88,6 +107,98 @@ def passive_queue_depths(connection, queues: list[str]) -> dict[str, int]:
     return {queue: messages for queue, (messages, _) in declared_depths(connection, queues).items()}
 
 
+class CannotList(ValueError):
+    """This broker cannot list its queues (as configured): name them with --queues."""
+
+
+NEEDS_RABBITMQ_API = ("RabbitMQ cannot list queues over AMQP: pass --rabbitmq-api http://USER:PASS@HOST:15672 "
+                      "(its management plugin) or name the queues with --queues")
+
+
+def redis_list_queues(connection, prefix: str = PREFIX, api: str | None = None) -> list[str]:
+    """The queues that hold work now (an empty Redis queue has no key)."""
+    return sorted(redis_list_depths(connection, prefix))
+
+
+def sqs_list_queues(connection, prefix: str = PREFIX, api: str | None = None) -> list[str]:
+    """ListQueues by name prefix, mapped back to diffq's names (the caller keeps the
+    ones that parse as shape queues: '-' for '.' is only undone where it was a dot)."""
+    channel = connection.default_channel
+    own = channel.queue_name_prefix
+    wanted = channel.entity_name(own + prefix)
+    names = []
+    for page in channel.sqs().get_paginator("list_queues").paginate(QueueNamePrefix=wanted):
+        for url in page.get("QueueUrls", []):
+            names.append(url.rsplit("/", 1)[-1][len(own):])
+    return sorted(_undo_sqs_names(names, prefix))
+
+
+def _undo_sqs_names(names: list[str], prefix: str) -> list[str]:
+    dashed = prefix.replace(".", "-")
+    return [queue_from_entity_name(name) or (prefix + name[len(dashed):] if name.startswith(dashed) else name)
+            for name in names]
+
+
+def rabbitmq_list_queues(connection, prefix: str = PREFIX, api: str | None = None) -> list[str]:
+    """RabbitMQ's management API (the plugin `rabbitmq_management`): the queues of the
+    broker URL's vhost. Credentials: the API URL's, else the broker URL's."""
+    if not api:
+        raise CannotList(NEEDS_RABBITMQ_API)
+    parts = urllib.parse.urlsplit(api)
+    user = urllib.parse.unquote(parts.username) if parts.username else connection.userid
+    password = urllib.parse.unquote(parts.password) if parts.password else connection.password
+    base = urllib.parse.urlunsplit((parts.scheme, parts.hostname + (f":{parts.port}" if parts.port else ""),
+                                    parts.path.rstrip("/"), "", ""))
+    vhost = urllib.parse.quote(connection.virtual_host or "/", safe="")
+    request = urllib.request.Request(f"{base}/api/queues/{vhost}?columns=name", headers={
+        "Authorization": "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()})
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            rows = json.loads(response.read())
+    except OSError as exc:
+        raise CannotList(f"RabbitMQ management API at {base} did not answer: {exc}") from exc
+    return sorted(row["name"] for row in rows if row["name"].startswith(prefix))
+
+
+def guard_redis_deliveries(channel, on_bad: Callable[[str, bytes, str], None]) -> None:
+    """Check each item the consumer's channel pops before kombu parses it.
+
+    kombu's Redis channel reads a BRPOP reply and parses the item as its JSON
+    envelope in one step (kombu/transport/redis.py `_brpop_read`); an item another
+    client pushed that is not one raises out of the worker's event loop, which
+    ends the worker and loses the item. A BRPOP response callback sees the reply
+    first: a malformed item goes to `on_bad(queue, item, reason)` and the read
+    returns nothing (kombu's `Empty`: the loop goes on)."""
+    client = channel.client
+    original = client.response_callbacks.get("BRPOP")
+
+    def checked(response, **options):
+        response = original(response, **options) if original else response
+        if not response:
+            return response
+        key, item = response
+        reason = _envelope_problem(item)
+        if reason is None:
+            return response
+        queue = (key.decode() if isinstance(key, bytes) else key).split(PRIORITY_SEP, 1)[0]
+        on_bad(queue, item, reason)
+        return None
+
+    client.set_response_callback("BRPOP", checked)
+
+
+def _envelope_problem(item: bytes | str) -> str | None:
+    """What keeps kombu from reading a Redis list item as a message, or None."""
+    try:
+        envelope = json.loads(item)
+    except ValueError:
+        return "not JSON (not a kombu message envelope)"
+    if not isinstance(envelope, dict) or not isinstance(envelope.get("properties"), dict) \
+            or "delivery_tag" not in envelope["properties"] or "body" not in envelope:
+        return "JSON but not a kombu message envelope (body, properties.delivery_tag)"
+    return None
+
+
 def renew_redis(channel, messages: list) -> int:
     """Move each held delivery's `unacked_index` score to now (XX: never re-adds one
     that was acked or restored meanwhile). Returns how many entries were renewed."""
@@ -101,6 +212,10 @@ def renew_redis(channel, messages: list) -> int:
 
 def renew_sqs(channel, messages: list) -> int:
     """ChangeMessageVisibility on each held receipt handle: hidden for another timeout."""
+    return _change_visibility(channel, messages, int(channel.visibility_timeout))
+
+
+def _change_visibility(channel, messages: list, seconds: int) -> int:
     renewed = 0
     for message in messages:
         info = message.delivery_info
@@ -110,7 +225,7 @@ def renew_sqs(channel, messages: list) -> int:
         queue = channel.canonical_queue_name(info["routing_key"]) if info.get("routing_key") else None
         channel.sqs(queue=queue).change_message_visibility(
             QueueUrl=queue_url, ReceiptHandle=sqs_message["ReceiptHandle"],
-            VisibilityTimeout=int(channel.visibility_timeout))
+            VisibilityTimeout=seconds)
         renewed += 1
     return renewed
 
@@ -125,15 +240,38 @@ def _redis_options(settings) -> dict:
         # Keep every message in the base list: priority sub-lists would hide depth
         # from KEDA's redis-list scaler (its listName must equal the queue name).
         "priority_steps": [0],
-        # Sweep for expired leases every 10 s on every sweep (kombu scans only on
-        # every 10th by default): a dead holder's batch is back within a lease + 10 s.
-        "unacked_restore_interval": 10,
+        # Sweep for lapsed leases every 5 s, scanning on every sweep (kombu scans
+        # only on every 10th by default): a dead holder's batch is back within a
+        # lease + 5 s of its last renewal, once any worker's loop is idle.
+        "unacked_restore_interval": 5,
         "unacked_restore_throttle": 1,
+        # A worker killed inside a sweep leaves kombu's sweep mutex set; it expires
+        # after this (kombu's default is 300 s, during which nobody sweeps).
+        "unacked_mutex_expire": 30,
     }
 
 
-def _amqp_options(settings) -> dict:
+def _no_options(settings) -> dict:
     return {}
+
+
+def hand_back_redis(channel, messages: list) -> int:
+    """Put held deliveries back at the head of their queues now (kombu's own
+    `restore_by_tag`, which also flags them redelivered): not a failed attempt."""
+    for message in messages:
+        channel.qos.restore_by_tag(message.delivery_tag, leftmost=True)
+    return len(messages)
+
+
+def hand_back_sqs(channel, messages: list) -> int:
+    """Visibility 0: the held messages are receivable again at once."""
+    return _change_visibility(channel, messages, 0)
+
+
+def _amqp_consumer_arguments(settings) -> dict:
+    # RabbitMQ >= 3.11.15 reads a per-consumer ack timeout (older servers ignore it
+    # and need `consumer_timeout` in rabbitmq.conf: docs/RELIABILITY.md).
+    return {"x-consumer-timeout": settings.max_hold_s * 1000}
 
 
 @dataclass(frozen=True)
@@ -151,34 +289,54 @@ class Transport:
     # where the broker needs nothing (AMQP: the connection is the lease; embedded:
     # the runner reconciles from the run folder).
     renew: Callable | None
-    lease: str  # the same, in words, for `diffq queues` and the docs
+    # Give held deliveries back now (drain past its timeout, parent gone):
+    # hand_back(channel, messages), or None where closing the connection does it
+    # (AMQP) or nothing can (embedded).
+    hand_back: Callable | None = None
     # The producer's fast path (producer/publish.py's PUBLISHERS).
     publisher: str = "kombu-batch"
-    # Every queue under a prefix and its depth, in one call (connection, prefix), or None: names come from the
-    # caller and the workers, and each depth is a passive declare.
+    # Every queue under a prefix and its depth in one call, list_depths(connection,
+    # prefix), or None: names come from the caller and the workers, and each depth
+    # is a passive declare.
     list_depths: Callable | None = None
     # The depth of each of the given queues (0 for one with no messages yet): what
     # compile-aware routing reads every second.
     queue_depths: Callable = field(default=passive_queue_depths)
     broker_options: Callable = field(default=_visibility_options)
+    # Arguments of the worker's basic.consume (settings -> dict).
+    consumer_arguments: Callable = field(default=lambda settings: {})
     # A kombu Transport class replacing the scheme's own ("module:Class").
     kombu_transport: str | None = None
+    # Every diffq queue on the broker, (connection, prefix, api URL) -> names, for
+    # workers started without --queues; None: the queues must be named.
+    list_queues: Callable | None = None
+    # Why list_queues needs an API URL, where it does (refused before anything starts).
+    list_needs_api: str | None = None
+    discovery: str = "none: name the queues (--queues or --run)"  # the same, in words
+    # (channel, on_bad) -> None: check raw deliveries the transport would choke on.
+    guard_deliveries: Callable | None = None
 
 
 TRANSPORTS = (
     Transport("redis", ("redis", "rediss", "sentinel"), event_loop=True, loses_inflight_on_kill=False,
-              renew=renew_redis, lease="unacked_index score renewed", publisher="redis-lists",
-              list_depths=redis_list_depths, queue_depths=redis_queue_depths, broker_options=_redis_options),
+              renew=renew_redis, hand_back=hand_back_redis, publisher="redis-lists",
+              list_depths=redis_list_depths, queue_depths=redis_queue_depths, broker_options=_redis_options,
+              list_queues=redis_list_queues, discovery="SCAN for diffq.* lists (queues holding work)",
+              guard_deliveries=guard_redis_deliveries),
+    # The connection is the lease: the broker redelivers when it closes.
     Transport("amqp", ("amqp", "amqps", "pyamqp"), event_loop=True, loses_inflight_on_kill=False,
-              renew=None, lease="connection (broker redelivers when it closes)", broker_options=_amqp_options),
+              renew=None, broker_options=_no_options, consumer_arguments=_amqp_consumer_arguments,
+              list_queues=rabbitmq_list_queues, list_needs_api=NEEDS_RABBITMQ_API,
+              discovery="management API only (--rabbitmq-api URL); AMQP itself cannot list queues"),
     Transport("sqs", ("sqs",), event_loop=True, loses_inflight_on_kill=False,
-              renew=renew_sqs, lease="ChangeMessageVisibility on the receipt handle"),
+              renew=renew_sqs, hand_back=hand_back_sqs,
+              list_queues=sqs_list_queues, discovery="ListQueues by name prefix"),
+    # No lease: the embedded runner re-enqueues from the run folder.
     Transport("embedded", ("filesystem",), event_loop=False, loses_inflight_on_kill=True,
-              renew=None, lease="none: the runner re-enqueues from the run folder",
-              broker_options=lambda settings: {}, kombu_transport="diffq.core.broker:EmbeddedTransport"),
+              renew=None, broker_options=_no_options, kombu_transport="diffq.core.broker:EmbeddedTransport"),
     # kombu's in-process transport: only for plans and tests that start nothing.
     Transport("memory", ("memory",), event_loop=False, loses_inflight_on_kill=True,
-              renew=None, lease="none (in-process)", broker_options=lambda settings: {}),
+              renew=None, broker_options=_no_options),
 )
 _BY_SCHEME = {scheme: row for row in TRANSPORTS for scheme in row.schemes}
 

@@ -157,6 +157,16 @@ def _parquet_schema():
     return pa.schema(fields, metadata={"huggingface": json.dumps({"info": {"features": features}})})
 
 
+def _cell(record: ImageRecord, name: str):
+    value = getattr(record, name)
+    if value is not None and name in _JSON_TEXT:
+        return json.dumps(value, sort_keys=True, ensure_ascii=False)
+    return value
+
+
+_JSON_TEXT = ImageRecord.json_text_fields()
+
+
 def _write_parquet(samples: Iterator[tuple[ImageRecord, bytes]], dest: _Destination, shard_size: int,
                    tick: Callable[[int], None], row_group: int) -> list[str]:
     import pyarrow as pa
@@ -171,7 +181,7 @@ def _write_parquet(samples: Iterator[tuple[ImageRecord, bytes]], dest: _Destinat
             for rows in _chunks(group, row_group):
                 columns = {"image": [{"bytes": image, "path": r.file_name.rsplit("/", 1)[-1]}
                                      for r, image in rows]}
-                columns |= {name: [getattr(r, name) for r, _ in rows] for name in ImageRecord.fields()}
+                columns |= {name: [_cell(r, name) for r, _ in rows] for name in ImageRecord.fields()}
                 writer.write_table(pa.Table.from_pydict(columns, schema=schema))
                 for _, image in rows:
                     tick(len(image))

@@ -1,6 +1,9 @@
-"""`diffq status`: done / failed / pending per shape, from the run folder alone.
+"""`diffq status`: done / failed / cancelled / pending per shape, from the run folder alone.
 
-Counts come from the workers' progress summary (diffq/core/progress.py).
+Counts come from the workers' progress summary (diffq/core/progress.py). A
+cancelled run (`diffq cancel`) has nothing pending: what is neither done nor
+failed is cancelled (a batch in hand at the cancel still finishes, and moves from
+cancelled to done).
 """
 
 from __future__ import annotations
@@ -9,7 +12,7 @@ from dataclasses import asdict, dataclass, field
 
 from diffq.core.progress import ProgressSummary
 from diffq.core.records import RunManifest
-from diffq.core.runfolder import NotARun, read_manifest
+from diffq.core.runfolder import NotARun, read_cancel, read_manifest
 from diffq.core.storage import open_storage
 
 __all__ = ["NotARun", "ShapeStatus", "Status", "make_status", "status"]
@@ -29,10 +32,11 @@ class Status:
     done: int
     failed: int
     shapes: dict[str, ShapeStatus] = field(default_factory=dict)
+    cancelled: int = 0
 
     @property
     def pending(self) -> int:
-        return self.total - self.done - self.failed
+        return self.total - self.done - self.failed - self.cancelled
 
     @property
     def finished(self) -> bool:
@@ -47,8 +51,11 @@ class Status:
 def make_status(url: str, manifest: RunManifest, progress: ProgressSummary) -> Status:
     shapes = {s.queue: ShapeStatus(total=s.items, done=progress.done_per_queue.get(s.queue, 0))
               for s in manifest.shapes}
+    cancelled = 0
+    if read_cancel(progress.storage) is not None:
+        cancelled = max(0, manifest.total - progress.done - progress.failed)
     return Status(out=url, run_id=manifest.run_id, total=manifest.total,
-                  done=progress.done, failed=progress.failed, shapes=shapes)
+                  done=progress.done, failed=progress.failed, shapes=shapes, cancelled=cancelled)
 
 
 def status(out: str) -> Status:

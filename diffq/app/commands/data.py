@@ -10,6 +10,8 @@ from typing import Annotated, Optional
 
 import typer
 
+from diffq.app.options import err, fail, out
+
 OutArg = Annotated[str, typer.Argument(metavar="OUT", help="Run folder: path, s3://… or gs://…")]
 
 
@@ -20,7 +22,6 @@ class ExportFormat(str, Enum):
 
 
 def register(app: typer.Typer) -> None:
-    from diffq.app.cli import _fail, err, out
 
     @app.command()
     def export(
@@ -44,7 +45,7 @@ def register(app: typer.Typer) -> None:
                 result = export_run(out_dir, dest, format=format.value, shard_size=shard_size,
                                     on_progress=lambda done, total: bar.update(task, completed=done, total=total))
         except NotARun as exc:
-            _fail(str(exc))
+            fail(str(exc))
         out.print(f"{result.images} images ({result.bytes / 1e6:.1f} MB) as {result.format} in {result.dest}"
                   f" ({len(result.files)} files)")
 
@@ -64,7 +65,7 @@ def register(app: typer.Typer) -> None:
             result = build(out_dir, html_path=html, contact_sheet_path=contact_sheet,
                            price_per_device_hour=price_per_device_hour)
         except NotARun as exc:
-            _fail(str(exc))
+            fail(str(exc))
         if as_json:
             sys.stdout.write(json.dumps(to_json(result)) + "\n")
         else:
@@ -86,4 +87,4 @@ def register(app: typer.Typer) -> None:
         try:
             watch_run(out_dir, interval=interval, console=out, as_json=as_json)
         except NotARun as exc:
-            _fail(str(exc))
+            fail(str(exc))

@@ -61,21 +61,27 @@ def manifests(
 
 def queues(
     broker: Annotated[Optional[str], typer.Option("--broker", help="Broker URL (or DIFFQ_BROKER_URL)")] = None,
-    names: Annotated[Optional[str], typer.Option("--queues", "-Q", help="Also report these queues (needed on AMQP/SQS, which cannot list queues)")] = None,
+    names: Annotated[Optional[str], typer.Option("--queues", "-Q", help="Also report these queues (needed on AMQP without --rabbitmq-api, which cannot list queues)")] = None,
+    rabbitmq_api: Annotated[Optional[str], typer.Option("--rabbitmq-api", help="RabbitMQ management API URL (http://USER:PASS@HOST:15672): lists an AMQP broker's queues")] = None,
     timeout: Annotated[float, typer.Option("--timeout", min=0.0, help="Seconds to wait for workers' replies (0: skip)")] = 1.0,
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output")] = False,
 ) -> None:
     """Depth of each diffq shape queue and how many workers consume it."""
     from kombu.exceptions import OperationalError
 
-    from diffq.app.queues import queue_report
+    from diffq.app.queues import DEAD_LETTERS, queue_report
+    from diffq.core.transports import CannotList
 
     broker = broker or get_settings().broker_url
     if not broker:
         typer.echo("error: no broker: pass --broker URL or set DIFFQ_BROKER_URL", err=True)
         raise typer.Exit(2)
     try:
-        report = queue_report(broker, [q for q in (names or "").split(",") if q], timeout=timeout)
+        report = queue_report(broker, [q for q in (names or "").split(",") if q], timeout=timeout,
+                              rabbitmq_api=rabbitmq_api)
+    except CannotList as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2)
     except (OperationalError, OSError) as exc:
         typer.echo(f"error: broker unreachable: {exc}", err=True)
         raise typer.Exit(1)
@@ -85,7 +91,8 @@ def queues(
     width = max([len("queue")] + [len(info.queue) for info in report])
     typer.echo(f"{'queue':<{width}}  {'depth':>7}  {'workers':>7}")
     for info in report:
-        typer.echo(f"{info.queue:<{width}}  {info.depth:>7}  {info.consumers:>7}")
+        note = "  (dead letters: messages workers refused)" if info.queue == DEAD_LETTERS else ""
+        typer.echo(f"{info.queue:<{width}}  {info.depth:>7}  {info.consumers:>7}{note}")
 
 
 def register(app: typer.Typer) -> None:

@@ -11,44 +11,33 @@ from typing import Annotated
 
 import typer
 
+from diffq.app.options import Generation, Model, Prompts, fail, generation_options, out
+
 # Requested sizes listed per bucket in the text output (--json lists all of them).
 SHOWN_REQUESTED = 8
 
 
 def register(app: typer.Typer) -> None:
-    from diffq.app.cli import (BatchSize, DtypeOpt, Dtype, Fit, FitOpt, Format, Guidance, Height, ImageFormat,
-                               Model, Prompts, SeqLen, SizeBucketsOpt, Steps, Width, _fail, _generation, out)
-
     @app.command()
+    @generation_options(embed_metadata=False)
     def plan(
         prompts: Prompts,
         model: Model,
-        batch_size: BatchSize = 4,
-        steps: Steps = 4,
-        guidance_scale: Guidance = 1.0,
-        max_sequence_length: SeqLen = 64,
-        height: Height = 128,
-        width: Width = 128,
-        format: Format = ImageFormat.png,
-        dtype: DtypeOpt = Dtype.float32,
-        size_buckets: SizeBucketsOpt = None,
-        fit: FitOpt = Fit.none,
         as_json: Annotated[bool, typer.Option("--json", help='{"total": N, "shapes": [{"height", "width", "items", "batches", "padded_slots", "queue"}…]}')] = False,
+        generation: Generation = None,
     ) -> None:
         """Validate PROMPTS like submit (same errors) and print its shapes, batches, padding and compiles; enqueue and write nothing."""
         from diffq.producer.sources import InputError
         from diffq.producer.submit import plan as plan_file
 
         try:
-            result = plan_file(prompts, model=model, **_generation(
-                batch_size, steps, guidance_scale, max_sequence_length, height, width, format, dtype,
-                size_buckets, fit))
+            result = plan_file(prompts, model=model, **generation.kwargs())
         except (InputError, ValueError) as exc:
-            _fail(str(exc))
+            fail(str(exc))
         if as_json:
             sys.stdout.write(json.dumps(result.to_json()) + "\n")
             return
-        _print_plan(out, result.to_json(), batch_size)
+        _print_plan(out, result.to_json(), generation.batch_size)
 
 
 def _print_plan(console, plan: dict, batch_size: int) -> None:

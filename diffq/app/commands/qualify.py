@@ -7,9 +7,11 @@ from typing import Annotated, Optional
 
 import typer
 
+from diffq.app.choices import CompileMode, Device, Dtype
+from diffq.app.options import Model, devices_of, fail, out
+
 
 def register(app: typer.Typer) -> None:
-    from diffq.app.cli import CompileMode, Device, Dtype, Model, _devices, _fail, out
     from diffq.app.qualify import DEFAULT_REPEATS, DEFAULT_SHAPE, GENERATION_DEFAULTS as GEN, REFERENCE_MAX_PIXELS, Thresholds
 
     limits = Thresholds()
@@ -50,7 +52,7 @@ def register(app: typer.Typer) -> None:
         from diffq.core.settings import get_settings
 
         try:
-            slots = _devices(device, 1, cores, chips, gpus)
+            slots = devices_of(device, 1, cores, chips, gpus)
             result = run_qualify(
                 model, device=device.value, slot=slots[0], compile=compile.value,
                 dtype=dtype.value if dtype else None, offload=offload,
@@ -63,7 +65,7 @@ def register(app: typer.Typer) -> None:
                 compile_cache=compile_cache or get_settings().compile_cache, repeats=repeats,
                 reference_max_pixels=reference_max_pixels)
         except (QualifyError, ValueError) as exc:
-            _fail(str(exc))
+            fail(str(exc))
         if as_json:
             sys.stdout.write(json.dumps(result) + "\n")
         else:

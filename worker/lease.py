@@ -1,0 +1,121 @@
+"""Leases on held batches: the holder keeps them alive, not a long timeout.
+
+While a worker process holds deliveries (the batch generating, compiling or being
+stored, and one prefetched), a thread renews their lease every `lease_renew_s`
+the way the transport table says (Redis: the `unacked_index` score; SQS:
+ChangeMessageVisibility). The broker then hands a batch back only when nobody
+renewed it for a visibility timeout: its holder (process or host) died. A batch
+held past `max_hold_s` is no longer renewed (the outer bound for a hung holder).
+
+The thread has its own broker connection (kombu channels are not thread-safe);
+it only reads which deliveries the consumer holds. `hand_back` gives them all back
+at once, for a drain that ran out of time or a parent that died.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+from diffq.core.transports import Transport
+
+log = logging.getLogger(__name__)
+
+
+def held_deliveries(consumer) -> list:
+    """The deliveries a Celery consumer holds unacked (kombu's virtual QoS keeps
+    them in `_delivered`, kombu/transport/virtual/base.py), or [] without one."""
+    try:
+        delivered = consumer.task_consumer.channel.qos._delivered
+    except AttributeError:
+        return []
+    for _ in range(3):
+        try:
+            return list(delivered.values())
+        except RuntimeError:  # changed while copied: take it again
+            continue
+    return []
+
+
+class LeaseKeeper:
+    def __init__(self, transport: Transport, connect: Callable, held: Callable[[], list],
+                 period: float, max_hold_s: float):
+        self.transport = transport
+        self.connect = connect  # -> a new kombu Connection (the app's connection_for_write)
+        self.held = held
+        self.period = period
+        self.max_hold_s = max_hold_s
+        self.renewals = 0
+        self._first_seen: dict[str, float] = {}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()  # one user of the connection at a time
+        self._connection = None
+
+    @property
+    def renews(self) -> bool:
+        return self.transport.renew is not None
+
+    def start(self) -> None:
+        if self.renews and self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="diffq-lease", daemon=True)
+            self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=self.period + 5)
+            self._thread = None
+        with self._lock:
+            self._release()
+
+    def _channel(self):
+        if self._connection is None:
+            self._connection = self.connect()
+        return self._connection.default_channel
+
+    def _release(self) -> None:
+        if self._connection is not None:
+            try:
+                self._connection.release()
+            except Exception:
+                pass
+            self._connection = None
+
+    def renew_once(self) -> int:
+        now = time.monotonic()
+        messages = self.held()
+        tags = {message.delivery_tag for message in messages}
+        for tag in list(self._first_seen):
+            if tag not in tags:
+                del self._first_seen[tag]
+        fresh = [m for m in messages if now - self._first_seen.setdefault(m.delivery_tag, now) < self.max_hold_s]
+        if not fresh:
+            return 0
+        with self._lock:
+            try:
+                renewed = self.transport.renew(self._channel(), fresh)
+            except Exception:
+                self._release()  # a broken connection: a new one next period
+                raise
+        self.renewals += 1
+        return renewed
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period):
+            try:
+                self.renew_once()
+            except Exception as exc:  # the broker is away: the next period tries again
+                log.warning("renewing the lease of held batches failed: %r", exc)
+
+    def hand_back(self) -> int:
+        """Give every held delivery back to its queue now; how many went back."""
+        if self.transport.hand_back is None:
+            return 0
+        messages = self.held()
+        if not messages:
+            return 0
+        with self._lock:
+            return self.transport.hand_back(self._channel(), messages)
