@@ -27,6 +27,9 @@ from pathlib import Path
 from types import SimpleNamespace
 
 MARKER = "standin.json"
+# The family whose call arguments the stand-in takes: the producer and the host
+# check a model folder's class against the family table (diffq/core/families.py).
+FAMILY_CLASS = "Flux2KleinPipeline"
 POOL = 8  # distinct images per size
 _DEVICE_S = re.compile(r"device_s=([0-9.]+)")
 
@@ -96,7 +99,7 @@ class StandInPipeline:
 
     def __call__(self, prompt, height: int = 1024, width: int = 1024, num_inference_steps: int = 1,
                  guidance_scale: float = 1.0, max_sequence_length: int = 64, generator=None,
-                 output_type: str = "pil"):
+                 output_type: str = "pil", **_family_arguments):
         prompts = [prompt] if isinstance(prompt, str) else list(prompt)
         started, cpu_started = time.perf_counter(), time.thread_time()
         deadline = started + device_seconds(prompts[0]) * len(prompts)
@@ -120,7 +123,7 @@ def write_standin(folder: Path) -> Path:
     """A model folder the embedded runner accepts (model_index.json) and the patched
     host loads as the stand-in (standin.json)."""
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "model_index.json").write_text(json.dumps({"_class_name": "StandInPipeline"}))
+    (folder / "model_index.json").write_text(json.dumps({"_class_name": FAMILY_CLASS}))
     (folder / MARKER).write_text(json.dumps({"images_per_size": POOL}))
     return folder
 
@@ -135,6 +138,9 @@ def install() -> None:
 
     def _load(self, model: str, dtype: str):
         if (Path(model) / MARKER).is_file():
+            from diffq.core.families import family_of
+
+            self._families[(model, dtype)] = family_of(model)  # what the host builds each call from
             return StandInPipeline(model)
         return original(self, model, dtype)
 
