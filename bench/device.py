@@ -367,8 +367,8 @@ def render(documents: dict[str, dict]) -> list[str]:
         f"{min(loads, default=0):.0f}–{max(loads, default=0):.0f} during the runs): wall-clock figures (busy,",
         "knee, host limit) move with that load; the CPU figures much less.", "",
         "| size | format | batch | store | cores | sink | KB/img | host limit ms/img | knee ms/img | knee / host "
-        "| CPU ms/img bare / run (×) | busy at 2× host limit | idle gap ms, device-bound | goal met |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| CPU ms/img bare / run (×) | busy at 2× host limit | idle gap ms, device-bound | load avg | goal met |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in sweeps:
         host, found = row["host_limit_s_per_image"], row["knee_s_per_image"]
@@ -384,6 +384,7 @@ def render(documents: dict[str, dict]) -> list[str]:
             f"| {row['height']}² | {row['format']} | {row['batch']} | {row['target']} | {row['cores']} | {sink} | "
             f"{row['bytes_per_image'] // 1024} | {ms(host)} | {ms(found)} | {ratio} | {cpu} | "
             f"{at_2x[1]:.3f} at {ms(at_2x[0])} ms | {statistics.median(gaps):.1f} | "
+            f"{max((r.get('load_average', 0) for r in row.get('repeats', [])), default=0):.1f} | "
             f"{'yes' if all(row['goal'].values()) else '**no**'} |")
     lines += ["", "`python -m bench.device --cores C --sizes S --batches B --formats F --targets T` reproduces a",
               "row (`--quick --json`: the 1024² PNG and JPEG rows, batch 8, local, one core).", "",
@@ -478,8 +479,13 @@ def plot(sweeps: list[dict], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(8, 4.2), dpi=110)
     colors = {(1024, "png"): "#204a87", (1024, "jpeg"): "#ce5c00", (1024, "webp"): "#4e9a06",
               (512, "png"): "#729fcf", (512, "jpeg"): "#fcaf3e", (512, "webp"): "#8ae234"}
+    seen = set()
     for row in sweeps:
         sink = row.get("sink", "process")
+        key = (row["height"], row["format"], row["batch"], row["target"], row["cores"], sink)
+        if key in seen:  # the same configuration measured again: the first document's
+            continue
+        seen.add(key)
         style = ":" if row["cores"] > 1 else "--" if row["target"] == "s3" else "-." if sink == "thread" else "-"
         label = (f"{row['height']}² {row['format']} b{row['batch']}"
                  + (f" {row['target']}" if row["target"] != "local" else "")
