@@ -1,7 +1,7 @@
 """`make bench`: every benchmark in one run; prints a table and writes
 docs/BENCHMARKS.md with the figures (date, commit, machine) and a plot.
 
-    python -m bench [--quick]
+    python -m bench [--quick] [--only SECTIONS] [--load SECTION=FILE ...]
 """
 
 from __future__ import annotations
@@ -61,11 +61,12 @@ def plot(e2e: list[dict], path: Path) -> None:
     fig.savefig(path)
 
 
-SECTIONS = ("e2e", "sink", "ray_data", "producer", "status", "routing", "compile_cache", "figures")
+SECTIONS = ("e2e", "whole", "device", "sink", "ray_data", "producer", "status", "routing", "compile_cache",
+            "figures")
 
 
-def run_section(name: str, quick: bool) -> list[dict]:
-    from bench import e2e, figures, producer, ray_data, routing, sink, status
+def run_section(name: str, quick: bool) -> list[dict] | dict:
+    from bench import device, e2e, figures, producer, ray_data, routing, sink, status
 
     if name == "figures":
         return figures.main(["--rows", "5000", "--files", "2000"] if quick else [])
@@ -74,6 +75,13 @@ def run_section(name: str, quick: bool) -> list[dict]:
         return ray_data.main(["--quick"] if quick else ["--items", "192", "--repeats", "3"])
     if name == "e2e":
         return e2e.main(["--items", "48" if quick else "192", "--repeats", "1" if quick else "3", "--s3"])
+    if name == "whole":
+        return e2e.main(["--whole", "--items", "96" if quick else "480", "--repeats", "1" if quick else "3"])
+    if name == "device":
+        one = device.main((["--quick"] if quick else []) + ["--cores", "1", "--settings"])
+        two = None if quick else device.main(["--cores", "2", "--sizes", "1024", "--batches", "8",
+                                              "--targets", "local"])
+        return {"one_core": one, **({"two_cores": two} if two else {})}
     if name == "sink":
         return sink.main(["--rounds", "2" if quick else "6"])
     if name == "producer":
@@ -91,18 +99,30 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="smaller sizes, one repeat (a smoke run)")
     parser.add_argument("--only", help=f"comma-separated sections to re-run ({', '.join(SECTIONS)}); "
                                        "the others are kept from docs/benchmarks.json")
+    parser.add_argument("--load", action="append", default=[], metavar="SECTION=FILE",
+                        help="take a section's figures from a file (its module's JSON output) instead of running it")
     args = parser.parse_args(argv)
+    loaded = dict(item.split("=", 1) for item in args.load)
     docs = ROOT / "docs"
     docs.mkdir(exist_ok=True)
     saved = docs / "benchmarks.json"
-    results = json.loads(saved.read_text()) if args.only and saved.exists() else {}
+    partial = bool(args.only or loaded)
+    results = json.loads(saved.read_text()) if partial and saved.exists() else {}
+    only = args.only.split(",") if args.only else ([] if loaded else list(SECTIONS))
     for name in SECTIONS:
-        if not args.only or name in args.only.split(","):
+        if name in loaded:
+            results[name] = json.loads(Path(loaded[name]).read_text())
+        elif name in only:
             results[name] = run_section(name, args.quick)
     saved.write_text(json.dumps(results, indent=1))
     text = render(results)
     (docs / "BENCHMARKS.md").write_text(text)
     plot(results["e2e"], docs / "benchmarks.png")
+    if results.get("device"):
+        from bench.device import plot as plot_device
+
+        plot_device([row for document in results["device"].values() for row in document["sweeps"]],
+                    docs / "device.png")
     print(text)
 
 
@@ -143,6 +163,8 @@ def render(results: dict) -> str:
                      f"{repeats('in_run_ratios')} | {row['images_per_s']:.1f} | {row['ratio']:.2f}{repeats('ratios')} | "
                      f"{startup} | {gap} | `{row['command']}` |")
     lines += ["", "![throughput](benchmarks.png)", ""]
+    lines += whole_section(results.get("whole", []))
+    lines += device_section(results.get("device", {}))
     lines += sink_section(results.get("sink", []))
     lines += ray_section(results.get("ray_data", []))
     lines += ["", "## Producer at scale", "",
@@ -170,6 +192,18 @@ def render(results: dict) -> str:
     lines += figures_section(results.get("figures", []))
     lines += goals(results) + ["", LIMITS]
     return "\n".join(lines)
+
+
+def whole_section(rows: list[dict]) -> list[str]:
+    from bench.e2e import render_whole
+
+    return render_whole(rows) if rows else []
+
+
+def device_section(results: dict) -> list[str]:
+    from bench.device import render
+
+    return render(results) if results else []
 
 
 def sink_section(rows: list[dict]) -> list[str]:
@@ -252,6 +286,29 @@ def goals(results: dict) -> list[str]:
          f"{routing['compile-aware']['shape_compiles']} vs {routing['round-robin']['shape_compiles']} "
          f"(round-robin) for {routing['compile-aware']['shapes']} shapes × {routing['compile-aware']['workers']} workers"),
     ]
+    device_rows = [row for document in results.get("device", {}).values() for row in document["sweeps"]
+                   if "run_cpu_within_10pct_of_bare_loop" in row.get("goal", {})]
+    if device_rows:
+        def label(row: dict) -> str:
+            return f"{row['height']}² {row['format']} b{row['batch']} {row['target']} {row['cores']}c"
+
+        checks += [
+            ("simulated device ≥ 0.97 busy while device time ≥ 1.1 × host limit (wall clock, shared cores)",
+             all(row["goal"]["busy_while_device_bound"] for row in device_rows),
+             ", ".join(f"{label(row)}: {'yes' if row['goal']['busy_while_device_bound'] else 'no'}"
+                       for row in device_rows)),
+            ("simulated device: host side within 10 % of the bare encode + store loop (CPU per image)",
+             all(row["goal"]["run_cpu_within_10pct_of_bare_loop"] for row in device_rows),
+             ", ".join(f"{label(row)}: {row['run_cpu_s_per_image'] / row['host_cpu_s_per_image']:.2f}"
+                       for row in device_rows)),
+        ]
+    for row in results.get("whole", []):
+        ratios = row["marginal_ratios"]
+        checks.append((f"whole processes, {row['workers']} worker(s): per-repeat wall-clock ratios hold still "
+                       "(marginal ratios within ±1/3 of their median)",
+                       all(abs(r - row["marginal_ratio"]) <= row["marginal_ratio"] / 3 for r in ratios),
+                       f"marginal {row['marginal_ratio']:.2f} ({min(ratios):.2f}–{max(ratios):.2f}), whole at 2N "
+                       f"{row['whole_ratio']:.2f} ({min(row['whole_ratios']):.2f}–{max(row['whole_ratios']):.2f})"))
     lines = ["## Goals", "", "| goal | met | this run |", "|---|---|---|"]
     lines += [f"| {goal} | {'yes' if met else '**no**'} | {figure} |" for goal, met, figure in checks]
     return lines
@@ -330,7 +387,21 @@ LIMITS = """## What limits the figures (from profiles)
   pairs, single pairs range 0.17–0.26 on shared cores) is dominated by dynamo
   tracing (~3–5 s), which every process repeats; every kernel comes from the cache
   (0 misses) and the AOTAutograd and FX graph caches are on. On real models a
-  minutes-long compile makes the ratio far smaller."""
+  minutes-long compile makes the ratio far smaller.
+- **A fast device (simulated, "Keeping a fast device fed").** Between two pipeline
+  calls the worker's main thread now only hands the images over: the sink's send
+  thread copies the pixels out of PIL and writes each image straight to the socket
+  (they were copied and joined between two calls: most of a 20–30 ms idle gap per
+  1024² batch of 8, now ~3 ms), and the helper reads a batch into one reused buffer
+  (the stdlib's `recv_bytes` goes through a growing BytesIO: ~27 ms of CPU per 25 MB
+  batch against ~7 ms). What the process boundary still costs at 1024², batch 8, is
+  ~15 ms of CPU per batch (pixels out of PIL, through the socket, back into PIL): a
+  few % of PNG's or WebP's host work, about as much as JPEG's encode itself, hence
+  JPEG's 1.6–2.3× against the bare loop where `DIFFQ_SINK=thread` (no boundary) is
+  ~1.05×. The wall-clock knees sit above the CPU ones because the sink helper runs
+  at niceness 10 by design: whatever else runs on its core (other sessions here;
+  load averages in the section) comes first; the CPU per image does not depend on
+  that."""
 
 
 if __name__ == "__main__":

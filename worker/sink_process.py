@@ -30,6 +30,7 @@ import os
 import queue
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -73,8 +74,9 @@ class _Helper:
         threading.Thread(target=self._send_loop, name="diffq-sink-send", daemon=True).start()
         threading.Thread(target=self._receive_loop, name="diffq-sink-receive", daemon=True).start()
 
-    def submit(self, header: dict, payload: bytes | None, stages: tuple[str, ...]) -> dict[str, Future]:
-        """Send a job; one future per stage the helper reports ("stored", "credited")."""
+    def submit(self, header: dict, images: list | None, stages: tuple[str, ...]) -> dict[str, Future]:
+        """Send a job; one future per stage the helper reports ("stored", "credited").
+        The images' pixels are copied out by the send thread, off the generating one."""
         futures = {stage: Future() for stage in stages}
         with self._lock:
             if self.closed:
@@ -83,7 +85,7 @@ class _Helper:
                 return futures
             job = next(self._jobs)
             self._pending[job] = futures
-        self._outbox.put(({**header, "job": job}, payload))
+        self._outbox.put(({**header, "job": job}, images))
         return futures
 
     def pending(self) -> list[Future]:
@@ -95,11 +97,11 @@ class _Helper:
 
     def _send_loop(self) -> None:
         while True:
-            header, payload = self._outbox.get()
+            header, images = self._outbox.get()
             try:
                 self._conn.send_bytes(json.dumps(header).encode())
-                if payload is not None:
-                    self._conn.send_bytes(payload)
+                if images is not None:
+                    _send_pixels(self._conn.fileno(), images)
             except OSError:
                 return  # the receive loop sees the same end and fails what is pending
             if header is _CLOSE:
@@ -178,7 +180,9 @@ class SinkProcess:
             "op": "store", "out": storage.url, "message": message.model_dump_json(), "record_extra": record_extra,
             "image": {"mode": first.mode, "size": list(first.size), "count": len(images)},
         }
-        futures = helper.submit(header, b"".join(image.tobytes() for image in images), ("stored", "credited"))
+        # Copying the pixels out (B × H × W × 3 bytes) would otherwise sit between two
+        # device calls; the send thread does it while the next call runs.
+        futures = helper.submit(header, images, ("stored", "credited"))
         return Handed(stored=self._outcome(futures["stored"]), credited=futures["credited"])
 
     def credit(self, storage: Storage, message: BatchMessage) -> Future:
@@ -224,11 +228,56 @@ def make_sink():
 
     The helper starts at once, so it imports while the worker loads its model.
     """
-    if get_settings().sink == "thread":
-        return Sink()
-    sink = SinkProcess()
+    settings = get_settings()
+    if settings.sink == "thread":
+        return Sink(threads=settings.sink_threads)
+    sink = SinkProcess(threads=settings.sink_threads)
     sink.start()
     return sink
+
+
+def _send_all(fd: int, data) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def _send_pixels(fd: int, images: list) -> None:
+    """The images' pixels as one `Connection.send_bytes` message, written one image at
+    a time (no joined copy of the whole batch)."""
+    first = images[0].tobytes()
+    size = len(first) * len(images)
+    _send_all(fd, struct.pack("!i", size) if size <= 0x7FFFFFFF else struct.pack("!iQ", -1, size))
+    _send_all(fd, first)
+    for image in images[1:]:
+        _send_all(fd, image.tobytes())
+
+
+def _recv_payload(conn: Connection, reuse: bytearray | None = None) -> bytearray:
+    """`conn.recv_bytes()` read straight into one buffer of the right size (`reuse`
+    when it has that size): the stdlib's reads it in chunks through a growing
+    BytesIO, which costs the helper several times the copy itself for a batch of
+    large images. Same framing as `Connection.send_bytes` (a 4-byte length, or -1
+    and an 8-byte one)."""
+    fd = conn.fileno()
+
+    def read_into(view: memoryview) -> None:
+        while view:
+            got = os.readv(fd, [view])
+            if got == 0:
+                raise EOFError
+            view = view[got:]
+
+    header = bytearray(4)
+    read_into(memoryview(header))
+    (size,) = struct.unpack("!i", header)
+    if size == -1:
+        header = bytearray(8)
+        read_into(memoryview(header))
+        (size,) = struct.unpack("!Q", header)
+    payload = reuse if reuse is not None and len(reuse) == size else bytearray(size)
+    read_into(memoryview(payload))
+    return payload
 
 
 def serve(conn: Connection, threads: int, retry_for_s: float) -> None:
@@ -239,6 +288,7 @@ def serve(conn: Connection, threads: int, retry_for_s: float) -> None:
     sink = Sink(threads=threads, retry_for_s=retry_for_s)
     storages: dict[str, Storage] = {}
     reply_lock = threading.Lock()
+    buffer: bytearray | None = None
 
     def reply(job: int, stage: str, done: Future) -> None:
         if done.exception() is not None:
@@ -259,7 +309,10 @@ def serve(conn: Connection, threads: int, retry_for_s: float) -> None:
             break  # the worker ended: store what was handed over, then exit
         if header["op"] == "close":
             break
-        payload = conn.recv_bytes() if header["op"] == "store" else None
+        payload = None
+        if header["op"] == "store":
+            # The images are copied out of it before the next receive: reuse it.
+            payload = buffer = _recv_payload(conn, buffer)
         try:
             url = header["out"]
             if url not in storages:
@@ -269,7 +322,8 @@ def serve(conn: Connection, threads: int, retry_for_s: float) -> None:
                 spec = header["image"]
                 size = tuple(spec["size"])
                 step = len(payload) // spec["count"]
-                images = [Image.frombytes(spec["mode"], size, payload[i * step:(i + 1) * step])
+                pixels = memoryview(payload)  # slices without copies
+                images = [Image.frombytes(spec["mode"], size, pixels[i * step:(i + 1) * step])
                           for i in range(spec["count"])]
                 handed = sink.submit(storages[url], message, images, header["record_extra"])
                 stages = {"stored": handed.stored, "credited": handed.credited}

@@ -32,6 +32,10 @@ class Settings(BaseSettings):
     # Where a worker encodes and stores images: a helper process (the generating
     # process keeps the GIL; worker/sink_process.py) or threads beside generation.
     sink: Literal["process", "thread"] = "process"
+    # Threads that encode and upload one batch's images side by side (the encoders
+    # and storage clients release the GIL): the cores a worker's sink may use. Raise
+    # it where a worker has more spare cores and the sink is the limit (docs/BENCHMARKS.md).
+    sink_threads: int = Field(default=4, ge=1)
 
 
 def get_settings() -> Settings:

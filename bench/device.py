@@ -1,0 +1,567 @@
+"""How fast can a device be before diffq's host side becomes the bottleneck?
+
+A simulated device (bench/standin.py: waits T seconds per image without holding the
+GIL, returns realistic H×W images) is driven by a real `diffq run` (embedded
+broker, supervisor, Celery worker, batch task, sink helper: encode + store + record
++ credit, then the ack). One run per (size, format, batch, target) sweeps T from
+slow to fast, segment by segment (each batch's prompts say its T). Per T:
+
+- busy: time inside the pipeline calls / (that + the idle gaps before them), from
+  the batch records (generate_started_at / generate_ended_at);
+- gap: the median idle gap between one call's end and the next call's start;
+- knee: the T where busy falls below 0.97 (interpolated between grid points);
+- host limit: encode + store of the same images with the same encoder settings in a
+  bare loop (no queue, no record), one thread per core given to the run.
+
+`--cores N` pins the whole run (runner, worker, sink helper) and the bare loop to N
+cores; the default, 1, is "one spare core" (the stand-in itself needs none).
+
+    python -m bench.device [--quick] [--json] [--cores 1] [--sizes 1024,512] [--batches 4,8]
+                           [--formats png,jpeg,webp] [--targets local,s3] [--plot PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import contextlib
+import json
+import math
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from unittest import mock
+
+from bench import s3_bucket
+from bench.standin import device_child_main, image_pool, write_standin
+
+# Seconds per image, slow to fast; denser where the 1024² PNG and 512² knees fall.
+GRID = (0.4, 0.2, 0.14, 0.1, 0.08, 0.065, 0.05, 0.035, 0.025, 0.015, 0.01, 0.005)
+BUSY_GOAL = 0.97
+MEASURE_S = 2.0  # device seconds measured per T at least (more batches when T is small)
+MIN_MEASURED, MAX_MEASURED = 2, 10  # batches per T
+WARM = 1  # batches per T left out: the sink settles after a change of T
+
+
+def segments(grid: tuple[float, ...], batch: int, host_s: float = 0.0) -> list[tuple[float, int]]:
+    """(T, batches) per segment, enough for MEASURE_S of wall time where the device
+    (T) or the host (`host_s`, the bare loop's time per image) sets the pace; the
+    first segment gets one more warm batch (worker start, image pool)."""
+    plan = []
+    for index, seconds in enumerate(grid):
+        period = max(seconds, host_s) * batch
+        measured = min(MAX_MEASURED, max(MIN_MEASURED, math.ceil(MEASURE_S / period)))
+        plan.append((seconds, measured + WARM + (1 if index == 0 else 0)))
+    return plan
+
+
+def write_prompts(path: Path, plan: list[tuple[float, int]], batch: int) -> Path:
+    with path.open("w") as f:
+        for segment, (seconds, batches) in enumerate(plan):
+            for i in range(batches * batch):
+                f.write(json.dumps({"id": f"s{segment:02d}-{i:04d}", "prompt": f"bench device_s={seconds:.4f} {i}"})
+                        + "\n")
+    return path
+
+
+def analyse(records: list, plan: list[tuple[float, int]], cpu: CpuSampler | None = None) -> list[dict]:
+    """Busy fraction, idle gaps and host CPU per image for each T, from one run's records."""
+    from bench.standin import device_seconds
+
+    calls: dict[str, list] = {}
+    for record in records:
+        call = calls.setdefault(record.batch_id, [record.generate_started_at, record.generate_ended_at,
+                                                   device_seconds(record.prompt), 0])
+        call[3] += 1  # images
+    ordered = sorted(calls.values())
+    rows = []
+    for index, (seconds, batches) in enumerate(plan):
+        positions = [n for n, call in enumerate(ordered) if call[2] == round(seconds, 4)]
+        skip = WARM + (1 if index == 0 else 0)
+        measured = [n for n in positions[skip:] if n > 0]
+        busy_s = sum(ordered[n][1] - ordered[n][0] for n in measured)
+        gaps = [max(0.0, ordered[n][0] - ordered[n - 1][1]) for n in measured]
+        window = (ordered[measured[0] - 1][1], ordered[measured[-1]][1])  # previous call's end → last end
+        images = sum(ordered[n][3] for n in measured)
+        cpu_s = cpu.between(*window) / images if cpu is not None else None
+        rows.append({"device_s": seconds, "batches": len(measured), "busy": busy_s / (busy_s + sum(gaps)),
+                     "cpu_s_per_image": cpu_s,
+                     "gap_ms": 1000 * statistics.median(gaps), "gaps_ms": [round(1000 * g, 1) for g in gaps],
+                     "call_s": busy_s / len(measured)})
+    return rows
+
+
+def tree_cpu_seconds(root: int) -> float:
+    """User + system CPU seconds of `root` and its live descendants (Linux /proc)."""
+    parents, cpu = {}, {}
+    tick = os.sysconf("SC_CLK_TCK")
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rpartition(")")[2].split()
+        except OSError:  # exited meanwhile
+            continue
+        parents[int(entry)] = int(fields[1])
+        cpu[int(entry)] = (int(fields[11]) + int(fields[12])) / tick
+    children: dict[int, list[int]] = {}
+    for pid, parent in parents.items():
+        children.setdefault(parent, []).append(pid)
+    total, stack = 0.0, [root]
+    while stack:
+        pid = stack.pop()
+        total += cpu.get(pid, 0.0)
+        stack += children.get(pid, [])
+    return total
+
+
+class CpuSampler:
+    """CPU seconds of this process tree over wall-clock time, sampled in a thread, so
+    a window of the run (one T) gets the CPU diffq's host side spent in it: unlike wall
+    time, that does not grow when other work shares the cores."""
+
+    def __init__(self, interval: float = 0.5):
+        self.interval = interval
+        self.samples: list[tuple[float, float]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="bench-cpu", daemon=True)
+
+    def _run(self) -> None:
+        while True:
+            # Less this thread's own CPU: scanning /proc is the sampler's, not diffq's.
+            self.samples.append((time.time(), tree_cpu_seconds(os.getpid()) - time.thread_time()))
+            if self._stop.wait(self.interval):
+                return
+
+    def __enter__(self) -> CpuSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def between(self, start: float, end: float) -> float:
+        times = [t for t, _ in self.samples]
+        values = [v for _, v in self.samples]
+
+        def at(moment: float) -> float:
+            index = bisect.bisect_left(times, moment)
+            if index == 0:
+                return values[0]
+            if index >= len(times):
+                return values[-1]
+            (t0, v0), (t1, v1) = self.samples[index - 1], self.samples[index]
+            return v0 + (v1 - v0) * (moment - t0) / (t1 - t0)
+
+        return at(end) - at(start)
+
+
+def knee(busy: list[tuple[float, float]]) -> float | None:
+    """Where busy first falls below the goal going from slow to fast, interpolated;
+    None when it never does on the grid."""
+    for (slow, busy_slow), (fast, busy_fast) in zip(busy, busy[1:]):
+        if busy_fast < BUSY_GOAL <= busy_slow:
+            return fast + (slow - fast) * (BUSY_GOAL - busy_fast) / (busy_slow - busy_fast)
+    if busy and busy[0][1] < BUSY_GOAL:
+        return busy[0][0]
+    return None
+
+
+def host_limit(height: int, width: int, fmt: str, out: str, cores: int, seconds: float = 1.5) -> dict:
+    """Seconds per image of encode + store alone: diffq's encoder settings and storage
+    client, a bare loop over the stand-in's images on `cores` threads."""
+    from diffq.core.layout import IMAGE_FORMATS
+    from diffq.core.storage import open_storage
+    from diffq.worker.sink import _yield_to_generation, encode
+
+    storage = open_storage(out)
+    pool = image_pool(height, width)
+
+    def one(n: int) -> int:
+        data = encode(pool[n % len(pool)], fmt)
+        storage.put_bytes(f"host/{n:06d}.{fmt}", data, content_type=IMAGE_FORMATS[fmt].content_type,
+                          if_absent=True)
+        return len(data)
+
+    # At the sink's priority: where other work shares the cores, both get the same share.
+    with ThreadPoolExecutor(max_workers=cores, initializer=_yield_to_generation) as threads:
+        list(threads.map(one, range(cores)))  # warm: encoder tables, the storage client's connection
+        done, sizes, started, cpu_started = cores, [], time.perf_counter(), time.process_time()
+        while len(sizes) < 2 * len(pool) or time.perf_counter() - started < seconds:
+            sizes += list(threads.map(one, range(done, done + 2 * cores)))
+            done += 2 * cores
+        cpu_s = time.process_time() - cpu_started
+    return {"s_per_image": (time.perf_counter() - started) / len(sizes), "cpu_s_per_image": cpu_s / len(sizes),
+            "bytes_per_image": int(statistics.mean(sizes))}
+
+
+@contextlib.contextmanager
+def pinned(cores: int) -> Iterator[list[int]]:
+    """Run this thread, and every process and thread it starts, on `cores` cores."""
+    original = os.sched_getaffinity(0)
+    chosen = sorted(original)[-cores:]
+    if cores > len(original):
+        raise SystemExit(f"--cores {cores}: this machine lets us use {len(original)}")
+    os.sched_setaffinity(0, chosen)
+    try:
+        yield chosen
+    finally:
+        os.sched_setaffinity(0, original)
+
+
+@contextlib.contextmanager
+def stdout_to_stderr() -> Iterator[None]:
+    """Children inherit fd 1: keep their chatter out of a --json document."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
+def sweep(model: str, workdir: Path, out_base: str, *, height: int, width: int, fmt: str, batch: int,
+          target: str, cores: int, grid: tuple[float, ...]) -> dict:
+    """One `diffq run` over the whole grid, with the bare loop before and after it."""
+    from diffq.app.runner import run
+    from diffq.core.runfolder import iter_records
+    from diffq.core.storage import open_storage
+    from diffq.worker import supervisor
+
+    name = f"{height}x{width}-{fmt}-b{batch}-{target}-c{cores}"
+    out = f"{out_base}/{name}-{time.time_ns()}"
+    with pinned(cores), mock.patch.object(supervisor, "child_main", device_child_main):
+        # Before and after the run: shared cores drift over minutes.
+        limits = [host_limit(height, width, fmt, f"{out}-host0", cores)]
+        plan = segments(grid, batch, limits[0]["s_per_image"])
+        prompts = write_prompts(workdir / f"{name}.jsonl", plan, batch)
+        started = time.perf_counter()
+        with CpuSampler() as cpu:
+            result = run(prompts, out, model=model, workers=1, progress=False, batch_size=batch, steps=1,
+                         height=height, width=width, format=fmt)
+        wall = time.perf_counter() - started
+        limits.append(host_limit(height, width, fmt, f"{out}-host1", cores))
+    if not result.ok:
+        raise RuntimeError(f"{name}: {result}")
+    records = list(iter_records(open_storage(out)))
+    rows = analyse(records, plan, cpu)
+    return {
+        "busy": [[row["device_s"], round(row["busy"], 4)] for row in rows],
+        "gap_ms": [[row["device_s"], round(row["gap_ms"], 2)] for row in rows],
+        "gaps_ms": [[row["device_s"], row["gaps_ms"]] for row in rows],
+        "host_limit_before_after": [round(limit["s_per_image"], 5) for limit in limits],
+        # CPU seconds per image: the bare loop's, and the whole run's (runner, worker,
+        # sink helper) per T; their ratio is diffq's host overhead, whatever the load.
+        "host_cpu_s_per_image": round(min(limit["cpu_s_per_image"] for limit in limits), 5),
+        "run_cpu_s_per_image": [[row["device_s"], round(row["cpu_s_per_image"], 5)] for row in rows],
+        "bytes_per_image": limits[0]["bytes_per_image"],
+        # The sink's own encode + store time per image in the run (records' store_s).
+        "sink_store_s_per_image": round(statistics.median(r.store_s for r in records) / batch, 5),
+        "load_average": round(os.getloadavg()[0], 2),
+        "images": result.total, "images_stored": len(records), "run_s": round(wall, 1),
+    }
+
+
+def summarise(config: dict, repeats: list[dict]) -> dict:
+    """The best of the repeats: on shared cores other work only ever adds time, to
+    the run (gaps) and to the bare loop alike."""
+    grid = [seconds for seconds, _ in repeats[0]["busy"]]
+    busy = [(seconds, max(r["busy"][n][1] for r in repeats)) for n, seconds in enumerate(grid)]
+    host = min(value for r in repeats for value in r["host_limit_before_after"])
+    found = knee(busy)
+    host_cpu = min(r["host_cpu_s_per_image"] for r in repeats)
+    # Where the host sets the pace (T below the bare loop's time), per image: the
+    # slower T also carry the run's fixed per-second costs (polls, timers).
+    run_cpu = min(statistics.median([v for t, v in r["run_cpu_s_per_image"] if t < host_cpu]
+                                    or [r["run_cpu_s_per_image"][-1][1]]) for r in repeats)
+    goal_busy = all(fraction >= BUSY_GOAL for seconds, fraction in busy if seconds >= 1.1 * host)
+    goal_knee = abs(found / host - 1) <= 0.1 if found is not None else host <= 1.1 * min(grid)
+    return {
+        **config,
+        "host_limit_s_per_image": round(host, 5),
+        "knee_s_per_image": round(found, 5) if found is not None else None,
+        "busy": [[seconds, fraction] for seconds, fraction in busy],
+        "gap_ms": [[seconds, min(r["gap_ms"][n][1] for r in repeats)] for n, seconds in enumerate(grid)],
+        "bytes_per_image": repeats[0]["bytes_per_image"],
+        "sink_store_s_per_image": min(r["sink_store_s_per_image"] for r in repeats),
+        "host_cpu_s_per_image": host_cpu,
+        "run_cpu_s_per_image": run_cpu,
+        "images": sum(r["images"] for r in repeats), "images_stored": sum(r["images_stored"] for r in repeats),
+        "goal": {"busy_while_device_bound": goal_busy, "knee_within_10pct_of_host_limit": goal_knee,
+                 # Where other work shares the cores the wall-clock knee moves with it; the CPU
+                 # the run spends per image, over the bare loop's, does not.
+                 "run_cpu_within_10pct_of_bare_loop": run_cpu <= 1.1 * host_cpu},
+        "repeats": [{k: v for k, v in r.items() if k != "gaps_ms"} for r in repeats],
+    }
+
+
+def encode_settings(height: int = 1024, width: int = 1024, images: int = 8) -> list[dict]:
+    """What each encoder setting costs a core: CPU ms and bytes per image of the
+    stand-in's images (the knee on one core follows the encode time). diffq's own
+    settings come from its format table (diffq/core/layout.py); the others are for
+    comparison."""
+    import io
+
+    from diffq.core.layout import IMAGE_FORMATS
+
+    def diffq(fmt: str) -> tuple[str, str, dict]:
+        options = IMAGE_FORMATS[fmt].options
+        return fmt, ", ".join(f"{k}={v}" for k, v in options.items()) + " (diffq)", options
+
+    pool = image_pool(height, width)[:images]
+    settings = [("png", "compress_level=0", {"compress_level": 0}), diffq("png"),
+                ("png", "compress_level=6 (PIL default)", {"compress_level": 6}), diffq("jpeg"), diffq("webp"),
+                ("webp", "quality=90, method=0", {"quality": 90, "method": 0})]
+    rows = []
+    for fmt, label, options in settings:
+        sizes, started = [], time.thread_time()  # CPU time: other work on the core does not add to it
+        for image in pool:
+            buffer = io.BytesIO()
+            image.save(buffer, format=IMAGE_FORMATS[fmt].pil, **options)
+            sizes.append(buffer.tell())
+        rows.append({"format": fmt, "setting": label, "size": f"{height}x{width}",
+                     "cpu_ms_per_image": round(1000 * (time.thread_time() - started) / len(pool), 1),
+                     "kb_per_image": round(statistics.mean(sizes) / 1024)})
+    return rows
+
+
+def render(documents: dict[str, dict]) -> list[str]:
+    """The docs/BENCHMARKS.md section (bench/__main__.py): every sweep of `documents`
+    (name → this module's JSON output)."""
+    def ms(value: float | None) -> str:
+        return "—" if value is None else f"{1000 * value:.1f}"
+
+    sweeps = [row for document in documents.values() for row in document.get("sweeps", [])]
+    loads = [r["load_average"] for row in sweeps for r in row.get("repeats", []) if "load_average" in r]
+    lines = [
+        "## Keeping a fast device fed (simulated device)", "",
+        "How fast can a device be before diffq's host side (encode, store, record, credit, ack) is the",
+        "bottleneck? A stand-in pipeline (bench/standin.py; bench only, not a backend) waits T per image",
+        "in `time.sleep` — the GIL stays free, as while a kernel runs — and returns the asked number of",
+        "photo-like images (structure, hard edges, regional texture, grain; the KB column shows what they",
+        "weigh). A real `diffq run` drives it (embedded broker, supervisor, Celery worker, batch task, sink",
+        "helper, deferred acks); one run per row sweeps T from 400 ms to 5 ms per image.", "",
+        "- **busy**: time inside the pipeline calls / (that + the idle gaps before them), from the batch",
+        "  records; the **knee** is where it falls below 0.97 (interpolated between grid points).",
+        "- **host limit**: encode + store of the same images with diffq's encoder settings and storage",
+        "  client in a bare loop (no queue, no record, no process boundary), on the same cores, at the",
+        "  sink's priority, before and after each run.",
+        "- **CPU per image**: CPU seconds of the bare loop, and of the whole run's process tree (runner,",
+        "  worker, sink helper) in each T's window, per image. Unlike wall time it does not grow when",
+        "  other work shares the cores, so diffq run / bare loop is the host side's overhead, and on a",
+        "  dedicated core the knee sits where T equals the run's CPU per image.",
+        "- The run and the bare loop are pinned to the row's cores (`--cores`); the stand-in needs none,",
+        "  so 1 core is \"one spare core\". Figures are the best of the repeats run.", "",
+        f"Measured on this 2-core machine while other sessions shared it (load average "
+        f"{min(loads, default=0):.0f}–{max(loads, default=0):.0f} during the runs): wall-clock figures (busy,",
+        "knee, host limit) move with that load; the CPU figures much less.", "",
+        "| size | format | batch | store | cores | sink | KB/img | host limit ms/img | knee ms/img | knee / host "
+        "| CPU ms/img bare / run (×) | busy at 2× host limit | idle gap ms, device-bound | load avg | goal met |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in sweeps:
+        host, found = row["host_limit_s_per_image"], row["knee_s_per_image"]
+        device_bound = [(t, f) for t, f in row["busy"] if t >= 2 * host] or row["busy"][:1]
+        at_2x = min(device_bound, key=lambda point: point[0])
+        gaps = [g for t, g in row["gap_ms"] if t >= 2 * host] or [row["gap_ms"][0][1]]
+        ratio = f"{found / host:.2f}" if found is not None else "below grid"
+        cpu = (f"{ms(row['host_cpu_s_per_image'])} / {ms(row['run_cpu_s_per_image'])} "
+               f"({row['run_cpu_s_per_image'] / row['host_cpu_s_per_image']:.2f})"
+               if row.get("run_cpu_s_per_image") else "")
+        sink = row.get("sink", "process") + (f", {row['sink_threads']} threads" if row.get("sink_threads") else "")
+        lines.append(
+            f"| {row['height']}² | {row['format']} | {row['batch']} | {row['target']} | {row['cores']} | {sink} | "
+            f"{row['bytes_per_image'] // 1024} | {ms(host)} | {ms(found)} | {ratio} | {cpu} | "
+            f"{at_2x[1]:.3f} at {ms(at_2x[0])} ms | {statistics.median(gaps):.1f} | "
+            f"{max((r.get('load_average', 0) for r in row.get('repeats', [])), default=0):.1f} | "
+            f"{'yes' if all(row['goal'].values()) else '**no**'} |")
+    lines += ["", "`python -m bench.device --cores C --sizes S --batches B --formats F --targets T` reproduces a",
+              "row (`--quick --json`: the 1024² PNG and JPEG rows, batch 8, local, one core).", "",
+              "![device busy vs device time per image](device.png)", ""]
+    lines += findings(documents)
+    settings = next((d["encode_settings"] for d in documents.values() if d.get("encode_settings")), [])
+    if settings:
+        lines += ["Encoder settings, bare, on one core (the stand-in's 1024² images): on one spare core the",
+                  "knee follows the encode time, so these are what move it.", "",
+                  "| format | setting | CPU ms / image | KB / image |", "|---|---|---|---|"]
+        lines += [f"| {r['format']} | {r['setting']} | {r['cpu_ms_per_image']} | {r['kb_per_image']} |"
+                  for r in settings]
+        lines.append("")
+    return lines
+
+
+def findings(documents: dict[str, dict]) -> list[str]:
+    """The note under the table: the figures the issue asks for, in words."""
+    sweeps = [row for document in documents.values() for row in document.get("sweeps", [])]
+
+    def find(size: int, fmt: str, cores: int = 1, target: str = "local", sink: str = "process") -> dict | None:
+        return next((r for r in sweeps if (r["height"], r["format"], r["cores"], r["target"], r.get("sink", "process"))
+                     == (size, fmt, cores, target, sink) and r["batch"] == 8), None)
+
+    def ms(value: float | None) -> str:
+        return "below the grid" if value is None else f"{1000 * value:.0f} ms"
+
+    def cpu(row: dict) -> str:
+        return (f"{1000 * row['run_cpu_s_per_image']:.1f} ms of CPU per image against the bare loop's "
+                f"{1000 * row['host_cpu_s_per_image']:.1f} ms "
+                f"({row['run_cpu_s_per_image'] / row['host_cpu_s_per_image']:.2f}×)")
+
+    lines = ["What the figures say:", ""]
+    png = find(1024, "png")
+    if png:
+        lines += [
+            f"- **PNG at 1024² on one spare core**: the knee is at {ms(png['knee_s_per_image'])} per image on the "
+            f"wall clock, against a bare-loop host limit of {ms(png['host_limit_s_per_image'])} (both with the other "
+            f"sessions' load on the core). In CPU, which that load does not inflate, diffq's host side spends "
+            f"{cpu(png)}: on a dedicated core the device stays fed down to about "
+            f"{1000 * png['run_cpu_s_per_image']:.0f} ms per image (~{1 / png['run_cpu_s_per_image']:.0f} images/s "
+            "per spare core). Nearly all of it is the PNG encoder (zlib)."]
+    settings = {r["setting"]: r for document in documents.values() for r in document.get("encode_settings", [])}
+    level1, level0 = settings.get("compress_level=1 (diffq)"), settings.get("compress_level=0")
+    level6 = settings.get("compress_level=6 (PIL default)")
+    if level1 and level0 and level6:
+        lines += [
+            f"- **What moves it**: the encode. PNG compress_level 0 costs {level0['cpu_ms_per_image']} ms for "
+            f"{level0['kb_per_image']} KB, diffq's level 1 {level1['cpu_ms_per_image']} ms for "
+            f"{level1['kb_per_image']} KB, PIL's default 6 {level6['cpu_ms_per_image']} ms for "
+            f"{level6['kb_per_image']} KB (barely smaller): the knee moves with those times. JPEG (quality 90) is "
+            "an order of magnitude cheaper; WebP (quality 90) costs about what PNG does. Beyond one core, "
+            "`DIFFQ_SINK_THREADS` (default 4) sets how many images of a batch the sink encodes and uploads at "
+            "once, i.e. how many spare cores it can use."]
+    png2 = find(1024, "png", cores=2)
+    if png and png2:
+        lines += [
+            f"- **Two cores** (sink threads 4), PNG 1024²: bare-loop host limit {ms(png2['host_limit_s_per_image'])} "
+            f"per image on 2 cores against {ms(png['host_limit_s_per_image'])} on one, knee "
+            f"{ms(png2['knee_s_per_image'])} against {ms(png['knee_s_per_image'])}. The sink encodes a batch's "
+            "images side by side, so with a second free core both halve; where the 2-core host limit is not "
+            "near half the 1-core one, the other sessions had the second core during that run. The CPU per "
+            f"image is the same work either way ({cpu(png2)})."]
+    jpeg, thread = find(1024, "jpeg"), find(1024, "jpeg", sink="thread")
+    if jpeg:
+        lines += [
+            f"- **JPEG at 1024²** encodes in a few ms, so what diffq adds per image weighs as much as the encode: "
+            f"{cpu(jpeg)}; the knee is at {ms(jpeg['knee_s_per_image'])} (wall). The extra is the process "
+            "boundary (the worker copies the pixels out, the socket carries them, the helper rebuilds the "
+            "images) plus per-batch costs (record, progress credit, Celery's message handling)."
+            + (f" With `DIFFQ_SINK=thread` (no boundary; fine where the device call releases the GIL) it is "
+               f"{cpu(thread)}." if thread else "")]
+    s3 = find(1024, "png", target="s3")
+    if s3:
+        lines += [
+            f"- **S3** (moto on the same cores): PNG 1024² knee {ms(s3['knee_s_per_image'])}, host limit "
+            f"{ms(s3['host_limit_s_per_image'])}, {cpu(s3)}. moto is one Python process on the same two cores, and "
+            "the run's CPU includes it (the bare loop's does not), so this ratio overstates diffq's share."]
+    bound = [g for row in sweeps if row["cores"] == 1 for t, g in row["gap_ms"] if t >= 2 * row["host_limit_s_per_image"]]
+    if bound:
+        lines += [f"- **Idle gap** while device-bound: median {statistics.median(bound):.1f} ms between two calls."]
+    return lines + [""]
+
+
+def plot(sweeps: list[dict], path: Path) -> None:
+    """Busy vs T: colour per size and format, line style per store / cores / sink."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.2), dpi=110)
+    colors = {(1024, "png"): "#204a87", (1024, "jpeg"): "#ce5c00", (1024, "webp"): "#4e9a06",
+              (512, "png"): "#729fcf", (512, "jpeg"): "#fcaf3e", (512, "webp"): "#8ae234"}
+    seen = set()
+    for row in sweeps:
+        sink = row.get("sink", "process")
+        key = (row["height"], row["format"], row["batch"], row["target"], row["cores"], sink)
+        if key in seen:  # the same configuration measured again: the first document's
+            continue
+        seen.add(key)
+        style = ":" if row["cores"] > 1 else "--" if row["target"] == "s3" else "-." if sink == "thread" else "-"
+        label = (f"{row['height']}² {row['format']} b{row['batch']}"
+                 + (f" {row['target']}" if row["target"] != "local" else "")
+                 + (f" {row['cores']} cores" if row["cores"] > 1 else "") + (f" {sink} sink" if sink != "process" else ""))
+        ax.plot([1000 * t for t, _ in row["busy"]], [f for _, f in row["busy"]], style, marker="s" if row["batch"] < 8
+                else "o", ms=3, lw=1.2, color=colors.get((row["height"], row["format"]), "#555"), label=label)
+    ax.axhline(BUSY_GOAL, color="#888", lw=0.8)
+    ax.set_xscale("log")
+    ax.set_xlabel("device time per image, ms (one spare core unless labelled)")
+    ax.set_ylabel("device busy fraction")
+    ax.set_ylim(0, 1.05)
+    ax.legend(fontsize=6.5, loc="lower right", ncol=2)
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+def main_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="1024² PNG and JPEG, batch 8, local (a few minutes)")
+    parser.add_argument("--json", action="store_true", help="print only the JSON document on stdout")
+    parser.add_argument("--cores", type=int, default=1, help="cores the run and the bare loop may use")
+    parser.add_argument("--sizes", default="1024,512")
+    parser.add_argument("--batches", default="4,8")
+    parser.add_argument("--formats", default="png,jpeg,webp")
+    parser.add_argument("--targets", default="local,s3")
+    parser.add_argument("--repeats", type=int, help="runs per configuration, best kept (default 2; --quick 1)")
+    parser.add_argument("--grid", help="seconds per image, comma-separated, slow to fast")
+    parser.add_argument("--plot", type=Path, help="write the busy-vs-T plot (PNG) here")
+    parser.add_argument("--settings", action="store_true", help="also time each encoder setting (bare, one core)")
+    return parser
+
+
+def configs(args: argparse.Namespace) -> list[tuple[str, int, int, str]]:
+    """(target, size, batch, format) per sweep, in run order."""
+    if args.quick:
+        args.sizes, args.batches, args.formats, args.targets = "1024", "8", "png,jpeg", "local"
+    if args.repeats is None:
+        args.repeats = 1 if args.quick else 2
+    return [(target, int(size), int(batch), fmt) for target in args.targets.split(",")
+            for size in args.sizes.split(",") for batch in args.batches.split(",") for fmt in args.formats.split(",")]
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = main_parser().parse_args(argv)
+    plan = configs(args)
+    grid = tuple(float(x) for x in args.grid.split(",")) if args.grid else GRID
+    workdir = Path(tempfile.mkdtemp(prefix="diffq-bench-device-"))
+    model = str(write_standin(workdir / "standin"))
+    measured: dict[tuple, list[dict]] = {config: [] for config in plan}
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(stdout_to_stderr())
+        bucket = stack.enter_context(s3_bucket(workdir)) if any(target == "s3" for target, *_ in plan) else None
+        for _ in range(args.repeats):  # interleaved: drift hits every configuration alike
+            for target, size, batch, fmt in plan:
+                base = bucket if target == "s3" else str(workdir / "out")
+                row = sweep(model, workdir, base, height=size, width=size, fmt=fmt, batch=batch, target=target,
+                            cores=args.cores, grid=grid)
+                print(json.dumps({"target": target, "size": size, "batch": batch, "format": fmt, **row}),
+                      file=sys.stderr, flush=True)
+                measured[(target, size, batch, fmt)].append(row)
+    sweeps = [summarise({"height": size, "width": size, "format": fmt, "batch": batch, "target": target,
+                         "cores": args.cores}, rows)
+              for (target, size, batch, fmt), rows in measured.items()]
+    if args.plot:
+        plot(sweeps, args.plot)
+    from diffq.core.settings import get_settings
+
+    for row in sweeps:
+        row.update(sink=get_settings().sink, sink_threads=get_settings().sink_threads)
+    document = {"sweeps": sweeps, "measured_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    if args.settings:
+        with pinned(args.cores):
+            document["encode_settings"] = encode_settings()
+    print(json.dumps(document) if args.json else json.dumps(document, indent=1))
+    return document
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,110 @@
+"""The benchmark's simulated device (bench/standin.py) and its sweep (bench/device.py):
+the stand-in waits without holding the GIL and hands back real-looking images; the
+sweep drives a real `diffq run` and prints the documented JSON shape."""
+
+from __future__ import annotations
+
+import io
+import json
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+
+from bench.device import configs, knee, main_parser, render
+from bench.standin import StandInPipeline, image_pool, synth_image
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_standin_waits_without_holding_the_gil():
+    pipe = StandInPipeline()
+    image_pool(64, 48)  # made once per process, outside the timed call
+    span: dict[str, float] = {}
+    result: dict = {}
+
+    def call() -> None:
+        span["start"] = time.perf_counter()
+        result["images"] = pipe(prompt=["a device_s=0.2000", "b device_s=0.2000"], height=64, width=48).images
+        span["end"] = time.perf_counter()
+
+    thread = threading.Thread(target=call)
+    ticks = []
+    thread.start()
+    while thread.is_alive():  # Python code in this thread while the call is in progress
+        ticks.append(time.perf_counter())
+        sum(range(200))
+    thread.join()
+    assert span["end"] - span["start"] >= 0.4  # 0.2 s per image, 2 images
+    inside = [t for t in ticks if span["start"] + 0.05 < t < span["end"] - 0.05]
+    assert inside, "no Python ran in another thread during the call: it held the GIL"
+    assert pipe.cpu_s < 0.25 * pipe.busy_s, "the call used the CPU while waiting (spinning, not sleeping)"
+    assert [(im.mode, im.size) for im in result["images"]] == [("RGB", (48, 64))] * 2
+
+
+def test_standin_images_are_neither_noise_nor_flat():
+    image = synth_image(1, 256, 256)
+    raw = 256 * 256 * 3
+    png = io.BytesIO()
+    image.save(png, format="PNG", compress_level=1)
+    noise = io.BytesIO()
+    Image.fromarray(np.random.default_rng(0).integers(0, 256, (256, 256, 3), dtype=np.uint8)).save(
+        noise, format="PNG", compress_level=1)
+    assert len(noise.getvalue()) > raw  # what noise does
+    assert 0.15 * raw < len(png.getvalue()) < 0.8 * raw
+    assert np.asarray(image).std() > 10
+
+
+def test_knee_interpolates_where_busy_crosses_the_goal():
+    assert knee([(0.4, 1.0), (0.1, 0.99), (0.05, 0.5)]) == 0.05 + 0.05 * (0.97 - 0.5) / (0.99 - 0.5)
+    assert knee([(0.4, 1.0), (0.1, 0.99)]) is None
+    assert knee([(0.4, 0.9), (0.1, 0.5)]) == 0.4
+
+
+def test_quick_is_1024_png_and_jpeg_batch_8_local():
+    assert configs(main_parser().parse_args(["--quick"])) == [
+        ("local", 1024, 8, "png"), ("local", 1024, 8, "jpeg")]
+
+
+def test_sweep_drives_a_real_run_and_prints_the_json_shape():
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.device", "--json", "--sizes", "64", "--batches", "2", "--formats", "png",
+         "--targets", "local", "--grid", "0.02,0.01"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    document = json.loads(proc.stdout)
+    [sweep] = document["sweeps"]
+    assert {"height", "width", "format", "batch", "host_limit_s_per_image", "knee_s_per_image",
+            "busy"} <= set(sweep)
+    assert (sweep["height"], sweep["width"], sweep["format"], sweep["batch"]) == (64, 64, "png", 2)
+    assert [seconds for seconds, _ in sweep["busy"]] == [0.02, 0.01]
+    assert all(0 < fraction <= 1 for _, fraction in sweep["busy"])
+    assert sweep["host_limit_s_per_image"] > 0
+    # Every prompt of the plan became an image of the run.
+    assert sweep["images"] == sweep["images_stored"] > 0
+    assert sweep["run_cpu_s_per_image"] > 0 and sweep["host_cpu_s_per_image"] > 0
+    # The docs section has its row.
+    assert any(line.startswith("| 64² | png | 2 | local | 1 |") for line in render({"test": document}))
+
+
+def test_sink_threads_setting_reaches_the_helper(monkeypatch):
+    from diffq.worker.sink import Sink
+    from diffq.worker.sink_process import SinkProcess, make_sink
+
+    monkeypatch.setenv("DIFFQ_SINK_THREADS", "8")
+    sink = make_sink()
+    try:
+        sink.start()
+        assert isinstance(sink, SinkProcess)
+        argv = open(f"/proc/{sink._helper.process.pid}/cmdline").read().split("\0")[:-1]
+        assert argv[-2] == "8"  # the helper's arguments: socket fd, threads, retry seconds
+    finally:
+        sink.close()
+    monkeypatch.setenv("DIFFQ_SINK", "thread")
+    threaded = make_sink()
+    assert isinstance(threaded, Sink) and threaded._pool._max_workers == 8
+    threaded.close()
