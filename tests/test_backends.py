@@ -18,7 +18,8 @@ from typer.testing import CliRunner
 
 from diffq.core.contract import ShapeKey, queue_name
 from diffq.worker import compile_cache
-from diffq.worker.backends import BACKENDS, Placement, device_count, get_backend, parse_devices
+from diffq.worker.backends import (BACKENDS, COMPILING_MODES, DTYPES, REFERENCE, Placement, RunConfig, device_count,
+                                   get_backend, parse_devices)
 from diffq.worker.spec import ChildSpec
 from diffq.worker.supervisor import Supervisor, plan_children
 
@@ -363,6 +364,16 @@ def test_checked_combinations_are_refused_before_anything_starts(args, message):
 def test_offload_model_with_regional_is_accepted():
     (entry,) = worker_plan("--device", "cpu", "--offload", "model", "--compile", "regional")
     assert entry["compile"] == "regional"
+
+
+def test_reference_configuration_is_a_plain_cpu_run():
+    # What `diffq qualify` judges every device against: no accelerator, full precision,
+    # eager, weights resident; a configuration the table itself accepts.
+    assert REFERENCE == RunConfig(device="cpu", dtype="float32", compile="none", offload=None)
+    get_backend(REFERENCE.device).check(compile=REFERENCE.compile, offload=REFERENCE.offload)
+    assert REFERENCE.dtype in DTYPES and REFERENCE.compile not in COMPILING_MODES
+    assert str(REFERENCE) == "cpu, float32, eager"
+    assert str(RunConfig("cuda", "bfloat16", "regional", "model")) == "cuda, bfloat16, compile regional, offload model"
 
 
 def test_plan_without_queues():

@@ -24,8 +24,8 @@ from PIL import Image
 from typer.testing import CliRunner
 
 from diffq.app.cli import app
-from diffq.app.qualify import Thresholds, checks, reduced
-from diffq.worker.backends import get_backend
+from diffq.app.qualify import Settings, Thresholds, _child_spec, checks, reduced
+from diffq.worker.backends import REFERENCE, RunConfig, get_backend
 from diffq.worker.qualify import percentile
 
 STAND_INS = Path(__file__).parent / "stand_ins"
@@ -61,6 +61,7 @@ def test_save_reference_stores_images_and_settings(saved, tiny_model):
     ref, report = saved
     # The CPU float32 eager run is itself the default reference: nothing to compare.
     assert report["checks"]["parity"]["status"] == "skip" and report["passed"] is True
+    assert report["checks"]["parity"]["detail"].endswith(f"({REFERENCE})")
     settings = json.loads((ref / "reference.json").read_text())["settings"]
     assert settings["shapes"] == [[64, 64]] and settings["batch_size"] == 2 and settings["seeds"] == [0, 1]
     assert len(settings["prompts"]) == 2 and settings["steps"] == 4
@@ -194,6 +195,21 @@ def test_verdict_recompiles_and_parity_margins():
     near["parity"]["psnr_db_min"] = t.min_psnr + t.warn_margin_db - 1
     assert checks(near, t)["parity"]["status"] == "warn"
     assert checks(_report(), t)["parity"]["status"] == "pass"
+
+
+def test_reference_run_and_skip_read_the_tables_reference(tmp_path):
+    # The reference child is planned from backends.REFERENCE, the same value the
+    # "device run is its own reference" check compares against, so the two cannot drift.
+    settings = Settings(model="m", prompts=["a"], seeds=[0], shapes=[(64, 64)], parity_shapes=[(32, 32)],
+                        batch_size=1, steps=2, guidance_scale=1.0, max_sequence_length=8)
+    spec = _child_spec(REFERENCE, slot=0, threads=2, compile_cache=None, settings=settings, measure=False,
+                       extra=[], repeats=0, out_dir=tmp_path)
+    child = spec.child
+    assert RunConfig(device=child.device, dtype=spec.dtype, compile=child.compile, offload=child.offload) == REFERENCE
+    assert child.dtype == spec.dtype and spec.shapes == [(32, 32)] and not spec.measure
+    skipped = {**_report(), "parity": {"reference": "cpu", "skipped": True}}
+    assert checks(skipped, Thresholds())["parity"] == {
+        "status": "skip", "detail": "the device run is the reference configuration (cpu, float32, eager)"}
 
 
 def test_reduced_shape_and_percentile():

@@ -414,6 +414,26 @@ BACKENDS: dict[str, Backend] = {
     ),
 }
 
+
+@dataclass(frozen=True)
+class RunConfig:
+    """What decides a run's numbers on a device: its kind, dtype, compile mode and offload."""
+
+    device: str
+    dtype: str
+    compile: str = "none"
+    offload: str | None = None
+
+    def __str__(self) -> str:
+        return (f"{self.device}, {self.dtype}, "
+                f"{'eager' if self.compile == 'none' else 'compile ' + self.compile}"
+                f"{', offload ' + self.offload if self.offload else ''}")
+
+
+# The configuration others are judged against (`diffq qualify`'s default reference):
+# no accelerator, full precision, eager, weights resident.
+REFERENCE = RunConfig(device="cpu", dtype="float32", compile="none", offload=None)
+
 # The CLI's choices, read from the table.
 DEVICES: tuple[str, ...] = tuple(BACKENDS)
 COMPILE_MODES: tuple[str, ...] = tuple(dict.fromkeys(m for b in BACKENDS.values() for m in b.compile_modes))

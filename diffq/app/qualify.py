@@ -4,7 +4,8 @@ The parent never imports torch. It plans one pinned child exactly as `diffq work
 would (supervisor.plan_children: backend table, env before `import torch`, compile
 cache), runs worker/qualify.py in it, then the reference:
 
-- `cpu` (default): the same pipeline, prompts and seeds in a CPU float32 child. A
+- `cpu` (default): the same pipeline, prompts and seeds in a child of the backend
+  table's `REFERENCE` configuration (CPU, float32, eager, no offload). A
   shape over `reference_max_pixels` is compared at a reduced shape of the same
   aspect instead (the device generates that one too, after its measured shapes).
   When the device run already is that configuration, its own images are the
@@ -32,7 +33,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from diffq.worker.backends import get_backend
+from diffq.worker.backends import REFERENCE, RunConfig, get_backend
 
 REFERENCE_FILE = "reference.json"
 PSNR_CAP = 100.0
@@ -169,18 +170,17 @@ def _run_child(name: str, spec, workdir: Path, timeout: float | None) -> dict:
     return json.loads(result_path.read_text())
 
 
-def _child_spec(*, device: str, slot: int, threads: int, compile: str, offload: str | None,
-                compile_cache: str | None, dtype: str, settings: Settings, measure: bool,
-                extra: list[tuple[int, int]], repeats: int, out_dir: Path):
+def _child_spec(config: RunConfig, *, slot: int, threads: int, compile_cache: str | None, settings: Settings,
+                measure: bool, extra: list[tuple[int, int]], repeats: int, out_dir: Path):
     from diffq.worker.qualify import QualifySpec
     from diffq.worker.supervisor import plan_children
 
     # The same plan `diffq worker` makes for this device, minus the queues it would serve.
-    (child,) = plan_children(device=device, devices=[slot], broker_url="memory://", queues=[],
-                             name_prefix="diffq-qualify", threads=threads, compile=compile,
-                             compile_cache=compile_cache, offload=offload, models=[settings.model],
-                             dtype=dtype)
-    return QualifySpec(child=child, model=settings.model, dtype=dtype,
+    (child,) = plan_children(device=config.device, devices=[slot], broker_url="memory://", queues=[],
+                             name_prefix="diffq-qualify", threads=threads, compile=config.compile,
+                             compile_cache=compile_cache, offload=config.offload, models=[settings.model],
+                             dtype=config.dtype)
+    return QualifySpec(child=child, model=settings.model, dtype=config.dtype,
                        shapes=settings.shapes if measure else settings.parity_shapes,
                        extra_parity_shapes=extra, batch_size=settings.batch_size, steps=settings.steps,
                        guidance_scale=settings.guidance_scale,
@@ -259,7 +259,7 @@ def checks(report: dict, thresholds: Thresholds) -> dict[str, dict]:
     if p.get("error"):
         found["parity"] = {"status": "fail", "detail": p["error"]}
     elif p.get("skipped"):
-        found["parity"] = {"status": "skip", "detail": "the device run is the reference configuration (cpu, float32, eager)"}
+        found["parity"] = {"status": "skip", "detail": f"the device run is the reference configuration ({REFERENCE})"}
     else:
         detail = f"PSNR min {p['psnr_db_min']:.1f} dB, max abs diff {p['max_abs_diff']} vs {p['reference']}"
         status = ("fail" if not p["passed"] else
@@ -303,15 +303,15 @@ def qualify(model: str, *, device: str = "cpu", slot: int = 0, compile: str = "n
         raise QualifyError(str(exc)) from None
     settings = _settings(model, reference, shapes, batch_size, steps, guidance_scale, max_sequence_length,
                          prompts_file, reference_max_pixels)
-    self_reference = reference == "cpu" and (device, dtype, compile, offload) == ("cpu", "float32", "none", None)
+    config = RunConfig(device=device, dtype=dtype, compile=compile, offload=offload)
+    self_reference = reference == "cpu" and config == REFERENCE
     started = time.time()
     with tempfile.TemporaryDirectory(prefix="diffq-qualify-") as tmp:
         work = Path(tmp)
         device_dir, reference_dir = work / "device", work / "reference"
         extra = [s for s in settings.parity_shapes if s not in settings.shapes]
-        spec = _child_spec(device=device, slot=slot, threads=threads, compile=compile, offload=offload,
-                           compile_cache=compile_cache, dtype=dtype, settings=settings, measure=True,
-                           extra=extra, repeats=repeats, out_dir=device_dir)
+        spec = _child_spec(config, slot=slot, threads=threads, compile_cache=compile_cache, settings=settings,
+                           measure=True, extra=extra, repeats=repeats, out_dir=device_dir)
         result = _run_child("device", spec, work, timeout)
         ref_error = None
         if result.get("error"):
@@ -323,9 +323,8 @@ def qualify(model: str, *, device: str = "cpu", slot: int = 0, compile: str = "n
             ref_dir = None
         else:
             # A CPU reference gets the host's cores: it is not what is being timed.
-            ref_spec = _child_spec(device="cpu", slot=0, threads=os.cpu_count() or 1, compile="none",
-                                   offload=None, compile_cache=None, dtype="float32", settings=settings,
-                                   measure=False, extra=[], repeats=0, out_dir=reference_dir)
+            ref_spec = _child_spec(REFERENCE, slot=0, threads=os.cpu_count() or 1, compile_cache=None,
+                                   settings=settings, measure=False, extra=[], repeats=0, out_dir=reference_dir)
             ref_result = _run_child("reference", ref_spec, work, timeout)
             ref_dir = reference_dir
             if ref_result.get("error"):

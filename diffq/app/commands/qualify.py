@@ -12,7 +12,8 @@ from diffq.app.options import Model, devices_of, fail, out
 
 
 def register(app: typer.Typer) -> None:
-    from diffq.app.qualify import DEFAULT_REPEATS, DEFAULT_SHAPE, GENERATION_DEFAULTS as GEN, REFERENCE_MAX_PIXELS, Thresholds
+    from diffq.app.qualify import (DEFAULT_REPEATS, DEFAULT_SHAPE, GENERATION_DEFAULTS as GEN, REFERENCE,
+                                   REFERENCE_MAX_PIXELS, Thresholds)
 
     limits = Thresholds()
 
@@ -32,7 +33,7 @@ def register(app: typer.Typer) -> None:
         guidance_scale: Annotated[Optional[float], typer.Option("--guidance-scale", min=0.0, help=f"Guidance scale (default {GEN['guidance_scale']})")] = None,
         max_sequence_length: Annotated[Optional[int], typer.Option("--max-sequence-length", min=1, help=f"Text tokens (default {GEN['max_sequence_length']})")] = None,
         prompts: Annotated[Optional[Path], typer.Option("--prompts", help="Prompt file (.jsonl/.csv/.txt/.parquet): the first rows, with their seeds")] = None,
-        reference: Annotated[str, typer.Option("--reference", help="'cpu' (the same pipeline on CPU in float32) or a DIR from --save-reference")] = "cpu",
+        reference: Annotated[str, typer.Option("--reference", help=f"'cpu' (the same pipeline, run as {REFERENCE}) or a DIR from --save-reference")] = "cpu",
         save_reference: Annotated[Optional[Path], typer.Option("--save-reference", help="Store this run's images and settings in DIR, for a later --reference DIR")] = None,
         report: Annotated[Optional[Path], typer.Option("--report", help="Write DIR/index.html (self-contained) and DIR/qualify.json")] = None,
         as_json: Annotated[bool, typer.Option("--json", help="Print the report as one JSON object")] = False,
