@@ -25,17 +25,27 @@ log = logging.getLogger(__name__)
 
 
 def held_deliveries(consumer) -> list:
-    """The deliveries a Celery consumer holds unacked (kombu's virtual QoS keeps
-    them in `_delivered`, kombu/transport/virtual/base.py), or [] without one."""
+    """The deliveries a Celery consumer holds unacked, or [] without one.
+
+    kombu's virtual QoS (kombu/transport/virtual/base.py, class QoS, kombu 5.7) keeps
+    every delivery in `_delivered`; `ack()` and `reject()` only add the tag to
+    `_dirty`, and `_flush()` drops dirty tags from `_delivered` on the next
+    `append()`. So an acked batch stays in `_delivered` until the next delivery:
+    renewing it is wasted and handing it back could re-queue a finished batch.
+    """
     try:
-        delivered = consumer.task_consumer.channel.qos._delivered
+        qos = consumer.task_consumer.channel.qos
+        delivered, acked = qos._delivered, qos._dirty
     except AttributeError:
         return []
     for _ in range(3):
         try:
-            return list(delivered.values())
+            # `_delivered` first: an ack landing between the two copies is then seen.
+            held = list(delivered.items())
+            done = set(acked)
         except RuntimeError:  # changed while copied: take it again
             continue
+        return [message for tag, message in held if tag not in done]
     return []
 
 
