@@ -100,6 +100,38 @@ def _vae_blocks() -> dict:
     )
 
 
+def _flux_blocks(vae) -> dict:
+    # Every Flux-style transformer (FluxTransformer2DModel, Flux2Transformer2DModel): one
+    # double- and one single-stream block of two 16-wide heads over 2x2 packed latents.
+    # The family adds its text width, RoPE axes (summing to attention_head_dim) and guidance.
+    return dict(
+        patch_size=1,
+        in_channels=vae.config.latent_channels * 4,
+        num_layers=1,
+        num_single_layers=1,
+        attention_head_dim=16,
+        num_attention_heads=2,
+    )
+
+
+def _decoder_text(tokenizer, layers: int, hidden: int) -> dict:
+    # The decoder-only text models (Qwen3 for Klein, Mistral for FLUX.2): `layers` deep so
+    # that the pipeline's default text_encoder_out_layers index real hidden states
+    # (hidden_states has num_hidden_layers + 1 entries).
+    return dict(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden,
+        intermediate_size=32,
+        num_hidden_layers=layers,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+        max_position_embeddings=1024,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+
+
 def _byte_tokenizer(specials: list[str], **kwargs) -> Qwen2Tokenizer:
     """Byte-level BPE with no merges (every byte one token) plus `specials`."""
     vocab = {s: i for i, s in enumerate(_BYTE_SYMBOLS)}
@@ -113,35 +145,14 @@ def _flux2_klein() -> DiffusionPipeline:
                                 extra_special_tokens=["<|im_start|>", "<|im_end|>"])
     tokenizer.chat_template = _QWEN3_CHAT_TEMPLATE
 
-    # 28 layers so the pipeline's default text_encoder_out_layers=(9, 18, 27) index real
-    # intermediate hidden states (hidden_states has num_hidden_layers + 1 entries).
     hidden = 16
-    text_encoder = Qwen3ForCausalLM(
-        Qwen3Config(
-            vocab_size=len(tokenizer),
-            hidden_size=hidden,
-            intermediate_size=32,
-            num_hidden_layers=28,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            head_dim=8,
-            max_position_embeddings=1024,
-            tie_word_embeddings=True,
-            pad_token_id=tokenizer.pad_token_id,
-            eos_token_id=tokenizer.eos_token_id,
-        )
-    )
-
+    # 28 layers: the pipeline's default text_encoder_out_layers are (9, 18, 27).
+    text_encoder = Qwen3ForCausalLM(Qwen3Config(**_decoder_text(tokenizer, 28, hidden), tie_word_embeddings=True))
     vae = AutoencoderKLFlux2(**_vae_blocks())
     transformer = Flux2Transformer2DModel(
-        patch_size=1,
-        in_channels=vae.config.latent_channels * 4,  # 2x2 patchified latents
-        num_layers=1,
-        num_single_layers=1,
-        attention_head_dim=16,
-        num_attention_heads=2,
+        **_flux_blocks(vae),
         joint_attention_dim=3 * hidden,  # three stacked text-encoder layers
-        axes_dims_rope=(4, 4, 4, 4),  # sums to attention_head_dim
+        axes_dims_rope=(4, 4, 4, 4),
         guidance_embeds=False,  # as in Klein: no distilled guidance embedding
     )
     # is_distilled=False (the Klein *base* setting): guidance_scale > 1 runs a second,
@@ -220,15 +231,10 @@ def _flux() -> DiffusionPipeline:
         shift_factor=0.1159,
     )
     transformer = FluxTransformer2DModel(
-        patch_size=1,
-        in_channels=vae.config.latent_channels * 4,  # 2x2 packed latents
-        num_layers=1,
-        num_single_layers=1,
-        attention_head_dim=16,
-        num_attention_heads=2,
+        **_flux_blocks(vae),
         joint_attention_dim=t5_hidden,
         pooled_projection_dim=clip_hidden,
-        axes_dims_rope=(4, 4, 8),  # sums to attention_head_dim
+        axes_dims_rope=(4, 4, 8),
         guidance_embeds=True,  # FLUX.1-dev style: guidance_scale is an embedding input
     )
     return FluxPipeline(
@@ -301,12 +307,9 @@ def _flux2() -> DiffusionPipeline:
     hidden = 16
     text_encoder = Mistral3ForConditionalGeneration(
         Mistral3Config(
-            # 30 layers so the pipeline's default text_encoder_out_layers=(10, 20, 30) exist.
-            text_config=dict(model_type="mistral", vocab_size=len(tokenizer), hidden_size=hidden,
-                             intermediate_size=32, num_hidden_layers=30, num_attention_heads=2,
-                             num_key_value_heads=1, head_dim=8, max_position_embeddings=1024,
-                             sliding_window=None, pad_token_id=tokenizer.pad_token_id,
-                             bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id),
+            # 30 layers: the pipeline's default text_encoder_out_layers are (10, 20, 30).
+            text_config=dict(model_type="mistral", **_decoder_text(tokenizer, 30, hidden), sliding_window=None,
+                             bos_token_id=tokenizer.bos_token_id),
             vision_config=dict(model_type="pixtral", hidden_size=8, intermediate_size=16, num_hidden_layers=1,
                                num_attention_heads=2, head_dim=4, patch_size=4, image_size=64),
             image_token_index=tokenizer.convert_tokens_to_ids("[IMG]"),
@@ -316,12 +319,7 @@ def _flux2() -> DiffusionPipeline:
     )
     vae = AutoencoderKLFlux2(**_vae_blocks())
     transformer = Flux2Transformer2DModel(
-        patch_size=1,
-        in_channels=vae.config.latent_channels * 4,
-        num_layers=1,
-        num_single_layers=1,
-        attention_head_dim=16,
-        num_attention_heads=2,
+        **_flux_blocks(vae),
         joint_attention_dim=3 * hidden,  # three stacked text-encoder layers
         axes_dims_rope=(4, 4, 4, 4),
         guidance_embeds=True,  # FLUX.2-dev: guidance-distilled, guidance_scale is an embedding input

@@ -108,24 +108,29 @@ class Flux(Family):
     tp_text_encoders = ()  # CLIP and T5 declare no TP plan
 
 
-class Flux2Klein(Family):
+class _Flux2Pipelines(Family):
+    """What both FLUX.2 pipelines (diffusers/pipelines/flux2/) share: the transformer
+    class and one text encoder, whose config declares a TP plan (Qwen3 in Klein;
+    Mistral3 in FLUX.2, through its Mistral text model)."""
+
+    repeated_blocks = True  # Flux2Transformer2DModel._repeated_blocks
+    tp_text_encoders = ("text_encoder",)
+
+
+class Flux2Klein(_Flux2Pipelines):
     name = "flux2-klein"
     pipeline_class = "Flux2KleinPipeline"
     source = "diffusers/pipelines/flux2/pipeline_flux2_klein.py"
     # do_classifier_free_guidance = guidance_scale > 1 and not is_distilled: a second
     # transformer call with the embeddings of "" (no negative_prompt argument).
     guidance = "cfg-pass"
-    repeated_blocks = True  # Flux2Transformer2DModel._repeated_blocks
-    tp_text_encoders = ("text_encoder",)  # Qwen3
 
 
-class Flux2(Family):
+class Flux2(_Flux2Pipelines):
     name = "flux2"
     pipeline_class = "Flux2Pipeline"
     source = "diffusers/pipelines/flux2/pipeline_flux2.py"
     guidance = "embedded"  # always fed as `guidance` to the transformer
-    repeated_blocks = True  # Flux2Transformer2DModel._repeated_blocks
-    tp_text_encoders = ("text_encoder",)  # Mistral3 (its Mistral text model declares the plan)
 
 
 class StableDiffusion3(Family):
