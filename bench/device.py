@@ -6,15 +6,18 @@ broker, supervisor, Celery worker, batch task, sink helper: encode + store + rec
 + credit, then the ack). One run per (size, format, batch, target) sweeps T from
 slow to fast, segment by segment (each batch's prompts say its T). Per T:
 
-- busy: time inside the pipeline calls / (that + the idle gaps before them), from
-  the batch records (generate_started_at / generate_ended_at);
+- busy: time inside the pipeline calls (generate_s) / (that + the idle time between
+  them: everything else the worker does, preparing a call included), from the batch
+  records (generate_s, generate_ended_at);
 - gap: the median idle gap between one call's end and the next call's start;
 - knee: the T where busy falls below 0.97 (interpolated between grid points);
 - host limit: encode + store of the same images with the same encoder settings in a
   bare loop (no queue, no record), one thread per core given to the run.
 
-`--cores N` pins the whole run (runner, worker, sink helper) and the bare loop to N
-cores; the default, 1, is "one spare core" (the stand-in itself needs none).
+`--cores N` gives the sink (and the bare loop) N cores of their own and the device loop
+(runner, the worker's main thread, Celery) the others, as on an accelerator host; where
+the machine has no core beyond N, everything shares N cores. The default, 1, is "one
+spare core" (the stand-in itself needs none).
 
     python -m bench.device [--quick] [--json] [--cores 1] [--sizes 1024,512] [--batches 4,8]
                            [--formats png,jpeg,webp] [--targets local,s3] [--plot PATH]
@@ -42,7 +45,7 @@ from bench import s3_bucket
 from bench.standin import device_child_main, image_pool, write_standin
 
 # Seconds per image, slow to fast; denser where the 1024² PNG and 512² knees fall.
-GRID = (0.4, 0.2, 0.14, 0.1, 0.08, 0.065, 0.05, 0.035, 0.025, 0.015, 0.01, 0.005)
+GRID = (0.4, 0.2, 0.14, 0.1, 0.08, 0.065, 0.05, 0.035, 0.025, 0.015, 0.01, 0.0065, 0.005, 0.004, 0.003, 0.002)
 BUSY_GOAL = 0.97
 MEASURE_S = 2.0  # device seconds measured per T at least (more batches when T is small)
 MIN_MEASURED, MAX_MEASURED = 2, 10  # batches per T
@@ -76,8 +79,10 @@ def analyse(records: list, plan: list[tuple[float, int]], cpu: CpuSampler | None
 
     calls: dict[str, list] = {}
     for record in records:
+        # The device is busy inside the pipeline call only (generate_s); the host's own
+        # preparation of a call (seeds, arguments) counts as idle, like the gap.
         call = calls.setdefault(record.batch_id, [record.generate_started_at, record.generate_ended_at,
-                                                   device_seconds(record.prompt), 0])
+                                                   device_seconds(record.prompt), 0, record.generate_s])
         call[3] += 1  # images
     ordered = sorted(calls.values())
     rows = []
@@ -85,8 +90,9 @@ def analyse(records: list, plan: list[tuple[float, int]], cpu: CpuSampler | None
         positions = [n for n, call in enumerate(ordered) if call[2] == round(seconds, 4)]
         skip = WARM + (1 if index == 0 else 0)
         measured = [n for n in positions[skip:] if n > 0]
-        busy_s = sum(ordered[n][1] - ordered[n][0] for n in measured)
-        gaps = [max(0.0, ordered[n][0] - ordered[n - 1][1]) for n in measured]
+        busy_s = sum(ordered[n][4] for n in measured)
+        # Previous call's end to this call's end, less the time inside the call.
+        gaps = [max(0.0, ordered[n][1] - ordered[n - 1][1] - ordered[n][4]) for n in measured]
         window = (ordered[measured[0] - 1][1], ordered[measured[-1]][1])  # previous call's end → last end
         images = sum(ordered[n][3] for n in measured)
         cpu_s = cpu.between(*window) / images if cpu is not None else None
@@ -203,18 +209,36 @@ def host_limit(height: int, width: int, fmt: str, out: str, cores: int, seconds:
             "bytes_per_image": int(statistics.mean(sizes))}
 
 
+def layout(cores: int) -> dict:
+    """Where a row runs. With a core to spare beyond `cores`: the device loop (runner,
+    worker's main thread, Celery) on the rest and the sink on `cores` cores of its own
+    (DIFFQ_SINK_CPUS), as on an accelerator host, where the process driving a device
+    has its core and the sink the cores the host has left ("split"). Otherwise
+    everything shares `cores` cores ("shared")."""
+    available = sorted(os.sched_getaffinity(0))
+    if cores > len(available):
+        raise SystemExit(f"--cores {cores}: this machine lets us use {len(available)}")
+    if cores < len(available):
+        return {"layout": "split", "sink_cpus": available[-cores:], "device_cpus": available[:-cores]}
+    return {"layout": "shared", "sink_cpus": available, "device_cpus": available}
+
+
 @contextlib.contextmanager
-def pinned(cores: int) -> Iterator[list[int]]:
-    """Run this thread, and every process and thread it starts, on `cores` cores."""
+def pinned(place: dict) -> Iterator[dict]:
+    """This thread and what it starts on the device loop's cores; the sink's threads
+    (and the bare loop's, which take the sink's placement) on the sink's."""
     original = os.sched_getaffinity(0)
-    chosen = sorted(original)[-cores:]
-    if cores > len(original):
-        raise SystemExit(f"--cores {cores}: this machine lets us use {len(original)}")
-    os.sched_setaffinity(0, chosen)
+    saved = os.environ.get("DIFFQ_SINK_CPUS")
+    os.sched_setaffinity(0, place["device_cpus"])
+    os.environ["DIFFQ_SINK_CPUS"] = ",".join(str(cpu) for cpu in place["sink_cpus"])
     try:
-        yield chosen
+        yield place
     finally:
         os.sched_setaffinity(0, original)
+        if saved is None:
+            os.environ.pop("DIFFQ_SINK_CPUS", None)
+        else:
+            os.environ["DIFFQ_SINK_CPUS"] = saved
 
 
 @contextlib.contextmanager
@@ -241,7 +265,7 @@ def sweep(model: str, workdir: Path, out_base: str, *, height: int, width: int, 
 
     name = f"{height}x{width}-{fmt}-b{batch}-{target}-c{cores}"
     out = f"{out_base}/{name}-{time.time_ns()}"
-    with pinned(cores), mock.patch.object(supervisor, "child_main", device_child_main):
+    with pinned(layout(cores)), mock.patch.object(supervisor, "child_main", device_child_main):
         # Before and after the run: shared cores drift over minutes.
         limits = [host_limit(height, width, fmt, f"{out}-host0", cores)]
         plan = segments(grid, batch, limits[0]["s_per_image"])
@@ -348,26 +372,27 @@ def render(documents: dict[str, dict]) -> list[str]:
         "## Keeping a fast device fed (simulated device)", "",
         "How fast can a device be before diffq's host side (encode, store, record, credit, ack) is the",
         "bottleneck? A stand-in pipeline (bench/standin.py; bench only, not a backend) waits T per image",
-        "in `time.sleep` — the GIL stays free, as while a kernel runs — and returns the asked number of",
-        "photo-like images (structure, hard edges, regional texture, grain; the KB column shows what they",
-        "weigh). A real `diffq run` drives it (embedded broker, supervisor, Celery worker, batch task, sink",
-        "helper, deferred acks); one run per row sweeps T from 400 ms to 5 ms per image.", "",
-        "- **busy**: time inside the pipeline calls / (that + the idle gaps before them), from the batch",
-        "  records; the **knee** is where it falls below 0.97 (interpolated between grid points).",
+        "in `time.sleep` — the GIL stays free, as while a kernel runs — and hands back the batch as an",
+        "accelerator does for `output_type=\"pt\"`, already 8-bit, photo-like (structure, hard edges,",
+        "regional texture, grain; the KB column shows what they weigh). A real `diffq run` drives it",
+        "(embedded broker, supervisor, Celery worker, batch task, sink helper, deferred acks); one run",
+        "per row sweeps T from 400 ms to 2 ms per image.", "",
+        "- **busy**: time inside the pipeline calls / (that + everything else between them, the",
+        "  worker's preparation of each call included), from the batch records; the **knee** is where",
+        "  it falls below 0.97 (interpolated between grid points).",
+        "- **layout** `split`: as on an accelerator host, the device loop (runner, the worker's main",
+        "  thread and Celery) has a core of its own and the sink (`DIFFQ_SINK_CPUS`) the row's `cores`",
+        "  spare ones; `shared`: everything on the same cores (here: both of this machine's).",
         "- **host limit**: encode + store of the same images with diffq's encoder settings and storage",
-        "  client in a bare loop (no queue, no record, no process boundary), on the same cores, at the",
+        "  client in a bare loop (no queue, no record, no process boundary) on the sink's cores, at the",
         "  sink's priority, before and after each run.",
         "- **CPU per image**: CPU seconds of the bare loop, and of the whole run's process tree (runner,",
-        "  worker, sink helper) in each T's window, per image. Unlike wall time it does not grow when",
-        "  other work shares the cores, so diffq run / bare loop is the host side's overhead, and on a",
-        "  dedicated core the knee sits where T equals the run's CPU per image.",
-        "- The run and the bare loop are pinned to the row's cores (`--cores`); the stand-in needs none,",
-        "  so 1 core is \"one spare core\". Figures are the best of the repeats run.", "",
-        f"Measured on this 2-core machine while other sessions shared it (load average "
-        f"{min(loads, default=0):.0f}–{max(loads, default=0):.0f} during the runs): wall-clock figures (busy,",
-        "knee, host limit) move with that load; the CPU figures much less.", "",
-        "| size | format | batch | store | cores | sink | KB/img | host limit ms/img | knee ms/img | knee / host "
-        "| CPU ms/img bare / run (×) | busy at 2× host limit | idle gap ms, device-bound | load avg | goal met |",
+        "  worker, sink helper) in each T's window, per image: diffq run / bare loop is the host side's",
+        "  overhead whatever else shares the machine.",
+        "- Figures are the best of the repeats run.", "",
+        f"Load average during the runs: {min(loads, default=0):.1f}–{max(loads, default=0):.1f} (2 cores).", "",
+        "| size | format | batch | store | layout | sink cores | sink | KB/img | host limit ms/img | knee ms/img "
+        "| knee / host | CPU ms/img bare / run (×) | busy at 2× host limit | idle gap ms, device-bound | goal met |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in sweeps:
@@ -380,14 +405,16 @@ def render(documents: dict[str, dict]) -> list[str]:
                f"({row['run_cpu_s_per_image'] / row['host_cpu_s_per_image']:.2f})"
                if row.get("run_cpu_s_per_image") else "")
         sink = row.get("sink", "process") + (f", {row['sink_threads']} threads" if row.get("sink_threads") else "")
+        goal = row["goal"]["knee_within_10pct_of_host_limit"] and row["goal"]["busy_while_device_bound"]
         lines.append(
-            f"| {row['height']}² | {row['format']} | {row['batch']} | {row['target']} | {row['cores']} | {sink} | "
-            f"{row['bytes_per_image'] // 1024} | {ms(host)} | {ms(found)} | {ratio} | {cpu} | "
-            f"{at_2x[1]:.3f} at {ms(at_2x[0])} ms | {statistics.median(gaps):.1f} | "
-            f"{max((r.get('load_average', 0) for r in row.get('repeats', [])), default=0):.1f} | "
-            f"{'yes' if all(row['goal'].values()) else '**no**'} |")
+            f"| {row['height']}² | {row['format']} | {row['batch']} | {row['target']} | {row.get('layout', 'shared')} "
+            f"| {row['cores']} | {sink} | {row['bytes_per_image'] // 1024} | {ms(host)} | {ms(found)} | {ratio} | "
+            f"{cpu} | {at_2x[1]:.3f} at {ms(at_2x[0])} ms | {statistics.median(gaps):.1f} | "
+            f"{'yes' if goal else '**no**'} |")
     lines += ["", "`python -m bench.device --cores C --sizes S --batches B --formats F --targets T` reproduces a",
-              "row (`--quick --json`: the 1024² PNG and JPEG rows, batch 8, local, one core).", "",
+              "row (`--quick --json`: the 1024² PNG and JPEG rows, batch 8, local, one spare core);",
+              "`DIFFQ_SINK=thread` in front for the thread-sink row. Goal: busy ≥ 0.97 while T ≥ 1.1 × the host",
+              "limit, and the knee within 10 % of it.", "",
               "![device busy vs device time per image](device.png)", ""]
     lines += findings(documents)
     settings = next((d["encode_settings"] for d in documents.values() if d.get("encode_settings")), [])
@@ -405,28 +432,36 @@ def findings(documents: dict[str, dict]) -> list[str]:
     """The note under the table: the figures the issue asks for, in words."""
     sweeps = [row for document in documents.values() for row in document.get("sweeps", [])]
 
-    def find(size: int, fmt: str, cores: int = 1, target: str = "local", sink: str = "process") -> dict | None:
-        return next((r for r in sweeps if (r["height"], r["format"], r["cores"], r["target"], r.get("sink", "process"))
-                     == (size, fmt, cores, target, sink) and r["batch"] == 8), None)
+    def find(size: int, fmt: str, batch: int = 8, target: str = "local", layout: str = "split",
+             sink: str = "process") -> dict | None:
+        return next((r for r in sweeps if (r["height"], r["format"], r["batch"], r["target"], r.get("layout", "shared"),
+                                           r.get("sink", "process")) == (size, fmt, batch, target, layout, sink)), None)
 
     def ms(value: float | None) -> str:
-        return "below the grid" if value is None else f"{1000 * value:.0f} ms"
+        return "below the grid" if value is None else f"{1000 * value:.1f} ms"
 
     def cpu(row: dict) -> str:
         return (f"{1000 * row['run_cpu_s_per_image']:.1f} ms of CPU per image against the bare loop's "
                 f"{1000 * row['host_cpu_s_per_image']:.1f} ms "
                 f"({row['run_cpu_s_per_image'] / row['host_cpu_s_per_image']:.2f}×)")
 
+    def gap(row: dict) -> float:
+        bound = [g for t, g in row["gap_ms"] if t >= 2 * row["host_limit_s_per_image"]] or [row["gap_ms"][0][1]]
+        return statistics.median(bound)
+
+    def knee(row: dict) -> str:
+        found = row["knee_s_per_image"]
+        return ms(found) + (f" ({found / row['host_limit_s_per_image']:.2f}× the host limit)" if found else "")
+
     lines = ["What the figures say:", ""]
     png = find(1024, "png")
     if png:
         lines += [
-            f"- **PNG at 1024² on one spare core**: the knee is at {ms(png['knee_s_per_image'])} per image on the "
-            f"wall clock, against a bare-loop host limit of {ms(png['host_limit_s_per_image'])} (both with the other "
-            f"sessions' load on the core). In CPU, which that load does not inflate, diffq's host side spends "
-            f"{cpu(png)}: on a dedicated core the device stays fed down to about "
-            f"{1000 * png['run_cpu_s_per_image']:.0f} ms per image (~{1 / png['run_cpu_s_per_image']:.0f} images/s "
-            "per spare core). Nearly all of it is the PNG encoder (zlib)."]
+            f"- **PNG at 1024² on one spare core**: the knee is at {knee(png)} per image against a bare-loop host "
+            f"limit of {ms(png['host_limit_s_per_image'])}; diffq's host side spends {cpu(png)}. The device stays "
+            f"fed down to about {1000 * (png['knee_s_per_image'] or png['host_limit_s_per_image']):.0f} ms per "
+            f"image, ~{1 / (png['knee_s_per_image'] or png['host_limit_s_per_image']):.0f} images/s per spare core; "
+            "nearly all of it is the PNG encoder (zlib)."]
     settings = {r["setting"]: r for document in documents.values() for r in document.get("encode_settings", [])}
     level1, level0 = settings.get("compress_level=1 (diffq)"), settings.get("compress_level=0")
     level6 = settings.get("compress_level=6 (PIL default)")
@@ -435,37 +470,42 @@ def findings(documents: dict[str, dict]) -> list[str]:
             f"- **What moves it**: the encode. PNG compress_level 0 costs {level0['cpu_ms_per_image']} ms for "
             f"{level0['kb_per_image']} KB, diffq's level 1 {level1['cpu_ms_per_image']} ms for "
             f"{level1['kb_per_image']} KB, PIL's default 6 {level6['cpu_ms_per_image']} ms for "
-            f"{level6['kb_per_image']} KB (barely smaller): the knee moves with those times. JPEG (quality 90) is "
-            "an order of magnitude cheaper; WebP (quality 90) costs about what PNG does. Beyond one core, "
-            "`DIFFQ_SINK_THREADS` (default 4) sets how many images of a batch the sink encodes and uploads at "
-            "once, i.e. how many spare cores it can use."]
-    png2 = find(1024, "png", cores=2)
-    if png and png2:
-        lines += [
-            f"- **Two cores** (sink threads 4), PNG 1024²: bare-loop host limit {ms(png2['host_limit_s_per_image'])} "
-            f"per image on 2 cores against {ms(png['host_limit_s_per_image'])} on one, knee "
-            f"{ms(png2['knee_s_per_image'])} against {ms(png['knee_s_per_image'])}. The sink encodes a batch's "
-            "images side by side, so with a second free core both halve; where the 2-core host limit is not "
-            "near half the 1-core one, the other sessions had the second core during that run. The CPU per "
-            f"image is the same work either way ({cpu(png2)})."]
-    jpeg, thread = find(1024, "jpeg"), find(1024, "jpeg", sink="thread")
+            f"{level6['kb_per_image']} KB (barely smaller): on one spare core the knee moves with those times. "
+            "JPEG (quality 90) is an order of magnitude cheaper; WebP (quality 90) costs about what PNG does. "
+            "Where the host has more spare cores, `DIFFQ_SINK_THREADS` (default 4) sets how many images of a batch "
+            "the sink encodes and uploads at once and `DIFFQ_SINK_CPUS` which cores it runs on."]
+    jpeg, jpeg16 = find(1024, "jpeg"), find(1024, "jpeg", batch=16)
     if jpeg:
         lines += [
-            f"- **JPEG at 1024²** encodes in a few ms, so what diffq adds per image weighs as much as the encode: "
-            f"{cpu(jpeg)}; the knee is at {ms(jpeg['knee_s_per_image'])} (wall). The extra is the process "
-            "boundary (the worker copies the pixels out, the socket carries them, the helper rebuilds the "
-            "images) plus per-batch costs (record, progress credit, Celery's message handling)."
-            + (f" With `DIFFQ_SINK=thread` (no boundary; fine where the device call releases the GIL) it is "
-               f"{cpu(thread)}." if thread else "")]
-    s3 = find(1024, "png", target="s3")
-    if s3:
+            f"- **JPEG at 1024²** encodes in ~{ms(jpeg['host_limit_s_per_image'])}, and the sink keeps up "
+            f"({cpu(jpeg)}); what sets the knee, {knee(jpeg)}, is the worker's own time between two calls: "
+            f"{gap(jpeg):.1f} ms per batch (Celery fetching and dispatching the next message, the task's "
+            "bookkeeping, the hand-over to the sink). Busy falls below 0.97 once a batch takes less than ~33 times "
+            "that, so the knee is about gap / (0.03 × batch) per image."
+            + (f" Batch 16 spreads the same gap over twice the images: knee {knee(jpeg16)}." if jpeg16 else "")]
+    thread = find(1024, "jpeg", sink="thread")
+    if jpeg and thread:
         lines += [
-            f"- **S3** (moto on the same cores): PNG 1024² knee {ms(s3['knee_s_per_image'])}, host limit "
-            f"{ms(s3['host_limit_s_per_image'])}, {cpu(s3)}. moto is one Python process on the same two cores, and "
-            "the run's CPU includes it (the bare loop's does not), so this ratio overstates diffq's share."]
-    bound = [g for row in sweeps if row["cores"] == 1 for t, g in row["gap_ms"] if t >= 2 * row["host_limit_s_per_image"]]
+            f"- **Threads instead of the helper** (`DIFFQ_SINK=thread`), on their own core: idle gap "
+            f"{gap(thread):.1f} ms per batch against the helper's {gap(jpeg):.1f} ms, knee {knee(thread)}. The "
+            "device loop waits for the GIL after each of its own syscalls while the sink's threads hold it; with "
+            "the helper, the worker writes the 8-bit arrays' memory to the socket without the GIL."]
+    shared = [row for row in sweeps if row.get("layout") == "shared"]
+    if shared:
+        lines += ["- **Shared cores** (device loop and sink on the same cores): "
+                  + "; ".join(f"{row['height']}² {row['format']}: knee {knee(row)}, {cpu(row)}" for row in shared)
+                  + ". Here the sink's work and the worker's compete for the same two cores."]
+    for fmt in ("png", "jpeg"):
+        s3 = find(1024, fmt, target="s3")
+        if s3:
+            lines += [
+                f"- **S3, {fmt.upper()} 1024²** (moto on this machine's cores): knee {knee(s3)}, host limit "
+                f"{ms(s3['host_limit_s_per_image'])}, {cpu(s3)}. moto is one Python process sharing the cores and "
+                "is counted in the run's CPU (not in the bare loop's), so the ratio overstates diffq's share."]
+    bound = [gap(row) for row in sweeps if row.get("layout") == "split" and row.get("sink", "process") == "process"]
     if bound:
-        lines += [f"- **Idle gap** while device-bound: median {statistics.median(bound):.1f} ms between two calls."]
+        lines += [f"- **Idle gap** while device-bound (split, helper sink): median {statistics.median(bound):.1f} ms "
+                  "between two calls."]
     return lines + [""]
 
 
@@ -482,14 +522,14 @@ def plot(sweeps: list[dict], path: Path) -> None:
     seen = set()
     for row in sweeps:
         sink = row.get("sink", "process")
-        key = (row["height"], row["format"], row["batch"], row["target"], row["cores"], sink)
+        key = (row["height"], row["format"], row["batch"], row["target"], row.get("layout"), sink)
         if key in seen:  # the same configuration measured again: the first document's
             continue
         seen.add(key)
-        style = ":" if row["cores"] > 1 else "--" if row["target"] == "s3" else "-." if sink == "thread" else "-"
+        style = ":" if row.get("layout") == "shared" else "--" if row["target"] == "s3" else "-." if sink == "thread" else "-"
         label = (f"{row['height']}² {row['format']} b{row['batch']}"
                  + (f" {row['target']}" if row["target"] != "local" else "")
-                 + (f" {row['cores']} cores" if row["cores"] > 1 else "") + (f" {sink} sink" if sink != "process" else ""))
+                 + (" shared cores" if row.get("layout") == "shared" else "") + (f" {sink} sink" if sink != "process" else ""))
         ax.plot([1000 * t for t, _ in row["busy"]], [f for _, f in row["busy"]], style, marker="s" if row["batch"] < 8
                 else "o", ms=3, lw=1.2, color=colors.get((row["height"], row["format"]), "#555"), label=label)
     ax.axhline(BUSY_GOAL, color="#888", lw=0.8)
@@ -531,6 +571,8 @@ def configs(args: argparse.Namespace) -> list[tuple[str, int, int, str]]:
 def main(argv: list[str] | None = None) -> dict:
     args = main_parser().parse_args(argv)
     plan = configs(args)
+    from diffq.core.settings import get_settings
+
     grid = tuple(float(x) for x in args.grid.split(",")) if args.grid else GRID
     workdir = Path(tempfile.mkdtemp(prefix="diffq-bench-device-"))
     model = str(write_standin(workdir / "standin"))
@@ -547,17 +589,15 @@ def main(argv: list[str] | None = None) -> dict:
                       file=sys.stderr, flush=True)
                 measured[(target, size, batch, fmt)].append(row)
     sweeps = [summarise({"height": size, "width": size, "format": fmt, "batch": batch, "target": target,
-                         "cores": args.cores}, rows)
+                         "cores": args.cores, "layout": layout(args.cores)["layout"]}, rows)
               for (target, size, batch, fmt), rows in measured.items()]
     if args.plot:
         plot(sweeps, args.plot)
-    from diffq.core.settings import get_settings
-
     for row in sweeps:
         row.update(sink=get_settings().sink, sink_threads=get_settings().sink_threads)
     document = {"sweeps": sweeps, "measured_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     if args.settings:
-        with pinned(args.cores):
+        with pinned(layout(args.cores)):
             document["encode_settings"] = encode_settings()
     print(json.dumps(document) if args.json else json.dumps(document, indent=1))
     return document

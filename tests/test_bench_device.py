@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -88,7 +89,24 @@ def test_sweep_drives_a_real_run_and_prints_the_json_shape():
     assert sweep["images"] == sweep["images_stored"] > 0
     assert sweep["run_cpu_s_per_image"] > 0 and sweep["host_cpu_s_per_image"] > 0
     # The docs section has its row.
-    assert any(line.startswith("| 64² | png | 2 | local | 1 |") for line in render({"test": document}))
+    # With a core beyond the sink's, the device loop and the sink run apart (bench.device.layout).
+    assert sweep["layout"] == ("split" if len(os.sched_getaffinity(0)) > 1 else "shared")
+    assert any(line.startswith(f"| 64² | png | 2 | local | {sweep['layout']} | 1 |")
+               for line in render({"test": document}))
+
+
+def test_standin_pt_output_is_an_accelerators_8_bit_batch_the_host_takes_without_a_copy():
+    """output_type="pt" (what the worker asks for): B×3×H×W uint8, as scaled on the
+    device; the host's to_arrays hands the sink views of that memory (as after a DMA)."""
+    from diffq.worker.pipeline_host import to_arrays
+
+    pipe = StandInPipeline()
+    batch = pipe(prompt=[f"p{n} device_s=0.0" for n in range(10)], height=64, width=48, output_type="pt").images
+    assert tuple(batch.shape) == (10, 3, 64, 48) and str(batch.dtype) == "torch.uint8"
+    arrays = to_arrays(batch)
+    pool = image_pool(64, 48)
+    assert all(np.array_equal(arrays[n], np.asarray(pool[n % len(pool)])) for n in range(10))  # 10 > the pool: cycled
+    assert all(np.shares_memory(arrays[n], batch.numpy()) for n in range(10))
 
 
 def test_sink_threads_setting_reaches_the_helper(monkeypatch):

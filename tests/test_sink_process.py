@@ -91,6 +91,61 @@ def test_helper_stores_the_same_images_records_and_credits(out):
         sink.close()
 
 
+@pytest.mark.parametrize("mode", ["process", "thread"])
+def test_generated_arrays_are_stored_as_the_same_pixels(tmp_path, mode):
+    """The worker hands over what the pipeline host makes (H×W×3 uint8 arrays, views
+    of one batch array): both sinks store exactly those pixels."""
+    out = str(tmp_path / "run")
+    message = batch(out, 5)
+    arrays = list(np.stack([np.asarray(image) for image in pictures(message)]))
+    sink = SinkProcess() if mode == "process" else Sink()
+    try:
+        assert store(sink, out, message, arrays, {"generate_s": 0.25}).written == 4
+        assert_stored(out, message, arrays)
+    finally:
+        sink.close()
+
+
+def test_sink_cpus_place_the_helper_and_the_sink_threads(tmp_path, monkeypatch):
+    mine = os.sched_getaffinity(0)
+    cpu = max(mine)
+    monkeypatch.setenv("DIFFQ_SINK_CPUS", str(cpu))
+    threaded = Sink()
+    try:
+        assert threaded._pool.submit(os.sched_getaffinity, 0).result() == {cpu}
+        assert threaded._writer.submit(os.sched_getaffinity, 0).result() == {cpu}
+        assert os.sched_getaffinity(0) == mine  # only the sink's threads moved
+    finally:
+        threaded.close()
+    sink = SinkProcess()
+    try:
+        message = batch(str(tmp_path / "run"), 6)
+        store(sink, str(tmp_path / "run"), message, pictures(message))
+        status = open(f"/proc/{sink._helper.process.pid}/status").read()
+        assert f"Cpus_allowed_list:\t{cpu}\n" in status
+    finally:
+        sink.close()
+
+
+def test_the_sink_keeps_freed_pixel_blocks_for_the_next_batch(monkeypatch):
+    from PIL import Image
+
+    from diffq.worker.sink import PIXEL_BLOCKS_KEPT
+
+    monkeypatch.delenv("PILLOW_BLOCKS_MAX", raising=False)
+    before = Image.core.get_blocks_max()
+    try:
+        Image.core.set_blocks_max(0)  # PIL's default: every image's memory goes back to the OS
+        Sink().close()
+        assert Image.core.get_blocks_max() == PIXEL_BLOCKS_KEPT
+        Image.core.set_blocks_max(0)
+        monkeypatch.setenv("PILLOW_BLOCKS_MAX", "0")  # the user's setting wins
+        Sink().close()
+        assert Image.core.get_blocks_max() == 0
+    finally:
+        Image.core.set_blocks_max(before)
+
+
 def test_a_dead_helper_fails_what_it_held_and_the_next_batch_gets_a_new_one(tmp_path):
     out = str(tmp_path / "run")
     sink = SinkProcess()

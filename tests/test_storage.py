@@ -365,6 +365,23 @@ def test_local_symlink_cannot_escape(tmp_path):
     assert list(store.list("link/")) == []
 
 
+def test_local_write_never_goes_through_a_link_in_the_last_part(tmp_path):
+    """Writes resolve only the directory (once per directory): a link planted where an
+    object will go is replaced or, with if_absent, counts as there; the file it points
+    to is never written."""
+    outside = tmp_path / "outside.png"
+    outside.write_bytes(b"theirs")
+    root = tmp_path / "root"
+    (root / "images").mkdir(parents=True)
+    (root / "images" / "a.png").symlink_to(outside)
+    (root / "images" / "b.png").symlink_to(outside)
+    store = open_storage(str(root))
+    assert store.put_bytes("images/a.png", b"ours", if_absent=True) is False
+    store.put_bytes("images/b.png", b"ours")
+    assert outside.read_bytes() == b"theirs"
+    assert not (root / "images" / "b.png").is_symlink() and store.get_bytes("images/b.png") == b"ours"
+
+
 def test_local_writes_are_atomic_files(tmp_path):
     store = open_storage(str(tmp_path / "root"))
     store.put_bytes("a/b.png", b"x")

@@ -167,3 +167,19 @@ def test_unknown_family_is_rejected(tmp_path):
         build_tiny_pipeline(tmp_path, family="nope")
     for family in FAMILIES:
         assert family in str(excinfo.value)
+
+
+def test_the_hosts_8_bit_arrays_are_diffusers_own_pil_pixels(tiny):
+    """The worker asks for output_type="pt" and scales to 8 bits where the tensor is
+    (worker/pipeline_host.py to_arrays); diffusers' "pil" path does the same float32
+    arithmetic on the host (diffusers/image_processor.py: VaeImageProcessor.postprocess,
+    pt_to_numpy, numpy_to_pil: (images * 255).round().astype("uint8")). Same pixels."""
+    from diffq.worker.pipeline_host import to_arrays
+
+    _family, _path, pipe = tiny
+    pil = _generate(pipe, ["a red fox", "a blue car"], [1, 2])
+    tensor = pipe(prompt=["a red fox", "a blue car"], height=SIZE, width=SIZE, num_inference_steps=STEPS,
+                  generator=[torch.Generator("cpu").manual_seed(s) for s in (1, 2)], output_type="pt").images
+    arrays = to_arrays(tensor)
+    assert [a.dtype for a in arrays] == [np.uint8, np.uint8] and arrays[0].shape == (SIZE, SIZE, 3)
+    assert all(np.array_equal(np.asarray(p), a) for p, a in zip(pil, arrays))

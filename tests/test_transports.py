@@ -64,6 +64,24 @@ def test_embedded_row_swaps_in_diffqs_filesystem_transport(tmp_path):
     assert app.conf.broker_transport_options == options
 
 
+def test_monitoring_is_off_where_no_monitor_can_attach(tmp_path, monkeypatch):
+    """Task events and remote control cost the worker's main thread a publish per
+    event and a pidbox poll per cycle between two device calls: only brokers a
+    monitor can reach get them; DIFFQ_TASK_EVENTS decides events either way."""
+    from diffq.core.broker import embedded_broker
+
+    monkeypatch.delenv("DIFFQ_TASK_EVENTS", raising=False)
+    embedded = make_celery(*embedded_broker(tmp_path)).conf
+    assert (embedded.worker_send_task_events, embedded.worker_enable_remote_control) == (False, False)
+    for url in ("redis://127.0.0.1:1/0", "amqp://guest@127.0.0.1:1//", "sqs://"):
+        conf = make_celery(url).conf
+        assert (conf.worker_send_task_events, conf.worker_enable_remote_control) == (True, True), url
+    monkeypatch.setenv("DIFFQ_TASK_EVENTS", "false")
+    assert make_celery("redis://127.0.0.1:1/0").conf.worker_send_task_events is False
+    monkeypatch.setenv("DIFFQ_TASK_EVENTS", "true")
+    assert make_celery(*embedded_broker(tmp_path)).conf.worker_send_task_events is True
+
+
 def test_redis_options_come_from_the_row(monkeypatch):
     monkeypatch.delenv("DIFFQ_VISIBILITY_TIMEOUT", raising=False)
     options = make_celery("redis://127.0.0.1:1/0").conf.broker_transport_options

@@ -47,7 +47,7 @@ class FamilyUnsupported(FamilyError):
 
 @dataclass
 class Generated:
-    images: list
+    images: list  # H×W×3 uint8 arrays (to_arrays)
     generate_s: float
     # This call compiled its shape: torch.compile's first call, or an eager backend's
     # first batch of the shape (it compiles each op on first use).
@@ -183,7 +183,7 @@ class PipelineHost:
         started = time.perf_counter()
         try:
             with torch.inference_mode():
-                images = pipe(**kwargs).images
+                images = to_arrays(pipe(**kwargs).images)
         except Exception:
             if leader:
                 self.group.agree(None)  # keep the other ranks in step
@@ -240,6 +240,21 @@ class PipelineHost:
         if not self.backend.fallback_report:
             return []
         return [str(op) for op in resolve(self.backend.fallback_report)()]
+
+
+def to_arrays(images) -> list:
+    """The pipeline's images (output_type="pt": B×3×H×W floats in [0, 1], where they were
+    made) as H×W×3 uint8 arrays on the host.
+
+    The scaling runs where the tensor is (on an accelerator, on the device) with the
+    float32 arithmetic of diffusers' own to-PIL step, so the pixels are the same; the
+    host receives one 8-bit copy, which the sink hands on without holding the GIL
+    (PIL images would be packed and unpacked under it: docs/BENCHMARKS.md)."""
+    if not isinstance(images, torch.Tensor):  # a pipeline that ignores output_type: as it made them
+        return list(images)
+    if images.dtype != torch.uint8:  # already 8-bit: nothing to scale
+        images = images.float().mul(255).round().to(torch.uint8)
+    return list(images.permute(0, 2, 3, 1).contiguous().cpu().numpy())
 
 
 def check_compile_mode(family: type[Family], compile_mode: str) -> None:

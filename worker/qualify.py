@@ -33,6 +33,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from diffq.worker.sink import as_image
 from diffq.worker.spec import QUIET_ENV, ChildSpec
 
 # Versions reported besides the backend's own packages (backends.py cache_packages).
@@ -116,7 +117,7 @@ def _save(images, spec: QualifySpec, height: int, width: int) -> None:
     for index, image in enumerate(images):
         path = image_path(spec.out_dir, height, width, index)
         path.parent.mkdir(parents=True, exist_ok=True)
-        image.save(path, format="PNG")
+        as_image(image).save(path, format="PNG")
 
 
 def measure(spec: QualifySpec) -> dict:

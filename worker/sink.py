@@ -34,7 +34,9 @@ from diffq.core import layout
 from diffq.core.contract import BatchMessage
 from diffq.core.progress import ProgressLog
 from diffq.core.records import ImageRecord, jsonl
+from diffq.core.settings import get_settings
 from diffq.core.storage import Storage
+from diffq.worker.backends import parse_devices
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +48,8 @@ SINK_NICENESS = 10
 
 
 def _yield_to_generation() -> None:
-    """Lower this thread's scheduling priority (Linux: niceness is per thread).
+    """Lower this thread's scheduling priority (Linux: niceness is per thread), and
+    keep it on the sink's CPUs where `DIFFQ_SINK_CPUS` names them.
 
     Encoding overlaps the next batch's generation; where cores are scarce the
     encoder should take what generation leaves, not preempt the device loop.
@@ -55,6 +58,27 @@ def _yield_to_generation() -> None:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), SINK_NICENESS)
     except (AttributeError, OSError):  # not Linux, or not allowed: run at normal priority
         pass
+    place_on_sink_cpus()
+
+
+def place_on_sink_cpus() -> None:
+    """Run the calling thread (and what it starts later) on `DIFFQ_SINK_CPUS`."""
+    cpus = get_settings().sink_cpus
+    if not cpus:
+        return
+    try:
+        os.sched_setaffinity(0, parse_devices(cpus))  # 0: the calling thread (Linux)
+    except (AttributeError, OSError, ValueError) as exc:
+        log.warning("DIFFQ_SINK_CPUS=%s not applied: %s", cpus, exc)
+
+
+def as_image(image):
+    """A PIL image of a generated one (an H×W×3 uint8 array, or already PIL)."""
+    from PIL import Image
+
+    if isinstance(image, Image.Image):
+        return image
+    return Image.fromarray(image)
 
 
 def fit_image(image, fit: str, height: int | None, width: int | None):
@@ -143,8 +167,22 @@ class _Credits:
     timer: threading.Timer | None = None
 
 
+# Freed pixel blocks PIL keeps for the next images (its default, 0, hands each
+# image's memory back to the OS, and every batch's new images fault it in again:
+# docs/BENCHMARKS.md). PILLOW_BLOCKS_MAX, where set, decides instead.
+PIXEL_BLOCKS_KEPT = 16
+
+
+def keep_pixel_blocks() -> None:
+    from PIL import Image
+
+    if "PILLOW_BLOCKS_MAX" not in os.environ:
+        Image.core.set_blocks_max(max(Image.core.get_blocks_max(), PIXEL_BLOCKS_KEPT))
+
+
 class Sink:
     def __init__(self, threads: int = 4, retry_for_s: float = 600.0):
+        keep_pixel_blocks()
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="diffq-sink",
                                           initializer=_yield_to_generation)
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="diffq-io",
@@ -246,7 +284,7 @@ class Sink:
 
         def put(index: int) -> tuple[bool, int]:
             item = message.items[index]
-            image = fit_image(images[index], fit, item.requested_height, item.requested_width)
+            image = fit_image(as_image(images[index]), fit, item.requested_height, item.requested_width)
             data = encode(image, fmt, provenance(message, item, image.size) if embed else None)
             return storage.put_bytes(keys[index], data, content_type=layout.IMAGE_FORMATS[fmt].content_type,
                                      if_absent=True), len(data)

@@ -11,7 +11,7 @@ helper (`python -m diffq.worker.sink_process`, no torch) that runs the same `Sin
 (encode/upload threads, images if absent, then the record, then the credit, with
 its retries). In the worker only two threads touch the socket, and they spend
 their time blocked in send/recv, which release the GIL. Every batch still gets a
-future that resolves once it is stored, so deferred acks (acks.py) work unchanged.
+future that resolves once it is stored, so deferred acks (batches.py) work unchanged.
 
 Failure: if the helper dies, the batches it held fail (their acks turn into
 requeues, nothing is lost) and the next batch starts a new helper. When the worker
@@ -37,10 +37,12 @@ import threading
 from concurrent.futures import Future, wait
 from multiprocessing.connection import Connection
 
+import numpy as np
+
 from diffq.core.contract import BatchMessage
 from diffq.core.settings import get_settings
 from diffq.core.storage import Storage, open_storage
-from diffq.worker.sink import SINK_NICENESS, BatchOutcome, Handed, Sink
+from diffq.worker.sink import SINK_NICENESS, BatchOutcome, Handed, Sink, place_on_sink_cpus
 
 log = logging.getLogger(__name__)
 
@@ -175,10 +177,9 @@ class SinkProcess:
         helper = self._current()
         if helper is None:
             return self._fallback.submit(storage, message, images, record_extra)
-        first = images[0]
         header = {
             "op": "store", "out": storage.url, "message": message.model_dump_json(), "record_extra": record_extra,
-            "image": {"mode": first.mode, "size": list(first.size), "count": len(images)},
+            "image": {**pixel_format(images[0]), "count": len(images)},
         }
         # Copying the pixels out (B × H × W × 3 bytes) would otherwise sit between two
         # device calls; the send thread does it while the next call runs.
@@ -242,15 +243,35 @@ def _send_all(fd: int, data) -> None:
         view = view[os.write(fd, view):]
 
 
+def pixel_format(image) -> dict:
+    """How the helper rebuilds an image from its raw pixels: PIL mode and (width, height)."""
+    if isinstance(image, np.ndarray):
+        height, width = image.shape[:2]
+        return {"mode": ARRAY_MODES[image.shape[2] if image.ndim == 3 else 1], "size": [width, height]}
+    return {"mode": image.mode, "size": list(image.size)}
+
+
+# Channels of an H×W(×C) uint8 array -> the PIL mode of the same bytes.
+ARRAY_MODES = {1: "L", 3: "RGB", 4: "RGBA"}
+
+
+def _pixels(image):
+    """The raw pixels: an array's own memory (written out without the GIL), or a copy
+    out of a PIL image (packed under the GIL)."""
+    if isinstance(image, np.ndarray):
+        return memoryview(np.ascontiguousarray(image)).cast("B")
+    return image.tobytes()
+
+
 def _send_pixels(fd: int, images: list) -> None:
     """The images' pixels as one `Connection.send_bytes` message, written one image at
     a time (no joined copy of the whole batch)."""
-    first = images[0].tobytes()
+    first = _pixels(images[0])
     size = len(first) * len(images)
     _send_all(fd, struct.pack("!i", size) if size <= 0x7FFFFFFF else struct.pack("!iQ", -1, size))
     _send_all(fd, first)
     for image in images[1:]:
-        _send_all(fd, image.tobytes())
+        _send_all(fd, _pixels(image))
 
 
 def _recv_payload(conn: Connection, reuse: bytearray | None = None) -> bytearray:
@@ -347,6 +368,7 @@ def main(argv: list[str]) -> None:
         os.setpriority(os.PRIO_PROCESS, 0, SINK_NICENESS)
     except (AttributeError, OSError):
         pass
+    place_on_sink_cpus()  # before any thread starts: they inherit it
     if get_settings().log_json:
         from diffq.worker.logs import install_json_logging
 

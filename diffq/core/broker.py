@@ -95,7 +95,8 @@ def make_celery(broker_url: str, transport_options: dict | None = None) -> Celer
         task_default_queue="diffq.default",
         worker_hijack_root_logger=False,
         worker_redirect_stdouts=False,
-        worker_send_task_events=True,
+        worker_send_task_events=transport.monitored if settings.task_events is None else settings.task_events,
+        worker_enable_remote_control=transport.monitored,
         task_send_sent_event=False,
     )
     return app

@@ -29,6 +29,9 @@ class Settings(BaseSettings):
     task_max_retries: int = Field(default=3, ge=0)
     # Celery retry countdown: base * 2**attempt seconds, capped at 30 s.
     retry_backoff_s: float = Field(default=2.0, ge=0)
+    # Celery task events for Flower / `celery events`; unset: the transport's own
+    # default (core/transports.py: on, except where no monitor can attach).
+    task_events: bool | None = None
     # Where a worker encodes and stores images: a helper process (the generating
     # process keeps the GIL; worker/sink_process.py) or threads beside generation.
     sink: Literal["process", "thread"] = "process"
@@ -36,6 +39,9 @@ class Settings(BaseSettings):
     # and storage clients release the GIL): the cores a worker's sink may use. Raise
     # it where a worker has more spare cores and the sink is the limit (docs/BENCHMARKS.md).
     sink_threads: int = Field(default=4, ge=1)
+    # CPUs the sink runs on ('8-11', '2,3'; Linux), unset: wherever the scheduler puts
+    # it. Keeps encoding off the cores that drive the devices on a busy host.
+    sink_cpus: str | None = None
 
 
 def get_settings() -> Settings:

@@ -315,6 +315,12 @@ class Transport:
     discovery: str = "none: name the queues (--queues or --run)"  # the same, in words
     # (channel, on_bad) -> None: check raw deliveries the transport would choke on.
     guard_deliveries: Callable | None = None
+    # Celery's monitoring channels: task events (Flower, `celery events`: three
+    # publishes per batch) and remote control (`celery inspect`, `diffq queues`' live
+    # consumers: its pidbox queue is polled every cycle), both on the worker's main
+    # thread between two device calls. Off where no monitor can attach (the embedded
+    # run's folder, the in-process memory broker); DIFFQ_TASK_EVENTS overrides events.
+    monitored: bool = True
 
 
 TRANSPORTS = (
@@ -333,10 +339,11 @@ TRANSPORTS = (
               list_queues=sqs_list_queues, discovery="ListQueues by name prefix"),
     # No lease: the embedded runner re-enqueues from the run folder.
     Transport("embedded", ("filesystem",), event_loop=False, loses_inflight_on_kill=True,
-              renew=None, broker_options=_no_options, kombu_transport="diffq.core.broker:EmbeddedTransport"),
+              renew=None, broker_options=_no_options, kombu_transport="diffq.core.broker:EmbeddedTransport",
+              monitored=False),
     # kombu's in-process transport: only for plans and tests that start nothing.
     Transport("memory", ("memory",), event_loop=False, loses_inflight_on_kill=True,
-              renew=None, broker_options=_no_options),
+              renew=None, broker_options=_no_options, monitored=False),
 )
 _BY_SCHEME = {scheme: row for row in TRANSPORTS for scheme in row.schemes}
 

@@ -188,10 +188,13 @@ def atomic_write(path: Path, write: Callable[[BinaryIO], None], *, exclusive: bo
     if `path` exists, so concurrent writers race safely (returns False then).
     No fsync: this guards against readers and crashed writers, not power loss.
     """
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.parent / f"{TMP_PREFIX}{secrets.token_hex(8)}"
     # os.open with 0o666 keeps the umask's permissions (mkstemp would force 0600).
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    except FileNotFoundError:  # the directory is made on the first write into it only
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
         with os.fdopen(fd, "wb") as f:
             write(f)

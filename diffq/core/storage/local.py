@@ -29,6 +29,25 @@ class LocalStorage(Storage):
         # A plain absolute path: open_storage accepts it back, and join_url
         # needs no percent-encoding as a file:// URL would.
         self.url = str(self.root)
+        self._folders: dict[str, Path] = {}  # resolved directories of written keys
+
+    def _write_path(self, key: str) -> Path:
+        """`_path` for a write, with the directory resolved once per directory: a write
+        never goes through a link in the last component (atomic_write renames or
+        hard-links over it), so only the directories on the way could lead out, and
+        every image of a run shares one. Resolving walks the path a syscall per part,
+        each a GIL round trip that the sink's busy threads make slow."""
+        validate_key(key)
+        parent, _, name = key.rpartition("/")
+        folder = self._folders.get(parent)
+        if folder is None:
+            folder = (self.root / parent).resolve()
+            if not folder.is_relative_to(self.root):
+                raise ValueError(f"storage key {key!r} resolves outside {self.url}: {folder}")
+            if len(self._folders) >= 4096:
+                self._folders.clear()
+            self._folders[parent] = folder
+        return folder / name
 
     def _path(self, key: str) -> Path:
         validate_key(key)
@@ -48,7 +67,7 @@ class LocalStorage(Storage):
             raise StorageError(f"{op} {self.key_url(key)} failed: {e}") from e
 
     def put_bytes(self, key, data, *, content_type=None, if_absent=False):
-        path = self._path(key)
+        path = self._write_path(key)
         try:
             return atomic_write(path, lambda f: f.write(data), exclusive=if_absent)
         except OSError as e:
@@ -116,7 +135,7 @@ class LocalStorage(Storage):
             atomic_write(Path(local_path), lambda dst: shutil.copyfileobj(src, dst, 1 << 20))
 
     def upload_file(self, local_path, key, *, if_absent=False):
-        path = self._path(key)
+        path = self._write_path(key)
         with open(local_path, "rb") as src:
             try:
                 return atomic_write(
