@@ -417,20 +417,35 @@ LIMITS = """## What limits the figures (from profiles)
   tracing (~3–5 s), which every process repeats; every kernel comes from the cache
   (0 misses) and the AOTAutograd and FX graph caches are on. On real models a
   minutes-long compile makes the ratio far smaller.
-- **A fast device (simulated, "Keeping a fast device fed").** Between two pipeline
-  calls the worker's main thread now only hands the images over: the sink's send
-  thread copies the pixels out of PIL and writes each image straight to the socket
-  (they were copied and joined between two calls: most of a 20–30 ms idle gap per
-  1024² batch of 8, now ~3 ms), and the helper reads a batch into one reused buffer
-  (the stdlib's `recv_bytes` goes through a growing BytesIO: ~27 ms of CPU per 25 MB
-  batch against ~7 ms). What the process boundary still costs at 1024², batch 8, is
-  ~15 ms of CPU per batch (pixels out of PIL, through the socket, back into PIL): a
-  few % of PNG's or WebP's host work, about as much as JPEG's encode itself, hence
-  JPEG's 1.6–2.3× against the bare loop where `DIFFQ_SINK=thread` (no boundary) is
-  ~1.05×. The wall-clock knees sit above the CPU ones because the sink helper runs
-  at niceness 10 by design: whatever else runs on its core (other sessions here;
-  load averages in the section) comes first; the CPU per image does not depend on
-  that."""
+- **A fast device (simulated, "Keeping a fast device fed").** Profiled with a
+  timeline of the worker's main thread between two calls, per-thread scheduler
+  statistics (/proc/<tid>/schedstat) and py-spy on the sink helper; what it found
+  and what changed:
+  - Celery's task events (three publishes per batch) and its remote-control pidbox
+    (listed every consumer cycle) sat between every two calls on the embedded broker,
+    where no monitor can attach: ~1 ms per batch. Both are a transport-table fact now,
+    off for the embedded broker (`DIFFQ_TASK_EVENTS` for the others).
+  - A thread that holds the GIL stalls the device loop wherever the two run on
+    different cores: after each syscall of its own (reading the next message, writing
+    the record) the loop waits for the GIL. PIL's `tobytes` (RGB out of PIL's 4-byte
+    pixels, under the GIL) in the worker's send thread, or the sink's threads in the
+    worker (`DIFFQ_SINK=thread`: 13 ms gaps per 1024² JPEG batch of 8 on a core of
+    their own, 4 ms with one thread). The pipeline now returns tensors
+    (`output_type="pt"`), scaled to 8 bits where they are (the device, on an
+    accelerator), and the worker writes those arrays' memory to the socket, which
+    releases the GIL: the device loop's gap is ~1.4 ms per batch, the rest of it
+    Celery fetching and dispatching the next message and the task's bookkeeping.
+  - In the helper, every batch's new images faulted fresh memory in (PIL hands each
+    image's blocks back to the OS by default: `Image.new` was half the helper's main
+    thread), and each local write resolved its whole path, a GIL round trip per part,
+    plus an mkdir: the sink keeps 16 freed blocks, resolves a directory once and makes
+    it on the first write into it. 1024² JPEG: 9.2 → 3.3 ms of CPU per image (bare
+    loop 2.5).
+  - What is left bounds only formats that encode in a few ms: with ~1.4 ms of worker
+    time per batch, busy stays ≥ 0.97 down to ~gap / (0.03 × batch) per image, 5 ms at
+    batch 8 (200 images/s per device), 4.4 ms at batch 16. Getting under it means
+    fetching and preparing batch N+1 while batch N runs, i.e. running the device call
+    outside Celery's task call: not done (retries, splits and hand-backs live there)."""
 
 
 if __name__ == "__main__":
