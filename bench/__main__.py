@@ -366,7 +366,13 @@ LIMITS = """## What limits the figures (from profiles)
   varies by about as much as the N extra items take (~2.5 s); even the raw loop's
   own marginal moves ±15 %. Hence the in-run marginal (first generate start → last
   image stored, from the records) and ratios taken within each repeat, raw loop
-  and diffq back to back; the per-repeat ratios are in the table.
+  and diffq back to back; the per-repeat ratios are in the table. Even the in-run
+  ratio at N = 192 does not hold still on a quiet machine: five interleaved pairs of
+  `python -m bench.e2e --items 192 --workers 1 --repeats 1` (2026-12-01 13:20 UTC),
+  the code before the fast-device changes (9312dcd) against after (7f32dc5): diffq
+  in-run median 98.8 against 100.9 images/s, the raw loop itself 104–134 against
+  89–129, per-repeat ratios 0.74–1.15 against 0.70–1.28. The end-to-end row above is
+  one draw from that spread, not a regression.
 - **End to end vs the raw loop on CPU — the GIL (fixed).** py-spy on a worker: the
   main thread spends 97 % of its samples inside the pipeline call, and the idle gap
   is ~2 ms. The loss was the call itself: the tiny model's steps are Python-bound,
