@@ -571,8 +571,6 @@ def configs(args: argparse.Namespace) -> list[tuple[str, int, int, str]]:
 def main(argv: list[str] | None = None) -> dict:
     args = main_parser().parse_args(argv)
     plan = configs(args)
-    from diffq.core.settings import get_settings
-
     grid = tuple(float(x) for x in args.grid.split(",")) if args.grid else GRID
     workdir = Path(tempfile.mkdtemp(prefix="diffq-bench-device-"))
     model = str(write_standin(workdir / "standin"))
@@ -593,6 +591,8 @@ def main(argv: list[str] | None = None) -> dict:
               for (target, size, batch, fmt), rows in measured.items()]
     if args.plot:
         plot(sweeps, args.plot)
+    from diffq.core.settings import get_settings
+
     for row in sweeps:
         row.update(sink=get_settings().sink, sink_threads=get_settings().sink_threads)
     document = {"sweeps": sweeps, "measured_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}

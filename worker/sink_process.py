@@ -181,8 +181,8 @@ class SinkProcess:
             "op": "store", "out": storage.url, "message": message.model_dump_json(), "record_extra": record_extra,
             "image": {**pixel_format(images[0]), "count": len(images)},
         }
-        # Copying the pixels out (B × H × W × 3 bytes) would otherwise sit between two
-        # device calls; the send thread does it while the next call runs.
+        # The send thread writes the pixels out (a PIL image's are copied first) while
+        # the next call runs, not between two device calls.
         futures = helper.submit(header, images, ("stored", "credited"))
         return Handed(stored=self._outcome(futures["stored"]), credited=futures["credited"])
 

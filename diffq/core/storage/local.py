@@ -41,9 +41,7 @@ class LocalStorage(Storage):
         parent, _, name = key.rpartition("/")
         folder = self._folders.get(parent)
         if folder is None:
-            folder = (self.root / parent).resolve()
-            if not folder.is_relative_to(self.root):
-                raise ValueError(f"storage key {key!r} resolves outside {self.url}: {folder}")
+            folder = self._resolved(parent, key)
             if len(self._folders) >= 4096:
                 self._folders.clear()
             self._folders[parent] = folder
@@ -51,8 +49,11 @@ class LocalStorage(Storage):
 
     def _path(self, key: str) -> Path:
         validate_key(key)
+        return self._resolved(key, key)
+
+    def _resolved(self, relative: str, key: str) -> Path:
         # Resolving follows symlinks, so a link inside the root cannot lead out.
-        path = (self.root / key).resolve()
+        path = (self.root / relative).resolve()
         if not path.is_relative_to(self.root):
             raise ValueError(f"storage key {key!r} resolves outside {self.url}: {path}")
         return path
