@@ -135,6 +135,19 @@ class Group:
             self._broadcast(None)
         except GroupBroken:
             pass  # the others are gone already
+        self.leave()
+
+    def leave(self) -> None:
+        """Tear the process groups down before the interpreter exits: left to exit-time
+        destructors, a gloo thread still running aborts the process (SIGABRT,
+        "terminate called without an active exception") after a clean run."""
+        import torch.distributed as dist
+
+        try:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        except Exception as exc:  # leaving anyway
+            log.warning("rank %d: tearing down its process group: %r", self.rank, exc)
 
     # ranks > 0 ---------------------------------------------------------------
     def receive(self) -> tuple[ShapeKey, BatchParams, list[BatchItem]] | None:
@@ -242,6 +255,13 @@ def shard_load_kwargs(library: str, cls, source: str, subfolder: str, group: Gro
 
 def follow(group: Group, host, models: list[str], dtype: str) -> int:
     """Ranks > 0: generate what rank 0 announces until it says stop. Returns an exit code."""
+    try:
+        return _follow_batches(group, host, models, dtype)
+    finally:
+        group.leave()
+
+
+def _follow_batches(group: Group, host, models: list[str], dtype: str) -> int:
     from diffq.worker import faults
 
     for model in models:  # the same loads in the same order as rank 0 (loading may be collective)
