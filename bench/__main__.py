@@ -66,7 +66,7 @@ def plot(e2e: list[dict], path: Path) -> None:
 
 
 SECTIONS = ("e2e", "whole", "device", "sink", "ray_data", "producer", "status", "routing", "compile_cache",
-            "figures")
+            "figures", "fleet")
 
 
 def run_section(name: str, quick: bool) -> list[dict] | dict:
@@ -93,6 +93,14 @@ def run_section(name: str, quick: bool) -> list[dict] | dict:
                             "--s3-summary-items", "50000" if quick else "1000000"])
     if name == "routing":
         return routing.main(["--batches", "4" if quick else "8"])
+    if name == "fleet":
+        from bench import fleet
+
+        sizes = ["--workers", "10,100", "--queues", "1,100", "--seconds", "3"] if quick else []
+        # Busy workers cost the simulator about twice as much: 1,000 of them outrun 2 cores.
+        busy = ["--workers", "100", "--queues", "1,100", "--seconds", "8"] if not quick else sizes
+        real = [] if quick else fleet.main(["--real-worker", "--queues", "1,10", "--seconds", "10"])
+        return fleet.main(sizes) + fleet.main(["--scenario", "busy", *busy]) + real
     return compile_cache_rows()
 
 
@@ -218,6 +226,7 @@ def render(results: dict) -> str:
     for row in status_rows:
         lines.append(f"| {row['where']} | {row['items']:,} | {row['record_files']:,} | "
                      f"{row.get('progress_segments', '')} | {row['status_s']} | `{row['command']}` |")
+    lines += scale_section(results)
     lines += ["", "## Compile-aware routing", "",
               "Distinct (worker, shape) pairs = shape compiles of the fleet (each worker compiles a shape the",
               "first time it takes a batch of it).", "",
@@ -259,6 +268,16 @@ def sink_section(rows: list[dict]) -> list[str]:
         lines.append(f"| {row['sink']} | {row['batches']} | {row['generate_s']:.4f} | {row['slowdown']:.3f} | "
                      f"{'' if cpu is None else cpu} | `{row['command']}` |")
     return lines + [""]
+
+
+def scale_section(results: dict) -> list[str]:
+    """"## Scale": one subsection (###) per part measured at fleet size."""
+    from bench.fleet import render as control_plane
+
+    parts = control_plane(results.get("fleet", []))
+    while parts and not parts[-1]:
+        parts.pop()
+    return ["", "## Scale", "", *parts] if parts else []
 
 
 def figures_section(rows: list[dict]) -> list[str]:
@@ -354,6 +373,9 @@ def goals(results: dict) -> list[str]:
                        all(abs(r - row["marginal_ratio"]) <= row["marginal_ratio"] / 3 for r in ratios),
                        f"marginal {row['marginal_ratio']:.2f} ({min(ratios):.2f}–{max(ratios):.2f}), whole at 2N "
                        f"{row['whole_ratio']:.2f} ({min(row['whole_ratios']):.2f}–{max(row['whole_ratios']):.2f})"))
+    from bench.fleet import goals as fleet_goals
+
+    checks += fleet_goals(results.get("fleet", []))
     lines = ["## Goals", "", "| goal | met | this run |", "|---|---|---|"]
     lines += [f"| {goal} | {'yes' if met else '**no**'} | {figure} |" for goal, met, figure in checks]
     return lines

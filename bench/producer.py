@@ -1,16 +1,32 @@
-"""Producer at scale: submit 100k and 1M prompts over 8 shapes to a private Redis.
+"""Producer at scale.
 
-Each size runs in a fresh process so its peak RSS is its own. Goals: ≥ 50,000
-prompts/s, peak RSS ≤ 300 MB, memory flat in the number of prompts.
+Default: submit 100k and 1M prompts over 8 shapes to a private Redis. Each size runs
+in a fresh process so its peak RSS is its own. Goals: ≥ 50,000 prompts/s, peak RSS
+≤ 300 MB, memory flat in the number of prompts.
 
     python -m bench.producer [--sizes 100000,1000000] [--batch-size 8]
+
+`--scale`: 10M–100M rows, each measured as a whole process under /usr/bin/time
+(docs/BENCHMARKS.md "Scale" → "Producer at 100M rows"; goals ≥ 50,000 rows/s and
+peak RSS ≤ 500 MB at 100M): `diffq plan` (the validation pass, nothing written)
+per size; submit with a publisher that discards (validation, plan parts written to a
+local run folder, messages encoded: the producer's own cost without a broker's) per
+size up to `--submit-max`; the real `diffq submit` to a private Redis at
+`--redis-rows` (a real publish of 100M rows would need ~30 GB of Redis); and
+`diffq plan` of the same rows as CSV, TXT and Parquet at `--format-rows`. Files are
+written under --workdir (default: a new folder in the temp dir) and removed after.
+
+    python -m bench.producer --scale 10000000,30000000,100000000 [--submit-max N]
+        [--redis-rows 10000000] [--format-rows 10000000] [--formats csv,txt,parquet]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -20,15 +36,42 @@ from pathlib import Path
 from bench import redis_server
 
 SIZES = [(64, 64), (128, 128), (64, 128), (128, 64), (256, 256), (96, 96), (160, 160), (192, 192)]
+MODEL = "/models/bench"
+BLOCK = 100_000  # rows formatted per write when generating files
+
+
+def _fields(i: int) -> tuple[str, str, int, int]:
+    h, w = SIZES[i % len(SIZES)]
+    return f"i{i:08d}", f"a photo of item {i} in style {i % 97}", h, w
+
+
+def write_rows(path: Path, n: int, fmt: str = "jsonl") -> Path:
+    """n rows over 8 shapes: JSONL, CSV (id, prompt, height, width), TXT (prompts only,
+    so ids are generated from lines) or Parquet (row groups of 1M)."""
+    if fmt == "parquet":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        writer = None
+        for start in range(0, n, 1_000_000):
+            columns = list(zip(*map(_fields, range(start, min(n, start + 1_000_000)))))
+            table = pa.table(dict(zip(("id", "prompt", "height", "width"), columns)))
+            writer = writer or pq.ParquetWriter(path, table.schema)
+            writer.write_table(table)
+        writer.close()
+        return path
+    line = {"jsonl": '{{"id": "{}", "prompt": "{}", "height": {}, "width": {}}}\n',
+            "csv": "{},{},{},{}\n", "txt": "{1}\n"}[fmt]
+    with path.open("w") as handle:
+        if fmt == "csv":
+            handle.write("id,prompt,height,width\n")
+        for start in range(0, n, BLOCK):
+            handle.write("".join(line.format(*_fields(i)) for i in range(start, min(n, start + BLOCK))))
+    return path
 
 
 def write_prompts(path: Path, n: int) -> Path:
-    with path.open("w") as handle:
-        for i in range(n):
-            h, w = SIZES[i % len(SIZES)]
-            handle.write(json.dumps({"id": f"i{i:08d}", "prompt": f"a photo of item {i} in style {i % 97}",
-                                     "height": h, "width": w}) + "\n")
-    return path
+    return write_rows(path, n, "jsonl")
 
 
 def one(prompts: str, broker: str, out: str, batch_size: int) -> dict:
@@ -36,7 +79,7 @@ def one(prompts: str, broker: str, out: str, batch_size: int) -> dict:
     from diffq.producer.submit import submit
 
     started = time.perf_counter()
-    result = submit(prompts, out, model="/models/bench", broker_url=broker, batch_size=batch_size)
+    result = submit(prompts, out, model=MODEL, broker_url=broker, batch_size=batch_size)
     seconds = time.perf_counter() - started
     import redis
 
@@ -55,15 +98,181 @@ def peak_rss_mb() -> float:
     return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
 
 
+class Discard:
+    """A publisher that keeps nothing: submit's own cost without a broker's."""
+
+    def __init__(self):
+        self.messages = self.bytes = 0
+
+    def publish_encoded(self, message) -> None:
+        self.messages += 1
+        self.bytes += len(message.json)
+
+
+def one_discard(prompts: str, out: str, batch_size: int) -> dict:
+    """Runs in its own process: submit to `Discard`; how long the final id check took."""
+    from diffq.producer import sources
+    from diffq.producer.submit import submit
+
+    finish, timed = sources.IdChecker.finish, {}
+
+    def timed_finish(checker):
+        started = time.perf_counter()
+        try:
+            finish(checker)
+        finally:
+            timed.update(id_finish_s=round(time.perf_counter() - started, 2), id_runs=checker.spilled_runs)
+
+    sources.IdChecker.finish = timed_finish
+    publisher = Discard()
+    result = submit(prompts, out, model=MODEL, publisher=publisher, batch_size=batch_size)
+    plan_bytes = sum(path.stat().st_size for path in (Path(out) / "plan").rglob("*") if path.is_file())
+    return {"rows": result.total, "batches": result.batches, "published": publisher.messages,
+            "message_mb": round(publisher.bytes / 2**20), "plan_mb": round(plan_bytes / 2**20), **timed}
+
+
+def measured(command: list[str], stdout=subprocess.DEVNULL) -> dict:
+    """A whole process's wall and CPU seconds and peak RSS (GNU time's, so the figure
+    is the command's own), with the load average around it (shared cores)."""
+    load = os.getloadavg()[0]
+    with tempfile.NamedTemporaryFile("r", suffix=".time") as report:
+        started = time.perf_counter()
+        proc = subprocess.run(["/usr/bin/time", "-o", report.name, "-f", "%U %S %M", *command],
+                              stdout=stdout, stderr=subprocess.PIPE, text=True)
+        wall = time.perf_counter() - started
+        if proc.returncode:
+            raise RuntimeError(f"{' '.join(command)} failed:\n{proc.stderr[-2000:]}")
+        user, system, peak_kb = report.read().split()[-3:]
+    return {"wall_s": round(wall, 1), "cpu_s": round(float(user) + float(system), 1),
+            "peak_rss_mb": round(int(peak_kb) / 1024, 1),
+            "load": f"{load:.1f}–{os.getloadavg()[0]:.1f}", "stdout": proc.stdout}
+
+
+def _row(case: str, fmt: str, rows: int, figures: dict, command: str, **extra) -> dict:
+    figures.pop("stdout", None)
+    row = {"case": case, "format": fmt, "rows": rows, **figures,
+           "rows_per_s": round(rows / figures["wall_s"]), "rows_per_cpu_s": round(rows / figures["cpu_s"]),
+           **extra, "command": command}
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def diffq() -> str:
+    return str(Path(sys.executable).with_name("diffq"))
+
+
+def plan_row(prompts: Path, fmt: str, rows: int, batch_size: int) -> dict:
+    figures = measured([diffq(), "plan", str(prompts), "--model", MODEL, "--batch-size", str(batch_size),
+                        "--json"], stdout=subprocess.PIPE)
+    total = json.loads(figures["stdout"])["total"]
+    assert total == rows, (total, rows)
+    return _row("plan", fmt, rows, figures, f"diffq plan {prompts.name} --model {MODEL} --batch-size {batch_size} --json")
+
+
+def scale(args) -> list[dict]:
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="diffq-bench-scale-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    rows, b = [], str(args.batch_size)
+    sizes = [int(s) for s in args.scale.split(",")]
+    try:
+        for n in sizes:
+            prompts = write_rows(workdir / f"p{n}.jsonl", n)
+            rows.append(plan_row(prompts, "jsonl", n, args.batch_size))
+            if n <= args.submit_max:
+                out = workdir / f"run{n}"
+                figures = measured([sys.executable, "-m", "bench.producer", "--batch-size", b, "--discard",
+                                    str(prompts), str(out)], stdout=subprocess.PIPE)
+                detail = json.loads(figures["stdout"].strip().splitlines()[-1])
+                assert detail["rows"] == n and detail["published"] == detail["batches"], detail
+                rows.append(_row("submit (discard)", "jsonl", n, figures,
+                                 f"python -m bench.producer --scale {n} (submit to a discarding publisher)",
+                                 **{k: detail[k] for k in ("plan_mb", "id_finish_s", "id_runs")}))
+                shutil.rmtree(out)
+            if n == args.redis_rows:
+                rows.append(redis_row(prompts, workdir, n, args.batch_size))
+            if n == args.format_rows:
+                for fmt in filter(None, args.formats.split(",")):
+                    other = write_rows(workdir / f"p{n}.{fmt}", n, fmt)
+                    rows.append(plan_row(other, fmt, n, args.batch_size))
+                    other.unlink()
+            prompts.unlink()
+    finally:
+        if not args.workdir:
+            shutil.rmtree(workdir, ignore_errors=True)
+    return rows
+
+
+def redis_row(prompts: Path, workdir: Path, n: int, batch_size: int) -> dict:
+    import redis
+
+    with redis_server(workdir) as broker:
+        out = workdir / f"redis-run{n}"
+        figures = measured([diffq(), "submit", str(prompts), "--out", str(out), "--model", MODEL,
+                            "--broker", broker, "--batch-size", str(batch_size)])
+        client = redis.Redis.from_url(broker)
+        queued = sum(client.llen(key) for key in client.scan_iter("diffq.*", _type="list"))
+        redis_mb = round(client.info("memory")["used_memory"] / 2**20)
+        batches = json.loads((out / "manifest.json").read_text())["batches"]
+        assert queued == batches, (queued, batches)
+        client.flushall()
+    shutil.rmtree(out)
+    return _row("submit (Redis)", "jsonl", n, figures,
+                f"diffq submit {prompts.name} --out OUT --model {MODEL} --broker redis://… --batch-size {batch_size}",
+                queued=queued, redis_mb=redis_mb)
+
+
+def render_scale(rows: list[dict]) -> list[str]:
+    """docs/BENCHMARKS.md's "Producer at 100M rows" (under "Scale")."""
+    if not rows:
+        return []
+    lines = ["### Producer at 100M rows", "",
+             "Whole processes under `/usr/bin/time` (`python -m bench.producer --scale …`): rows over 8 shapes,",
+             "batch 8, ids given. rows/s is wall clock on 2 cores shared with other sessions (load: the",
+             "1-minute load average before–after); rows per CPU second is what one core does unshared.", "",
+             "| case | format | rows | wall s | CPU s | rows/s | rows per CPU s | peak RSS MB | load | command |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['case']} | {r['format']} | {r['rows']:,} | {r['wall_s']} | {r['cpu_s']} | {r['rows_per_s']:,} | "
+              f"{r['rows_per_cpu_s']:,} | {r['peak_rss_mb']} | {r['load']} | `{r['command']}` |" for r in rows]
+    return lines + [""]
+
+
+def scale_goals(rows: list[dict]) -> list[tuple[str, bool, str]]:
+    """For the goals table: the largest JSONL size measured."""
+    jsonl = [r for r in rows if r["format"] == "jsonl"]
+    if not jsonl:
+        return []
+    largest = max(r["rows"] for r in jsonl)
+    at = [r for r in jsonl if r["rows"] == largest]
+    label = f"{largest:,} rows"
+    return [(f"producer at {label}: ≥ 50,000 rows/s", min(r["rows_per_s"] for r in at) >= 50_000,
+             ", ".join(f"{r['case']}: {r['rows_per_s']:,} ({r['rows_per_cpu_s']:,} per CPU s)" for r in at)),
+            (f"producer at {label}: peak RSS ≤ 500 MB", max(r["peak_rss_mb"] for r in at) <= 500,
+             ", ".join(f"{r['case']}: {r['peak_rss_mb']} MB" for r in at))]
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", default="100000,1000000")
     parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--scale", help="comma-separated row counts: the whole-process scale runs")
+    parser.add_argument("--submit-max", type=int, default=10**9, help="with --scale: submit only up to this size")
+    parser.add_argument("--redis-rows", type=int, default=10_000_000, help="with --scale: the size also submitted to Redis")
+    parser.add_argument("--format-rows", type=int, default=10_000_000, help="with --scale: the size also planned as --formats")
+    parser.add_argument("--formats", default="csv,txt,parquet")
+    parser.add_argument("--workdir", help="with --scale: where the files go (kept)")
     parser.add_argument("--one", nargs=3, metavar=("PROMPTS", "BROKER", "OUT"), help=argparse.SUPPRESS)
+    parser.add_argument("--discard", nargs=2, metavar=("PROMPTS", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.one:
         print(json.dumps(one(*args.one, args.batch_size)))
         return []
+    if args.discard:
+        print(json.dumps(one_discard(*args.discard, args.batch_size)))
+        return []
+    if args.scale:
+        rows = scale(args)
+        print("\n".join(render_scale(rows)))
+        return rows
 
     workdir = Path(tempfile.mkdtemp(prefix="diffq-bench-producer-"))
     rows = []

@@ -12,7 +12,7 @@ import functools
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
-from diffq.core.contract import BatchParams, ShapeKey
+from diffq.core.contract import AUTO_DTYPE, BatchParams, ShapeKey
 from diffq.producer.sources import Prompt, derive_seed
 
 
@@ -48,7 +48,7 @@ class RunOptions:
     model: str
     batch_size: int = 4
     max_sequence_length: int = 64
-    dtype: str = "float32"
+    dtype: str = AUTO_DTYPE
     format: str = "png"
     fit: str = "none"  # none | resize | crop: what the sink does to a bucket's image
     embed_metadata: bool = True

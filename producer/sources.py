@@ -10,7 +10,10 @@ from __future__ import annotations
 import csv
 import functools
 import hashlib
+import io
 import json
+import os
+import tempfile
 from array import array
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -125,8 +128,50 @@ def detect_format(path: str | Path) -> str:
     return _SUFFIXES[suffix]
 
 
+_UTF8_BOM = b"\xef\xbb\xbf"
+# Longest first: the UTF-32 LE mark begins with the UTF-16 LE one.
+_WIDE_BOMS = ((b"\xff\xfe\x00\x00", "UTF-32 LE"), (b"\x00\x00\xfe\xff", "UTF-32 BE"),
+              (b"\xff\xfe", "UTF-16 LE"), (b"\xfe\xff", "UTF-16 BE"))
+
+
+def _wide_encoding(head: bytes) -> str | None:
+    """UTF-16 / UTF-32 recognised from a file's first bytes, or None."""
+    for mark, name in _WIDE_BOMS:
+        if head.startswith(mark):
+            return f"{name} (it starts with that byte-order mark)"
+    # No mark: UTF-16 of mostly-ASCII text has a NUL in every other byte, on one side
+    # (UTF-8 text has none; CJK characters like U+4E00 put a few on the other side).
+    pairs = len(head) // 2
+    lows, highs = head[0::2].count(0), head[1::2].count(0)
+    if pairs and highs * 2 >= pairs and lows * 4 < highs:
+        return "UTF-16 LE (NUL bytes between its characters)"
+    if pairs and lows * 2 >= pairs and highs * 4 < lows:
+        return "UTF-16 BE (NUL bytes between its characters)"
+    return None
+
+
+def _open_text(path: Path) -> io.TextIOWrapper:
+    """The file as UTF-8 text, past a leading UTF-8 byte-order mark.
+
+    Spreadsheets ("CSV UTF-8") and Windows editors write that mark; only the file's
+    first bytes can be one, so a U+FEFF further in stays what it is (data, or invalid
+    JSON). UTF-16 / UTF-32 are refused by name rather than failing as bad UTF-8.
+    """
+    raw = path.open("rb")
+    try:
+        head = raw.read(256)
+        encoding = _wide_encoding(head)
+        if encoding is not None:
+            raise InputError(path, None, None, f"the file is {encoding}; save it as UTF-8")
+        raw.seek(len(_UTF8_BOM) if head.startswith(_UTF8_BOM) else 0)
+        return io.TextIOWrapper(raw, encoding="utf-8", errors="strict", newline="")
+    except BaseException:
+        raw.close()
+        raise
+
+
 def _jsonl_rows(path: Path) -> Iterator[tuple[int, dict]]:
-    with path.open("r", encoding="utf-8", errors="strict", newline="") as handle:
+    with _open_text(path) as handle:
         for line_no, line in enumerate(handle, start=1):
             if not line.strip():
                 continue
@@ -146,7 +191,7 @@ def _jsonl_rows(path: Path) -> Iterator[tuple[int, dict]]:
 
 
 def _csv_rows(path: Path) -> Iterator[tuple[int, dict]]:
-    with path.open("r", encoding="utf-8", errors="strict", newline="") as handle:
+    with _open_text(path) as handle:
         reader = csv.DictReader(handle)
         if not reader.fieldnames:
             raise InputError(path, 1, None, "missing CSV header row")
@@ -162,7 +207,7 @@ def _csv_rows(path: Path) -> Iterator[tuple[int, dict]]:
 
 
 def _txt_rows(path: Path) -> Iterator[tuple[int, dict]]:
-    with path.open("r", encoding="utf-8", errors="strict", newline="") as handle:
+    with _open_text(path) as handle:
         for line_no, line in enumerate(handle, start=1):
             text = line.rstrip("\r\n")
             if text.strip():
@@ -356,77 +401,175 @@ def _seed_prefix(seed_base: str):
 
 
 class IdChecker:
-    """Uniqueness of ids over millions of rows in ~8 bytes an id.
+    """Uniqueness of ids over any number of rows in bounded memory.
 
-    Each id's 64-bit hash joins a pending chunk; a full chunk is checked at once
-    (numpy) against itself and the earlier ids, kept as sorted runs merged so that
-    there are O(log n) of them (a Python set of hashes costs ~70 bytes an id: 75 MB
-    more RSS per million prompts). A hash seen before is confirmed by reading the
-    file again, which finds the first line and tells a true duplicate from two ids
-    whose hashes collide (the pending chunk keeps its ids, so one pass up to the
-    repeat suffices). The check lags by up to `CHUNK` rows: `finish()` settles
-    it, and is called before any other row error is reported, so the first bad row
-    is always the one named.
+    Each id's 64-bit hash and line join an in-memory run; a full run (`spill_rows`)
+    is sorted by hash and written to an unnamed temporary file (16 B a row), noting
+    where each of `SLICES` equal ranges of the hash space starts in it. `finish()`
+    reads one range of every run at a time: memory is one run plus one range, not
+    every id (sorted hashes in memory were 8 B an id: ~1 GB of RSS at 100M rows).
+
+    A hash seen twice only makes the later line a candidate: candidates are
+    confirmed by their actual ids, one read of the file up to the last of them
+    keeping the ids of the rows with a candidate's hash, so two ids whose hashes
+    collide are never refused and the error names the first repeating line and the
+    line it repeats. A repeat within one run is seen when that run is sorted, so it
+    is reported without reading the rest of the file; one across runs by `finish()`,
+    which is called before any other row error is reported (the first bad row is
+    always the one named).
     """
 
-    CHUNK = 1 << 16
-    MAX_RUN = 1 << 22  # ids per sorted run (32 MB)
+    SPILL_ROWS = 1 << 21  # rows per sorted run: 16 B a row held, 32 B while it is sorted
+    SLICES = 1 << 10  # hash ranges read at a time: a range of 100M rows is ~1.6 MB
+    CANDIDATES = 1 << 14  # candidate lines confirmed per read of the file
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, *, spill_rows: int | None = None, hash_id=None):
         self.path = path
+        self._spill_rows = spill_rows or self.SPILL_ROWS
+        self._hash = hash_id or hash  # str hashes are SipHash, computed once per string
         self._hashes = array("q")
         self._lines = array("q")
-        self._ids: list[str] = []  # the pending chunk's ids, for the error message
-        self._runs: list = []  # sorted int64 arrays, sizes roughly halving
+        self._runs: list[_Run] = []
+        self._file = None  # the spilled runs, one after another
+        self._size = self._spilled = 0
+        self._cleared = 0  # proven: no line up to here repeats an earlier id
+        self._done = False
+
+    @property
+    def spilled_runs(self) -> int:
+        """Sorted runs written to the temporary file so far."""
+        return self._spilled
 
     def check(self, prompt: Prompt) -> None:
-        self._hashes.append(hash(prompt.id))  # str hashes are SipHash, computed once per string
+        self._hashes.append(self._hash(prompt.id))
         self._lines.append(prompt.line)
-        self._ids.append(prompt.id)
-        if len(self._hashes) >= self.CHUNK:
-            self.finish()
+        if len(self._lines) >= self._spill_rows:
+            if self._sort_run(spill=True):
+                self._settle()
 
     def finish(self) -> None:
-        """Check the pending ids; raises InputError for the first true duplicate."""
+        """Check every id so far; raises InputError for the first repeating line."""
+        try:
+            if not self._done:  # after an error nothing is left to check twice
+                if self._lines:
+                    self._sort_run(spill=False)  # the last run: read from memory
+                if self._runs:  # an error on the first row leaves nothing to check
+                    self._settle()
+        finally:
+            self._done = True
+            self._runs = []
+            if self._file is not None:
+                self._file.close()
+
+    def _sort_run(self, spill: bool) -> bool:
+        """Turns the pending rows into a sorted run; True if it repeats a hash."""
         import numpy as np
 
-        if not self._hashes:
-            return
-        # Taken before checking: after an error nothing is left to check twice.
-        hashes, lines, ids = self._hashes, self._lines, self._ids
-        self._hashes, self._lines, self._ids = array("q"), array("q"), []
-        chunk = np.frombuffer(hashes, dtype=np.int64)
-        order = np.argsort(chunk, kind="stable")  # equal hashes keep row order
-        ranked = chunk[order]
-        seen_before = np.zeros(len(chunk), dtype=bool)
-        seen_before[order[1:][ranked[1:] == ranked[:-1]]] = True
-        for run in self._runs:
-            at = np.minimum(np.searchsorted(run, chunk), len(run) - 1)
-            seen_before |= run[at] == chunk
-        for index in np.flatnonzero(seen_before):  # row order; empty unless a repeat
-            self._confirm(int(lines[index]), ids[index])
-        self._runs.append(ranked)
-        # Merge runs of similar size (O(log n) runs to search), but not past MAX_RUN:
-        # a merge briefly holds both inputs and the result.
-        while (len(self._runs) > 1 and len(self._runs[-2]) <= 2 * len(self._runs[-1])
-               and len(self._runs[-2]) + len(self._runs[-1]) <= self.MAX_RUN):
-            newer = self._runs.pop()
-            merged = np.concatenate([self._runs[-1], newer])
-            merged.sort(kind="stable")  # two sorted runs: timsort merges them in linear time
-            self._runs[-1] = merged
+        hashes, lines = np.frombuffer(self._hashes, dtype=np.int64), np.frombuffer(self._lines, dtype=np.int64)
+        self._hashes, self._lines = array("q"), array("q")
+        order = np.argsort(hashes, kind="stable")  # equal hashes keep line order
+        hashes = hashes[order]
+        lines = lines[order]
+        del order
+        starts = np.concatenate([[0], np.searchsorted(hashes, _slice_bounds(self.SLICES)), [len(hashes)]])
+        if not spill:
+            self._runs.append(_Run(starts, hashes, lines))
+            return False
+        if self._file is None:
+            self._file = tempfile.TemporaryFile(prefix="diffq-ids-")
+        self._file.write(hashes.data)
+        self._file.write(lines.data)
+        self._file.flush()  # read back with os.pread
+        self._runs.append(_Run(starts, self._size, self._size + hashes.nbytes))
+        self._size += hashes.nbytes + lines.nbytes
+        self._spilled += 1
+        return bool((hashes[1:] == hashes[:-1]).any())
 
-    def _confirm(self, line: int, item_id: str) -> None:
-        """Raise for the row at `line` if an earlier row has its id (else: a collision)."""
-        # Every row before `line` was valid, so its id is the raw one or generated.
-        for row_line, raw in iter_raw_rows(self.path):
-            if row_line >= line:
+    def _settle(self) -> None:
+        """Confirms candidate lines, fewest at a time, until none are left."""
+        try:
+            while True:
+                hashes, lines, more = self._candidates()
+                if not len(lines):
+                    return
+                last = int(lines.max())
+                self._confirm(set(hashes.tolist()), last)
+                self._cleared = last
+                if not more:
+                    return
+        except InputError:
+            self._done = True
+            raise
+
+    def _candidates(self):
+        """(hashes, lines, more): the first CANDIDATES lines after `_cleared` whose hash
+        an earlier line has; `more` if later ones were left for another round."""
+        import numpy as np
+
+        kept_hashes, kept_lines, more = np.empty(0, np.int64), np.empty(0, np.int64), False
+        for index in range(self.SLICES):
+            hashes = np.concatenate([run.piece(self._file, index, 0) for run in self._runs])
+            if len(hashes) < 2 or not (np.diff(np.sort(hashes)) == 0).any():
+                continue  # nearly every range: no hash twice
+            # Runs are in line order and sorted stably: equal hashes stay in line order.
+            lines = np.concatenate([run.piece(self._file, index, 1) for run in self._runs])
+            order = np.argsort(hashes, kind="stable")
+            hashes, lines = hashes[order], lines[order]
+            later = np.flatnonzero(hashes[1:] == hashes[:-1]) + 1
+            later = later[lines[later] > self._cleared]
+            kept_hashes = np.concatenate([kept_hashes, hashes[later]])
+            kept_lines = np.concatenate([kept_lines, lines[later]])
+            if len(kept_lines) > 2 * self.CANDIDATES:
+                first = np.argpartition(kept_lines, self.CANDIDATES)[:self.CANDIDATES]
+                kept_hashes, kept_lines, more = kept_hashes[first], kept_lines[first], True
+        if len(kept_lines) > self.CANDIDATES:
+            first = np.argpartition(kept_lines, self.CANDIDATES)[:self.CANDIDATES]
+            kept_hashes, kept_lines, more = kept_hashes[first], kept_lines[first], True
+        return kept_hashes, kept_lines, more
+
+    def _confirm(self, hashes: set[int], last: int) -> None:
+        """Raise for the first row up to `last` whose id an earlier row has, among the
+        rows with one of `hashes` (else: only collisions)."""
+        first_seen: dict[str, int] = {}
+        # Every row up to `last` was valid, so its id is the raw one or generated.
+        for line, raw in iter_raw_rows(self.path):
+            if line > last:
                 return
-            if self._row_id(row_line, raw) == item_id:
-                raise InputError(self.path, line, "id",
-                                 f"duplicate id '{item_id}' (first seen on line {row_line})")
+            item_id = self._row_id(line, raw)
+            if self._hash(item_id) in hashes:
+                first = first_seen.setdefault(item_id, line)
+                if first != line:
+                    raise InputError(self.path, line, "id", f"duplicate id '{item_id}' (first seen on line {first})")
 
     @staticmethod
     def _row_id(line: int, raw: dict) -> str:
         item_id = raw.get("id")
         return item_id if item_id is not None else generated_id(line)
 
+
+@functools.lru_cache(maxsize=4)
+def _slice_bounds(slices: int):
+    """Where hash ranges 1 … slices - 1 start: `slices` equal ranges of int64."""
+    import numpy as np
+
+    return np.array([(index << 64) // slices - (1 << 63) for index in range(1, slices)], dtype=np.int64)
+
+
+class _Run(NamedTuple):
+    """One sorted run: where each hash range starts, and its hashes and lines (arrays
+    in memory, or byte offsets into the spill file)."""
+
+    starts: object
+    hashes: object
+    lines: object
+
+    def piece(self, file, index: int, which: int):
+        """Range `index` of the run's hashes (which=0) or lines (1)."""
+        import numpy as np
+
+        start, stop = int(self.starts[index]), int(self.starts[index + 1])
+        source = self[1 + which]
+        if not isinstance(source, int):
+            return source[start:stop]
+        data = os.pread(file.fileno(), 8 * (stop - start), source + 8 * start)
+        return np.frombuffer(data, dtype=np.int64)

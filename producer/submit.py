@@ -24,7 +24,7 @@ from pathlib import Path
 
 from diffq import __version__
 from diffq.core import layout
-from diffq.core.contract import FITS, BatchMessage, ShapeKey
+from diffq.core.contract import AUTO_DTYPE, FITS, BatchMessage, ShapeKey
 from diffq.core.records import RequestedSize, RunManifest, ShapeSummary, parse_plan_part, plan_part
 from diffq.core.storage import Storage, open_storage
 from diffq.producer.bucketing import RunOptions, bucket, group_key, shape_for
@@ -68,6 +68,8 @@ class Plan:
     total: int
     batches: int
     shapes: list[ShapeSummary]
+    # queue -> steps -> (items, batches): a batch's time scales with its steps (`diffq plan --rates`).
+    steps: dict[str, dict[int, tuple[int, int]]] = field(default_factory=dict)
 
     @property
     def models(self) -> list[str]:
@@ -89,6 +91,8 @@ class Plan:
             "padded_slots": self.padded_slots,
             "shapes": [{"height": s.shape.height, "width": s.shape.width, "items": s.items,
                         "batches": s.batches, "padded_slots": padded_slots(s), "queue": s.queue,
+                        "steps": [{"steps": steps, "items": items, "batches": batches}
+                                  for steps, (items, batches) in sorted(self.steps.get(s.queue, {}).items())],
                         **({"requested": [r.model_dump() for r in s.requested],
                             "requested_sizes": s.requested_sizes} if s.requested else {})}
                        for s in self.shapes],
@@ -139,11 +143,14 @@ class Validation:
         items: Counter = Counter()
         batches: Counter = Counter()
         shapes: dict[str, ShapeKey] = {}
-        for (model, height, width, cfg, _, _), count in self._per_group.items():
+        per_steps: dict[str, dict[int, tuple[int, int]]] = {}
+        for (model, height, width, cfg, steps, _), count in self._per_group.items():
             shape = shape_for(self.options, model, height, width, cfg)
             shapes[shape.queue] = shape
             items[shape.queue] += count
             batches[shape.queue] += math.ceil(count / self.options.batch_size)
+            seen = per_steps.setdefault(shape.queue, {}).get(steps, (0, 0))
+            per_steps[shape.queue][steps] = (seen[0] + count, seen[1] + math.ceil(count / self.options.batch_size))
         asked = {shape_for(self.options, *key).queue: sizes for key, sizes in self._requested.items()}
         mask = (1 << _SIDE_BITS) - 1
         summaries = [ShapeSummary(shape=shapes[q], queue=q, items=items[q], batches=batches[q],
@@ -153,7 +160,7 @@ class Validation:
                                                                             key=lambda e: (-e[1], e[0]))],
                                   requested_sizes=len(asked.get(q, ())))
                      for q in sorted(shapes)]
-        return Plan(total=self._total, batches=sum(batches.values()), shapes=summaries)
+        return Plan(total=self._total, batches=sum(batches.values()), shapes=summaries, steps=per_steps)
 
 
 def validate(path: str | Path, options: RunOptions, defaults: Defaults, keep_columns=()) -> Plan:
@@ -165,7 +172,7 @@ def validate(path: str | Path, options: RunOptions, defaults: Defaults, keep_col
 
 def make_options(*, model: str, batch_size: int = 4, steps: int = 4, guidance_scale: float = 1.0,
                  max_sequence_length: int = 64, height: int = 128, width: int = 128,
-                 format: str = "png", dtype: str = "float32",
+                 format: str = "png", dtype: str = AUTO_DTYPE,
                  size_multiple: int = 16, size_buckets: str | None = None,
                  fit: str = "none", embed_metadata: bool = True) -> tuple[RunOptions, Defaults]:
     """The run-wide options (shape and output) and the per-row defaults.
@@ -194,6 +201,25 @@ def plan(prompts: str | Path, *, model: str, keep_columns=(), **generation) -> P
     return validate(prompts, options, defaults, keep_columns)
 
 
+def manifest_defaults(options: RunOptions, defaults: Defaults, seed_base: str, keep_columns=()) -> dict:
+    """The run's options as its manifest records them (a continued run must match them)."""
+    return {
+        "model": options.model, "batch_size": options.batch_size, "steps": defaults.num_inference_steps,
+        "guidance_scale": defaults.guidance_scale, "max_sequence_length": options.max_sequence_length,
+        "height": defaults.height, "width": defaults.width, "format": options.format, "dtype": options.dtype,
+        "seed_base": seed_base, "fit": options.fit,
+        # Resolved (a preset's sizes, not its name): the run folder says what was used.
+        "size_buckets": ([f"{h}x{w}" for h, w in defaults.size_buckets.sizes]
+                         if defaults.size_buckets else None),
+        "keep_columns": list(keep_columns), "embed_metadata": options.embed_metadata}
+
+
+def encode_plan(prompts: Iterable[Prompt], options: RunOptions, seed_base: str, run_id: str,
+                out: str) -> Iterator[EncodedBatch]:
+    """The run's batches as plan lines and messages (the same bytes for the same rows)."""
+    return map(BatchEncoder(run_id, out).encode, bucket(prompts, options, seed_base))
+
+
 def write_plan_part(storage: Storage, part: int, messages: list[EncodedBatch]) -> None:
     storage.put_bytes(layout.plan_key(part), plan_part(message.json for message in messages),
                       content_type="application/jsonl")
@@ -219,7 +245,7 @@ def submit(
     height: int = 128,
     width: int = 128,
     format: str = "png",
-    dtype: str = "float32",
+    dtype: str = AUTO_DTYPE,
     run_id: str | None = None,
     seed_base: str | None = None,
     size_multiple: int = 16,
@@ -244,10 +270,9 @@ def submit(
     storage = open_storage(out)
     run_id = run_id or uuid.uuid4().hex[:12]
     seed_base = seed_base or run_id
-    encoder = BatchEncoder(run_id, storage.url)
 
     def encoded(prompts_in: Iterable[Prompt]) -> Iterator[EncodedBatch]:
-        return map(encoder.encode, bucket(prompts_in, options, seed_base))
+        return encode_plan(prompts_in, options, seed_base, run_id, storage.url)
 
     with contextlib.ExitStack() as stack:
         if plan is None:
@@ -261,15 +286,8 @@ def submit(
             parts = spill.parts()
         else:  # validated by the caller
             parts = plan_parts(encoded(read_prompts(prompts, defaults, keep_columns)))
-        manifest = write_manifest(storage, prompts, plan, run_id, defaults={
-            "model": model, "batch_size": batch_size, "steps": steps,
-            "guidance_scale": guidance_scale, "max_sequence_length": max_sequence_length,
-            "height": height, "width": width, "format": format, "dtype": dtype,
-            "seed_base": seed_base, "fit": fit,
-            # Resolved (a preset's sizes, not its name): the run folder says what was used.
-            "size_buckets": ([f"{h}x{w}" for h, w in defaults.size_buckets.sizes]
-                             if defaults.size_buckets else None),
-            "keep_columns": list(keep_columns), "embed_metadata": embed_metadata})
+        manifest = write_manifest(storage, prompts, plan, run_id,
+                                  defaults=manifest_defaults(options, defaults, seed_base, keep_columns))
         if publisher is None:
             if not broker_url:
                 raise ValueError("submit needs a broker URL (--broker or DIFFQ_BROKER_URL)")

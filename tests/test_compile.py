@@ -10,6 +10,7 @@ round trip checks the cache for real.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import os
 import subprocess
@@ -44,6 +45,30 @@ def _stand_in(name: str):
 for _name in GRAPHS:
     if _name not in torch._dynamo.list_backends(exclude_tags=()):
         torch._dynamo.register_backend(_stand_in(_name), name=_name)
+
+STAND_INS = Path(__file__).parent / "stand_ins"
+
+
+def _load_neuron_runtime():
+    """The stand-in of torch-neuronx's execution_wrapper (tests/stand_ins/.../backend.py),
+    loaded by path: importing the stand-in package would rewrite this process's table."""
+    path = STAND_INS / "torch_neuronx" / "neuron_dynamo_backend" / "backend.py"
+    spec = importlib.util.spec_from_file_location("standin_neuron_runtime", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+NEURON_RUNTIME = _load_neuron_runtime()
+
+
+def _neuron_failing_on_device(gm, example_inputs):
+    # The compiled graph as torch-neuronx wraps it: run "on the device", else raise or fall back.
+    return NEURON_RUNTIME.execution_wrapper(NEURON_RUNTIME.on_device(gm.forward), gm.forward)
+
+
+if "neuron_failing_on_device" not in torch._dynamo.list_backends(exclude_tags=()):
+    torch._dynamo.register_backend(_neuron_failing_on_device, name="neuron_failing_on_device")
 
 
 @pytest.fixture
@@ -132,6 +157,60 @@ def test_eager_first_batch_is_compile_time_on_neuron_and_tpu(compiled, tiny_mode
         assert stats["per_shape"] == {} and stats["seconds"] == 0
 
 
+def test_a_compiled_graph_failing_on_the_device_fails_the_batch_unless_allowed(compiled, tiny_model, monkeypatch):
+    """torch-neuronx neuron_dynamo_backend/backend.py (execution_wrapper): a compiled graph
+    failing at run time re-runs uncompiled with a log line only, unless
+    TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION. A worker's environment disables it; with
+    --allow-fallback the batch is produced and every such call counted."""
+    from diffq.worker import metrics
+
+    switch = get_backend("neuron").graph_fallback.env
+    backend = dataclasses.replace(stand_in("neuron"), compile_backend="neuron_failing_on_device")
+    s = shape(tiny_model, 32)
+    params = BatchParams(num_inference_steps=2, guidance_scale=1.0)
+
+    def host_as_planned(**spec_fields) -> PipelineHost:
+        env = ChildSpec(name="n", device="neuron", broker_url="memory://", queues=[], compile="full",
+                        **spec_fields).env()
+        monkeypatch.setenv(switch, env[switch])
+        return PipelineHost(backend=backend, compile_mode="full")
+
+    monkeypatch.delenv("STANDIN_NEURON_RUNTIME_FAIL", raising=False)
+    healthy = host_as_planned().generate(s, params, items(1))
+    assert healthy.graph_fallbacks == 0
+
+    monkeypatch.setenv("STANDIN_NEURON_RUNTIME_FAIL", "1")
+    failing = host_as_planned()
+    with pytest.raises(RuntimeError, match="failed on the device"):
+        failing.generate(s, params, items(1))  # the task retries it, then records the failure
+    assert failing.graph_fallbacks == {}
+
+    allowed = host_as_planned(allow_fallback=True)
+    before = metrics.REGISTRY.get_sample_value("diffq_graph_fallbacks_total", {"shape": s.label}) or 0.0
+    generated = allowed.generate(s, params, items(1))
+    # One compiled transformer call per step, each re-run uncompiled: same pixels, counted.
+    assert generated.graph_fallbacks == params.num_inference_steps
+    assert [image.tolist() for image in generated.images] == [image.tolist() for image in healthy.images]
+    assert allowed.compile_stats()["graph_fallbacks"] == {s.label: 2}  # the warm-up report's figure
+    metrics.observe_graph_fallback(s.label, generated.graph_fallbacks)  # as the batch task does
+    assert metrics.REGISTRY.get_sample_value("diffq_graph_fallbacks_total", {"shape": s.label}) == before + 2
+
+
+def test_fallbacks_are_counted_from_the_backends_own_line_only():
+    import logging
+
+    from diffq.worker.pipeline_host import fallback_count
+
+    row = get_backend("neuron").graph_fallback
+    vendor = logging.getLogger(row.logger)
+    start = fallback_count(row)
+    vendor.error("Execution failed: boom")  # the line before it: not a second fallback
+    vendor.warning("Falling back to original GraphModule execution")
+    logging.getLogger("elsewhere").warning("Falling back to original GraphModule execution")
+    assert fallback_count(row) == start + 1
+    assert fallback_count(get_backend("cpu").graph_fallback) == 0
+
+
 def test_regional_without_repeated_blocks_is_a_clear_error():
     # diffusers: SD3 declares no _repeated_blocks (BACKENDS.md diffusers section).
     host = PipelineHost(backend=stand_in("neuron"), compile_mode="regional")
@@ -179,9 +258,10 @@ def test_ninth_shape_within_raised_recompile_limit(compiled):
     host = PipelineHost(backend=stand_in("tpu"), compile_mode="full")
     pipe = ScalePipe()
     host._compile(pipe, ScaleFamily)
-    host._pipelines[("m", "float32")] = pipe
-    host._families[("m", "float32")] = ScaleFamily
     shapes = [shape("m", 16 * rows) for rows in range(1, 11)]
+    runs_at = host.backend.dtype_for(shapes[0].dtype)  # what the host loads an auto shape at
+    host._pipelines[("m", runs_at)] = pipe
+    host._families[("m", runs_at)] = ScaleFamily
     host.warmup(shapes)
     assert len(host.compile_graphs) == 10 and host.recompiles == 0
 
@@ -255,3 +335,45 @@ def test_inductor_cache_second_worker_compiles_nothing_new(tiny_model, tmp_path)
     assert warm["cache"]["pushed"] == 0  # nothing new compiled
     assert warm["compile"]["graphs"] == cold["compile"]["graphs"] and warm["compile"]["recompiles"] == 0
     assert warm["compile"]["seconds"] < cold["compile"]["seconds"]
+
+
+@pytest.mark.slow
+def test_a_worker_whose_graphs_fail_on_the_device_fails_fast_unless_allowed(tmp_path, redis_server, tiny_model):
+    """`diffq worker` under the stand-in torch_neuronx (tests/stand_ins), whose compiled graph
+    fails every call on the device: by default each item fails and is recorded as failed;
+    with --allow-fallback each is produced, its record counting the calls that re-ran uncompiled."""
+    import signal
+    import time
+
+    from diffq.core.storage import open_storage
+    from diffq.producer.submit import submit
+    from diffq.results.status import status
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(STAND_INS), os.environ.get("PYTHONPATH", "")]),
+           "STANDIN_NEURON_RUNTIME_FAIL": "1", "DIFFQ_TASK_MAX_RETRIES": "0"}  # fail, split, record: no backoff
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"t{i}", "prompt": f"prompt {i}"}) + "\n" for i in range(2)))
+    for allow in (False, True):
+        out = str(tmp_path / f"run-{allow}")
+        submit(prompts, out, model=tiny_model, broker_url=redis_server, batch_size=2, steps=2)
+        worker = subprocess.Popen(
+            [sys.executable, "-m", "diffq", "worker", "--broker", redis_server, "--run", out, "--device", "neuron",
+             "--cores", "0", "--compile", "full", "--loglevel", "ERROR", *(["--allow-fallback"] if allow else [])],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        try:
+            deadline = time.monotonic() + 400
+            while (st := status(out)).done + st.failed < 2 and worker.poll() is None and time.monotonic() < deadline:
+                time.sleep(1)
+        finally:
+            worker.send_signal(signal.SIGTERM)  # warm shutdown
+            output, _ = worker.communicate(timeout=120)
+        storage = open_storage(out)
+        if not allow:
+            assert (st.done, st.failed) == (0, 2), output[-3000:]
+            errors = [json.loads(storage.get_bytes(key))["error"] for key in storage.list("failures/")]
+            assert errors and all("failed on the device" in error for error in errors)
+        else:
+            assert (st.done, st.failed) == (2, 0), output[-3000:]
+            lines = [json.loads(line) for key in storage.list("records/")
+                     for line in storage.get_bytes(key).decode().splitlines() if line]
+            assert [line["graph_fallbacks"] for line in lines] == [2, 2]  # one re-run call per step

@@ -24,8 +24,33 @@ def message(**overrides):
 
 def test_queue_name_is_readable_and_broker_safe():
     name = queue_name(SHAPE)
-    assert name.startswith("diffq.tiny-") and ".128x64.b4.l64.nocfg.fp32" in name
+    # No dtype given: auto, the serving device's default.
+    assert name.startswith("diffq.tiny-") and name.endswith(".128x64.b4.l64.nocfg.auto")
+    assert queue_name(SHAPE.model_copy(update={"dtype": "float32"})).endswith(".nocfg.fp32")
     assert re.fullmatch(r"[a-z0-9.-]+", name) and len(name) <= 80
+
+
+@pytest.mark.parametrize("dtype", ["auto", "float32", "bfloat16", "float16"])
+def test_queue_names_parse_back_with_their_dtype(dtype):
+    from diffq.core.contract import is_shape_queue, queue_dtype, queue_slug, shape_from_queue
+
+    shape = SHAPE.model_copy(update={"dtype": dtype})
+    assert shape_from_queue(shape.queue, [shape.model]) == shape
+    assert queue_dtype(shape.queue) == dtype and queue_slug(shape.queue) == shape.queue.split(".")[1]
+    assert is_shape_queue(shape.queue, [shape.model], dtypes=("auto", dtype))
+    assert not is_shape_queue(shape.queue, [shape.model], dtypes=tuple({"auto", "float32", "bfloat16", "float16"} - {dtype}))
+    assert queue_dtype("diffq.dead") is None
+
+
+@pytest.mark.parametrize("device, runs", [("cpu", "float32"), ("cuda", "bfloat16"), ("neuron", "bfloat16"),
+                                          ("tpu", "bfloat16")])
+def test_an_auto_shape_runs_at_its_devices_default_and_a_pinned_one_as_pinned(device, runs):
+    from diffq.worker.backends import get_backend
+
+    backend = get_backend(device)
+    assert backend.dtype_for("auto") == runs == backend.default_dtype
+    assert backend.dtype_for("float32") == "float32"
+    assert "auto" in backend.served_dtypes and backend.default_dtype in backend.served_dtypes
 
 
 @pytest.mark.parametrize("field, value", [("height", 256), ("width", 128), ("batch_size", 8),

@@ -60,12 +60,20 @@ def test_missing_model_fails_fast_with_a_clear_message(tmp_path):
     assert "not a local folder, not in the Hugging Face cache" in proc.stderr.replace("\n", " ")
 
 
-def test_run_refuses_to_overwrite_an_existing_run(tmp_path, tiny_model):
+def test_run_again_on_a_finished_run_changes_nothing_and_refuses_other_options_or_rows(tmp_path, tiny_model):
     prompts = tmp_path / "p.jsonl"
-    prompts.write_text('{"prompt": "ok", "height": 64, "width": 64}\n')
+    prompts.write_text('{"id": "a", "prompt": "ok", "height": 64, "width": 64}\n')
     out = tmp_path / "out"
-    diffq("run", str(prompts), "--model", tiny_model, "--out", str(out), "--steps", "1", "--no-progress")
-    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    args = ["run", str(prompts), "--model", tiny_model, "--out", str(out), "--steps", "1", "--no-progress"]
+    diffq(*args)
+    before = {p: (p.stat().st_mtime_ns, p.read_bytes()) for p in out.rglob("*") if p.is_file()}
+    # The same file and options: the run is done, nothing is started or written.
+    assert "1/1 images, 0 failed: nothing left to run" in diffq(*args).stdout
+    # Other options (here the default --steps) or other rows would mix two runs in one OUT.
     proc = diffq("run", str(prompts), "--model", tiny_model, "--out", str(out), check=False)
-    assert proc.returncode == 2 and "already holds a run" in proc.stderr
-    assert before == {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    assert proc.returncode == 2 and "--steps: 1 in OUT's manifest, 4 now" in proc.stderr.replace("\n", "")
+    prompts.write_text('{"id": "a", "prompt": "another", "height": 64, "width": 64}\n')
+    proc = diffq(*args, check=False)
+    assert proc.returncode == 2 and "the file changed since the run began" in proc.stderr.replace("\n", "")
+    assert "Traceback" not in proc.stderr
+    assert before == {p: (p.stat().st_mtime_ns, p.read_bytes()) for p in out.rglob("*") if p.is_file()}

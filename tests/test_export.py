@@ -6,6 +6,7 @@ import glob
 import io
 import json
 import tracemalloc
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -15,11 +16,18 @@ from diffq.core import layout
 from diffq.core.contract import ShapeKey
 from diffq.core.progress import ProgressLog
 from diffq.core.records import FailureRecord, ImageRecord, RunManifest, ShapeSummary, jsonl
-from diffq.results.export import export
+from diffq.results.export import Shard, export
 from diffq.core.storage import open_storage
 
 SHAPES = [ShapeKey(model="tiny", height=32, width=32, batch_size=8, max_sequence_length=64, cfg=False),
           ShapeKey(model="tiny", height=32, width=48, batch_size=8, max_sequence_length=64, cfg=False)]
+
+
+def run_defaults(shape: ShapeKey) -> dict:
+    """A manifest's `defaults` as submit records them."""
+    return {"model": shape.model, "batch_size": shape.batch_size, "steps": 2, "guidance_scale": 1.0,
+            "max_sequence_length": shape.max_sequence_length, "height": shape.height, "width": shape.width,
+            "format": "png", "seed_base": "synth"}
 
 
 def png(seed: int, shape: ShapeKey, size: int | None = None) -> bytes:
@@ -45,7 +53,7 @@ def make_run(url: str, n: int, *, failed_batches: int = 0, distinct: int | None 
     per_shape[0] += 8 * failed_batches
     storage.put_bytes(layout.MANIFEST, RunManifest(
         run_id="synth", created_at=start, source="synth.jsonl", out=url, total=total,
-        batches=-(-total // 8), plan_parts=1, defaults={"model": "tiny", "format": "png"}, diffq_version="0",
+        batches=-(-total // 8), plan_parts=1, defaults=run_defaults(SHAPES[0]), diffq_version="0",
         shapes=[ShapeSummary(shape=s, queue=s.queue, items=items, batches=-(-items // 8))
                 for s, items in zip(SHAPES, per_shape)]).model_dump_json().encode())
     cache: dict[tuple[int, int], bytes] = {}
@@ -209,3 +217,127 @@ def test_cli_export_report_watch(tmp_path):
     result = runner.invoke(app, ["status", url, "--watch", "--json", "--interval", "0.1"])
     assert result.exit_code == 0 and json.loads(result.output.splitlines()[-1])["failed"] == 8
     assert runner.invoke(app, ["export", str(tmp_path / "nothing"), str(tmp_path / "x")]).exit_code == 2
+
+
+# --shard i/n: n exporters split one export ---------------------------------------------
+def make_overlapping_run(url: str, n: int = 100) -> list[str]:
+    """make_run's folder plus what retries and resumes leave: a root batch recorded
+    again in part by a resumed copy, and a root whose record is two split halves and
+    a resumed copy overlapping both. Returns the item ids done."""
+    from diffq.core.records import parse_record
+
+    ids = make_run(url, n, distinct=16)
+    storage = open_storage(url)
+
+    def derived(root: str, batch_id: str, picks: slice) -> None:
+        records = parse_record(storage.get_bytes(layout.record_key(root)))[picks]
+        storage.put_bytes(layout.record_key(batch_id), jsonl(r.model_copy(update={"batch_id": batch_id})
+                                                             for r in records))
+
+    derived("b000003", "b000003.r5", slice(0, 3))  # already in its root's record
+    for batch_id, picks in (("b000004.s0", slice(0, 4)), ("b000004.s1", slice(4, 8)), ("b000004.r9", slice(2, 6))):
+        derived("b000004", batch_id, picks)
+    storage.delete(layout.record_key("b000004"))
+    return ids
+
+
+def tree(root) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def union(trees: list[dict[str, bytes]]) -> dict[str, bytes]:
+    merged: dict[str, bytes] = {}
+    for part in trees:
+        assert not merged.keys() & part.keys(), "two shards wrote the same file"
+        merged |= part
+    return merged
+
+
+@pytest.mark.parametrize("format", ["webdataset", "parquet", "imagefolder"])
+def test_shards_together_write_a_single_exports_files(tmp_path, format):
+    ids = make_overlapping_run(str(tmp_path / "run"))
+    run = str(tmp_path / "run")
+    # 5 images a file: files end inside batches of 8, and the overlapping roots straddle them.
+    single = export(run, tmp_path / "single", format=format, shard_size=5, chunk=3)
+    assert single.run_images == single.images == len(ids)
+    for n in (1, 3, 40):  # 40: more shards than files, some write nothing
+        results = [export(run, tmp_path / f"n{n}-{i}", format=format, shard_size=5, chunk=3,
+                          shard=Shard(i, n)) for i in range(n)]
+        assert union([tree(tmp_path / f"n{n}-{i}") for i in range(n)]) == tree(tmp_path / "single")
+        assert sum(r.images for r in results) == len(ids) and {r.run_images for r in results} == {len(ids)}
+    if format != "imagefolder":
+        assert len(single.files) == -(-len(ids) // 5)
+    # Each item once, in the single export's order (its root's record first).
+    if format == "webdataset":
+        samples = read_webdataset(sorted(glob.glob(str(tmp_path / "single" / "*.tar"))))
+        assert sorted(s["json"]["id"] for s in samples) == ids and len(samples) == len(ids)
+
+
+def test_shards_export_at_once_into_one_bucket(tmp_path, s3_bucket):
+    """n exporters at once into one destination prefix, as an indexed Job's pods do."""
+    ids = make_overlapping_run(s3_bucket + "/run", n=60)
+    export(s3_bucket + "/run", s3_bucket + "/single", format="webdataset", shard_size=7)
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(lambda i: export(s3_bucket + "/run", s3_bucket + "/sharded", format="webdataset",
+                                       shard_size=7, shard=Shard(i, 4)), range(4)))
+    storage = open_storage(s3_bucket)
+    single = {key.removeprefix("single/"): storage.get_bytes(key) for key in storage.list("single/")}
+    sharded = {key.removeprefix("sharded/"): storage.get_bytes(key) for key in storage.list("sharded/")}
+    assert sharded == single and len(single) == -(-len(ids) // 7)
+
+
+def test_sharded_fetch_together_is_a_single_fetch(tmp_path):
+    from diffq.results.fetch import fetch
+
+    run = str(tmp_path / "run")
+    ids = make_overlapping_run(run)
+    single = fetch(run, tmp_path / "single", shard_size=6)
+    assert (single.images, single.downloaded, single.run_images) == (len(ids), len(ids), len(ids))
+    lines = (tmp_path / "single/metadata.jsonl").read_text().splitlines()
+    assert sorted(json.loads(line)["id"] for line in lines) == ids
+    # The same lines as an imagefolder export: fetch and export agree on the order.
+    export(run, tmp_path / "exported", format="imagefolder")
+    assert (tmp_path / "exported/metadata.jsonl").read_bytes() == (tmp_path / "single/metadata.jsonl").read_bytes()
+    results = [fetch(run, tmp_path / f"part{i}", shard_size=6, shard=Shard(i, 3)) for i in range(3)]
+    assert union([tree(tmp_path / f"part{i}") for i in range(3)]) == tree(tmp_path / "single")
+    assert sum(r.images for r in results) == len(ids) and not (tmp_path / "part1/metadata.jsonl").exists()
+    # Resumable per shard: a second pass downloads only what went missing.
+    before = [tree(tmp_path / f"part{i}") for i in range(3)]
+    (owner,) = [i for i in range(3) if (tmp_path / f"part{i}" / layout.image_key(ids[-1], "png")).exists()]
+    (tmp_path / f"part{owner}" / layout.image_key(ids[-1], "png")).unlink()
+    again = [fetch(run, tmp_path / f"part{i}", shard_size=6, shard=Shard(i, 3)).downloaded for i in range(3)]
+    assert again == [int(i == owner) for i in range(3)]
+    assert [tree(tmp_path / f"part{i}") for i in range(3)] == before
+    with pytest.raises(ValueError, match="only-new"):
+        fetch(run, tmp_path / "part1", only_new=True, shard=Shard(1, 3))
+
+
+def test_shard_parsing_and_the_cli(tmp_path):
+    from typer.testing import CliRunner
+
+    from diffq.app.cli import app
+
+    assert Shard.parse("3/8") == Shard(3, 8) and str(Shard.parse(" 0 / 1 ")) == "0/1" and Shard().whole
+    for bad in ("8/8", "-1/4", "1", "a/b", "1/0"):
+        with pytest.raises(ValueError, match="I/N"):
+            Shard.parse(bad)
+    run = str(tmp_path / "run")
+    ids = make_run(run, 24)
+    runner = CliRunner()
+    for i in range(2):
+        result = runner.invoke(app, ["export", run, str(tmp_path / "wds"), "--format", "webdataset",
+                                     "--shard-size", "10", "--shard", f"{i}/2", "--no-progress"])
+        assert result.exit_code == 0 and f"(shard {i}/2 of {len(ids)} images)" in result.output, result.output
+    assert sorted(p.name for p in (tmp_path / "wds").iterdir()) == [f"shard-00000{k}.tar" for k in range(3)]
+    # fetch splits by runs of 1,000 images: 24 are all shard 0's, with metadata.jsonl.
+    for i, images in ((0, 24), (1, 0)):
+        result = runner.invoke(app, ["fetch", run, str(tmp_path / f"dest{i}"), "--shard", f"{i}/2", "--no-progress"])
+        assert result.exit_code == 0 and f"{images} images" in result.output, result.output
+        assert f"(shard {i}/2 of 24 images)" in result.output
+        assert len(list((tmp_path / f"dest{i}/images").iterdir())) == images
+        assert (tmp_path / f"dest{i}/metadata.jsonl").exists() == (i == 0)
+    for command in (["export", run, str(tmp_path / "x")], ["fetch", run, str(tmp_path / "y")]):
+        result = runner.invoke(app, [*command, "--shard", "2/2"])
+        assert result.exit_code == 2 and "0 ≤ I < N" in result.output
+    result = runner.invoke(app, ["fetch", run, str(tmp_path / "y"), "--shard", "0/2", "--only-new"])
+    assert result.exit_code == 2 and "only-new" in result.output

@@ -61,7 +61,7 @@ def test_sd3_with_negative_prompts_metadata_and_png_provenance(tmp_path, tiny_pi
     assert records["plain"]["negative_prompt"] is None and records["plain"]["metadata"] == rows[1]["metadata"]
     assert records["neg"]["metadata"] == rows[0]["metadata"]  # unchanged
     # CFG on: SD3's queue carries the cfg bit.
-    assert all(r["queue"].endswith(".cfg.fp32") for r in records.values())
+    assert all(r["queue"].endswith(".cfg.auto") and r["dtype"] == "float32" for r in records.values())
     storage = open_storage(str(out))
     neg, plain = (storage.get_bytes(records[i]["file_name"]) for i in ("neg", "plain"))
     # Same seed and prompt; the negative prompt alone changes the pixels.
@@ -109,7 +109,7 @@ def test_flux2_with_webp_provenance(tmp_path, tiny_pipelines):
     prompts, out = run(tmp_path, rows, model, "--format", "webp", "--guidance-scale", "4")
     records = [r.model_dump() for r in assert_run_complete(str(out), prompts, steps=2, model=model)]
     # Guidance-distilled: no CFG bit, one queue.
-    assert {r["queue"] for r in records} == {records[0]["queue"]} and records[0]["queue"].endswith(".nocfg.fp32")
+    assert {r["queue"] for r in records} == {records[0]["queue"]} and records[0]["queue"].endswith(".nocfg.auto")
     record = next(r for r in records if r["id"] == "1")
     text = embedded_text(open_storage(str(out)).get_bytes(record["file_name"]))
     assert text["prompt"] == "prompt ✓ 1" and text["seed"] == str(record["seed"])

@@ -28,7 +28,6 @@ from diffq.app import fleet
 from diffq.app.cli import app
 from diffq.core.contract import ShapeKey, is_shape_queue, queue_name
 from diffq.producer.submit import make_options, validate
-from diffq.worker.backends import get_backend
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = Path(__file__).parent / "data"
@@ -45,7 +44,7 @@ COMMITTED = {
     "tpu": ["--device", "tpu", "--storage-class", "standard-rwx"],
 }
 COMMITTED_SHAPES = ["--model", "black-forest-labs/FLUX.2-klein-4B", "--shapes", "1024x1024,768x1344",
-                    "--batch-size", "4", "--dtype", "bfloat16", "--max-sequence-length", "512"]
+                    "--batch-size", "4", "--max-sequence-length", "512"]
 
 runner = CliRunner()
 
@@ -263,6 +262,12 @@ def by_kind(docs: list[dict], kind: str) -> list[dict]:
     return [d for d in docs if d["kind"] == kind]
 
 
+def worker_deployments(docs: list[dict]) -> list[dict]:
+    """The worker pools (not the backlog service discovery pools scale on)."""
+    return [d for d in by_kind(docs, "Deployment")
+            if d["metadata"]["labels"]["app.kubernetes.io/name"] == "diffq-worker"]
+
+
 def render_cli(*args: str) -> list[dict]:
     result = runner.invoke(app, ["fleet", "manifests", *args])
     assert result.exit_code == 0, result.output
@@ -270,9 +275,10 @@ def render_cli(*args: str) -> list[dict]:
 
 
 def flux2_queues(device: str) -> list[str]:
-    # No --dtype: the device's default_dtype from the backend table.
+    # No --dtype: auto, as `diffq submit` publishes without one (each worker runs it at its
+    # device's default_dtype).
     return [queue_name(ShapeKey(model="/models/flux2", height=h, width=w, batch_size=2, max_sequence_length=256,
-                                cfg=True, dtype=get_backend(device).default_dtype))
+                                cfg=True, dtype="auto"))
             for h, w in [(1024, 1024), (768, 1344)]]
 
 
@@ -283,7 +289,7 @@ def test_rendered_shape_pools_validate_and_match_queue_names(device):
                       "--device", device, "--guidance-scale", "3.5", "--max-sequence-length", "256")
     for doc in docs:
         validate_manifest(doc)
-    deployments, scaled = by_kind(docs, "Deployment"), by_kind(docs, "ScaledObject")
+    deployments, scaled = worker_deployments(docs), by_kind(docs, "ScaledObject")
     assert len(deployments) == len(scaled) == 2
     for queue, dep, so in zip(flux2_queues(device), deployments, scaled):
         [trigger] = so["spec"]["triggers"]
@@ -308,8 +314,12 @@ def test_rendered_model_pools_discover_every_shape(device):
                       "--device", device, "--guidance-scale", "3.5", "--max-sequence-length", "256")
     for doc in docs:
         validate_manifest(doc)
-    [dep], [so] = by_kind(docs, "Deployment"), by_kind(docs, "ScaledObject")
-    assert [t["metadata"]["listName"] for t in so["spec"]["triggers"]] == flux2_queues(device)
+    [dep], [so] = worker_deployments(docs), by_kind(docs, "ScaledObject")
+    *lists, backlog = so["spec"]["triggers"]
+    assert [t["metadata"]["listName"] for t in lists] == flux2_queues(device)
+    # Shapes first published after rendering: the model's backlog over all its queues.
+    assert backlog["type"] == "metrics-api" and backlog["metadata"]["valueLocation"] == "backlog"
+    assert backlog["metadata"]["url"].endswith(f"/backlog?model={flux2_queues(device)[0].split('.')[1]}")
     assert so["spec"]["scaleTargetRef"]["name"] == dep["metadata"]["name"]
     args = dep["spec"]["template"]["spec"]["containers"][0]["args"]
     assert not any(queue in " ".join(args) for queue in flux2_queues(device))
@@ -324,7 +334,7 @@ def test_rendered_model_pools_discover_every_shape(device):
 def test_neuron_cores_match_request():
     docs = render_cli("--model", "m", "--shapes", "1024x1024", "--batch-size", "1", "--device", "neuron",
                       "--devices-per-pod", "16")
-    pod = by_kind(docs, "Deployment")[0]["spec"]["template"]["spec"]
+    pod = worker_deployments(docs)[0]["spec"]["template"]["spec"]
     container = pod["containers"][0]
     args = container["args"]
     # The cores the Neuron device plugin allocated, never a hard-coded range over them.
@@ -335,7 +345,9 @@ def test_neuron_cores_match_request():
                                                         "NEURON_RT_VISIBLE_CORES": "16-31"})
     assert result.exit_code == 0, result.output
     assert [p["env"]["NEURON_RT_VISIBLE_CORES"] for p in json.loads(result.output)] == [str(c) for c in range(16, 32)]
-    assert args[args.index("--dtype") + 1] == "bfloat16"  # the device's default dtype
+    # The queue says auto, as submit publishes it; the plan says what it runs at here.
+    assert args[args.index("--dtype") + 1] == "auto"
+    assert {(p["dtype"], p["runs_dtype"]) for p in json.loads(result.output)} == {("auto", "bfloat16")}
     assert container["resources"]["limits"]["aws.amazon.com/neuroncore"] == 16
     assert container["resources"]["requests"]["aws.amazon.com/neuroncore"] == 16
     assert pod["nodeSelector"]["node.kubernetes.io/instance-type"].startswith("trn2")
@@ -345,7 +357,7 @@ def test_neuron_cores_match_request():
 
 def test_tpu_selectors_and_chips():
     docs = render_cli("--model", "m", "--shapes", "1024x1024", "--batch-size", "1", "--device", "tpu")
-    pod = by_kind(docs, "Deployment")[0]["spec"]["template"]["spec"]
+    pod = worker_deployments(docs)[0]["spec"]["template"]["spec"]
     container = pod["containers"][0]
     assert container["args"][container["args"].index("--chips") + 1] == "0-3"
     assert container["resources"]["limits"]["google.com/tpu"] == 4
@@ -358,8 +370,8 @@ def test_tpu_selectors_and_chips():
     assert shm["emptyDir"] == {"medium": "Memory", "sizeLimit": "32Gi"}
     assert {"name": "dshm", "mountPath": "/dev/shm"} in container["volumeMounts"]
     for device in ("neuron", "cuda", "cpu"):
-        other = by_kind(render_cli("--model", "m", "--shapes", "64x64", "--batch-size", "1", "--device", device),
-                        "Deployment")[0]["spec"]["template"]["spec"]
+        other = worker_deployments(render_cli("--model", "m", "--shapes", "64x64", "--batch-size", "1",
+                                              "--device", device))[0]["spec"]["template"]["spec"]
         assert [v["name"] for v in other["volumes"]] == ["cache"]
 
 
@@ -445,7 +457,7 @@ def test_drain_timeout_ends_before_the_grace_period(device, grace):
 
     docs = render_cli("--model", "m", "--shapes", "1024x1024", "--batch-size", "1", "--device", device,
                       *(["--grace-seconds", grace] if grace else []))
-    pod = by_kind(docs, "Deployment")[0]["spec"]["template"]["spec"]
+    pod = worker_deployments(docs)[0]["spec"]["template"]["spec"]
     args = pod["containers"][0]["args"]
     drain = float(args[args.index("--drain-timeout") + 1])
     assert drain == pod["terminationGracePeriodSeconds"] - DRAIN_MARGIN_S > 0

@@ -24,6 +24,7 @@ from diffq.producer.submit import write_plan_part
 from diffq.core.storage import open_storage
 from diffq.worker.sink import Sink
 from tests.helpers import MEASURED
+from tests.test_export import run_defaults
 
 SHAPES = [ShapeKey(model="tiny", height=32, width=32, batch_size=4, max_sequence_length=64, cfg=False),
           ShapeKey(model="tiny", height=32, width=48, batch_size=4, max_sequence_length=64, cfg=False)]
@@ -47,7 +48,7 @@ def make_plan(url: str, items_per_shape=(14, 9)) -> list[BatchMessage]:
                                          params=PARAMS, items=items))
     storage.put_bytes(layout.MANIFEST, RunManifest(
         run_id="r", created_at=0.0, source="p.jsonl", out=url, total=sum(items_per_shape), batches=len(messages),
-        plan_parts=1, defaults={}, diffq_version="test",
+        plan_parts=1, defaults=run_defaults(SHAPES[0]), diffq_version="test",
         shapes=[ShapeSummary(shape=s, queue=s.queue, items=n, batches=-(-n // s.batch_size))
                 for s, n in zip(SHAPES, items_per_shape)]).model_dump_json().encode())
     write_plan_part(storage, 0, [EncodedBatch.of(message) for message in messages])
@@ -308,7 +309,7 @@ def test_random_histories_match_a_full_scan(tmp_path, seed):
 
 
 def test_segments_roll_over_and_refresh_reads_only_what_changed(tmp_path, monkeypatch):
-    monkeypatch.setattr(progress, "SEGMENT_BYTES", 50)  # two credits each
+    monkeypatch.setattr(progress, "SEGMENT_BYTES", 2 * progress.NUMBERED_CREDIT_BYTES)  # two credits each
     out = str(tmp_path / "run")
     plan = make_plan(out, items_per_shape=(40, 40))
     sink = Sink()
@@ -331,7 +332,149 @@ def test_segments_roll_over_and_refresh_reads_only_what_changed(tmp_path, monkey
     # New segments are read; sealed ones (all but perhaps the last) are not read again.
     assert set(read) - set(segments) and not set(read) & set(segments[:-1])
     body = json.loads(storage.get_bytes(segments[0]))
-    assert body["v"] == 1 and sum(len(v) for v in body["queues"].values()) >= 1
+    assert body["v"] == 2 and sum(credits["count"] for credits in body["numbered"]) == 2
+
+
+def test_plan_batch_ids_and_their_numbers():
+    assert progress.plan_number(batch_id(SHAPES[0], 1234)) == (batch_id(SHAPES[0], 0)[:-7], 7, 1234)
+    assert progress.plan_number(batch_id(SHAPES[0], 12_345_678))[1:] == (8, 12_345_678)  # past 7 digits
+    for spelled in ("b1", "b01", "b000001", "0000", "x-12-0009", batch_id(SHAPES[1], 3)):
+        prefix, width, index = progress.plan_number(spelled)
+        assert f"{prefix}{index:0{width}d}" == spelled  # the number spells the id again
+    # Not numbered: derived, no trailing digits, or beyond what the reader's arrays span.
+    for other in ("b0000001.s0", "abc", "b-", f"b{progress.MAX_INDEX + 1}"):
+        assert progress.plan_number(other) is None
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_packed_indexes_round_trip(seed):
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    indexes = rng.choice(progress.MAX_INDEX + 1, size=int(rng.integers(1, 5000)), replace=False)
+    start, count, gaps, compressed = progress.pack_indexes(list(indexes) + list(indexes[:7]))  # duplicates fold
+    assert (start, count) == (indexes.min(), len(indexes))
+    assert progress.unpack_indexes(start, count, gaps, compressed).tolist() == sorted(indexes.tolist())
+    if count > 2:
+        with pytest.raises(ValueError):
+            progress.unpack_indexes(start, count + 1, gaps, compressed)
+    # Gaps pack in as few bytes as the largest needs.
+    for gap in (1, 255, 256, 65_535, 65_536):
+        assert progress.unpack_indexes(*progress.pack_indexes([5, 5 + gap, 5 + 2 * gap])).tolist() == \
+            [5, 5 + gap, 5 + 2 * gap]
+    # A writer's run of consecutive batches compresses; a thousand writers' gaps do not.
+    assert progress.pack_indexes(range(1000, 5000))[3]
+    assert not progress.pack_indexes(np.cumsum(rng.integers(1, 2000, 5000)))[3]
+
+
+def test_a_writers_credits_pack_small(tmp_path):
+    """What makes status cheap at 100M items: a plan batch's credit is under 3 bytes,
+    not a spelled-out id (v1: ~35)."""
+    import numpy as np
+
+    storage = open_storage(str(tmp_path / "run"))
+    log = progress.ProgressLog(storage, writer="w")
+    # One writer of a thousand: every ~1,000th batch of the queue, at random gaps.
+    indexes = np.cumsum(np.random.default_rng(0).integers(1, 2000, 12_500))
+    for index in indexes.tolist():
+        log.add(batch_id(SHAPES[0], index), SHAPES[0].queue, ["x"] * 4)
+    log.flush()
+    (key,) = storage.list(layout.PROGRESS_PREFIX)
+    assert len(storage.get_bytes(key)) < 3 * len(indexes)
+    summary = ProgressSummary(storage).refresh()
+    assert summary.done == 4 * len(indexes) and summary.done_per_queue == {SHAPES[0].queue: 4 * len(indexes)}
+    assert all(summary.credited(batch_id(SHAPES[0], i)) for i in indexes[:100].tolist())
+    assert not summary.credited(batch_id(SHAPES[0], int(indexes[0]) + 1))
+
+
+def test_every_rewrite_of_a_segment_is_longer(tmp_path):
+    """Readers find changed segments by their listed size; consecutive batches pack to
+    the same compressed size, so the writer pads each rewrite past the last."""
+    storage = open_storage(str(tmp_path / "run"))
+    log = progress.ProgressLog(storage, writer="w")
+    summary = ProgressSummary(storage)
+    sizes = []
+    for index in range(300):
+        log.add(batch_id(SHAPES[0], index), SHAPES[0].queue, ["x"] * 4)
+        log.flush()
+        (size,) = [size for _, size in storage.list_with_sizes(layout.PROGRESS_PREFIX)]
+        sizes.append(size)
+        assert summary.refresh().done == 4 * (index + 1)
+    assert all(a < b for a, b in zip(sizes, sizes[1:]))
+
+
+def test_indexes_past_seven_digits_cost_what_they_hold(tmp_path):
+    """Batch 10,000,000 of a queue has an 8-digit id: its array starts near there, not at 0."""
+    import tracemalloc
+
+    storage = open_storage(str(tmp_path / "run"))
+    log = progress.ProgressLog(storage, writer="w")
+    around = range(9_999_990, 10_000_010)
+    for index in around:
+        log.add(batch_id(SHAPES[0], index), SHAPES[0].queue, ["x"] * 4)
+    log.flush()
+    tracemalloc.start()
+    try:
+        summary = ProgressSummary(storage).refresh()
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert summary.done == 4 * len(around)
+    assert all(summary.credited(batch_id(SHAPES[0], i)) for i in around)
+    assert not summary.credited(batch_id(SHAPES[0], 9_999_989)) and not summary.credited(batch_id(SHAPES[0], 0))
+    assert peak < 2_000_000  # two arrays from a multiple of 65,536 near there; from 0, 10 MB each
+
+
+def v1_segment(writer: str, credits: dict[str, list]) -> bytes:
+    """A segment as diffq wrote them before packed credits (the v1 writer's own call)."""
+    from diffq.core.records import ProgressSegment
+
+    return ProgressSegment(writer=writer, queues=credits).model_dump_json().encode()
+
+
+def test_v1_credits_of_every_form_fold_in(tmp_path):
+    """A v1 segment's spelled-out credits, in any mix: ids of another width or item
+    count between runs of alike ones, ids not numbered, a duplicate, a derived batch."""
+    storage = open_storage(str(tmp_path / "run"))
+    queue = SHAPES[0].queue
+    credits = [["p-0000001", 4], ["p-0000002", 4], ["p-0000003", 3], ["p-0000004", 4], ["p-10000000", 4],
+               ["p-0000005", 4], ["weird", 4], ["p-0000002", 4], ["p-x5", 2], ["p-0000009.s0", 2, ["a", "b"]],
+               ["p-0000006", 4]]
+    storage.put_bytes(layout.progress_key("old", 0), v1_segment("old", {queue: credits}))
+    summary = ProgressSummary(storage).refresh()
+    assert summary.done == 4 * 7 + 3 + 2 + 2 and summary.done_per_queue == {queue: summary.done}
+    for credited, *_ in credits:
+        assert summary.credited(credited)
+    for absent in ("p-0000007", "p-1000000", "p-0000009", "p-00000001"):
+        assert not summary.credited(absent)
+
+
+def test_old_segments_count_with_new_ones(out):
+    """A run whose workers were upgraded midway: v1 segments (every credit spelled out)
+    beside packed ones, crediting some batches in both, with splits and failures."""
+    plan = make_plan(out)
+    storage = open_storage(out)
+    old, both, new = plan[:2], plan[2:4], plan[4:]
+    left, right = split(plan[0])
+    store(Sink(), left)  # the record a v1 worker wrote, then its credit below
+    fail(right)
+    for message in [*old[1:], *both]:
+        store(Sink(), message)
+    for key in storage.list(layout.PROGRESS_PREFIX):
+        storage.delete(key)
+    credits: dict[str, list] = {left.shape.queue: [[left.batch_id, len(left.items), [i.id for i in left.items]]]}
+    for message in [*old[1:], *both]:
+        credits.setdefault(message.shape.queue, []).append([message.batch_id, len(message.items)])
+    storage.put_bytes(layout.progress_key("old-worker", 0), v1_segment("old-worker", credits))
+    sink = Sink()
+    for message in [*both, *new]:  # redelivered to an upgraded worker
+        store(sink, message)
+    done, failed, _ = counts(out)
+    assert (done, failed) == (23 - len(right.items), len(right.items))
+    assert sorted(b for b, *_ in progress.parse_segment(storage.get_bytes(layout.progress_key("old-worker", 0)))) \
+        == sorted([m.batch_id for m in [*old[1:], *both]] + [left.batch_id])
+    store(Sink(), plan[0])  # the whole batch succeeds after all
+    assert counts(out)[:2] == (23, 0)
 
 
 def test_a_run_with_no_segment_yet_has_nothing_done(tmp_path):

@@ -3,6 +3,7 @@ valid prompt — never a traceback, never a partial enqueue; messages likewise."
 
 from __future__ import annotations
 
+import io
 import json
 import string
 
@@ -55,10 +56,25 @@ def test_jsonl_rows(tmp_path_factory, batch):
 @given(st.binary(max_size=200))
 def test_arbitrary_bytes_in_every_text_format(tmp_path_factory, data):
     folder = tmp_path_factory.mktemp("p")
+    body = data[3:] if data.startswith(b"\xef\xbb\xbf") else data  # a leading UTF-8 mark is not text
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError:
+        text = None
     for name in ("p.jsonl", "p.csv", "p.txt"):
         path = folder / name
         path.write_bytes(data)
-        read_all(path)
+        prompts, error = read_all(path)
+        if text is None:
+            assert error is not None, "bytes that are not UTF-8 are refused, never half-read"
+            continue
+        if prompts is None:
+            continue
+        assert all(p.prompt and not p.prompt.startswith("\ufeff") or "\ufeff" in text for p in prompts)
+        if name == "p.txt":
+            # One prompt per non-blank line, in order, the line itself (no line break kept).
+            lines = [line.rstrip("\r\n") for line in io.StringIO(text, newline="")]
+            assert [p.prompt for p in prompts] == [line for line in lines if line.strip()]
 
 
 @SETTINGS
@@ -72,7 +88,13 @@ def test_csv_tables(tmp_path_factory, table, header):
         writer = csv.writer(handle)
         writer.writerow(header)
         writer.writerows(table)
-    read_all(path)
+    prompts, error = read_all(path)
+    if prompts is not None:
+        # Every prompt is a cell of the prompt column, row by row (empty rows skipped).
+        assert "prompt" in header and len(prompts) <= len(table)
+        column = header.index("prompt")
+        cells = [row[column] for row in table if len(row) > column]
+        assert all(p.prompt in cells for p in prompts)
 
 
 @SETTINGS

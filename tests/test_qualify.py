@@ -25,6 +25,7 @@ from typer.testing import CliRunner
 
 from diffq.app.cli import app
 from diffq.app.qualify import Settings, Thresholds, _child_spec, checks, reduced
+from diffq.core.records import DEGENERATE_CHECKS
 from diffq.worker.backends import REFERENCE, RunConfig, get_backend
 from diffq.worker.qualify import percentile
 
@@ -78,6 +79,9 @@ def test_save_reference_stores_images_and_settings(saved, tiny_model):
     assert shape["images_per_s"] == pytest.approx(2 / shape["steady_s"]["median"], rel=1e-3)
     assert report["recompiles"]["steps_change"] == 0 and report["recompiles"]["revisit"] == 0
     assert report["memory"]["host_peak_rss_bytes"] > 0 and report["memory"]["device_peak_bytes"] is None
+    # Every image went through the worker's checks: none degenerate.
+    assert shape["degenerate"] == {"nonfinite": 0, "flat": 0} and report["degenerate"] == {SHAPE: shape["degenerate"]}
+    assert report["checks"]["run"] == {"status": "pass", "detail": "1 shape(s) generated, no degenerate image"}
 
 
 def test_cpu_against_saved_cpu_reference_passes(saved, tiny_model, tmp_path):
@@ -151,6 +155,12 @@ def test_neuron_stand_in_fallback_ops_warnings_and_counted_recompiles(tiny_model
     # Pinned as `diffq worker` pins: the env the stand-in saw when the child imported it.
     seen = json.loads((tmp_path / "env.json").read_text())
     assert seen["NEURON_RT_VISIBLE_CORES"] == "3" and seen["TORCH_NEURONX_NEFF_CACHE_DIR"] == "/tmp/neff_cache"
+    # Qualified as a worker runs by default: a compiled graph failing on the device fails
+    # (torch-neuronx neuron_dynamo_backend/backend.py, execution_wrapper), and none re-ran.
+    assert seen["TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION"] == "1"
+    assert report["graph_fallback"] == {"env": "TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION", "value": "1",
+                                        "calls": 0, "per_shape": {}}
+    assert report["checks"]["graph_fallback"]["status"] == "pass"
     assert report["device"]["slot"] == 3 and report["compile"]["cache_dir"] == "/tmp/neff_cache"
     assert report["fallback_ops"] == ["aten::_fft_r2c", "aten::linalg_eigh"]
     assert report["checks"]["fallback_ops"]["status"] == "warn"
@@ -169,6 +179,29 @@ def test_neuron_stand_in_fallback_ops_warnings_and_counted_recompiles(tiny_model
     assert report["checks"]["recompiles"]["status"] == "pass" and report["passed"] is True
 
 
+def test_neuron_stand_in_whose_graph_fails_on_the_device_fails(tiny_model, tmp_path):
+    # The stand-in's compiled graph fails every call on the "device" and is handled as
+    # torch-neuronx's execution_wrapper does: with the fallback disabled (qualify's, and a
+    # worker's, default) the call raises instead of quietly re-running op by op.
+    code, report, output = qualify("--model", tiny_model, "--device", "neuron", "--compile", "full",
+                                   "--shapes", SHAPE, "--json",
+                                   env=stand_in_env(tmp_path, STANDIN_NEURON_RUNTIME_FAIL="1"))
+    assert code == 1 and "Traceback" not in output and report["passed"] is False
+    assert report["checks"]["run"] == {"status": "fail",
+                                       "detail": "RuntimeError: stand-in NEFF execution failed on the device"}
+    assert json.loads((tmp_path / "env.json").read_text())["TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION"] == "1"
+
+
+def test_a_graph_that_re_ran_uncompiled_fails_qualification():
+    # Should a release ignore the switch, the count still fails the check.
+    report = {**_report(), "graph_fallback": {"env": "TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION", "value": "1",
+                                              "calls": 3, "per_shape": {"64x64.b1": 3}}}
+    found = checks(report, Thresholds())["graph_fallback"]
+    assert found == {"status": "fail", "detail": "3 compiled-graph call(s) failed on the device and re-ran "
+                                                 "uncompiled, op by op (TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION=1)"}
+    assert "graph_fallback" not in checks(_report(), Thresholds())  # a backend without such a fallback
+
+
 def test_missing_backend_package_fails_the_run_check(tiny_model, tmp_path):
     # No stand-in on the path: the child's `import torch_neuronx` (the table's extension) fails.
     if importlib.util.find_spec("torch_neuronx") is not None:
@@ -177,6 +210,26 @@ def test_missing_backend_package_fails_the_run_check(tiny_model, tmp_path):
     assert code == 1 and "Traceback" not in output
     assert report["checks"]["run"] == {"status": "fail", "detail": "ModuleNotFoundError: No module named 'torch_neuronx'"}
     assert report["passed"] is False and report["parity"]["passed"] is False
+
+
+def test_a_nan_image_fails_the_run_check(tiny_model, tmp_path):
+    # The second default prompt's output turns NaN in every call (worker/faults.py), as a
+    # miscompiled graph or an overflowing VAE would make it: counted per shape, and fatal.
+    code, report, output = qualify("--model", tiny_model, "--shapes", SHAPE, "--batch-size", "2", "--repeats", "1",
+                                   "--report", str(tmp_path / "r"), "--json", env={"DIFFQ_FAULT_NAN": "lighthouse"})
+    assert code == 1 and "Traceback" not in output and report["passed"] is False
+    calls = 1 + 1 + 1 + 1  # first, the repeat, the steps change, the revisit
+    assert report["shapes"][0]["degenerate"] == {"nonfinite": calls, "flat": 0}
+    assert report["checks"]["run"] == {"status": "fail", "detail": f"1 shape(s) generated; {calls} image(s) with "
+                                       f"{DEGENERATE_CHECKS['nonfinite']}: {calls} at {SHAPE}"}
+    assert f"<td>{calls} nonfinite</td>" in (tmp_path / "r" / "index.html").read_text()  # its shape row
+
+
+def test_a_flat_image_warns():
+    report = {**_report(), "degenerate": {"64x64": {"nonfinite": 0, "flat": 2}}}
+    assert checks(report, Thresholds())["run"]["status"] == "warn"
+    report["degenerate"]["64x64"]["nonfinite"] = 1  # non-finite outranks flat
+    assert checks(report, Thresholds())["run"]["status"] == "fail"
 
 
 def _report(**recompiles) -> dict:

@@ -3,6 +3,7 @@ credentials never reach messages, manifests, records, status or logs, TLS works.
 
 from __future__ import annotations
 
+import base64
 import json
 import subprocess
 import sys
@@ -46,6 +47,19 @@ def test_credentials_never_leak_and_tls_works(tmp_path, make_redis_server, tiny_
                                for i in range(4)))
     out = str(tmp_path / "run")
     result = submit(prompts, out, model=tiny_model, broker_url=server.url, batch_size=2, steps=1)
+    # Every queued message, read before any worker drains them: none holds the password
+    # (the run folder URL is all they carry).
+    import redis
+
+    client = redis.Redis.from_url(server.url)
+    queued = [body for key in client.scan_iter("diffq.*", _type="list") for body in client.lrange(key, 0, -1)]
+    assert len(queued) == result.batches == 2
+    for body in queued:
+        envelope = json.loads(body)
+        decoded = base64.b64decode(envelope["body"]) if envelope["properties"].get("body_encoding") == "base64" \
+            else envelope["body"].encode()
+        assert b"batch_id" in decoded  # really a batch, read as the worker reads it
+        assert SECRET.encode() not in body and SECRET.encode() not in decoded
     supervisor = start_workers(server.url, list(result.queues), tiny_model, n=1, loglevel="INFO")
     try:
         wait_until(out, supervisor, lambda s: s.done >= 4, timeout=120)
@@ -64,14 +78,6 @@ def test_credentials_never_leak_and_tls_works(tmp_path, make_redis_server, tiny_
     proc = subprocess.run([sys.executable, "-m", "diffq", "status", out, "--json"],
                           capture_output=True, text=True, check=True)
     assert SECRET not in proc.stdout + proc.stderr
-    # And no message still queued holds it (the run folder URL is all they carry).
-    import redis
-
-    client = redis.Redis.from_url(server.url)
-    for key in client.scan_iter("*"):
-        if client.type(key) == b"list":
-            for body in client.lrange(key, 0, -1):
-                assert SECRET.encode() not in body
 
 
 def test_message_schema_carries_no_broker_and_rejects_credentials_in_out():

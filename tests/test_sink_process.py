@@ -106,6 +106,24 @@ def test_generated_arrays_are_stored_as_the_same_pixels(tmp_path, mode):
         sink.close()
 
 
+@pytest.mark.parametrize("mode", ["process", "thread"])
+def test_flagged_items_reach_their_records_and_no_other_field(tmp_path, mode):
+    """The task hands per-item degenerate flags with the batch's record fields
+    (worker/tasks.py): each lands in its own item's record only."""
+    from diffq.core.runfolder import iter_records
+    from diffq.worker.sink import DEGENERATE_KEY
+
+    out = str(tmp_path / "run")
+    message = batch(out, 6)
+    sink = SinkProcess() if mode == "process" else Sink()
+    try:
+        store(sink, out, message, pictures(message), {DEGENERATE_KEY: {"i6-2": "flat"}})
+    finally:
+        sink.close()
+    records = {record.id: record for record in iter_records(open_storage(out))}
+    assert {i: r.degenerate for i, r in records.items()} == {"i6-0": None, "i6-1": None, "i6-2": "flat", "i6-3": None}
+
+
 def test_sink_cpus_place_the_helper_and_the_sink_threads(tmp_path, monkeypatch):
     mine = os.sched_getaffinity(0)
     cpu = max(mine)
@@ -195,7 +213,7 @@ def test_helper_stores_what_it_was_handed_when_the_worker_goes_away(tmp_path):
     images = [pictures(message) for message in messages]
     for job, (message, imgs) in enumerate(zip(messages, images)):
         conn.send_bytes(json.dumps({"op": "store", "job": job, "out": out, "message": message.model_dump_json(),
-                                    "record_extra": {**MEASURED, "generate_s": 0.25},
+                                    "measures": {**MEASURED, "generate_s": 0.25},
                                     "image": {"mode": "RGB", "size": [SHAPE.width, SHAPE.height], "count": 4}}
                                    ).encode())
         conn.send_bytes(b"".join(image.tobytes() for image in imgs))

@@ -176,13 +176,13 @@ def test_derived_seeds_are_the_documented_sha256():
         assert derive_seed(seed_base, item_id) == int.from_bytes(digest[:8], "big") >> 1
 
 
-def test_duplicates_are_found_across_chunks_and_before_later_row_errors(tmp_path, monkeypatch):
-    """Ids are checked in chunks (IdChecker.CHUNK rows): a repeat in a later chunk is
+def test_duplicates_are_found_across_runs_and_before_later_row_errors(tmp_path, monkeypatch):
+    """Ids are sorted in runs of IdChecker.SPILL_ROWS rows: a repeat in a later run is
     still named with both lines, and a duplicate is reported before a bad row that
-    follows it in the same unchecked chunk."""
+    follows it in the same unsorted run."""
     from diffq.producer.submit import make_options, validate
 
-    monkeypatch.setattr(IdChecker, "CHUNK", 4)
+    monkeypatch.setattr(IdChecker, "SPILL_ROWS", 4)
     rows = [{"id": f"id-{i}", "prompt": f"p{i}"} for i in range(50)]
     path = tmp_path / "many.jsonl"
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
@@ -200,3 +200,92 @@ def test_duplicates_are_found_across_chunks_and_before_later_row_errors(tmp_path
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     with pytest.raises(InputError, match=r"many.jsonl:9: field 'id': duplicate id 'id-7' \(first seen on line 8\)"):
         validate(path, options, defaults)
+
+
+# What spreadsheets and Windows editors save: a UTF-8 byte-order mark, CRLF line ends.
+BOM = "\ufeff"
+
+
+@pytest.mark.parametrize("name, text", [
+    ("bom.csv", BOM + "prompt,id\r\na red cat,a\r\na blue dog,b\r\n"),
+    ("bom.jsonl", BOM + '{"prompt": "a red cat", "id": "a"}\r\n{"prompt": "a blue dog", "id": "b"}\r\n'),
+])
+def test_a_leading_utf8_byte_order_mark_is_not_part_of_the_first_row(tmp_path, name, text):
+    path = tmp_path / name
+    path.write_bytes(text.encode("utf-8"))
+    assert path.read_bytes().startswith(b"\xef\xbb\xbf")
+    assert [(p.line, p.id, p.prompt) for p in read_prompts(path)] == [(2 if name.endswith("csv") else 1, "a", "a red cat"),
+                                                                      (3 if name.endswith("csv") else 2, "b", "a blue dog")]
+
+
+def test_a_leading_byte_order_mark_in_txt_is_dropped_and_one_further_in_is_data(tmp_path):
+    path = tmp_path / "bom.txt"
+    path.write_bytes((BOM + "a red cat\r\n" + BOM + "a blue dog\r\n").encode("utf-8"))
+    assert [(p.line, p.prompt) for p in read_prompts(path)] == [(1, "a red cat"), (2, BOM + "a blue dog")]
+
+
+def test_a_byte_order_mark_inside_a_file_is_never_stripped(tmp_path):
+    # CSV: the mark opening a later cell is part of that prompt.
+    path = tmp_path / "mid.csv"
+    path.write_bytes((BOM + "prompt\r\nfirst\r\n" + BOM + "second\r\n").encode("utf-8"))
+    assert [p.prompt for p in read_prompts(path)] == ["first", BOM + "second"]
+    # JSONL: a mark opening line 2 is not JSON, as before.
+    path = tmp_path / "mid.jsonl"
+    path.write_bytes((BOM + '{"prompt": "first"}\n' + BOM + '{"prompt": "second"}\n').encode("utf-8"))
+    with pytest.raises(InputError, match=r"mid.jsonl:2: not valid JSON") as info:
+        list(read_prompts(path))
+    assert info.value.line == 2
+    # Only one leading mark is the file's: a second one right after it is the header's.
+    path = tmp_path / "twice.csv"
+    path.write_bytes((BOM + BOM + "prompt\nfirst\n").encode("utf-8"))
+    with pytest.raises(InputError, match=r"twice.csv:2: field 'prompt': Field required"):
+        list(read_prompts(path))
+
+
+def test_a_file_that_is_only_a_byte_order_mark_is_empty(tmp_path):
+    for name in ("empty.jsonl", "empty.txt"):
+        (tmp_path / name).write_bytes(b"\xef\xbb\xbf")
+        assert list(read_prompts(tmp_path / name)) == []
+    (tmp_path / "empty.csv").write_bytes(b"\xef\xbb\xbf")
+    with pytest.raises(InputError, match=r"empty.csv:1: missing CSV header row"):
+        list(read_prompts(tmp_path / "empty.csv"))
+
+
+TEXTS = {"p.csv": "prompt\r\na red cat\r\n", "p.jsonl": '{"prompt": "a red cat"}\r\n', "p.txt": "a red cat\r\n"}
+
+
+@pytest.mark.parametrize("name", sorted(TEXTS))
+@pytest.mark.parametrize("codec, data_of, said", [
+    # Notepad's "Unicode" and Excel's "Unicode text": UTF-16 LE with its mark.
+    ("utf-16-le+bom", lambda text: b"\xff\xfe" + text.encode("utf-16-le"), "UTF-16 LE (it starts with that byte-order mark)"),
+    ("utf-16-be+bom", lambda text: b"\xfe\xff" + text.encode("utf-16-be"), "UTF-16 BE (it starts with that byte-order mark)"),
+    ("utf-16-le", lambda text: text.encode("utf-16-le"), "UTF-16 LE (NUL bytes between its characters)"),
+    ("utf-16-be", lambda text: text.encode("utf-16-be"), "UTF-16 BE (NUL bytes between its characters)"),
+    ("utf-32-le+bom", lambda text: b"\xff\xfe\x00\x00" + text.encode("utf-32-le"), "UTF-32 LE (it starts with that byte-order mark)"),
+    ("utf-32-be+bom", lambda text: b"\x00\x00\xfe\xff" + text.encode("utf-32-be"), "UTF-32 BE (it starts with that byte-order mark)"),
+])
+def test_utf16_and_utf32_files_are_refused_naming_the_file_and_the_encoding(tmp_path, name, codec, data_of, said):
+    path = tmp_path / name
+    path.write_bytes(data_of(TEXTS[name]))
+    with pytest.raises(InputError) as info:
+        list(read_prompts(path))
+    assert str(info.value) == f"{path}: the file is {said}; save it as UTF-8"
+    assert (info.value.line, info.value.field) == (None, None)
+
+
+def test_utf16_guess_ignores_utf8_text_with_no_nul_and_cjk_utf16_is_still_caught(tmp_path):
+    # UTF-8 CJK and emoji have no NUL byte: read as they are.
+    path = tmp_path / "cjk.txt"
+    path.write_bytes("一只红猫\n🐱 猫\n".encode("utf-8"))
+    assert [p.prompt for p in read_prompts(path)] == ["一只红猫", "🐱 猫"]
+    # UTF-16 LE JSONL of CJK prompts: the ASCII syntax still puts NULs on one side,
+    # and U+4E00's zero low byte on the other does not hide it.
+    path = tmp_path / "cjk.jsonl"
+    path.write_bytes('{"prompt": "一一一一"}\n{"prompt": "一只红猫"}\n'.encode("utf-16-le"))
+    with pytest.raises(InputError, match=r"cjk.jsonl: the file is UTF-16 LE \(NUL bytes"):
+        list(read_prompts(path))
+
+
+def test_parquet_values_are_not_touched_by_byte_order_marks(tmp_path):
+    path = write(tmp_path, "parquet", [{"prompt": BOM + "a red cat"}])
+    assert [p.prompt for p in read_prompts(path)] == [BOM + "a red cat"]

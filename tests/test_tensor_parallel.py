@@ -21,7 +21,8 @@ from diffq.producer.submit import submit
 from diffq.core.storage import open_storage
 from diffq.worker.backends import get_backend
 from diffq.worker.supervisor import Supervisor, plan_children
-from diffq.worker.tensor_parallel import Group, shard_load_kwargs, sharded_components, sharding_plan
+from diffq.worker.tensor_parallel import (Group, RankMisplaced, check_shard_device, shard_device_index,
+                                          shard_load_kwargs, sharded_components, sharding_plan)
 from tests.helpers import assert_run_complete, wait_until
 
 
@@ -85,6 +86,11 @@ def test_tpu_group_environment():
     for rank, env in enumerate(envs):
         assert [env[k] for k in TORCHRUN] == [str(rank), str(rank), "4", "4", "127.0.0.1", "29500"]
         assert env["TORCH_TPU_TOPOLOGY"] == "2,2,1"  # tpu_topology.py: v6e, 4 chips
+        # The rank's chip, named: newer torch_tpu honours a single TPU_VISIBLE_DEVICES per
+        # rank (csrc/common/environment.cc, InitializeDistributedEnvironment), so one
+        # inherited from the pod would put every rank on it; older releases bind chip
+        # LOCAL_RANK (torch_tpu/common/environment.cc), the same chip here.
+        assert env["TPU_VISIBLE_DEVICES"] == env["TPU_VISIBLE_CHIPS"] == env["LOCAL_RANK"] == str(rank)
         # torch_tpu writes these itself: setting them would be useless.
         for overwritten in ("TPU_PROCESS_BOUNDS", "TPU_PROCESS_ADDRESSES", "TPU_PROCESS_PORT", "CLOUD_TPU_TASK_ID",
                             "ALLOW_MULTIPLE_LIBTPU_LOAD", "LIBTPU_INIT_ARGS"):
@@ -160,13 +166,71 @@ def test_nothing_touches_the_device_before_init_process_group(monkeypatch):
     assert neuron.rank_device == "torch.neuron.current_device" and not neuron.bind_local_rank
     group = join(0, 1, neuron)
     try:
-        # ...and the device is bound to it before DeviceMesh could pick LOCAL_RANK.
+        # ...and the rank's weights go to the device torch-neuronx names after it (its
+        # LOCAL_RANK: distributed/backend.py, _set_local_device_start_index).
         assert calls == [("init", "gloo"), ("current_device",), ("set_device", 5)]
         assert group.device == "neuron:5"
     finally:
         dist.destroy_process_group()
     # CUDA ranks see the whole group and bind LOCAL_RANK first, as torchrun's do.
     assert get_backend("cuda").bind_local_rank and get_backend("cuda").rank_device is None
+
+
+@pytest.mark.parametrize("rank, count, bound", [
+    *[(r, 1, 0) for r in range(4)],  # torch_tpu: each rank addresses one chip, tpu:0, its own
+    *[(r, 4, r) for r in range(4)],  # torch-neuronx: count = local world size, device id = LOCAL_RANK
+    *[(r, 2, r) for r in range(2)],  # cuda: a rank sees its group's GPUs and binds LOCAL_RANK
+])
+def test_diffusers_puts_each_shard_on_its_ranks_device(rank, count, bound):
+    # diffusers models/modeling_utils.py (_resolve_parallel_config): device =
+    # rank % torch.accelerator.device_count(). On torch_tpu that is tpu:0 on every rank,
+    # and right: a process is bound to its one device (_internal/device/_device_module.py,
+    # set_device refuses another index; device_count is the addressable count once the
+    # runtime is up, csrc/eager/tpu_hooks.cc).
+    assert shard_device_index(rank, count) == bound
+    check_shard_device(rank, count, bound)
+
+
+def test_a_shard_bound_for_another_ranks_device_is_refused():
+    # Before its runtime starts torch_tpu counts the host's chips (hardware.get_tpu_device_count
+    # in _device_module.py): rank 1 would be told tpu:1, not its own tpu:0.
+    with pytest.raises(RankMisplaced, match="rank 1 is bound to device 0, but diffusers would load its shard "
+                                            "onto device 1"):
+        check_shard_device(1, 4, 0)
+    with pytest.raises(RankMisplaced):
+        check_shard_device(0, 0, 0)  # no device seen at all
+
+
+def test_a_sharded_rank_starts_its_runtime_before_counting(monkeypatch):
+    """join on the sharded path: bind the rank's device, put a tensor on it (torch_tpu
+    counts per process only once its runtime is up), then check diffusers' placement and
+    build the mesh. A one-rank gloo group on the CPU stands in for a TPU rank."""
+    import torch
+    import torch.distributed as dist
+
+    from diffq.worker import tensor_parallel
+    from diffq.worker.tensor_parallel import join
+
+    calls = []
+    real_empty = torch.empty
+    # One rank planned as a sharded group of one (a mesh of one device).
+    monkeypatch.setattr(tensor_parallel, "sharding_plan",
+                        lambda backend, world_size: dataclasses.replace(sharding_plan(backend, 2), mesh_shape=(1,)))
+    monkeypatch.setattr(torch.accelerator, "current_device_index", lambda: calls.append("index") or 0)
+    monkeypatch.setattr(torch.accelerator, "set_device_index", lambda i: calls.append(("set_device", i)))
+    monkeypatch.setattr(torch.accelerator, "device_count", lambda: calls.append("count") or 1)
+    monkeypatch.setattr(torch, "empty", lambda *a, **kw: calls.append(("empty", str(kw["device"])))
+                        or real_empty(*a, device="cpu"))
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    tpu = dataclasses.replace(get_backend("tpu"), dist_backend="gloo", torch_device="cpu")
+    assert get_backend("tpu").rank_device == "torch.accelerator.current_device_index"
+    group = join(0, 1, tpu)
+    try:
+        assert calls[:5] == ["index", ("set_device", 0), ("empty", "cpu:0"), "count", "index"]
+        assert group.device == "cpu:0" and group.mesh is not None
+    finally:
+        group.leave()
 
 
 # --- contract: what each rank passes on the sharded path ---------------------------

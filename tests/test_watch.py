@@ -74,3 +74,51 @@ def test_watch_renders_bars_and_per_shape_rows(tmp_path, capsys):
     watch(url, as_json=True)
     line = json.loads(capsys.readouterr().out.splitlines()[-1])
     assert line["done"] == 16 and line["eta_s"] == 0.0
+
+
+def test_each_refresh_counts_exactly_and_reads_only_what_changed(tmp_path, monkeypatch):
+    """A watch over batches landing on three writers: redelivered copies, a split
+    batch whose half fails, a v1 segment an older worker left. Each refresh equals a
+    full scan of the records and reads exactly the segments that changed since the last."""
+    from diffq.core.storage.local import LocalStorage
+    from diffq.worker.sink import Sink
+    from tests.test_progress import FullScan, fail, make_plan, split, store, v1_segment
+
+    out = str(tmp_path / "run")
+    plan = make_plan(out)
+    storage = open_storage(out)
+    store(Sink(), plan[0])  # by a worker of an older diffq: its segment is v1
+    for key in storage.list(layout.PROGRESS_PREFIX):
+        storage.delete(key)
+    storage.put_bytes(layout.progress_key("old", 0), v1_segment(
+        "old", {plan[0].shape.queue: [[plan[0].batch_id, len(plan[0].items)]]}))
+    sinks = [Sink(), Sink(), Sink()]
+    left, right = split(plan[1])
+    events = [lambda: store(sinks[0], plan[2]), lambda: store(sinks[1], plan[2]),  # redelivered
+              lambda: store(sinks[2], left), lambda: fail(right), lambda: store(sinks[0], plan[0]),
+              lambda: store(sinks[1], plan[1]),  # the split batch succeeds whole after all
+              *[lambda m=m, i=i: store(sinks[i % 3], m) for i, m in enumerate(plan[3:])]]
+    read: list[str] = []
+    get_many = LocalStorage.get_many
+    monkeypatch.setattr(LocalStorage, "get_many",
+                        lambda self, keys, **kw: get_many(self, [*keys], **kw) if not read.extend(keys := [*keys])
+                        else None)
+    now, changed = [0.0], [set(storage.list(layout.PROGRESS_PREFIX))]
+
+    def sleep(seconds: float) -> None:
+        now[0] += seconds
+        before = dict(storage.list_with_sizes(layout.PROGRESS_PREFIX))
+        if events:
+            events.pop(0)()
+        after = dict(storage.list_with_sizes(layout.PROGRESS_PREFIX))
+        changed.append({key for key, size in after.items() if before.get(key) != size})
+        read.clear()
+
+    seen = []
+    for snapshot in snapshots(out, interval=1.0, clock=lambda: now[0], sleep=sleep):
+        scan = FullScan(storage)
+        assert (snapshot.status.done, snapshot.status.failed) == (scan.done, scan.failed)
+        assert {key for key in read if key.startswith(layout.PROGRESS_PREFIX)} == changed[-1]
+        seen.append((snapshot.status.done, snapshot.status.failed))
+    assert seen[0] == (len(plan[0].items), 0) and seen[-1] == (23, 0)
+    assert (len(plan[0].items) + len(plan[2].items) + len(left.items), len(right.items)) in seen

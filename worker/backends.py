@@ -10,11 +10,11 @@ import torch: the supervisor uses it to pin child processes before they import t
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from diffq.core.contract import DTYPE_TAGS
+from diffq.core.contract import AUTO_DTYPE, DTYPE_TAGS, effective_dtype
 
 # torch_tpu reads its port at backend init; each one-chip process needs its own.
 TPU_BASE_PORT = 8476
@@ -28,6 +28,63 @@ DISTRIBUTED_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MAST
 COMPILING_MODES = ("full", "regional")
 # --offload values: "model" is diffusers' enable_model_cpu_offload().
 OFFLOAD_MODES = ("model",)
+
+
+@dataclass(frozen=True)
+class GraphFallback:
+    """A backend that re-runs a compiled graph failing at run time as the original graph,
+    op by op, unless told not to: the batch then runs many times slower and only a log
+    line says so.
+
+    torch-neuronx neuron_dynamo_backend/backend.py (execution_wrapper): on an executor
+    exception it logs "Execution failed: ..." and "Falling back to original GraphModule
+    execution" and returns gm.forward(*inputs), unless TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION
+    is true (default False, docs/environment_variables.md)."""
+
+    env: str  # the switch; "1" makes the failing call raise
+    logger: str  # the logger that announces each fallback...
+    message: str  # ...with a message starting with this
+
+    def env_for(self, allowed: bool) -> dict[str, str]:
+        # Set either way, so a value inherited from the pod never decides.
+        return {self.env: "0" if allowed else "1"}
+
+
+@dataclass(frozen=True)
+class AllocationSource:
+    """A variable in which a device plugin names the devices it gave a container (`--<option> auto`)."""
+
+    env: str
+    # Listed ids -> the option's own units (a Neuron device holds several cores), with a
+    # note for `--plan`; None: the ids are the units.
+    per_id: Callable[[Mapping[str, str]], tuple[int, str]] | None = None
+
+
+class Allocation(list):
+    """`--<option> auto`'s devices, remembering which variable said so (`worker --plan` shows it)."""
+
+    def __init__(self, devices: list[int], source: dict):
+        super().__init__(devices)
+        self.source = source
+
+
+# Trn2: 8 physical NeuronCores per Neuron device (../shared/BACKENDS.md "logical cores on
+# Trn2"), LNC of them per logical core, the unit NEURON_RT_VISIBLE_CORES numbers, device d
+# holding cores d*n..d*n+n-1 (aws-neuron-sdk containers/tutorials/ks8-neuron-scheduler-flow.rst:
+# /dev/neuron1 is NEURON_RT_VISIBLE_CORES=2,3 at 2 per device). LNC is NEURON_LOGICAL_NC_CONFIG,
+# else 2 on trn2/trn3 (torch-neuronx csrc/core/utils/PlatformUtils.cpp, GetLogicalNeuronCores).
+NEURON_PHYSICAL_CORES_PER_DEVICE = 8
+NEURON_LNC_ENV = "NEURON_LOGICAL_NC_CONFIG"
+NEURON_DEFAULT_LNC = "2"
+
+
+def _neuron_cores_per_device(environ: Mapping[str, str]) -> tuple[int, str]:
+    lnc = environ.get(NEURON_LNC_ENV, "").strip() or NEURON_DEFAULT_LNC
+    if lnc not in ("1", "2"):
+        raise ValueError(f"{NEURON_LNC_ENV}={lnc}: a logical NeuronCore is 1 or 2 physical cores")
+    per_device = NEURON_PHYSICAL_CORES_PER_DEVICE // int(lnc)
+    said = f"{NEURON_LNC_ENV}={lnc}" if NEURON_LNC_ENV in environ else f"LNC {lnc}, the Trn2 default"
+    return per_device, f"{per_device} logical cores per Neuron device ({said})"
 
 
 @dataclass(frozen=True)
@@ -128,17 +185,28 @@ def _neuron_pin(p: Placement) -> dict[str, str]:
     return {"NEURON_RT_VISIBLE_CORES": str(p.slot), **_threads(p)}
 
 
+def _tpu_visible(chip: int) -> dict[str, str]:
+    # TPU_VISIBLE_DEVICES is torch_tpu's source of truth; TPU_VISIBLE_CHIPS is set to
+    # match, since libtpu prefers a non-empty TPU_VISIBLE_CHIPS (csrc/common/environment.cc).
+    return {"TPU_VISIBLE_DEVICES": str(chip), "TPU_VISIBLE_CHIPS": str(chip)}
+
+
 def _tpu_pin(p: Placement) -> dict[str, str]:
-    # TPU_VISIBLE_DEVICES is torch_tpu's source of truth (it rewrites
-    # TPU_VISIBLE_CHIPS to match); independent one-chip processes also need one-chip
-    # bounds (4-D on v7) and a distinct port. Read once during `import torch`.
+    # Independent one-chip processes also need one-chip bounds (4-D on v7) and a
+    # distinct port. Read once during `import torch`.
     bounds = TPU_GENERATIONS[p.generation].chip_bounds if p.generation else "1,1,1"
     return {
-        "TPU_VISIBLE_DEVICES": str(p.slot),
-        "TPU_VISIBLE_CHIPS": str(p.slot),
+        **_tpu_visible(p.slot),
         "TPU_CHIPS_PER_PROCESS_BOUNDS": bounds,
         "TPU_PROCESS_BOUNDS": bounds,
         "TPU_PROCESS_PORT": str(TPU_BASE_PORT + p.slot),
+        # Several one-chip processes share the host. libtpu's multi-process lock is one
+        # lockf'd /tmp/libtpu_lockfile for the whole host, skipped when this is true or the
+        # chip bounds are a subset of the host (openxla xla/stream_executor/tpu/
+        # tpu_initialize_util.cc, TryAcquireTpuLock); torch_tpu sets it anyway for its own
+        # one-chip ranks, against the lock in libtpu's GCP init (csrc/common/environment.cc).
+        # Ours are laid out the same, one chip each, so they set it too.
+        "ALLOW_MULTIPLE_LIBTPU_LOAD": "1",
         **_threads(p),
     }
 
@@ -166,6 +234,11 @@ def _tpu_rank(p: Placement) -> dict[str, str]:
     return {
         "TORCH_TPU_SLICEBUILDER_ADDRESSES": ",".join(f"localhost:{TPU_BASE_PORT + chip}" for chip in p.group_slots),
         "TORCH_TPU_TOPOLOGY": _tpu_topology(len(p.group_slots), p.generation),
+        # The rank's chip, named: newer torch_tpu binds a single TPU_VISIBLE_DEVICES
+        # (csrc/common/environment.cc), so one inherited from the pod would put every
+        # rank on that chip; older releases bind chip LOCAL_RANK (torch_tpu/common/
+        # environment.cc), the same chip since groups use chips 0..tp-1 (_tpu_groups).
+        **_tpu_visible(p.slot),
         **_threads(p),
     }
 
@@ -188,13 +261,17 @@ def _tpu_groups(devices: list[int], tp: int, generation: str | None) -> None:
     if tp == 1:
         return
     if len(devices) > tp:
-        # torch_tpu's launcher builds one slice per host (singlehost_wrapper.py); nothing
-        # in its sources shows two slices sharing one host's chips.
+        # Newer torch_tpu binds each rank to a single TPU_VISIBLE_DEVICES, which _tpu_rank
+        # sets (csrc/common/environment.cc), but older releases bind chip LOCAL_RANK
+        # (torch_tpu/common/environment.cc): a second group would land on the first one's
+        # chips. Either way each group sets TPU_HOST_BOUNDS to its own topology, and no run
+        # has shown two slices sharing one host: refused until one does.
         raise ValueError(f"{len(devices) // tp} TPU groups of {tp} chips on one host are unverified and refused: "
-                         f"torch_tpu builds one slice per host; run one --tp group per host")
+                         f"older torch_tpu releases bind chip LOCAL_RANK, so a second group would share the "
+                         f"first one's chips; run one --tp group per host")
     if devices != list(range(tp)):
-        # torch_tpu sub-slices a host from its first chips, each rank's chip by LOCAL_RANK.
-        raise ValueError(f"a TPU --tp group uses chips 0-{tp - 1} (torch_tpu binds chip LOCAL_RANK), "
+        # Older torch_tpu releases bind chip LOCAL_RANK whatever the rank's pin says.
+        raise ValueError(f"a TPU --tp group uses chips 0-{tp - 1} (older torch_tpu releases bind chip LOCAL_RANK), "
                          f"got --chips {','.join(map(str, devices))}")
     _tpu_topology(tp, generation)
 
@@ -206,10 +283,11 @@ class Backend:
     compile_backend: str
     cache_env: str
     dist_backend: str
-    # The dtype every seed example uses on this device; --dtype defaults to it.
+    # The dtype every seed example uses on this device: what an `auto` shape runs at.
     default_dtype: str
     pin: Callable[[Placement], dict[str, str]]
-    # The CLI option that lists this kind's devices (--cores 0-7, --chips 0-3 ...).
+    # The CLI option that lists this kind's devices (--cores 0-7, --chips 0-3 ...), and
+    # what it lists, in its help.
     device_option: str
     # Kubernetes facts of a worker pod, or None: explicitly not deployable.
     k8s: K8sPod | None
@@ -220,6 +298,9 @@ class Backend:
     base_env: dict[str, str] = field(default_factory=dict)
     # Dotted function returning ops that fell back to CPU, reported after warmup.
     fallback_report: str | None = None
+    # Compiled graphs failing at run time re-run uncompiled unless disabled: disabled
+    # under --compile full|regional unless --allow-fallback, and counted either way.
+    graph_fallback: GraphFallback | None = None
     # Dotted function: peak device memory in bytes since start (None: none to report).
     # torch.accelerator's is device-generic (torch/accelerator/memory.py).
     peak_memory: str | None = "torch.accelerator.max_memory_allocated"
@@ -245,8 +326,9 @@ class Backend:
     # Dotted callable counting this kind's devices. Accelerators go through
     # torch.accelerator: torch.tpu.device_count() raises for user code.
     count_devices: str = "torch.accelerator.device_count"
-    # The variable naming the devices a container was given (--<option> auto).
-    allocated_env: str | None = None
+    # The variables naming the devices a container was given (--<option> auto), the
+    # first one set wins.
+    allocation: tuple[AllocationSource, ...] = ()
     # Generations with different launch facts, detected on the host (TPU), and how.
     generations: tuple[str, ...] = ()
     detect_generation: Callable[[], str | None] | None = None
@@ -267,13 +349,34 @@ class Backend:
     # rejects dynamic=True outright.
     fullgraph: bool = True
     dynamic: bool = False
+    device_noun: str = "devices"
+    # The dtypes a worker of this kind runs when a queue pins one (auto queues run at
+    # default_dtype): discovery serves only these, and --queues naming another is refused.
+    dtypes: tuple[str, ...] = ("float32", "bfloat16", "float16")
 
     @property
     def compile_options(self) -> dict:
         return {"backend": self.compile_backend, "fullgraph": self.fullgraph, "dynamic": self.dynamic}
 
+    def dtype_for(self, dtype: str) -> str:
+        """The dtype a shape pinned to `dtype` (or auto) runs at on this backend."""
+        return effective_dtype(dtype, self.default_dtype)
+
+    @property
+    def served_dtypes(self) -> tuple[str, ...]:
+        """The shape-key dtypes a worker of this kind serves: auto and its own."""
+        return (AUTO_DTYPE, *self.dtypes)
+
     def cache_envs(self) -> tuple[str, ...]:
         return (self.cache_env, *self.cache_env_aliases)
+
+    def compile_env(self, compile: str, allow_fallback: bool = False) -> dict[str, str]:
+        """Env of a compile mode (before `import torch`): the mode's own, and under
+        torch.compile whether a graph failing at run time may re-run uncompiled."""
+        env = dict(self.mode_env.get(compile, {}))
+        if self.graph_fallback and compile in COMPILING_MODES:
+            env.update(self.graph_fallback.env_for(allow_fallback))
+        return env
 
     def env(self, p: Placement) -> dict[str, str]:
         """What a process at this placement sets before `import torch`."""
@@ -291,7 +394,7 @@ class Backend:
         return self.rank_unset if p.world_size > 1 else DISTRIBUTED_ENV
 
     def check(self, *, compile: str = "none", offload: str | None = None, devices: list[int] | None = None,
-              tp: int = 1, generation: str | None = None) -> None:
+              tp: int = 1, generation: str | None = None, allow_fallback: bool = False) -> None:
         """Refuse a combination this backend cannot run as asked, before anything starts."""
         if compile not in self.compile_modes:
             owners = [b.name for b in BACKENDS.values() if compile in b.compile_modes]
@@ -306,6 +409,11 @@ class Backend:
         if generation is not None and generation not in self.generations:
             raise ValueError(f"generation '{generation}' is not one of --device {self.name}'s: "
                              f"{', '.join(self.generations) or 'none'}")
+        if allow_fallback and not (self.graph_fallback and compile in COMPILING_MODES):
+            owners = [b.name for b in BACKENDS.values() if b.graph_fallback]
+            raise ValueError(f"--allow-fallback applies to --compile {'|'.join(COMPILING_MODES)} on --device "
+                             f"{'|'.join(owners)} (compiled graphs re-run uncompiled), not to --device {self.name} "
+                             f"--compile {compile}")
         if tp > 1:
             if self.rank_pin is None:
                 raise ValueError(f"--device {self.name} has no --tp groups")
@@ -326,6 +434,8 @@ BACKENDS: dict[str, Backend] = {
         device_option="--workers",
         count_devices="os.cpu_count",
         tensor_parallel=False,
+        # float16 on CPU: slow where torch has kernels at all; bfloat16 is the CPU half type.
+        dtypes=("float32", "bfloat16"),
         k8s=K8sPod(resource=None, devices_per_pod=2, grace_seconds=300, cpu="2", memory="4Gi", pool="model"),
         peak_memory=None,
     ),
@@ -340,6 +450,7 @@ BACKENDS: dict[str, Backend] = {
         rank_pin=_cuda_rank,
         bind_local_rank=True,
         device_option="--gpus",
+        device_noun="GPUs",
         cache_packages=("triton",),
         k8s=K8sPod(resource="nvidia.com/gpu",
                    tolerations=({"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"},),
@@ -359,14 +470,24 @@ BACKENDS: dict[str, Backend] = {
         rank_unset=("NEURON_RT_ROOT_COMM_ID",),
         rank_device="torch.neuron.current_device",
         device_option="--cores",
+        device_noun="NeuronCores",
         extension="torch_neuronx",
         eager_compiles=True,
         fallback_report="torch_neuronx.get_fallback_ops",
+        graph_fallback=GraphFallback(env="TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION",
+                                     logger="torch_neuronx.neuron_dynamo_backend.backend",
+                                     message="Falling back to original GraphModule execution"),
         default_cache="/tmp/neff_cache",
         cache_packages=("torch-neuronx", "neuronx-cc"),
-        # The Neuron device plugin names the cores of an aws.amazon.com/neuroncore
-        # allocation in this variable (see README, "Tensor parallel").
-        allocated_env="NEURON_RT_VISIBLE_CORES",
+        allocation=(
+            # An aws.amazon.com/neuroncore allocation: its cores (aws-neuron-sdk
+            # containers/tutorials/ks8-neuron-scheduler-flow.rst, "--env NEURON_RT_VISIBLE_CORES=2,3").
+            AllocationSource("NEURON_RT_VISIBLE_CORES"),
+            # An aws.amazon.com/neuron allocation, older plugins: devices, every core of
+            # each (neuron-deploy/tutorials/k8s-neuron-scheduler.rst, "AWS_NEURON_VISIBLE_DEVICES: 2,3";
+            # containers/tutorials/k8s-neuron-device-plugin.rst).
+            AllocationSource("AWS_NEURON_VISIBLE_DEVICES", per_id=_neuron_cores_per_device),
+        ),
         k8s=K8sPod(
             # trn2.48xlarge: 16 chips, 4 logical NeuronCores each at the default LNC=2.
             resource="aws.amazon.com/neuroncore",
@@ -386,11 +507,18 @@ BACKENDS: dict[str, Backend] = {
         pin=_tpu_pin,
         rank_pin=_tpu_rank,
         check_groups=_tpu_groups,
+        # A torch_tpu process is bound to one device, its only addressable one (set_device
+        # refuses any other index: _internal/device/_device_module.py).
+        rank_device="torch.accelerator.current_device_index",
         device_option="--chips",
+        device_noun="TPU chips",
         extension="torch_tpu",
         eager_compiles=True,
         compile_modes=("none", "full", "regional", "defer-fuse"),
-        mode_env={"defer-fuse": {"TORCH_TPU_DEFER_AND_FUSE": "1"}},
+        # Newer releases read TORCH_TPU_DEFER_AND_FUSE, then TPU_DEFER_AND_FUSE
+        # (csrc/eager/eager_mode.cc, env_vars.h); older ones only the latter
+        # (torch_tpu/eager/eager_mode.cc): both, or an older one runs strict eager.
+        mode_env={"defer-fuse": {"TORCH_TPU_DEFER_AND_FUSE": "1", "TPU_DEFER_AND_FUSE": "1"}},
         cache_env_aliases=("TORCH_TPU_INTERNAL_TIER3_COMPILATION_CACHE_ROOT",),
         # A name under /dev/shm/torch_tpu_cache (tier2_compilation_cache.cc); both names.
         cache_companion_env={"TORCH_TPU_TIER2_COMPILATION_CACHE": "diffq",
@@ -399,13 +527,18 @@ BACKENDS: dict[str, Backend] = {
         native_cache_schemes=("gs",),
         generations=tuple(TPU_GENERATIONS),
         detect_generation=detect_tpu_generation,
+        # The chips a google.com/tpu allocation gave the container: libtpu prefers a
+        # non-empty TPU_VISIBLE_CHIPS (torch_tpu csrc/common/env_vars.h), which Ray reads
+        # as a process's chips (ray python/ray/_private/accelerators/tpu.py); then
+        # TPU_VISIBLE_DEVICES, torch_tpu's own.
+        allocation=(AllocationSource("TPU_VISIBLE_CHIPS"), AllocationSource("TPU_VISIBLE_DEVICES")),
         k8s=K8sPod(
             # GKE single-host v6e slice: 4 chips in a 2x2 topology on one node.
             resource="google.com/tpu",
             node_selector={"cloud.google.com/gke-tpu-accelerator": "tpu-v6e-slice",
                            "cloud.google.com/gke-tpu-topology": "2x2"},
             tolerations=({"key": "google.com/tpu", "operator": "Exists", "effect": "NoSchedule"},),
-            # Grace outlasts a first TPU compile of a Flux-sized model (README, "Running on TPU").
+            # Grace outlasts a first TPU compile of a Flux-sized model (docs/devices.md, "Running on TPU").
             devices_per_pod=4, grace_seconds=3600, cpu="16", memory="128Gi", compile="regional",
             # torch_tpu's tier-2 compile cache lives in /dev/shm.
             shm_size="32Gi", generation="v6e",
@@ -438,6 +571,8 @@ REFERENCE = RunConfig(device="cpu", dtype="float32", compile="none", offload=Non
 DEVICES: tuple[str, ...] = tuple(BACKENDS)
 COMPILE_MODES: tuple[str, ...] = tuple(dict.fromkeys(m for b in BACKENDS.values() for m in b.compile_modes))
 DTYPES: tuple[str, ...] = tuple(DTYPE_TAGS)
+# What --dtype may say: auto (the serving device's default) or a pinned dtype.
+DTYPE_CHOICES: tuple[str, ...] = (AUTO_DTYPE, *DTYPES)
 
 
 def get_backend(name: str) -> Backend:
@@ -460,16 +595,26 @@ def device_count(backend: Backend) -> int:
     return int(resolve(backend.count_devices)() or 0)
 
 
-def allocated_devices(backend: Backend, environ=os.environ) -> list[int]:
-    """`--cores auto`: the devices the container was given, as its device plugin says."""
-    if backend.allocated_env is None:
+def allocated_devices(backend: Backend, environ: Mapping[str, str] = os.environ) -> Allocation:
+    """`--<option> auto`: the devices the container was given, from the first of the
+    backend's allocation variables that is set."""
+    if not backend.allocation:
         raise ValueError(f"{backend.device_option} auto is not available on --device {backend.name}: "
                          f"list the devices")
-    spec = environ.get(backend.allocated_env, "").strip()
-    if not spec:
-        raise ValueError(f"{backend.device_option} auto: {backend.allocated_env} is not set (the device plugin "
-                         f"sets it for allocated devices); list the devices instead")
-    return parse_devices(spec)
+    for source in backend.allocation:
+        value = environ.get(source.env, "").strip()
+        if not value:
+            continue
+        try:
+            ids = parse_devices(value)
+        except ValueError as exc:
+            raise ValueError(f"{backend.device_option} auto: {source.env}={value}: {exc}") from None
+        per_id, note = source.per_id(environ) if source.per_id else (1, None)
+        devices = [i * per_id + unit for i in ids for unit in range(per_id)]
+        return Allocation(devices, {"variable": source.env, "value": value, **({"per_id": note} if note else {})})
+    names = ", ".join(source.env for source in backend.allocation)
+    raise ValueError(f"{backend.device_option} auto: none of {names} is set (a device plugin sets one for the "
+                     f"devices it gave the container); list the devices instead")
 
 
 def parse_devices(spec: str) -> list[int]:

@@ -10,10 +10,13 @@ starts the next batch while this one uploads; then the routing step re-chooses
 queues. A worker killed before the upload finishes never acked the batch: the
 broker delivers it again (its lease lapses, core/transports.py).
 
-Acks and requeues run only on the consumer's main thread (kombu channels are not
-thread-safe): from the task body, from an event-loop timer, and at shutdown.
-The Celery side of this (the request whose ack is held, the bootstep driving the
-timers) is worker/celery_adapter.py.
+Every way a batch ends is an `Outcome` the task body reports (`report`); what the
+broker sees is `decide(outcome)` (worker/delivery.py, the one table): ack now, hold
+the ack until the sink's future is done, or requeue. Acks and requeues run only on
+the consumer's main thread (kombu channels are not thread-safe): from the task
+body, from an event-loop timer, and at shutdown. The Celery side of this (the
+request whose ack goes through here, the bootstep driving the timers) is
+worker/celery_adapter.py.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from typing import Protocol
 from diffq.core.contract import BatchMessage
 from diffq.core.storage import Storage
 from diffq.worker import metrics
+from diffq.worker.delivery import Action, Outcome, decide
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +59,8 @@ class BatchLine:
         self.router = router  # worker/routing.py's Router, or None (round-robin)
         self.window: Window | None = None  # set once the consumer is up
         self._lock = threading.Lock()
-        self._expected: dict[str, Future] = {}  # task id -> what its ack waits for
+        # task id -> its outcome, and the sink future a held ack waits for
+        self._reported: dict[str, tuple[Outcome, Future | None]] = {}
         self._held: list[tuple[Future, Delivery]] = []
         self._last_store: Future | None = None
 
@@ -73,41 +78,52 @@ class BatchLine:
         handed = self.sink.submit(storage, message, images, record)
         self._last_store = handed.stored
         handed.stored.add_done_callback(_observe_store)
-        self._expect(task_id, handed.credited)
+        self.report(task_id, Outcome.GENERATED, handed.credited)
         if self.router is not None:
             self.router.update()  # before the next fetch
 
     def credit_again(self, task_id: str, storage: Storage, message: BatchMessage) -> None:
         """A redelivered batch already stored: credit it again (the copy that stored the
         record may have died before crediting it) and ack after that."""
-        self._expect(task_id, self.sink.credit(storage, message))
+        self.report(task_id, Outcome.ALREADY_STORED, self.sink.credit(storage, message))
 
-    def _expect(self, task_id: str, future: Future) -> None:
+    def report(self, task_id: str, outcome: Outcome, future: Future | None = None) -> None:
+        """How this delivery's batch ended; `future`: what a held ack waits for."""
+        if (decide(outcome) is Action.ACK_WHEN_STORED) != (future is not None):
+            raise ValueError(f"outcome {outcome.value!r} {'needs' if future is None else 'takes no'} sink future")
         with self._lock:
-            self._expected[task_id] = future
+            self._reported[task_id] = (outcome, future)
+
+    def reported(self, task_id: str) -> Outcome | None:
+        with self._lock:
+            entry = self._reported.get(task_id)
+        return entry[0] if entry else None
 
     def expected(self, task_id: str) -> Future | None:
+        """The sink future the delivery's ack will wait for, if any."""
         with self._lock:
-            return self._expected.get(task_id)
+            entry = self._reported.get(task_id)
+        return entry[1] if entry else None
 
     # -- the consumer's side -------------------------------------------------------
 
     def ack(self, delivery: Delivery) -> None:
-        """The task returned: ack now, or hold the ack until its sink work is done."""
+        """The task returned: carry out the decision for what it reported."""
         with self._lock:
-            future = self._expected.pop(delivery.id, None)
-        if future is None:
-            delivery.ack_now()
+            outcome, future = self._reported.pop(delivery.id, (Outcome.UNREPORTED, None))
+        action = decide(outcome)
+        if action is Action.ACK_WHEN_STORED:
+            with self._lock:
+                self._held.append((future, delivery))
+            if self.window is not None:
+                self.window.widen()
+            self.settle()
             return
-        with self._lock:
-            self._held.append((future, delivery))
-        if self.window is not None:
-            self.window.widen()
-        self.settle()
+        _apply(action, delivery)
 
     def settle(self, wait: bool = False) -> int:
-        """Ack (or requeue, if storing failed) every held batch whose sink work is done;
-        with `wait`, every held batch. Main thread only. Returns how many settled."""
+        """Decide every held batch whose sink work is done (stored: ack; storing failed:
+        requeue); with `wait`, every held batch. Main thread only. Returns how many settled."""
         settled = 0
         while True:
             with self._lock:
@@ -120,12 +136,19 @@ class BatchLine:
                 concurrent.futures.wait([future])
                 if future.exception() is not None:
                     log.error("storing batch %s failed, handing it back: %r", delivery.id, future.exception())
-                    delivery.requeue()
-                else:
-                    delivery.ack_now()
+                _apply(decide(Outcome.STORED if future.exception() is None else Outcome.STORE_FAILED), delivery)
                 if self.window is not None:
                     self.window.narrow()
                 settled += 1
+
+
+def _apply(action: Action, delivery: Delivery) -> None:
+    if action is Action.ACK:
+        delivery.ack_now()
+    elif action is Action.REQUEUE:
+        delivery.requeue()
+    else:
+        raise ValueError(f"{action.value} is carried out by holding the ack, not at once")
 
 
 def _observe_store(future: Future) -> None:

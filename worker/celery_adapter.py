@@ -25,8 +25,6 @@ import threading
 import time
 
 from celery import Celery, Task, bootsteps, signals
-from celery.exceptions import Reject
-from celery.worker import state as worker_state
 from celery.worker.request import Request
 
 from diffq.core.broker import TASK_NAME, make_celery
@@ -35,8 +33,9 @@ from diffq.core.transports import transport_for
 from diffq.worker.lease import LeaseKeeper, held_deliveries
 from diffq.worker.lifeline import parent_gone
 from diffq.worker.dead_letters import DeadLetterStep
+from diffq.worker.delivery import Action, Outcome, decide
 from diffq.worker.spec import ChildSpec, hostname
-from diffq.worker.tasks import HandBack, Runtime, generate_batch
+from diffq.worker.tasks import Runtime, generate_batch
 
 log = logging.getLogger("diffq.worker")
 
@@ -60,7 +59,8 @@ WORKER_ARGS = ["--pool=solo", "--concurrency=1", "--without-mingle", "--without-
 
 
 class BatchRequest(Request):
-    """The ack is the batch line's decision: at once, or when the sink is done."""
+    """The ack is the batch line's decision (worker/delivery.py): at once, held until the
+    sink is done, or a requeue."""
 
     def acknowledge(self):
         if self.acknowledged:
@@ -81,12 +81,7 @@ class BatchTask(Task):
 
 
 def run_batch(task: BatchTask, batch: dict) -> dict:
-    try:
-        return generate_batch(task, batch)
-    except HandBack as exc:
-        # Not a failed attempt: back to the queue at once, and the process stops.
-        worker_state.should_stop = exc.exit_code
-        raise Reject(str(exc), requeue=True) from exc
+    return generate_batch(task, batch)
 
 
 class PrefetchWindow:
@@ -164,6 +159,9 @@ class Drain:
             rt.sink.flush()
         except Exception as exc:  # not stored: the handed-back copy stores it again
             log.warning("drain: storing what was generated failed: %r", exc)
+        # What is still held is `drained`: a requeue (worker/delivery.py), carried out
+        # from this thread by the lease keeper's hand-back (the transport table's).
+        assert decide(Outcome.DRAINED) is Action.REQUEUE
         handed = _hand_back(rt)
         # An idle consumer may have a fetch in flight: let its shutdown stop fetching,
         # then hand back what came in meanwhile. A busy one fetches nothing meanwhile.

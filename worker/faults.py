@@ -8,6 +8,10 @@ takes <seconds> longer before generating, as a first compile would (the lease te
 
 DIFFQ_FAULT_KILL_RANK=<rank>:<marker file>: the tensor-parallel rank <rank> SIGKILLs
 itself on receiving a batch, once per marker file (the restarted group runs on).
+
+DIFFQ_FAULT_NAN=<text>, DIFFQ_FAULT_FLAT=<text>: the pipeline's output for an item
+whose prompt contains <text> is NaN everywhere (as from an fp16 VAE overflowing) or
+one flat grey (a collapsed sampler), the rest of its batch untouched.
 """
 
 from __future__ import annotations
@@ -32,6 +36,21 @@ def check(items: list[BatchItem]) -> None:
         text, _, seconds = hold.rpartition(":")
         if any(text in item.prompt for item in items):
             time.sleep(float(seconds))
+
+
+# variable -> the value every pixel of a matching item's output is set to
+DEGRADED = {"DIFFQ_FAULT_NAN": float("nan"), "DIFFQ_FAULT_FLAT": 0.5}
+
+
+def degrade(images, items: list[BatchItem]):
+    """The pipeline's output tensor (B×3×H×W floats) with DIFFQ_FAULT_NAN / _FLAT applied, in place."""
+    for variable, value in DEGRADED.items():
+        text = os.environ.get(variable)
+        if text:
+            for index, item in enumerate(items):
+                if text in item.prompt:
+                    images[index] = value
+    return images
 
 
 def check_rank(rank: int, items: list[BatchItem]) -> None:

@@ -34,10 +34,18 @@ COMPILES = Counter("diffq_compiles", "Graph compiles per shape", ["shape"], regi
 RECOMPILES = Counter("diffq_recompiles",
                      "Graphs compiled for a shape already served (should stay 0 in steady state)",
                      ["shape"], registry=REGISTRY)
+GRAPH_FALLBACKS = Counter("diffq_graph_fallbacks",
+                          "Compiled-graph calls that failed on the device and re-ran uncompiled, op by op "
+                          "(only with --allow-fallback; otherwise the batch fails)",
+                          ["shape"], registry=REGISTRY)
 UPLOAD_SECONDS = Histogram("diffq_upload_seconds", "Seconds to encode and store one batch",
                            buckets=UPLOAD_BUCKETS, registry=REGISTRY)
 UPLOAD_BYTES = Counter("diffq_upload_bytes", "Bytes of images stored", registry=REGISTRY)
 FAILURES = Counter("diffq_failures", "Items that failed after every retry", ["queue"], registry=REGISTRY)
+DEGENERATE = Counter("diffq_degenerate_images",
+                     "Images a check found degenerate, by check (kind): nonfinite (NaN or infinite values) or "
+                     "flat (one colour); --on-degenerate decides whether each failed or was stored flagged",
+                     ["queue", "kind"], registry=REGISTRY)
 BUSY = Gauge("diffq_device_busy_ratio", "Share of recent wall time the device spent generating",
              registry=REGISTRY)
 
@@ -94,9 +102,19 @@ def observe_recompile(shape_label: str, graphs: int = 1) -> None:
     RECOMPILES.labels(shape_label).inc(graphs)
 
 
+def observe_graph_fallback(shape_label: str, calls: int) -> None:
+    """When compiled-graph calls of a shape re-ran uncompiled (`Generated.graph_fallbacks`)."""
+    GRAPH_FALLBACKS.labels(shape_label).inc(calls)
+
+
 def observe_failure(queue: str, n: int) -> None:
     """After a failure record for `n` items was written."""
     FAILURES.labels(queue).inc(n)
+
+
+def observe_degenerate(queue: str, kind: str, n: int = 1) -> None:
+    """After a batch in which a check found `n` degenerate images of this kind."""
+    DEGENERATE.labels(queue, kind).inc(n)
 
 
 def start_server(port: int, addr: str = "0.0.0.0") -> int:

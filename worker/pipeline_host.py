@@ -18,7 +18,9 @@ import torch
 
 from diffq.core.contract import BatchItem, BatchParams, ShapeKey
 from diffq.core.families import Family, FamilyError, family_for_class
-from diffq.worker.backends import COMPILING_MODES, DTYPES, Backend, resolve
+from diffq.core.records import DEGENERATE_CHECKS, FLAT_MAX_LEVELS
+from diffq.worker import faults
+from diffq.worker.backends import COMPILING_MODES, DTYPES, Backend, GraphFallback, resolve
 from diffq.worker.models import resolve_model
 
 log = logging.getLogger(__name__)
@@ -54,6 +56,10 @@ class Generated:
     compiled: bool
     # Extra record fields (a tensor-parallel group's agreement).
     record_extra: dict = field(default_factory=dict)
+    # Compiled-graph calls the backend re-ran uncompiled during this call (--allow-fallback).
+    graph_fallbacks: int = 0
+    # Per item: the degenerate-image check its image failed (a DEGENERATE_CHECKS key), or None.
+    degenerate: list = field(default_factory=list)
 
 
 @dataclass
@@ -69,12 +75,17 @@ class PipelineHost:
     compile_graphs: dict = field(default_factory=dict)
     # Graphs compiled for a shape already served: must stay 0 in steady state.
     recompiles: int = 0
+    # Per shape label: compiled-graph calls the backend re-ran uncompiled, op by op.
+    graph_fallbacks: dict = field(default_factory=dict)
     # Called with the ShapeKey after a call compiled a new shape (cache push, metrics).
     on_compiled: list[Callable[[ShapeKey], None]] = field(default_factory=list)
     # Rank 0 of a tensor-parallel group (worker/tensor_parallel.py): each batch is
     # announced to the other ranks first and their images checked after. Other ranks
     # hold a group too, for sharded loading, but never announce.
     group: object = None
+    # The degenerate-image checks run on every batch (DEGENERATE_CHECKS keys: the
+    # worker's --on-degenerate policy names them); none by default, at no cost.
+    checks: frozenset = frozenset()
 
     @property
     def compiles(self) -> bool:
@@ -82,6 +93,7 @@ class PipelineHost:
         return self.compile_mode in COMPILING_MODES or self.backend.eager_compiles
 
     def pipeline(self, model: str, dtype: str):
+        dtype = self.backend.dtype_for(dtype)  # an auto shape runs at the device's default
         key = (model, dtype)
         if key not in self._pipelines:
             self._pipelines[key] = self._load(model, dtype)
@@ -153,7 +165,7 @@ class PipelineHost:
         # Pad to the compiled batch size by repeating the last item: the graph never
         # sees a new batch dimension, and the extra images are dropped below.
         padded = items + [items[-1]] * (shape.batch_size - len(items))
-        family = self._families[(shape.model, shape.dtype)]
+        family = self._families[(shape.model, self.backend.dtype_for(shape.dtype))]
         refused = [(item.id, reason) for item in items
                    if (reason := family.refusal(negative_prompt=item.negative_prompt,
                                                 guidance_scale=params.guidance_scale))]
@@ -180,15 +192,21 @@ class PipelineHost:
         if leader:
             self.group.announce(shape, params, items)
         graphs_before = graphs_compiled()
+        fallbacks_before = fallback_count(self.backend.graph_fallback)
         started = time.perf_counter()
         try:
             with torch.inference_mode():
-                images = to_arrays(pipe(**kwargs).images)
+                images, degenerate = checked_arrays(faults.degrade(pipe(**kwargs).images, padded), self.checks)
         except Exception:
             if leader:
                 self.group.agree(None)  # keep the other ranks in step
             raise
         elapsed = time.perf_counter() - started
+        fallbacks = fallback_count(self.backend.graph_fallback) - fallbacks_before
+        if fallbacks:
+            self.graph_fallbacks[shape.label] = self.graph_fallbacks.get(shape.label, 0) + fallbacks
+            log.warning("shape %s: %d compiled-graph call(s) failed on the device and re-ran uncompiled",
+                        shape.label, fallbacks)
         record_extra = self.group.agree(images) if leader else {}
         graphs = graphs_compiled() - graphs_before
         compiled = new_shape and self.compiles
@@ -201,7 +219,7 @@ class PipelineHost:
             self.recompiles += graphs
             log.warning("shape %s compiled %d more graph(s) after its first batch", shape.label, graphs)
         return Generated(images=images[: len(items)], generate_s=elapsed, compiled=compiled,
-                         record_extra=record_extra)
+                         record_extra=record_extra, graph_fallbacks=fallbacks, degenerate=degenerate[: len(items)])
 
     def warmup(self, shapes: list[ShapeKey]) -> None:
         """Compile `shapes` before consuming, so no batch waits on a compile."""
@@ -213,7 +231,10 @@ class PipelineHost:
             # steps do not change the graph, so one is enough.
             params = BatchParams(num_inference_steps=1, guidance_scale=4.0 if shape.cfg else 1.0)
             items = [BatchItem(id=f"warmup-{i}", prompt="warmup", seed=i) for i in range(shape.batch_size)]
-            self.generate(shape, params, items)
+            found = [kind for kind in self.generate(shape, params, items).degenerate if kind]
+            if found:  # a first sign of a miscompiled graph, before any batch is stored
+                log.warning("warm-up of %s made %d degenerate image(s): %s", shape.label, len(found),
+                            ", ".join(sorted(set(found))))
             log.info("warmed %s in %.1fs", shape.label, self.compile_seconds.get(shape.queue, 0.0))
 
     def compile_stats(self) -> dict:
@@ -228,6 +249,7 @@ class PipelineHost:
             "shapes": len(self.compile_seconds),
             "graphs": graphs_compiled(),
             "recompiles": self.recompiles,
+            "graph_fallbacks": dict(self.graph_fallbacks),
             "seconds": round(sum(self.compile_seconds.values()), 3),
             "per_shape": {queue: {"seconds": round(seconds, 3), "graphs": self.compile_graphs[queue]}
                           for queue, seconds in self.compile_seconds.items()},
@@ -244,23 +266,88 @@ class PipelineHost:
 
 def to_arrays(images) -> list:
     """The pipeline's images (output_type="pt": B×3×H×W floats in [0, 1], where they were
-    made) as H×W×3 uint8 arrays on the host.
+    made) as H×W×3 uint8 arrays on the host (`checked_arrays` without checks)."""
+    return checked_arrays(images, frozenset())[0]
+
+
+def checked_arrays(images, checks: frozenset) -> tuple[list, list]:
+    """The pipeline's images as H×W×3 uint8 arrays on the host, and per image the first
+    of `checks` (DEGENERATE_CHECKS keys, in that order) it failed, or None.
 
     The scaling runs where the tensor is (on an accelerator, on the device) with the
     float32 arithmetic of diffusers' own to-PIL step, so the pixels are the same; the
     host receives one 8-bit copy, which the sink hands on without holding the GIL
-    (PIL images would be packed and unpacked under it: docs/BENCHMARKS.md)."""
-    if not isinstance(images, torch.Tensor):  # a pipeline that ignores output_type: as it made them
-        return list(images)
-    if images.dtype != torch.uint8:  # already 8-bit: nothing to scale
-        images = images.float().mul(255).round().to(torch.uint8)
-    return list(images.permute(0, 2, 3, 1).contiguous().cpu().numpy())
+    (PIL images would be packed and unpacked under it: docs/BENCHMARKS.md).
+
+    The checks run there too, as batched reductions (no loop over images): "nonfinite"
+    before the 8-bit conversion (which would turn NaN into black), "flat" after it;
+    their flags come to the host as one small tensor. Their cost per batch is in
+    docs/BENCHMARKS.md (bench/degenerate.py)."""
+    if not isinstance(images, torch.Tensor):  # a pipeline that ignores output_type: as it made them, unchecked
+        images = list(images)
+        return images, [None] * len(images)
+    flags = {}
+    if images.dtype != torch.uint8:  # already 8-bit: nothing to scale, and nothing non-finite
+        images = images.float()
+        if "nonfinite" in checks:
+            # A sum is finite exactly when every value is (values in [0, 1] cannot
+            # overflow it), and, unlike isfinite().all(), it is one vectorised pass.
+            flags["nonfinite"] = ~torch.isfinite(images.sum(dim=(1, 2, 3)))
+        images = images.mul(255).round().to(torch.uint8)
+    hwc = images.permute(0, 2, 3, 1).contiguous()  # what the host receives
+    if "flat" in checks:
+        # Each channel's max and min, so a flat colour is flat too: over the rows, then
+        # over each row's pixels, both passes along memory (one pass over interleaved
+        # channels, or torch.aminmax, is several times slower on CPU: bench/degenerate.py).
+        b, h, w, c = hwc.shape
+        rows = hwc.view(b, h, w * c)
+        high = rows.amax(1).view(b, w, c).amax(1)
+        low = rows.amin(1).view(b, w, c).amin(1)
+        flags["flat"] = (high - low).amax(1) <= FLAT_MAX_LEVELS
+    arrays = list(hwc.cpu().numpy())
+    found = [None] * len(arrays)
+    if flags:
+        order = [kind for kind in DEGENERATE_CHECKS if kind in flags]
+        for index, row in enumerate(torch.stack([flags[kind] for kind in order], 1).cpu().tolist()):
+            found[index] = next((kind for kind, hit in zip(order, row) if hit), None)
+    return arrays, found
 
 
 def check_compile_mode(family: type[Family], compile_mode: str) -> None:
     """Refuse a compile mode the family cannot take (`diffq run` checks before spawning)."""
     if reason := family.compile_refusal(compile_mode):
         raise CompileUnsupported(reason)
+
+
+class _Announcements(logging.Handler):
+    """Counts the log records in which a backend announces re-running a compiled graph uncompiled."""
+
+    def __init__(self, message: str):
+        super().__init__()
+        self.message = message
+        self.count = 0
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.getMessage().startswith(self.message):
+            self.count += 1
+
+
+_ANNOUNCEMENTS: dict[tuple[str, str], _Announcements] = {}
+
+
+def fallback_count(fallback: GraphFallback | None) -> int:
+    """How many fallbacks the backend announced in this process so far (its log line is
+    the only sign: backends.py, GraphFallback)."""
+    if fallback is None:
+        return 0
+    key = (fallback.logger, fallback.message)
+    if key not in _ANNOUNCEMENTS:
+        _ANNOUNCEMENTS[key] = _Announcements(fallback.message)
+        logger = logging.getLogger(fallback.logger)
+        logger.addHandler(_ANNOUNCEMENTS[key])
+        if not logger.isEnabledFor(logging.WARNING):
+            logger.setLevel(logging.WARNING)  # a quieter --loglevel must not hide one from the count
+    return _ANNOUNCEMENTS[key].count
 
 
 def graphs_compiled() -> int:

@@ -137,19 +137,24 @@ def _warm(rt) -> bool:
         sys.exit(EXIT_GROUP_BROKEN if isinstance(exc, GroupBroken) else EXIT_FATAL)
     for shape, figures in report.get("compile", {}).get("per_shape", {}).items():
         metrics.observe_compile(shape, figures["seconds"])
+    for shape, calls in report.get("compile", {}).get("graph_fallbacks", {}).items():
+        metrics.observe_graph_fallback(shape, calls)
     if spec.warmup or spec.warmup_only:
         print(json.dumps({"event": "warm", **report}), flush=True)
     return not spec.warmup_only
 
 
 def _join_group(spec: ChildSpec):
-    from diffq.worker.tensor_parallel import EXIT_GROUP_BROKEN, GroupBroken, join
+    from diffq.worker.tensor_parallel import EXIT_GROUP_BROKEN, GroupBroken, RankMisplaced, join
 
     try:
         return join(spec.rank, spec.world_size, spec.backend)
     except GroupBroken as exc:
         print(f"diffq worker {spec.name}: {exc}", file=sys.stderr, flush=True)
         sys.exit(EXIT_GROUP_BROKEN)
+    except RankMisplaced as exc:  # the same placement on every restart
+        print(f"diffq worker {spec.name}: {exc}", file=sys.stderr, flush=True)
+        sys.exit(EXIT_FATAL)
 
 
 def _follow(spec: ChildSpec, group) -> int:

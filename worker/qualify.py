@@ -10,8 +10,13 @@ the backend's extension, then drives the same `PipelineHost` a worker uses:
   with dynamo's own counter around each call (`pipeline_host.graphs_compiled`).
 - the first call's images (same prompts and seeds as the reference) are written as
   PNG for the parent to compare; a reference run (`measure=False`) writes only those.
+- degenerate images (records.py DEGENERATE_CHECKS, every check on): counted per
+  shape over all its calls, as a worker would find them.
 - fallback ops, warnings (each once), peak device memory and host peak RSS, package
   versions, the compile cache: from the backend table, never by device name.
+- under torch.compile, compiled graphs that failed on the device and re-ran
+  uncompiled: the child runs as a worker does by default, with that fallback
+  disabled (the batch fails), and counts any that happen anyway.
 
 The result is one JSON file; a failure writes an `error` there instead of a traceback.
 """
@@ -123,6 +128,7 @@ def _save(images, spec: QualifySpec, height: int, width: int) -> None:
 def measure(spec: QualifySpec) -> dict:
     """Everything the parent reports except parity; runs after `import torch`."""
     from diffq.core.contract import BatchItem, BatchParams, ShapeKey
+    from diffq.core.records import DEGENERATE_CHECKS
     from diffq.worker.backends import device_count
     from diffq.worker.compile_cache import CacheSync
     from diffq.worker.pipeline_host import PipelineHost, graphs_compiled
@@ -135,7 +141,9 @@ def measure(spec: QualifySpec) -> dict:
             sync.pull()
         except Exception as exc:  # as in a worker: a missing cache costs compile time only
             logging.getLogger("diffq.worker").warning("compile cache pull from %s failed: %s", cache.remote, exc)
-    host = PipelineHost(backend=backend, compile_mode=spec.child.compile, offload=spec.child.offload)
+    host = PipelineHost(backend=backend, compile_mode=spec.child.compile, offload=spec.child.offload,
+                        checks=frozenset(DEGENERATE_CHECKS))
+    degenerate: dict[str, dict[str, int]] = {}  # shape label -> check -> images it found
     items = [BatchItem(id=f"q{i}", prompt=prompt, seed=seed)
              for i, (prompt, seed) in enumerate(zip(spec.prompts, spec.seeds))]
 
@@ -148,6 +156,9 @@ def measure(spec: QualifySpec) -> dict:
         before = graphs_compiled()
         generated = host.generate(shape, BatchParams(num_inference_steps=steps,
                                                      guidance_scale=spec.guidance_scale), items)
+        counts = degenerate.setdefault(f"{shape.height}x{shape.width}", dict.fromkeys(DEGENERATE_CHECKS, 0))
+        for kind in filter(None, generated.degenerate):
+            counts[kind] += 1
         return generated, graphs_compiled() - before
 
     started = time.perf_counter()
@@ -184,6 +195,8 @@ def measure(spec: QualifySpec) -> dict:
     for entry in shapes:
         _, entry["recompiles"]["revisit"] = call(key(entry["height"], entry["width"]), spec.steps)
     revisit = sum(entry["recompiles"]["revisit"] for entry in shapes) if spec.measure else None
+    for entry in shapes:
+        entry["degenerate"] = degenerate[entry["shape"]]
     for height, width in images_only:
         generated, _ = call(key(height, width), spec.steps)
         _save(generated.images, spec, height, width)
@@ -211,6 +224,13 @@ def measure(spec: QualifySpec) -> dict:
                        "steady": sum(s["recompiles"]["steady"] for s in shapes),
                        "new_shapes": {s["shape"]: s["first_call_graphs"] for s in shapes}},
         "fallback_ops": list(dict.fromkeys(host.fallback_ops())),
+        # Every call's images, parity-only shapes included: shape label -> check -> images.
+        "degenerate": degenerate,
+        # Compiled graphs that failed on the device and re-ran uncompiled: none may, and
+        # the table's switch says they must not (it is the worker's default too).
+        "graph_fallback": ({"env": row.env, "value": os.environ.get(row.env),
+                            "calls": sum(host.graph_fallbacks.values()), "per_shape": dict(host.graph_fallbacks)}
+                           if (row := backend.graph_fallback) and stats["backend"] else None),
         "memory": {"device_peak_bytes": int(peak) if peak is not None else None,
                    "host_peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024},
     }

@@ -3,14 +3,22 @@
 A worker serving several shape queues keeps consuming the shapes it has already
 compiled while they have a backlog, and takes on one new shape at a time only
 when they are empty (chosen at random, weighted by backlog, so idle workers of a
-fleet spread over new shapes instead of all compiling the same ones). Celery's
-own consumer API switches queues: `add_task_queue` / `cancel_task_queue`.
+fleet spread over new shapes instead of all compiling the same ones); with nothing
+queued anywhere it listens on the shapes it has compiled. Celery's own consumer API
+switches queues: `add_task_queue` / `cancel_task_queue`.
 Queue names parse back to shapes with `diffq.core.contract.shape_from_queue`.
 
 A worker started without --queues discovers them: every few seconds it lists the
 broker's diffq shape queues (the transport table's `list_queues`), keeps those of
 its models (--models; the queue name carries a model slug), and adds them to what
 it serves, so the queues of a run submitted later are served within seconds.
+
+Where the transport has a listing the fleet shares (`shared_depths`: Redis), a tick
+costs the same whatever the number of queues: one read of the shared listing (at
+most one interval old, retaken by one worker of the fleet per interval), which names
+new queues and weighs new shapes, and, only while another shape has work, the
+compiled shapes' own depths, which decide whether to keep draining them.
+bench/fleet.py measures what that saves (docs/fleet.md).
 """
 
 from __future__ import annotations
@@ -36,8 +44,11 @@ def choose_queues(served: list[str], compiled: set[str], depths: dict[str, int],
     if fresh:
         pick = rng.choices(fresh, weights=[depths[queue] for queue in fresh])[0]
         return {pick} | (compiled & set(served))
-    # Nothing queued anywhere: listen everywhere, so new work starts at once.
-    return set(served)
+    # Nothing queued anywhere: listen where this worker has compiled (work for those
+    # starts at once; work for a new shape is seen by the next tick), everywhere if it
+    # has compiled nothing yet. Blocking on every queue costs the broker per queue and
+    # idle worker (bench/fleet.py); one queue at least keeps kombu's restore sweep on.
+    return (compiled & set(served)) or set(served)
 
 
 class Discovery:
@@ -46,7 +57,7 @@ class Discovery:
     interval = 2.0
 
     def __init__(self, transport: Transport, models: list[str] | None = None, api: str | None = None,
-                 prefix: str = PREFIX):
+                 prefix: str = PREFIX, dtypes: tuple[str, ...] | None = None):
         if transport.list_queues is None:
             raise CannotList(f"no queues: a {transport.name} broker cannot list its queues; "
                              "name them with --queues or --run")
@@ -56,21 +67,26 @@ class Discovery:
         self.models = list(models or [])
         self.api = api
         self.prefix = prefix
+        # The shape-key dtypes this worker's backend serves (auto and the ones it runs).
+        self.dtypes = dtypes
 
     def find(self, connection) -> list[str]:
-        names = self.transport.list_queues(connection, self.prefix, self.api)
-        return [queue for queue in names if is_shape_queue(queue, self.models)]
+        return self.keep(self.transport.list_queues(connection, self.prefix, self.api))
+
+    def keep(self, names) -> list[str]:
+        """The shape queues among `names` that this worker serves."""
+        return [queue for queue in names if is_shape_queue(queue, self.models, self.dtypes)]
 
 
 def startup_queues(broker_url: str, models: list[str] | None = None, api: str | None = None, *,
-                   transport_options: dict | None = None) -> list[str]:
+                   transport_options: dict | None = None, dtypes: tuple[str, ...] | None = None) -> list[str]:
     """The queues a worker without --queues starts on: one listing now. Raises
     CannotList (saying what to pass instead) where the broker cannot list, before
     anything starts; [] while the broker is not up yet (the workers connect with
     Celery's retries and list it then)."""
     from diffq.core.broker import make_celery
 
-    discovery = Discovery(transport_for(broker_url), models, api)
+    discovery = Discovery(transport_for(broker_url), models, api, dtypes=dtypes)
     try:
         with make_celery(broker_url, transport_options).connection_for_write() as connection:
             connection.ensure_connection(max_retries=1)
@@ -103,6 +119,7 @@ class Router:
         self.consumer = None
         self._next_discovery = 0.0
         self._listing_failed = False
+        self._judged: set[str] = set()  # listed names already kept or passed over
 
     @property
     def applies(self) -> bool:
@@ -129,6 +146,9 @@ class Router:
             self._listing_failed = True
             return []
         self._listing_failed = False
+        return self._serve(found)
+
+    def _serve(self, found) -> list[str]:
         new = [queue for queue in found if queue not in self.served]
         if new:
             # Queues stay served once found: an emptied Redis queue has no key to list.
@@ -136,16 +156,51 @@ class Router:
             log.info("serving %d more queues: %s", len(new), ", ".join(new))
         return new
 
+    def shared(self, connection, compiled: set[str]) -> dict[str, int]:
+        """This tick's depths from the fleet's shared listing (at most `interval` old),
+        which also names the queues to discover."""
+        prefix = self.discovery.prefix if self.discovery is not None else PREFIX
+        try:
+            depths = self.transport.shared_depths(connection, prefix, self.interval)
+        except Exception as exc:  # as a failed listing: the known queues, said once until it works
+            if not self._listing_failed:
+                log.warning("reading the broker's queue listing failed, serving the %d known: %s",
+                            len(self.served), exc)
+            self._listing_failed = True
+            depths = {}
+        else:
+            self._listing_failed = False
+        if self.discovery is not None:
+            # Judge each listed name once: the listing comes every tick, new names rarely.
+            unjudged = sorted(set(depths) - self._judged)
+            self._judged.update(unjudged)
+            self._serve(self.discovery.keep(unjudged))
+        if self.compile_aware:
+            # Read now what a stale listing would get wrong: whether the compiled shapes
+            # still have work while another shape has some (leaving them early costs a
+            # compile, late an idle tick); and queues outside the listing.
+            elsewhere = any(depths.get(q, 0) > 0 for q in self.served if q not in compiled)
+            exact = [q for q in self.served if (elsewhere and q in compiled) or not q.startswith(prefix)]
+            if exact:
+                depths.update(self.transport.queue_depths(connection, exact))
+        return depths
+
     def update(self) -> None:
         consumer = self.consumer
         if consumer is None or consumer.task_consumer is None:
             return
-        self.discover(consumer.connection)
+        compiled = self.compiled() if self.compile_aware else set()
+        if self.transport.shared_depths is not None:
+            depths = self.shared(consumer.connection, compiled)
+        else:
+            self.discover(consumer.connection)
+            depths = None
         if not self.served:
             return
         if self.compile_aware:
-            depths = self.transport.queue_depths(consumer.connection, self.served)
-            want = choose_queues(self.served, self.compiled(), depths, self.rng)
+            if depths is None:
+                depths = self.transport.queue_depths(consumer.connection, self.served)
+            want = choose_queues(self.served, compiled, depths, self.rng)
         else:
             want = set(self.served)
         task_consumer = consumer.task_consumer

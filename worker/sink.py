@@ -33,7 +33,7 @@ from diffq import __version__
 from diffq.core import layout
 from diffq.core.contract import BatchMessage
 from diffq.core.progress import ProgressLog
-from diffq.core.records import ImageRecord, jsonl
+from diffq.core.records import BatchMeasures, ImageRecord, jsonl
 from diffq.core.settings import get_settings
 from diffq.core.storage import Storage
 from diffq.worker.backends import parse_devices
@@ -167,6 +167,10 @@ class _Credits:
     timer: threading.Timer | None = None
 
 
+# BatchMeasures' field of per-item flags (item id -> check) for ImageRecord.degenerate.
+DEGENERATE_KEY = "degenerate"
+
+
 # Freed pixel blocks PIL keeps for the next images (its default, 0, hands each
 # image's memory back to the OS, and every batch's new images fault it in again:
 # docs/BENCHMARKS.md). PILLOW_BLOCKS_MAX, where set, decides instead.
@@ -292,17 +296,10 @@ class Sink:
         results = list(self._pool.map(put, range(len(images))))
         finished_at = time.time()
         store_s = round(time.perf_counter() - started, 4)
-        records = [ImageRecord(
-            file_name=key, id=item.id, prompt=item.prompt, seed=item.seed,
-            height=message.shape.height, width=message.shape.width,
-            # The size the row asked for (size buckets); the generated one without.
-            requested_height=item.requested_height or message.shape.height,
-            requested_width=item.requested_width or message.shape.width, fit=fit,
-            steps=message.params.num_inference_steps, guidance_scale=message.params.guidance_scale,
-            model=message.shape.model, run_id=message.run_id, batch_id=message.batch_id,
-            queue=message.shape.queue, finished_at=finished_at, store_s=store_s,
-            negative_prompt=item.negative_prompt, metadata=item.metadata, **record_extra,
-        ) for item, key in zip(message.items, keys)]
+        # Validated here, in the writer: a bad measure fails this batch's futures, not the caller.
+        measures = BatchMeasures.model_validate(record_extra) if isinstance(record_extra, dict) else record_extra
+        records = [ImageRecord.of(message, item, key, measures, store_s=store_s, finished_at=finished_at)
+                   for item, key in zip(message.items, keys)]
         # One record per batch id: a redelivered batch finds it and writes nothing.
         storage.put_bytes(layout.record_key(message.batch_id), jsonl(records),
                           content_type="application/jsonl", if_absent=True)

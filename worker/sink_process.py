@@ -178,7 +178,9 @@ class SinkProcess:
         if helper is None:
             return self._fallback.submit(storage, message, images, record_extra)
         header = {
-            "op": "store", "out": storage.url, "message": message.model_dump_json(), "record_extra": record_extra,
+            "op": "store", "out": storage.url, "message": message.model_dump_json(),
+            # BatchMeasures' schema (a dict in tests and benchmarks: validated by the sink).
+            "measures": record_extra.model_dump(mode="json") if hasattr(record_extra, "model_dump") else record_extra,
             "image": {**pixel_format(images[0]), "count": len(images)},
         }
         # The send thread writes the pixels out (a PIL image's are copied first) while
@@ -346,7 +348,7 @@ def serve(conn: Connection, threads: int, retry_for_s: float) -> None:
                 pixels = memoryview(payload)  # slices without copies
                 images = [Image.frombytes(spec["mode"], size, pixels[i * step:(i + 1) * step])
                           for i in range(spec["count"])]
-                handed = sink.submit(storages[url], message, images, header["record_extra"])
+                handed = sink.submit(storages[url], message, images, header["measures"])
                 stages = {"stored": handed.stored, "credited": handed.credited}
             else:
                 stages = {"credited": sink.credit(storages[url], message)}

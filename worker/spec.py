@@ -10,9 +10,9 @@ import re
 import socket
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from diffq.core.contract import ShapeKey, shape_from_queue
+from diffq.core.contract import AUTO_DTYPE, ShapeKey, queue_dtype, shape_from_queue
 from diffq.worker.backends import COMPILING_MODES, Backend, Placement, get_backend
 from diffq.worker.compile_cache import CachePlan, plan_cache
 
@@ -24,6 +24,16 @@ EXIT_FATAL = 3
 # passes each profile's own, grace - DRAIN_MARGIN_S).
 DRAIN_MARGIN_S = 60
 DRAIN_TIMEOUT_S = 240.0
+# --on-degenerate: per policy, what becomes of an image each check finds (records.py
+# DEGENERATE_CHECKS): "fail" fails the item (not stored; its failure record names the
+# check; no retry, the same seed would make the same image), "flag" stores it with
+# the check in its record. Only the checks a policy names run: `ignore` runs none.
+DEGENERATE_POLICIES: dict[str, dict[str, str]] = {
+    "fail": {"nonfinite": "fail", "flat": "fail"},
+    "flag": {"nonfinite": "fail", "flat": "flag"},
+    "ignore": {},
+}
+DEFAULT_DEGENERATE_POLICY = "flag"
 
 
 class ChildSpec(BaseModel):
@@ -56,7 +66,7 @@ class ChildSpec(BaseModel):
     env_report: str | None = None
     # Loaded before consuming, so a missing model fails the process at once.
     models: list[str] = Field(default_factory=list)
-    dtype: str = "float32"
+    dtype: str = AUTO_DTYPE
     allowed_out_prefixes: list[str] = Field(default_factory=list)
     loglevel: str = "WARNING"
     drain_timeout_s: float = Field(default=DRAIN_TIMEOUT_S, ge=0)
@@ -70,6 +80,25 @@ class ChildSpec(BaseModel):
     master_port: int = 29500
     # Device generation where launch facts differ by it (TPU: v5e, v5p, v6e, v7).
     generation: str | None = None
+    # --allow-fallback: a compiled graph failing at run time may re-run uncompiled
+    # (counted); by default the batch fails instead (backends.py, GraphFallback).
+    allow_fallback: bool = False
+    # What becomes of a degenerate image (DEGENERATE_POLICIES).
+    on_degenerate: str = DEFAULT_DEGENERATE_POLICY
+    # Where `--<option> auto` read the devices: the variable and its value (for --plan).
+    allocation: dict | None = None
+
+    @field_validator("on_degenerate")
+    @classmethod
+    def _known_policy(cls, policy: str) -> str:
+        if policy not in DEGENERATE_POLICIES:
+            raise ValueError(f"--on-degenerate {policy}: choose {', '.join(DEGENERATE_POLICIES)}")
+        return policy
+
+    @property
+    def degenerate_policy(self) -> dict[str, str]:
+        """check -> "fail" or "flag", for the checks this worker runs."""
+        return DEGENERATE_POLICIES[self.on_degenerate]
 
     @field_validator("warmup")
     @classmethod
@@ -78,6 +107,16 @@ class ChildSpec(BaseModel):
             if entry != "auto" and not re.fullmatch(r"\d+x\d+", entry):
                 raise ValueError(f"warmup entry '{entry}' is neither 'auto' nor HxW (e.g. 1024x1024)")
         return entries
+
+    @model_validator(mode="after")
+    def _dtypes_served(self) -> ChildSpec:
+        # A queue pinned to a dtype this device does not run would fail every batch.
+        backend = self.backend
+        for name, dtype in [("--dtype", self.dtype)] + [(q, queue_dtype(q)) for q in self.queues]:
+            if dtype is not None and dtype not in backend.served_dtypes:
+                raise ValueError(f"{name} is {dtype}, which --device {backend.name} does not run "
+                                 f"(it runs {', '.join(backend.dtypes)}; auto is {backend.default_dtype})")
+        return self
 
     @property
     def backend(self) -> Backend:
@@ -97,7 +136,7 @@ class ChildSpec(BaseModel):
         """What this child adds to its environment before `import torch` (the backend table's)."""
         backend = self.backend
         env = backend.env(self.placement())
-        env.update(backend.mode_env.get(self.compile, {}))
+        env.update(backend.compile_env(self.compile, self.allow_fallback))
         env.update(self.cache.env)
         env["DIFFQ_WORKER_NAME"] = self.name
         return env
@@ -132,7 +171,11 @@ class ChildSpec(BaseModel):
             "env": self.env(),
             "unset": list(self.unset_env()),
             "queues": self.queues,
+            # What each dtype the worker meets runs at here: auto is the device's default.
             "dtype": self.dtype,
+            "runs_dtype": backend.dtype_for(self.dtype),
+            "auto_dtype": backend.default_dtype,
+            "serves_dtypes": list(backend.served_dtypes),
             **({"discover": True, "serve_models": self.serve_models} if self.discover else {}),
             "compile": self.compile,
             "compile_backend": backend.compile_backend,
@@ -142,6 +185,9 @@ class ChildSpec(BaseModel):
             "cache_remote": cache.remote,
             "warmup": [shape.queue for shape in self.warmup_shapes()],
             "dist_backend": backend.dist_backend,
+            **({"allow_fallback": True} if self.allow_fallback else {}),
+            "on_degenerate": self.on_degenerate,
+            **({"allocation": self.allocation} if self.allocation else {}),
             **({"group": self.group, "rank": self.rank, "world_size": self.world_size,
                 "consumes": self.rank == 0} if self.world_size > 1 else {}),
         }

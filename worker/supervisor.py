@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass
 from multiprocessing import resource_tracker
 
-from diffq.worker.backends import get_backend
+from diffq.worker.backends import Allocation, get_backend
 from diffq.worker.process import child_main
 from diffq.worker.spec import EXIT_FATAL, ChildSpec
 
@@ -83,7 +83,10 @@ def plan_children(
         generation = backend.detect_generation()
     # Every combination is checked against the backend table before anything starts.
     backend.check(compile=spec_fields.get("compile", "none"), offload=spec_fields.get("offload"),
-                  devices=devices, tp=tp, generation=generation)
+                  devices=devices, tp=tp, generation=generation,
+                  allow_fallback=spec_fields.get("allow_fallback", False))
+    if isinstance(devices, Allocation):  # `--<option> auto`: say where the devices came from
+        spec_fields.setdefault("allocation", devices.source)
     if generation:
         spec_fields["generation"] = generation
     specs = []

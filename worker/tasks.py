@@ -10,10 +10,12 @@ worker/celery_adapter.py, which owns every other piece of Celery glue.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 
 from celery import Task
@@ -22,7 +24,7 @@ from pydantic import ValidationError
 from diffq.core import layout
 from diffq.core.broker import TASK_NAME
 from diffq.core.contract import BatchMessage
-from diffq.core.records import FailureRecord
+from diffq.core.records import DEGENERATE_CHECKS, BatchMeasures, FailureRecord
 from diffq.core.settings import get_settings
 from diffq.core.storage import Storage, open_storage
 from diffq.core.transports import transport_for
@@ -30,6 +32,7 @@ from diffq.worker import faults, metrics
 from diffq.worker.batches import BatchLine
 from diffq.worker.lease import LeaseKeeper
 from diffq.worker.dead_letters import DeadLetters
+from diffq.worker.delivery import Outcome
 from diffq.worker.models import ModelUnavailable
 from diffq.worker.pipeline_host import CompileUnsupported, FamilyUnsupported, PipelineHost
 from diffq.worker.routing import Discovery, Router
@@ -49,13 +52,21 @@ class OutNotAllowed(PermissionError):
 PERMANENT_ERRORS = (ModelUnavailable, CompileUnsupported, OutNotAllowed, FamilyUnsupported)
 
 
-class HandBack(Exception):
+def ended(task: Task, outcome: Outcome, result: dict | None = None) -> dict | None:
+    """Report how this delivery's batch ended: the batch line decides what the broker
+    sees (worker/delivery.py)."""
+    task.runtime.line.report(task.request.id, outcome)
+    return result
+
+
+def hand_back(task: Task, message: BatchMessage, reason: str, exit_code: int) -> dict:
     """Give the batch back to its queue at once (not a failed attempt) and stop the
     process with `exit_code`."""
+    from celery.worker import state as worker_state
 
-    def __init__(self, reason: str, exit_code: int):
-        super().__init__(reason)
-        self.exit_code = exit_code
+    log.warning("%s; batch %s goes back to the queue", reason, message.batch_id)
+    worker_state.should_stop = exit_code
+    return ended(task, Outcome.HAND_BACK, {"batch_id": message.batch_id, "handed_back": reason})
 
 
 @dataclass
@@ -82,9 +93,11 @@ class Runtime:
         """The runtime of a worker process; its sink helper starts importing now, while
         the model loads."""
         rt = cls(spec=spec, host=PipelineHost(backend=spec.backend, compile_mode=spec.compile,
-                                              offload=spec.offload, group=group))
+                                              offload=spec.offload, group=group,
+                                              checks=frozenset(spec.degenerate_policy)))
         transport = transport_for(spec.broker_url)
-        discovery = Discovery(transport, spec.serve_models, spec.rabbitmq_api) if spec.discover else None
+        discovery = Discovery(transport, spec.serve_models, spec.rabbitmq_api,
+                              dtypes=spec.backend.served_dtypes) if spec.discover else None
         if spec.routing == "compile-aware" or discovery is not None:
             rt.line.router = Router(spec.queues, rt.compiled_queues, transport, discovery=discovery,
                                     compile_aware=spec.routing == "compile-aware")
@@ -129,13 +142,14 @@ def dead_letter(task: Task, batch, exc: ValueError) -> dict:
     queue = (task.request.delivery_info or {}).get("routing_key") or "?"
     DeadLetters(task.app, task.runtime.worker).send(queue, reason, {"batch": batch}, "application/json",
                                                     {"task": task.name, "id": task.request.id})
-    return {"dead_letter": reason}
+    return ended(task, Outcome.DEAD_LETTER, {"dead_letter": reason})
 
 
-def write_failure(storage: Storage, message: BatchMessage, error: str, attempts: int, worker: str) -> None:
+def write_failure(storage: Storage, message: BatchMessage, error: str, attempts: int, worker: str,
+                  degenerate: dict[str, str] | None = None) -> None:
     record = FailureRecord(run_id=message.run_id, batch_id=message.batch_id,
                            item_ids=[item.id for item in message.items], error=error[:2000], attempts=attempts,
-                           worker=worker, failed_at=time.time())
+                           worker=worker, failed_at=time.time(), degenerate=degenerate)
     storage.put_bytes(layout.failure_key(message.batch_id), record.model_dump_json().encode(),
                       content_type="application/json", if_absent=True)
 
@@ -157,9 +171,19 @@ def split(task: Task, message: BatchMessage, apart: set[str] | None = None) -> l
     return children
 
 
+# A retried batch waits base * 2**attempt seconds, capped: a device never idles long
+# on a batch whose store or model is recovering.
+MAX_BACKOFF_S = 30.0
+
+
+def backoff_s(retries: int) -> float:
+    return min(MAX_BACKOFF_S, get_settings().retry_backoff_s * 2**retries)
+
+
 def retry_later(task: Task, exc: Exception):
     """Storage trouble is not the batch's fault: retry without using up its attempts."""
-    return task.retry(exc=exc, countdown=min(30.0, get_settings().retry_backoff_s * 2 ** task.request.retries),
+    ended(task, Outcome.RETRY)
+    return task.retry(exc=exc, countdown=backoff_s(task.request.retries),
                       max_retries=None)
 
 
@@ -179,7 +203,7 @@ def generate_batch(task: Task, batch: dict) -> dict:
         # Dropped unseen: acked, nothing generated or written.
         log.info(json.dumps({"event": "cancelled", "run": message.run_id, "batch": message.batch_id,
                              "queue": message.shape.queue, "items": len(message.items)}))
-        return {"batch_id": message.batch_id, "cancelled": len(message.items)}
+        return ended(task, Outcome.CANCELLED, {"batch_id": message.batch_id, "cancelled": len(message.items)})
     # Only a redelivered or retried batch can already be stored; first deliveries
     # skip the lookup so it does not sit between two batches on the device. (A
     # duplicate that slips through only costs compute: every write is if_absent.)
@@ -200,8 +224,7 @@ def generate_batch(task: Task, batch: dict) -> dict:
     except GroupBroken as exc:
         # A rank of this worker's tensor-parallel group died: the supervisor restarts
         # the group, and the batch goes back meanwhile.
-        log.warning("%s; batch %s goes back to the queue", exc, message.batch_id)
-        raise HandBack(str(exc), EXIT_GROUP_BROKEN) from exc
+        return hand_back(task, message, str(exc), EXIT_GROUP_BROKEN)
     except Exception as exc:
         return handle_failure(task, storage, message, exc, attempts)
     metrics.observe_batch(message.shape.queue, len(message.items), generated.generate_s)
@@ -209,20 +232,73 @@ def generate_batch(task: Task, batch: dict) -> dict:
         metrics.observe_compile(message.shape.label, generated.generate_s)
     if rt.host.recompiles > recompiles_before:
         metrics.observe_recompile(message.shape.label, rt.host.recompiles - recompiles_before)
-    rt.line.store(task.request.id, storage, message, generated.images, {
-        "device": f"{rt.spec.device}:{rt.spec.slot}",
-        "worker": rt.worker,
-        "generate_s": round(generated.generate_s, 4),
+    if generated.graph_fallbacks:  # --allow-fallback: counted, never silent
+        metrics.observe_graph_fallback(message.shape.label, generated.graph_fallbacks)
+    stored, images, flagged = set_aside_degenerate(task, storage, message, generated, attempts)
+    if stored is None:  # every item failed a check: their failure record is stored
+        return ended(task, Outcome.FAILED, {"batch_id": message.batch_id, "failed": len(message.items)})
+    rt.line.store(task.request.id, storage, stored, images, BatchMeasures(
+        device=f"{rt.spec.device}:{rt.spec.slot}",
+        dtype=rt.host.backend.dtype_for(message.shape.dtype),  # what ran, where the queue says auto
+        worker=rt.worker,
+        generate_s=round(generated.generate_s, 4),
         # Wall-clock span of the pipeline call: the device idle gap between two
         # batches of one worker is the next start minus this end.
-        "generate_started_at": round(started_at, 4),
-        "generate_ended_at": round(ended_at, 4),
+        generate_started_at=round(started_at, 4),
+        generate_ended_at=round(ended_at, 4),
+        graph_fallbacks=generated.graph_fallbacks,
+        degenerate=flagged or {},
         **generated.record_extra,
-    })
+    ))
     log.info(json.dumps({"event": "batch", "run": message.run_id, "batch": message.batch_id,
                          "queue": message.shape.queue, "items": len(message.items),
                          "generate_s": round(generated.generate_s, 3)}))
-    return {"batch_id": message.batch_id, "items": len(message.items)}
+    return {"batch_id": message.batch_id, "items": len(stored.items)}
+
+
+def set_aside_degenerate(task: Task, storage: Storage, message: BatchMessage, generated, attempts: int):
+    """--on-degenerate, applied to what the host's checks found (pipeline_host.checked_arrays).
+
+    Items whose image fails a check are failed at once, never regenerated (their seeds
+    would make the same image): one failure record names each one's check. The rest
+    are stored as a batch of their own. Both parts take ids derived from their items
+    (`degenerate_part`), so status, resume and retry-failed count them as any derived
+    batch, and two copies of a batch that disagree only add up. When every item fails,
+    the failure record is the batch's own. Returns the batch to store (None: nothing
+    left), its images, and the flagged items (item id -> check) for their records."""
+    # getattr: a host that runs no checks (a test's stand-in) reports none.
+    found = {item.id: kind for item, kind in zip(message.items, generated.degenerate) if kind}
+    if not found:
+        return message, generated.images, {}
+    policy = task.runtime.spec.degenerate_policy
+    failing = {item_id: kind for item_id, kind in found.items() if policy.get(kind) == "fail"}
+    flagged = {item_id: kind for item_id, kind in found.items() if item_id not in failing}
+    stored, images = message, generated.images
+    if failing:
+        keep = [n for n, item in enumerate(message.items) if item.id not in failing]
+        failed = degenerate_part(message, [item for item in message.items if item.id in failing]) if keep else message
+        # The same text for every batch a check fails (the report groups failures by it);
+        # which item failed which check is the record's `degenerate`.
+        error = "DegenerateImage: " + "; ".join(DEGENERATE_CHECKS[kind] for kind in DEGENERATE_CHECKS
+                                                if kind in failing.values())
+        try:
+            write_failure(storage, failed, error, attempts, task.runtime.worker, degenerate=failing)
+        except Exception as exc:
+            raise retry_later(task, exc)
+        metrics.observe_failure(message.shape.queue, len(failing))
+        log.warning("batch %s: %d item(s) failed a degenerate-image check, recorded as %s (%s)", message.batch_id,
+                    len(failing), failed.batch_id, error)
+        stored = degenerate_part(message, [message.items[n] for n in keep]) if keep else None
+        images = [generated.images[n] for n in keep]
+    for kind, count in Counter(found.values()).items():
+        metrics.observe_degenerate(message.shape.queue, kind, count)
+    return stored, images, flagged
+
+
+def degenerate_part(message: BatchMessage, items: list) -> BatchMessage:
+    """`items` of `message` as a batch of their own, `<batch id>.d<hash of their ids>`."""
+    digest = hashlib.sha1("\x00".join(item.id for item in items).encode()).hexdigest()[:8]
+    return message.model_copy(update={"items": items, "batch_id": f"{message.batch_id}.d{digest}"})
 
 
 def handle_failure(task: Task, storage: Storage, message: BatchMessage, exc: Exception, attempts: int) -> dict:
@@ -231,24 +307,25 @@ def handle_failure(task: Task, storage: Storage, message: BatchMessage, exc: Exc
     permanent = isinstance(exc, PERMANENT_ERRORS)
     settings = get_settings()
     if not permanent and task.request.retries < settings.task_max_retries:
-        raise task.retry(exc=exc, countdown=min(30.0, settings.retry_backoff_s * 2**task.request.retries))
+        ended(task, Outcome.RETRY)
+        raise task.retry(exc=exc, countdown=backoff_s(task.request.retries))
     refused = set(getattr(exc, "item_ids", ()))
     if refused and len(refused) < len(message.items):
         children = split(task, message, apart=refused)
         log.warning("batch %s: %d item(s) refused by the model's family (%s); split into %s", message.batch_id,
                     len(refused), error, [child.batch_id for child in children])
-        return {"batch_id": message.batch_id, "split": [child.batch_id for child in children]}
+        return ended(task, Outcome.SPLIT, {"batch_id": message.batch_id, "split": [child.batch_id for child in children]})
     if not permanent and len(message.items) > 1:
         children = split(task, message)
         log.warning("batch %s failed %d times (%s); split into %s", message.batch_id, attempts, error,
                     [child.batch_id for child in children])
-        return {"batch_id": message.batch_id, "split": [child.batch_id for child in children]}
+        return ended(task, Outcome.SPLIT, {"batch_id": message.batch_id, "split": [child.batch_id for child in children]})
     try:
         write_failure(storage, message, error, attempts, task.runtime.worker)
     except Exception as store_exc:
         raise retry_later(task, store_exc)
     metrics.observe_failure(message.shape.queue, len(message.items))
-    return {"batch_id": message.batch_id, "failed": len(message.items)}
+    return ended(task, Outcome.FAILED, {"batch_id": message.batch_id, "failed": len(message.items)})
 
 
 def preload(rt: Runtime) -> None:

@@ -49,6 +49,24 @@ class RanksDiverged(RuntimeError):
     """Ranks produced different images for the same batch: none of them is stored."""
 
 
+class RankMisplaced(RuntimeError):
+    """diffusers would load a rank's shard onto a device other than the rank's own: no restart helps."""
+
+
+def shard_device_index(rank: int, device_count: int) -> int:
+    """The device diffusers puts rank's shard on: rank % torch.accelerator.device_count()
+    (diffusers models/modeling_utils.py, ModelMixin._resolve_parallel_config)."""
+    return rank % device_count if device_count > 0 else -1
+
+
+def check_shard_device(rank: int, device_count: int, bound: int) -> None:
+    """Refuse a group whose ranks' shards would not land on their own devices."""
+    placed = shard_device_index(rank, device_count)
+    if placed != bound:
+        raise RankMisplaced(f"rank {rank} is bound to device {bound}, but diffusers would load its shard onto "
+                            f"device {placed} (rank % the {device_count} devices this process sees)")
+
+
 @dataclass(frozen=True)
 class ShardingPlan:
     """What each rank passes when it loads a model; pure data, pinned by a contract test."""
@@ -174,7 +192,7 @@ def join(rank: int, world_size: int, backend: Backend) -> Group:
     import torch
     import torch.distributed as dist
 
-    from diffq.worker.backends import resolve
+    from diffq.worker.backends import device_count, resolve
 
     if backend.bind_local_rank:
         # The rank sees every device of its group and binds the one at LOCAL_RANK.
@@ -187,9 +205,13 @@ def join(rank: int, world_size: int, backend: Backend) -> Group:
         raise GroupBroken(f"rank {rank}/{world_size} could not join its group: {exc}") from exc
     group = Group(rank, world_size, backend, control)
     if backend.rank_device:
-        # Bound before the mesh: DeviceMesh sets device LOCAL_RANK on a device it finds
-        # uninitialised (torch/distributed/device_mesh.py), out of range for a rank that
-        # sees one core.
+        # The rank's own device, named, so what it loads whole goes where its shard is:
+        # a torch-neuronx rank's device id is its LOCAL_RANK after init_process_group
+        # (distributed/backend.py, _set_local_device_start_index), a torch_tpu rank's is
+        # 0, its only device. (DeviceMesh binds LOCAL_RANK itself only where the device
+        # module says the runtime has not started, torch/distributed/device_mesh.py
+        # _setup_world_group_and_device; init_process_group has started torch-neuronx's,
+        # _neuron_runtime_setup.)
         index = int(resolve(backend.rank_device)())
         torch.accelerator.set_device_index(index)
         group.device = f"{backend.torch_device}:{index}"
@@ -197,6 +219,12 @@ def join(rank: int, world_size: int, backend: Backend) -> Group:
     if plan.transformer == "tensor-parallel":
         from torch.distributed.device_mesh import init_device_mesh
 
+        # A tensor on the device starts its runtime. Before that torch_tpu counts the
+        # host's chips, not the process's one (_internal/device/_device_module.py,
+        # device_count), and diffusers places the shard by that count; and DeviceMesh
+        # would bind LOCAL_RANK, an index torch_tpu's set_device refuses on rank > 0.
+        torch.empty(0, device=group.device)
+        check_shard_device(rank, device_count(backend), torch.accelerator.current_device_index())
         group.mesh = init_device_mesh(plan.mesh_device, plan.mesh_shape, mesh_dim_names=plan.mesh_dim_names)
     log.info("rank %d/%d joined (%s, weights %s)", rank, world_size, backend.dist_backend, plan.transformer)
     return group

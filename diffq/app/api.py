@@ -18,6 +18,7 @@ _EXPORTS = {
     "submit": "diffq.producer.submit",   # diffq submit
     "plan": "diffq.producer.submit",     # diffq plan (validates, counts shapes; writes nothing)
     "run": "diffq.app.runner",           # diffq run (embedded broker, no servers)
+    "resume": "diffq.app.runner",        # diffq resume OUT without a broker: finish a run here
     "status": "diffq.results.status",    # diffq status
     "fetch": "diffq.results.fetch",      # diffq fetch
     "iter_records": "diffq.core.runfolder",

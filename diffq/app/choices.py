@@ -13,7 +13,7 @@ from diffq.worker import backends
 
 Device = Enum("Device", {name: name for name in backends.DEVICES}, type=str)
 CompileMode = Enum("CompileMode", {mode.replace("-", "_"): mode for mode in backends.COMPILE_MODES}, type=str)
-Dtype = Enum("Dtype", {name: name for name in backends.DTYPES}, type=str)
+Dtype = Enum("Dtype", {name: name for name in backends.DTYPE_CHOICES}, type=str)
 # The family table's names (diffq/core/families.py); each has a tiny builder.
 Family = Enum("Family", {name.replace("-", "_"): name for name in families.BY_NAME}, type=str)
 TpuGeneration = Enum("TpuGeneration", {name: name for name in backends.TPU_GENERATIONS}, type=str)

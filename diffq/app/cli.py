@@ -5,24 +5,39 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
-from enum import Enum
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
-from diffq.app.choices import CompileMode, Device, Dtype, Family, TpuGeneration
+from diffq.app.choices import CompileMode, Dtype, Family, TpuGeneration
 from diffq.app.commands import cancel, data, fleet, plan, qualify
-from diffq.app.options import (Broker, Compile, CompileCache, DeviceDtypeOpt, DeviceOpt, Generation, Model, Offload,
-                               Out, Prompts, RunId, Routing, SeedBase, check_compile, devices_of, err, fail,
-                               generation_options, out, resolve_dtype)
+from diffq.app.options import (DEFAULT_ON_DEGENERATE, AllowFallback, Broker, Compile, CompileCache, Devices,
+                               DtypeOpt, Generation, LocalWorkers, Model, Offload, OnDegenerate, Out, Prompts, RunId,
+                               Routing, SeedBase, Threads, Warmup, check_compile, device_options, err, fail,
+                               generation_options, local_worker_options, out)
 from diffq.core.settings import get_settings
 from diffq.worker.spec import DRAIN_TIMEOUT_S
 
 app = typer.Typer(no_args_is_help=True, add_completion=False,
                   help="Shape-bucketed diffusers image generation over Celery queues.")
+
+
+def _version(value: bool) -> None:
+    if value:
+        from diffq import __version__
+
+        out.print(f"diffq {__version__}", highlight=False)
+        raise typer.Exit()
+
+
+@app.callback()
+def main(
+    version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
+                                          help="Print the version and exit")] = False,
+) -> None:
+    """Shape-bucketed diffusers image generation over Celery queues."""
 
 
 @app.command("tiny-pipeline")
@@ -40,45 +55,41 @@ def tiny_pipeline(
 
 
 @app.command()
-@generation_options(dtype_from_device=True)
+@generation_options()
+@local_worker_options()
 def run(
     prompts: Prompts,
     out_: Out,
     model: Model,
-    workers: Annotated[int, typer.Option("--workers", "-w", min=1, help="Worker processes (cpu)")] = 1,
-    device: DeviceOpt = Device("cpu"),
-    cores: Annotated[Optional[str], typer.Option("--cores", help="NeuronCores, e.g. 0-7, or auto (those the Neuron device plugin allocated)")] = None,
-    chips: Annotated[Optional[str], typer.Option("--chips", help="TPU chips, e.g. 0-3")] = None,
-    gpus: Annotated[Optional[str], typer.Option("--gpus", help="GPUs, e.g. 0,1")] = None,
-    compile: Compile = CompileMode("none"),
-    compile_cache: CompileCache = None,
-    offload: Offload = None,
-    warmup: Annotated[Optional[str], typer.Option("--warmup", help="Compile before consuming: 'auto' (every shape of the run) or HxW[,HxW…]")] = None,
-    threads: Annotated[int, typer.Option("--threads", min=1, help="Torch threads per worker")] = 1,
     run_id: RunId = None,
     seed_base: SeedBase = None,
     progress: Annotated[bool, typer.Option("--progress/--no-progress", help="Show a progress bar")] = True,
+    rates: plan.KeepRates = None,
+    local: LocalWorkers = None,
     generation: Generation = None,
 ) -> None:
-    """Run everything locally (embedded broker, no servers) and wait; exit 0 only if every item was produced."""
+    """Run everything locally (embedded broker, no servers) and wait; exit 0 only if every item was produced.
+
+    Again with the same file and options on the same OUT, it finishes an interrupted run (other options: refused)."""
     from diffq.producer.sources import InputError
     from diffq.producer.submit import RunExists
     from diffq.app.runner import RunFailed, run as run_embedded
     from diffq.worker.models import ModelUnavailable
 
     try:
-        result = run_embedded(
-            prompts, out_, model=model, devices=devices_of(device, workers, cores, chips, gpus),
-            device=device.value, compile=compile.value, compile_cache=compile_cache, offload=offload,
-            warmup=[w for w in (warmup or "").split(",") if w], threads=threads, progress=progress, console=err, run_id=run_id, seed_base=seed_base,
-            **generation.kwargs(dtype=resolve_dtype(device, generation.dtype)),
-        )
+        workers = local.kwargs()
+        if rates:  # planned for this run's devices, kept in OUT before it starts
+            from diffq.app.fleet_plan import plan_for_run
+
+            fleet = plan_for_run(prompts, out_, model=model, rates=rates, devices=len(workers["devices"]),
+                                 **generation.kwargs())
+            err.print(fleet.summary(), highlight=False, markup=False)
+        result = run_embedded(prompts, out_, model=model, progress=progress, console=err, run_id=run_id,
+                              seed_base=seed_base, **workers, **generation.kwargs())
     except (InputError, RunExists, ModelUnavailable, RunFailed, ValueError) as exc:
         fail(str(exc))
     out.print(f"{result.out}")
-    out.print(f"{result.done}/{result.total} images, {result.failed} failed, "
-              f"{result.seconds:.1f}s, {result.images_per_s:.1f} images/s"
-              + (f", {result.reenqueued} re-enqueued" if result.reenqueued else ""))
+    out.print(result.summary())
     if not result.ok:
         raise typer.Exit(1)
 
@@ -92,6 +103,7 @@ def submit(
     broker: Broker = None,
     run_id: RunId = None,
     seed_base: SeedBase = None,
+    rates: plan.KeepRates = None,
     generation: Generation = None,
 ) -> None:
     """Validate the whole file, write the run manifest to OUT, publish batches to per-shape queues."""
@@ -102,6 +114,11 @@ def submit(
     if not broker:
         fail("no broker: pass --broker URL or set DIFFQ_BROKER_URL")
     try:
+        if rates:  # the fleet is not known here: the report plans for the devices the run used
+            from diffq.app.fleet_plan import plan_for_run
+
+            fleet = plan_for_run(prompts, out_, model=model, rates=rates, **generation.kwargs())
+            err.print(fleet.summary(), highlight=False, markup=False)
         result = submit_run(prompts, out_, model=model, broker_url=broker, run_id=run_id, seed_base=seed_base,
                             **generation.kwargs())
     except (InputError, RunExists, ValueError) as exc:
@@ -111,33 +128,32 @@ def submit(
 
 
 @app.command()
+@device_options(", one process each", workers_help="Processes (cpu)")
 def worker(
     broker: Broker = None,
-    device: DeviceOpt = Device("cpu"),
-    workers: Annotated[int, typer.Option("--workers", "-w", min=1, help="Processes (cpu)")] = 1,
-    cores: Annotated[Optional[str], typer.Option("--cores", help="NeuronCores, one process each: 0-7, or auto (those the Neuron device plugin allocated)")] = None,
-    chips: Annotated[Optional[str], typer.Option("--chips", help="TPU chips, one process each: 0-3")] = None,
-    gpus: Annotated[Optional[str], typer.Option("--gpus", help="GPUs, one process each: 0,1")] = None,
     queues: Annotated[Optional[str], typer.Option("--queues", "-Q", help="Comma-separated shape queues")] = None,
     run: Annotated[Optional[str], typer.Option("--run", help="Serve the queues of this run folder's manifest")] = None,
     model: Annotated[Optional[str], typer.Option("--model", help="Load this model before consuming (fail fast)")] = None,
     serve_models: Annotated[Optional[str], typer.Option("--models", help="Without --queues: serve only these models' queues, M1,M2 (default: --model's, else every model's)")] = None,
     rabbitmq_api: Annotated[Optional[str], typer.Option("--rabbitmq-api", help="RabbitMQ management API URL (http://USER:PASS@HOST:15672): how a worker without --queues lists an AMQP broker's queues")] = None,
-    dtype: DeviceDtypeOpt = None,
+    dtype: DtypeOpt = Dtype("auto"),
     compile: Compile = CompileMode("none"),
     compile_cache: CompileCache = None,
     compile_cache_local: Annotated[Optional[str], typer.Option("--compile-cache-local", help="Where a URL compile cache is mirrored on this host (default under /tmp)")] = None,
-    warmup: Annotated[Optional[str], typer.Option("--warmup", help="Compile before consuming: 'auto' (every served shape) or HxW[,HxW…]")] = None,
+    warmup: Warmup = None,
     warmup_only: Annotated[bool, typer.Option("--warmup-only", help="Compile the warmup shapes, push the compile cache, print a JSON report per process, exit")] = False,
     offload: Offload = None,
-    threads: Annotated[int, typer.Option("--threads", min=1, help="Torch threads per process")] = 1,
+    threads: Threads = 1,
     routing: Annotated[Routing, typer.Option("--routing", help="compile-aware: drain compiled shapes before taking a new one; round-robin: Celery's default")] = Routing.compile_aware,
     tp: Annotated[int, typer.Option("--tp", min=1, help="Tensor-parallel degree: groups of N devices, each group one consumer (models larger than one device)")] = 1,
     master_port: Annotated[int, typer.Option("--master-port", help="Rendezvous port of the first --tp group (group g uses this + g)")] = 29500,
     tpu_generation: Annotated[Optional[TpuGeneration], typer.Option("--tpu-generation", help="TPU generation where none is attached (--plan, manifests); default: read from PCI ids")] = None,
+    allow_fallback: AllowFallback = False,
+    on_degenerate: OnDegenerate = DEFAULT_ON_DEGENERATE,
     plan: Annotated[bool, typer.Option("--plan", help="Print each child's pinning and queues as JSON (no --queues needed); start nothing")] = False,
     loglevel: Annotated[str, typer.Option("--loglevel", help="Celery log level")] = "INFO",
     drain_timeout: Annotated[float, typer.Option("--drain-timeout", min=0, help="On SIGTERM, seconds the batch in hand may take before it is handed back (exit 0 either way)")] = DRAIN_TIMEOUT_S,
+    devices: Devices = None,
 ) -> None:
     """Start one pinned worker process per device, consuming shape queues until SIGTERM.
 
@@ -151,6 +167,7 @@ def worker(
     broker = broker or settings.broker_url
     if not broker:
         fail("no broker: pass --broker URL or set DIFFQ_BROKER_URL")
+    rabbitmq_api = rabbitmq_api or settings.rabbitmq_api
     names = [q for q in (queues or "").split(",") if q]
     models = [model] if model else []
     if run:
@@ -167,22 +184,23 @@ def worker(
         serve = [m for m in (serve_models or "").split(",") if m] or models
         if not plan:  # a plan needs no queues and starts nothing
             try:
-                names = startup_queues(broker, serve, rabbitmq_api)
+                names = startup_queues(broker, serve, rabbitmq_api, dtypes=devices.backend.served_dtypes)
             except ValueError as exc:
                 fail(str(exc))
         discovery = {"discover": True, "serve_models": serve, "rabbitmq_api": rabbitmq_api}
     check_compile(models, compile.value)
     try:
-        specs = plan_children(device=device.value, devices=devices_of(device, workers, cores, chips, gpus),
+        specs = plan_children(device=devices.device.value, devices=devices.slots(),
                               broker_url=broker, queues=names, threads=threads, compile=compile.value,
                               compile_cache=compile_cache or settings.compile_cache,
                               compile_cache_local=compile_cache_local, offload=offload,
                               warmup=[w for w in (warmup or ("auto" if warmup_only else "")).split(",") if w],
                               warmup_only=warmup_only, routing=routing.value,
-                              models=models, dtype=resolve_dtype(device, dtype), tp=tp, master_port=master_port,
+                              models=models, dtype=dtype.value, tp=tp, master_port=master_port,
                               generation=tpu_generation.value if tpu_generation else None,
                               allowed_out_prefixes=settings.allowed_out_prefixes, loglevel=loglevel,
-                              drain_timeout_s=drain_timeout, **discovery)
+                              drain_timeout_s=drain_timeout, allow_fallback=allow_fallback,
+                              on_degenerate=on_degenerate.value, **discovery)
     except ValueError as exc:
         fail(str(exc))
     if plan:
@@ -249,6 +267,7 @@ def fetch(
     out_dir: Annotated[str, typer.Argument(metavar="OUT", help="Run folder")],
     dest: Annotated[Path, typer.Argument(help="Local folder (HF imagefolder layout)")],
     only_new: Annotated[bool, typer.Option("--only-new", help="Fetch only items not yet in DEST/metadata.jsonl (no size checks)")] = False,
+    shard: data.ShardOpt = None,
     progress: Annotated[bool, typer.Option("--progress/--no-progress", help="Show a progress bar")] = True,
 ) -> None:
     """Download finished images and write DEST/metadata.jsonl (loadable as an HF imagefolder).
@@ -260,16 +279,18 @@ def fetch(
     from diffq.core.runfolder import NotARun
     from diffq.results.fetch import fetch as fetch_run
 
+    part = data.parse_shard(shard)
     bar = Progress(TextColumn("[bold]fetch"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
                    console=err, disable=not progress, transient=True)
     task = bar.add_task("fetch", total=None)
     try:
         with bar:
-            result = fetch_run(out_dir, dest, only_new=only_new,
+            result = fetch_run(out_dir, dest, only_new=only_new, shard=part,
                                on_progress=lambda done, total: bar.update(task, completed=done, total=total))
-    except NotARun as exc:
+    except (NotARun, ValueError) as exc:
         fail(str(exc))
-    out.print(f"{result.images} images in {result.dest} ({result.downloaded} downloaded)")
+    out.print(f"{result.images} images in {result.dest} ({result.downloaded} downloaded)"
+              f"{data.shard_note(part, result.run_images)}")
 
 
 
@@ -282,18 +303,42 @@ def _requeue(kind: str, out_dir: str, broker: str | None) -> None:
         fail("no broker: pass --broker URL or set DIFFQ_BROKER_URL")
     try:
         result = getattr(requeue, kind)(out_dir, broker)
-    except (NotARun, requeue.RunCancelled) as exc:
+    except (NotARun, requeue.RunCancelled, requeue.PlanIncomplete) as exc:
         fail(str(exc))
     out.print(f"{result.out}: re-enqueued {result.items} items in {result.batches} batches")
 
 
 @app.command()
+@local_worker_options()
 def resume(
     out_dir: Annotated[str, typer.Argument(metavar="OUT", help="Run folder")],
     broker: Broker = None,
+    progress: Annotated[bool, typer.Option("--progress/--no-progress", help="Show a progress bar (without a broker)")] = True,
+    local: LocalWorkers = None,
 ) -> None:
-    """Re-enqueue exactly the items that are neither done nor failed (read from OUT, not the broker)."""
-    _requeue("resume", out_dir, broker)
+    """Finish a run from what OUT holds (never the broker): the items neither done nor failed.
+
+    With --broker (or DIFFQ_BROKER_URL) they are re-enqueued for a fleet; without one they are
+    produced here as `diffq run` does (embedded broker, local workers), and it waits."""
+    from diffq.app.runner import RunFailed, resume as resume_embedded
+    from diffq.core.runfolder import NotARun
+    from diffq.producer.resume import PlanIncomplete
+    from diffq.worker.models import ModelUnavailable
+
+    if broker or get_settings().broker_url:
+        if given := local.given():
+            fail(f"{', '.join(given)}: options of local workers, which a resume with a broker does not start "
+                 "(the fleet's workers serve what it re-enqueues)")
+        _requeue("resume", out_dir, broker)
+        return
+    try:
+        result = resume_embedded(out_dir, progress=progress, console=err, **local.kwargs())
+    except (NotARun, PlanIncomplete, ModelUnavailable, RunFailed, ValueError) as exc:
+        fail(str(exc))
+    out.print(result.out)
+    out.print(result.summary())
+    if not result.ok:
+        raise typer.Exit(1)
 
 
 @app.command("retry-failed")

@@ -14,25 +14,47 @@ A device kind's pod facts (resource, selectors, sizes, pool) are its backend tab
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass, field
+import math
+from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
 
-from diffq.core.contract import ShapeKey, model_slug
+from diffq.app.backlog import PORT as BACKLOG_PORT
+from diffq.core.contract import AUTO_DTYPE, ShapeKey, model_slug
 from diffq.core.families import cfg_bit, family_of
+from diffq.core.transports import KedaFacts, Transport, transport_for
 from diffq.producer.bucketing import RunOptions, shape_of
 from diffq.worker.backends import Backend, K8sPod, get_backend
 from diffq.worker.spec import DRAIN_MARGIN_S
 from diffq.producer.sources import Prompt
 
 NAMESPACE = "diffq"
-SECRET = "diffq-broker"  # keys: broker-url (DIFFQ_BROKER_URL), redis-address, redis-password
-TRIGGER_AUTH = "diffq-redis"
+# keys: broker-url (DIFFQ_BROKER_URL) and those of the broker's KEDA scaler and
+# worker env (the transport table: redis-address/redis-password, aws-*, rabbitmq-api).
+SECRET = "diffq-broker"
+TRIGGER_AUTH = "diffq-broker"
+# The per-model backlog service (diffq/app/backlog.py) that discovery pools scale on.
+BACKLOG = "diffq-backlog"
 CACHE_PVC = "diffq-cache"
 CACHE_MOUNT = "/cache"
 METRICS_PORT = 9400
 DEFAULT_IMAGE = "ghcr.io/diffq/diffq-{device}:0.1.0"
+
+
+def planned_devices(plan_json: dict) -> dict[str, int]:
+    """Devices per shape queue from `diffq plan --json --rates … --deadline|--devices …`:
+    the plan's devices split by each queue's share of the device time (at least one
+    wherever a queue has work)."""
+    fleet = plan_json.get("fleet")
+    if not fleet or not fleet.get("devices"):
+        raise ValueError("the plan has no fleet figures with a device count: make it with "
+                         "`diffq plan … --rates FILE --deadline 6h --json` (or --devices N)")
+    work: dict[str, float] = {}
+    for shape in fleet["shapes"]:
+        work[shape["queue"]] = work.get(shape["queue"], 0.0) + shape["device_s"]
+    total = sum(work.values()) or 1.0
+    return {queue: max(1, math.ceil(fleet["devices"] * seconds / total)) for queue, seconds in work.items()}
 
 
 def parse_shapes(spec: str) -> list[tuple[int, int]]:
@@ -53,7 +75,7 @@ def parse_shapes(spec: str) -> list[tuple[int, int]]:
 
 def shape_keys(model: str, shapes: list[tuple[int, int]], *, batch_size: int,
                max_sequence_length: int = 64, guidance_scale: float = 1.0,
-               dtype: str = "float32") -> list[ShapeKey]:
+               dtype: str = AUTO_DTYPE) -> list[ShapeKey]:
     """The producer's own shape rule (`shape_of`) applied to one prompt per size."""
     options = RunOptions(model=model, batch_size=batch_size,
                          max_sequence_length=max_sequence_length, dtype=dtype)
@@ -95,6 +117,32 @@ class FleetOptions:
     cache_size: str = "500Gi"
     # Tensor-parallel degree: a pod's devices form groups of `tp` ranks (one consumer each).
     tp: int = 1
+    # The fleet's broker (a URL; only its scheme matters here): the transport table
+    # says which KEDA scaler watches its queues and which credentials pods read.
+    broker: str = "redis://"
+    aws_region: str = "us-east-1"
+    # From a fleet plan (`diffq plan --json --rates … --deadline …`): the devices each
+    # queue needs to meet the deadline; a pool's maxReplicaCount is then its pods.
+    planned_devices: dict[str, int] | None = None
+
+    def replicas_for(self, queues: list[str]) -> int:
+        """A pool's maxReplicaCount: the plan's pods for its queues, else --max-replicas."""
+        if self.planned_devices is None or not set(queues) & set(self.planned_devices):
+            return self.max_replicas  # the plan does not cover this pool's shapes
+        n = self.devices_per_pod or self.profile.devices_per_pod
+        return max(1, math.ceil(sum(self.planned_devices.get(q, 0) for q in queues) / n))
+
+    @property
+    def transport(self) -> Transport:
+        transport = transport_for(self.broker)
+        if transport.keda is None:
+            raise ValueError(f"a {transport.name} broker cannot serve a fleet (no KEDA scaler watches it): "
+                             f"use redis://, sqs:// or amqp://")
+        return transport
+
+    @property
+    def keda_facts(self) -> KedaFacts:
+        return KedaFacts(per_replica=self.batches_per_replica, redis_db=self.redis_db, aws_region=self.aws_region)
 
     @property
     def backend(self) -> Backend:
@@ -151,9 +199,7 @@ def deployment(name: str, args: list[str], annotations: dict[str, str], options:
     if profile.resource:
         resources["requests"][profile.resource] = n
         resources["limits"][profile.resource] = n
-    env = [
-        {"name": "DIFFQ_BROKER_URL",
-         "valueFrom": {"secretKeyRef": {"name": SECRET, "key": "broker-url"}}},
+    env = broker_env(options) + [
         {"name": "HF_HOME", "value": f"{CACHE_MOUNT}/hf"},
         {"name": "DIFFQ_METRICS_PORT", "value": str(METRICS_PORT)},
         {"name": "DIFFQ_LOG_JSON", "value": "true"},
@@ -197,8 +243,34 @@ def deployment(name: str, args: list[str], annotations: dict[str, str], options:
     }
 
 
-def scaled_object(name: str, queues: list[str], annotations: dict[str, str], options: FleetOptions) -> dict:
-    """Scaled on the Redis lists of `queues` (KEDA takes the largest of the triggers)."""
+def broker_env(options: FleetOptions) -> list[dict]:
+    """DIFFQ_BROKER_URL and what else the broker's row says a pod reads from the Secret."""
+    # The broker's extras are optional: pods on EKS may get AWS credentials from their
+    # service account instead, and only discovery pools need the RabbitMQ API.
+    return [{"name": "DIFFQ_BROKER_URL", "valueFrom": {"secretKeyRef": {"name": SECRET, "key": "broker-url"}}}] + [
+        {"name": name, "valueFrom": {"secretKeyRef": {"name": SECRET, "key": key, "optional": True}}}
+        for name, key in options.transport.secret_env]
+
+
+def queue_triggers(queues: list[str], options: FleetOptions) -> list[dict]:
+    """One trigger per queue, of the scaler the transport table names for the broker."""
+    scaler = options.transport.keda
+    return [{"type": scaler.type, "metadata": scaler.metadata(queue, options.keda_facts),
+             "authenticationRef": {"name": TRIGGER_AUTH}} for queue in queues]
+
+
+def backlog_trigger(model: str, options: FleetOptions) -> dict:
+    """The model's backlog over all its shape queues, including shapes first
+    published after rendering (KEDA's metrics-api scaler reads diffq-backlog)."""
+    url = f"http://{BACKLOG}.{options.namespace}.svc:{BACKLOG_PORT}/backlog?model={model_slug(model)}"
+    return {"type": "metrics-api", "metadata": {
+        "url": url, "format": "json", "valueLocation": "backlog",
+        "targetValue": str(options.batches_per_replica), "activationTargetValue": "0"}}
+
+
+def scaled_object(name: str, queues: list[str], triggers: list[dict], annotations: dict[str, str],
+                  options: FleetOptions) -> dict:
+    """The pool serving `queues`, scaled on `triggers` (KEDA takes the largest)."""
     return {
         "apiVersion": "keda.sh/v1alpha1",
         "kind": "ScaledObject",
@@ -206,29 +278,19 @@ def scaled_object(name: str, queues: list[str], annotations: dict[str, str], opt
         "spec": {
             "scaleTargetRef": {"name": name},
             "minReplicaCount": 0,
-            "maxReplicaCount": options.max_replicas,
+            "maxReplicaCount": options.replicas_for(queues),
             "pollingInterval": 15,
             # LLEN drops to 0 while the last batches still run (they sit in
             # `unacked`); the cooldown and the warm shutdown cover that tail.
             "cooldownPeriod": 300,
-            "triggers": [{
-                "type": "redis",
-                "metadata": {
-                    # The Celery queue is one Redis list of exactly this name
-                    # (broker.py sets priority_steps [0]).
-                    "listName": queue,
-                    "listLength": str(options.batches_per_replica),
-                    "activationListLength": "0",
-                    "databaseIndex": str(options.redis_db),
-                },
-                "authenticationRef": {"name": TRIGGER_AUTH},
-            } for queue in queues],
+            "triggers": triggers,
         },
     }
 
 
 def common(options: FleetOptions) -> list[dict]:
-    """Objects every shape shares: the RWX cache volume and KEDA's Redis credentials."""
+    """Objects every shape shares: the RWX cache volume and KEDA's broker credentials
+    (the parameters of the broker's scaler, from the transport table)."""
     return [
         {"apiVersion": "v1", "kind": "PersistentVolumeClaim",
          "metadata": {"name": CACHE_PVC, "namespace": options.namespace},
@@ -236,9 +298,36 @@ def common(options: FleetOptions) -> list[dict]:
                   "resources": {"requests": {"storage": options.cache_size}}}},
         {"apiVersion": "keda.sh/v1alpha1", "kind": "TriggerAuthentication",
          "metadata": {"name": TRIGGER_AUTH, "namespace": options.namespace},
-         "spec": {"secretTargetRef": [
-             {"parameter": "address", "name": SECRET, "key": "redis-address"},
-             {"parameter": "password", "name": SECRET, "key": "redis-password"}]}},
+         "spec": {"secretTargetRef": [{"parameter": parameter, "name": SECRET, "key": key}
+                                      for parameter, key in options.transport.keda.auth]}},
+    ]
+
+
+def backlog_args() -> list[str]:
+    return ["diffq", "fleet", "backlog", "--port", str(BACKLOG_PORT)]
+
+
+def backlog_service(options: FleetOptions) -> list[dict]:
+    """The per-model backlog for discovery pools: one small torch-free pod and its Service."""
+    labels = {"app.kubernetes.io/name": BACKLOG}
+    return [
+        {"apiVersion": "apps/v1", "kind": "Deployment",
+         "metadata": {"name": BACKLOG, "namespace": options.namespace, "labels": labels},
+         "spec": {"replicas": 1, "selector": {"matchLabels": labels},
+                  "template": {"metadata": {"labels": labels}, "spec": {
+                      "securityContext": {"runAsNonRoot": True, "runAsUser": 1000},
+                      "containers": [{
+                          "name": "backlog",
+                          "image": options.image or DEFAULT_IMAGE.format(device=options.device),
+                          "command": backlog_args(),
+                          "env": broker_env(options),
+                          "ports": [{"name": "http", "containerPort": BACKLOG_PORT}],
+                          "readinessProbe": {"httpGet": {"path": "/healthz", "port": BACKLOG_PORT}},
+                          "resources": {"requests": {"cpu": "100m", "memory": "256Mi"},
+                                        "limits": {"memory": "512Mi"}}}]}}}},
+        {"apiVersion": "v1", "kind": "Service",
+         "metadata": {"name": BACKLOG, "namespace": options.namespace, "labels": labels},
+         "spec": {"selector": labels, "ports": [{"name": "http", "port": BACKLOG_PORT, "targetPort": BACKLOG_PORT}]}},
     ]
 
 
@@ -247,20 +336,24 @@ def render(shapes: list[ShapeKey], options: FleetOptions) -> dict[str, list[dict
     (per model where the profile's workers serve every shape, else per shape queue)."""
     rendered = {"common": common(options)}
     if options.profile.pool == "model":
+        rendered["common"] += backlog_service(options)
         pools: dict[tuple[str, str], list[str]] = {}
         for shape in shapes:
             pools.setdefault((shape.model, shape.dtype), []).append(shape.queue)
         for (model, dtype), queues in pools.items():
             name = k8s_name(f"diffq.{model_slug(model)}.{dtype}")
             annotations = {"diffq/model": model, "diffq/queues": ",".join(queues)}
+            # The render-time queues directly, and every queue of the model through the backlog.
+            triggers = queue_triggers(queues, options) + [backlog_trigger(model, options)]
             rendered[name] = [deployment(name, pool_args(model, dtype, options), annotations, options),
-                              scaled_object(name, queues, annotations, options)]
+                              scaled_object(name, queues, triggers, annotations, options)]
         return rendered
     for shape in shapes:
         name = k8s_name(shape.queue)
         annotations = {"diffq/queue": shape.queue}
         rendered[name] = [deployment(name, worker_args(shape, options), annotations, options),
-                          scaled_object(name, [shape.queue], annotations, options)]
+                          scaled_object(name, [shape.queue], queue_triggers([shape.queue], options), annotations,
+                                        options)]
     return rendered
 
 

@@ -16,8 +16,10 @@ import typer
 from rich.console import Console
 
 from diffq.app.choices import CompileMode, Device, Dtype
+from diffq.core.contract import FITS, BatchParams, ShapeKey
 from diffq.core.layout import IMAGE_FORMATS
 from diffq.worker import backends
+from diffq.worker.spec import DEFAULT_DEGENERATE_POLICY, DEGENERATE_POLICIES
 
 err = Console(stderr=True, soft_wrap=True)
 out = Console()
@@ -31,24 +33,40 @@ class Routing(str, Enum):
     round_robin = "round-robin"
 
 
-class Fit(str, Enum):
-    none = "none"
-    resize = "resize"
-    crop = "crop"
+Fit = Enum("Fit", {name: name for name in FITS}, type=str)  # the contract's list
+DegeneratePolicy = Enum("DegeneratePolicy", {name: name for name in DEGENERATE_POLICIES}, type=str)
+DEFAULT_ON_DEGENERATE = DegeneratePolicy(DEFAULT_DEGENERATE_POLICY)
+
+
+def contract_range(model, name: str) -> dict:
+    """typer's min/max for an option from the contract field it fills, so `--steps 1200`
+    is refused naming the option and its range, before any schema error."""
+    import annotated_types as at
+
+    bounds = {}
+    for item in model.model_fields[name].metadata:
+        if isinstance(item, at.Gt):
+            bounds["min"] = item.gt + 1 if isinstance(item.gt, int) else item.gt
+        elif isinstance(item, at.Ge):
+            bounds["min"] = item.ge
+        elif isinstance(item, at.Le):
+            bounds["max"] = item.le
+        elif isinstance(item, at.Lt):
+            bounds["max"] = item.lt - 1
+    return bounds
 
 
 Prompts = Annotated[Path, typer.Argument(help="Prompt file: .jsonl, .csv, .txt or .parquet")]
 Out = Annotated[str, typer.Option("--out", "-o", help="Run folder: path, file://, s3://bucket/prefix or gs://bucket/prefix")]
 Model = Annotated[str, typer.Option("--model", "-m", help="Pipeline folder or Hugging Face model id")]
-BatchSize = Annotated[int, typer.Option("--batch-size", "-b", min=1, help="Images per compiled batch")]
-Steps = Annotated[int, typer.Option("--steps", min=1, help="Default num_inference_steps")]
-Guidance = Annotated[float, typer.Option("--guidance-scale", min=0.0, help="Default guidance scale (> 1 turns CFG on)")]
-SeqLen = Annotated[int, typer.Option("--max-sequence-length", min=1, help="Text tokens per prompt (padded)")]
-Height = Annotated[int, typer.Option("--height", min=16, help="Default image height (multiple of 16, any with --size-buckets)")]
-Width = Annotated[int, typer.Option("--width", min=16, help="Default image width (multiple of 16, any with --size-buckets)")]
+BatchSize = Annotated[int, typer.Option("--batch-size", "-b", **contract_range(ShapeKey, "batch_size"), help="Images per compiled batch")]
+Steps = Annotated[int, typer.Option("--steps", **contract_range(BatchParams, "num_inference_steps"), help="Default num_inference_steps")]
+Guidance = Annotated[float, typer.Option("--guidance-scale", **contract_range(BatchParams, "guidance_scale"), help="Default guidance scale (> 1 turns CFG on)")]
+SeqLen = Annotated[int, typer.Option("--max-sequence-length", **contract_range(ShapeKey, "max_sequence_length"), help="Text tokens per prompt (padded)")]
+Height = Annotated[int, typer.Option("--height", **{**contract_range(ShapeKey, "height"), "min": 16}, help="Default image height (multiple of 16, any with --size-buckets)")]
+Width = Annotated[int, typer.Option("--width", **{**contract_range(ShapeKey, "width"), "min": 16}, help="Default image width (multiple of 16, any with --size-buckets)")]
 Format = Annotated[ImageFormat, typer.Option("--format", help="Image file format")]
-DtypeOpt = Annotated[Dtype, typer.Option("--dtype", help="Pipeline dtype (part of the shape key)")]
-DeviceDtypeOpt = Annotated[Optional[Dtype], typer.Option("--dtype", help="Pipeline dtype (part of the shape key); default: the device's (bfloat16 on accelerators, float32 on cpu)")]
+DtypeOpt = Annotated[Dtype, typer.Option("--dtype", help="Pipeline dtype, part of the shape key: auto (each worker runs its device's default: bfloat16 on neuron, tpu, cuda; float32 on cpu) or a pinned dtype")]
 DeviceOpt = Annotated[Device, typer.Option("--device", help="Device kind, from the backend table")]
 Compile = Annotated[CompileMode, typer.Option("--compile", help="none | full (whole transformer) | regional (repeated blocks) | defer-fuse (TPU only); checked against the device")]
 CompileCache = Annotated[Optional[str], typer.Option("--compile-cache", help="Compile cache: a shared directory used in place, or s3://… / gs://… / file://… mirrored locally (pull before warmup, push after compiling)")]
@@ -82,20 +100,69 @@ def check_compile(models: list[str], compile: str) -> None:
         fail(reason)
 
 
-def resolve_dtype(device: Device, dtype) -> str:
-    """--dtype as given, else the device's default (the backend table's default_dtype)."""
-    return dtype.value if dtype is not None else backends.get_backend(device.value).default_dtype
+# --- which devices: one option per device list the backend table names ------------------
 
 
-def devices_of(device: Device, workers: int, cores: str | None, chips: str | None, gpus: str | None) -> list[int]:
-    # Which option lists this kind's devices is the backend table's business.
-    backend = backends.get_backend(device.value)
-    spec = {"--cores": cores, "--chips": chips, "--gpus": gpus}.get(backend.device_option)
-    if spec == "auto":
-        return backends.allocated_devices(backend)
-    return backends.parse_devices(spec) if spec else list(range(workers))
+def _device_lists() -> dict[str, backends.Backend]:
+    """--cores, --chips, --gpus ... -> the backend listing its devices with it."""
+    lists: dict[str, backends.Backend] = {}
+    for backend in backends.BACKENDS.values():
+        if backend.device_option != "--workers":
+            lists.setdefault(backend.device_option, backend)
+    return lists
 
 
+def _param_name(option: str) -> str:
+    return option.removeprefix("--").replace("-", "_")
+
+
+@dataclass
+class Devices:
+    """--device, --workers and the device lists, as a command receives them (`devices`)."""
+
+    device: Device
+    workers: int
+    lists: dict[str, str | None]  # "--cores" -> "0-7" (None: not given)
+
+    @property
+    def backend(self) -> backends.Backend:
+        return backends.get_backend(self.device.value)
+
+    def slots(self) -> list[int]:
+        """The devices to run on: the kind's own list (or `auto`), else --workers processes."""
+        backend = self.backend
+        spec = self.lists.get(backend.device_option)
+        if spec == "auto":
+            return backends.allocated_devices(backend)
+        return backends.parse_devices(spec) if spec else list(range(self.workers))
+
+    def given(self) -> list[str]:
+        """The options given other than their defaults (for commands that start no workers)."""
+        return (["--device"] if self.device.value != "cpu" else []) + (["--workers"] if self.workers != 1 else []) \
+            + [option for option, value in self.lists.items() if value]
+
+
+def device_params(what: str, workers_help: str | None = "Worker processes (cpu)") -> list[inspect.Parameter]:
+    """--device, --workers (unless None) and the device lists, help from the table."""
+    params = [_option("device", DeviceOpt, Device("cpu"))]
+    if workers_help:
+        params.append(_option("workers", Annotated[int, typer.Option("--workers", "-w", min=1, help=workers_help)], 1))
+    for option, backend in _device_lists().items():
+        auto = (f", or auto (those the device plugin allocated: {' else '.join(s.env for s in backend.allocation)})"
+                if backend.allocation else "")
+        params.append(_option(_param_name(option), Annotated[Optional[str], typer.Option(
+            option, help=f"{backend.device_noun}{what}, e.g. 0-3{auto}")], None))
+    return params
+
+
+def build_devices(device: Device, workers: int = 1, **lists: str | None) -> Devices:
+    return Devices(device=device, workers=workers,
+                   lists={option: lists.get(_param_name(option)) for option in _device_lists()})
+
+
+def device_options(what: str = ", one process each", workers_help: str | None = "Worker processes (cpu)"):
+    """Add --device, --workers and the table's device lists; the command receives `devices`."""
+    return option_group("devices", device_params(what, workers_help), build_devices)
 
 
 Broker = Annotated[Optional[str], typer.Option("--broker", help="Broker URL (or DIFFQ_BROKER_URL)")]
@@ -112,51 +179,112 @@ class Generation:
     height: int
     width: int
     format: ImageFormat
-    dtype: Dtype | None
+    dtype: Dtype
     size_buckets: str | None
     fit: Fit
     keep_columns: str | None
     embed_metadata: bool = True
 
-    def kwargs(self, dtype: str | None = None) -> dict:
-        chosen = dtype or self.dtype
+    def kwargs(self) -> dict:
         return dict(batch_size=self.batch_size, steps=self.steps, guidance_scale=self.guidance_scale,
                     max_sequence_length=self.max_sequence_length, height=self.height, width=self.width,
-                    format=self.format.value, dtype=chosen if isinstance(chosen, str) else chosen.value,
+                    format=self.format.value, dtype=self.dtype.value,
                     size_buckets=self.size_buckets, fit=self.fit.value, embed_metadata=self.embed_metadata,
                     keep_columns=columns(self.keep_columns))
+
+
+# The generation defaults, shared by run, submit, plan and `fleet manifests`: a fleet
+# rendered without options watches the queues a submit without options fills.
+DEFAULT_BATCH_SIZE = 4
+DEFAULT_SEQ_LEN = 64
+DEFAULT_GUIDANCE = 1.0
 
 
 def _option(name: str, annotation, default) -> inspect.Parameter:
     return inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, annotation=annotation, default=default)
 
 
-def generation_options(*, dtype_from_device: bool = False, embed_metadata: bool = True):
-    """Add the shared generation options to a command; it receives them as `generation`.
+def option_group(target: str, params: list[inspect.Parameter], build):
+    """Add `params` to a command's options; the command receives `build(**their values)`
+    as its `target` argument. Typer reads the options from the signature; groups stack."""
 
-    dtype_from_device: `--dtype` defaults to the device's (the backend table), for
-    commands that know their device; others default to float32.
-    """
+    def decorate(command):
+        own = [p for name, p in inspect.signature(command, eval_str=True).parameters.items() if name != target]
+        names = [p.name for p in params]
+
+        @functools.wraps(command)
+        def with_group(**kwargs):
+            group = build(**{name: kwargs.pop(name) for name in names})
+            return command(**kwargs, **{target: group})
+
+        with_group.__signature__ = inspect.Signature(
+            [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in own] + params)
+        return with_group
+
+    return decorate
+
+
+@dataclass
+class LocalWorkers:
+    """The worker options of the commands that start their own workers (run, resume)."""
+
+    devices: Devices
+    compile: CompileMode
+    compile_cache: str | None
+    offload: str | None
+    warmup: str | None
+    threads: int
+    allow_fallback: bool
+    on_degenerate: DegeneratePolicy
+
+    def kwargs(self) -> dict:
+        """As the embedded runner takes them (diffq/app/runner.py LocalWorkers)."""
+        return dict(devices=self.devices.slots(), device=self.devices.device.value, compile=self.compile.value,
+                    compile_cache=self.compile_cache, offload=self.offload,
+                    warmup=[w for w in (self.warmup or "").split(",") if w], threads=self.threads,
+                    allow_fallback=self.allow_fallback, on_degenerate=self.on_degenerate.value)
+
+    def given(self) -> list[str]:
+        """Options given other than their defaults."""
+        return self.devices.given() + [name for name, value in (
+            ("--compile", self.compile.value != "none"), ("--compile-cache", self.compile_cache),
+            ("--offload", self.offload), ("--warmup", self.warmup), ("--threads", self.threads != 1),
+            ("--allow-fallback", self.allow_fallback),
+            ("--on-degenerate", self.on_degenerate != DEFAULT_ON_DEGENERATE)) if value]
+
+
+Warmup = Annotated[Optional[str], typer.Option("--warmup", help="Compile before consuming: 'auto' (every shape served) or HxW[,HxW…]")]
+Threads = Annotated[int, typer.Option("--threads", min=1, help="Torch threads per worker process")]
+OnDegenerate = Annotated[DegeneratePolicy, typer.Option("--on-degenerate", help="What becomes of a degenerate image: flag (default: non-finite values fail the item, a flat image is stored flagged in its record), fail (both fail the item, not stored), ignore (no checks)")]
+AllowFallback = Annotated[bool, typer.Option("--allow-fallback", help="--compile full|regional on neuron: let a compiled graph that fails at run time re-run uncompiled, op by op (many times slower; counted in metrics, records and the warm-up report) instead of failing the batch")]
+
+
+def local_worker_options():
+    """Add the local workers' options (devices, compile, offload, warmup, threads); the
+    command receives them as `local`."""
+    device_part = device_params(", one worker process each")
+    names = [p.name for p in device_part]
+    params = device_part + [_option("compile", Compile, CompileMode("none")), _option("compile_cache", CompileCache, None),
+                            _option("offload", Offload, None), _option("warmup", Warmup, None),
+                            _option("threads", Threads, 1), _option("allow_fallback", AllowFallback, False),
+                            _option("on_degenerate", OnDegenerate, DEFAULT_ON_DEGENERATE)]
+
+    def build(**values) -> LocalWorkers:
+        devices = build_devices(**{name: values.pop(name) for name in names})
+        return LocalWorkers(devices=devices, **values)
+
+    return option_group("local", params, build)
+
+
+def generation_options(*, embed_metadata: bool = True):
+    """Add the shared generation options to a command; it receives them as `generation`."""
     shared = [
-        _option("batch_size", BatchSize, 4), _option("steps", Steps, 4), _option("guidance_scale", Guidance, 1.0),
-        _option("max_sequence_length", SeqLen, 64), _option("height", Height, 128), _option("width", Width, 128),
+        _option("batch_size", BatchSize, DEFAULT_BATCH_SIZE), _option("steps", Steps, 4),
+        _option("guidance_scale", Guidance, DEFAULT_GUIDANCE), _option("max_sequence_length", SeqLen, DEFAULT_SEQ_LEN), _option("height", Height, 128), _option("width", Width, 128),
         _option("format", Format, ImageFormat.png),
-        _option("dtype", *((DeviceDtypeOpt, None) if dtype_from_device else (DtypeOpt, Dtype("float32")))),
+        _option("dtype", DtypeOpt, Dtype("auto")),
         _option("size_buckets", SizeBucketsOpt, None), _option("fit", FitOpt, Fit.none),
         _option("keep_columns", KeepColumns, None),
     ] + ([_option("embed_metadata", EmbedMetadata, True)] if embed_metadata else [])
 
-    def decorate(command):
-        own = [p for name, p in inspect.signature(command, eval_str=True).parameters.items() if name != "generation"]
-
-        @functools.wraps(command)
-        def with_generation(**kwargs):
-            generation = Generation(**{p.name: kwargs.pop(p.name) for p in shared})
-            return command(**kwargs, generation=generation)
-
-        # Typer reads the options from the signature.
-        with_generation.__signature__ = inspect.Signature(
-            [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in own] + shared)
-        return with_generation
-
-    return decorate
+    return option_group("generation", shared, Generation)

@@ -15,6 +15,11 @@ cache), runs worker/qualify.py in it, then the reference:
 
 Parity per image: PSNR (capped at 100 dB, which means identical) and the max
 absolute pixel difference over RGB, against thresholds in `Thresholds`.
+
+Every image the device makes goes through the worker's degenerate-image checks
+(records.py DEGENERATE_CHECKS), counted per shape: one with non-finite values fails
+the run check (a worker would fail that item under any policy but `ignore`), a
+flat one warns.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from diffq.core.records import DEGENERATE_CHECKS
 from diffq.worker.backends import REFERENCE, RunConfig, get_backend
 
 REFERENCE_FILE = "reference.json"
@@ -238,10 +244,17 @@ def checks(report: dict, thresholds: Thresholds) -> dict[str, dict]:
     if report.get("error"):
         found["run"] = {"status": "fail", "detail": report["error"]}
         return found
-    found["run"] = {"status": "pass", "detail": f"{len(report['shapes'])} shape(s) generated"}
+    found["run"] = _run_check(report)
     ops = report["fallback_ops"]
     found["fallback_ops"] = ({"status": "warn", "detail": f"{len(ops)} op(s) ran on CPU: {', '.join(ops)}"}
                              if ops else {"status": "pass", "detail": "none reported"})
+    if graph := report.get("graph_fallback"):
+        # A compiled graph that re-ran uncompiled would make every timing here a lie.
+        switch = f"{graph['env']}={graph['value']}"
+        found["graph_fallback"] = (
+            {"status": "fail", "detail": f"{graph['calls']} compiled-graph call(s) failed on the device and re-ran "
+                                         f"uncompiled, op by op ({switch})"}
+            if graph["calls"] else {"status": "pass", "detail": f"no compiled graph re-ran uncompiled ({switch})"})
     rc = report["recompiles"]
     extra = {name: n for name, n in (("steps_change", rc["steps_change"]), ("revisit", rc["revisit"]),
                                      ("steady", rc["steady"])) if n}
@@ -268,6 +281,19 @@ def checks(report: dict, thresholds: Thresholds) -> dict[str, dict]:
     return found
 
 
+def _run_check(report: dict) -> dict:
+    """Generated; failed where any image had non-finite values, warned where any was flat."""
+    generated = f"{len(report['shapes'])} shape(s) generated"
+    found = {kind: {shape: counts[kind] for shape, counts in (report.get("degenerate") or {}).items() if counts[kind]}
+             for kind in DEGENERATE_CHECKS}
+    for kind, status in (("nonfinite", "fail"), ("flat", "warn")):
+        if found[kind]:
+            per_shape = ", ".join(f"{n} at {shape}" for shape, n in found[kind].items())
+            return {"status": status, "detail": f"{generated}; {sum(found[kind].values())} image(s) with "
+                                                f"{DEGENERATE_CHECKS[kind]}: {per_shape}"}
+    return {"status": "pass", "detail": f"{generated}, no degenerate image"}
+
+
 def _throughput(shapes: list[dict], price: float | None) -> None:
     for shape in shapes:
         per_s = shape["images_per_s"]
@@ -291,7 +317,7 @@ def qualify(model: str, *, device: str = "cpu", slot: int = 0, compile: str = "n
     from diffq.worker.models import ModelUnavailable, resolve_model
 
     backend = get_backend(device)
-    dtype = dtype or backend.default_dtype
+    dtype = backend.dtype_for(dtype or "auto")  # what an auto queue runs at on this device
     if compile not in backend.compile_modes:
         raise QualifyError(f"--compile {compile} is not a mode of {device} (it has {', '.join(backend.compile_modes)})")
     if offload == "model" and compile == "full":
@@ -380,8 +406,9 @@ def _report(result: dict, settings: Settings, device: str, dtype: str, price: fl
               "prompts": settings.prompts, "seeds": settings.seeds,
               "parity_shapes": [label(s) for s in settings.parity_shapes]}
     if result.get("error"):
-        report.update(device={"kind": device}, compile=None, versions=None, fallback_ops=[], shapes=[],
-                      recompiles=None, memory=None, error=result["error"], warnings=result.get("warnings", []))
+        report.update(device={"kind": device}, compile=None, versions=None, fallback_ops=[], graph_fallback=None,
+                      shapes=[], recompiles=None, memory=None, degenerate=None, error=result["error"],
+                      warnings=result.get("warnings", []))
         return report
     report.update(result)
     _throughput(report["shapes"], price)
@@ -420,12 +447,15 @@ def render_text(report: dict) -> str:
         lines.append(f"shape {s['shape']} b{s['batch_size']}: first call {s['first_call_s']:.2f} s "
                      f"({s['first_call_graphs']} graphs), steady median {s['steady_s']['median']:.3f} s "
                      f"p90 {s['steady_s']['p90']:.3f} s, {s['images_per_s']:.2f} images/s, "
-                     f"{s['images_per_device_hour']:,.0f} images/device-hour{cost}")
+                     f"{s['images_per_device_hour']:,.0f} images/device-hour{cost}"
+                     + (f", degenerate images: {found}" if (found := _degenerate_found(s.get("degenerate"))) else ""))
     if report.get("recompiles"):
         r = report["recompiles"]
         lines.append(f"recompiles: steps change {r['steps_change']}, revisit {r['revisit']}, steady {r['steady']}")
     if not report.get("error"):
         lines.append("fallback ops: " + (", ".join(report["fallback_ops"]) or "none"))
+    if graph := report.get("graph_fallback"):
+        lines.append(f"compiled graphs re-run uncompiled: {graph['calls']} ({graph['env']}={graph['value']})")
     for w in report.get("warnings", []):
         lines.append(f"warning ({w['count']}x): {w['message'][:300]}")
     if report.get("memory"):
@@ -439,6 +469,11 @@ def render_text(report: dict) -> str:
         lines.append(f"{check['status'].upper():5} {name}: {check['detail']}")
     lines.append("PASSED" if report["passed"] else "FAILED")
     return "\n".join(lines)
+
+
+def _degenerate_found(counts: dict | None) -> str:
+    """A shape's degenerate images per check, e.g. "1 nonfinite"; empty for none."""
+    return ", ".join(f"{n} {kind}" for kind, n in (counts or {}).items() if n)
 
 
 def _png(array) -> bytes:
@@ -483,11 +518,12 @@ def render_html(report: dict, settings: Settings, device_dir: Path, reference_di
         env_rows += [["device peak memory", m["device_peak_bytes"] if m["device_peak_bytes"] is not None else "not reported"],
                      ["host peak RSS", f"{m['host_peak_rss_bytes'] / 2**20:.0f} MiB"]]
     shapes = _table(["shape", "batch", "first call s", "graphs", "steady median s", "steady p90 s", "images/s",
-                     "images/device-hour", "cost / 1,000"],
+                     "images/device-hour", "cost / 1,000", "degenerate images"],
                     [[s["shape"], s["batch_size"], f"{s['first_call_s']:.3f}", s["first_call_graphs"],
                       f"{s['steady_s']['median']:.4f}", f"{s['steady_s']['p90']:.4f}", f"{s['images_per_s']:.3f}",
                       f"{s['images_per_device_hour']:,.0f}",
-                      "-" if s.get("cost_per_1000_images") is None else f"{s['cost_per_1000_images']:.4f}"]
+                      "-" if s.get("cost_per_1000_images") is None else f"{s['cost_per_1000_images']:.4f}",
+                      _degenerate_found(s.get("degenerate")) or "none"]
                      for s in report["shapes"]])
     recompiles = _table(["shape", "first call", "steady calls", "steps change", "revisit"],
                         [[s["shape"], s["first_call_graphs"], s["recompiles"]["steady"],

@@ -6,15 +6,23 @@ from ../shared/CELERY.md: the backlog is published in waves (every fetch lists t
 whole queue folder, so a deep backlog slows consumers), and a batch in flight when
 its worker dies is lost by this transport, so once the queues drain the runner
 re-enqueues whatever the run folder says is neither done nor failed.
+
+A run killed part-way (Ctrl-C, OOM, a reboot) is finished the same way: `run` again
+with the same file and options on the same OUT, or `resume` (`diffq resume OUT`
+without a broker), publishes the plan minus the records to a fresh embedded broker
+under the run's own run id and seeds; nothing stored is generated again.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import shutil
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,18 +33,23 @@ from diffq.core import layout
 from diffq.core.broker import embedded_broker
 from diffq.core.families import compile_refusal
 from diffq.core.progress import ProgressSummary
-from diffq.core.runfolder import iter_records
+from diffq.core.records import RunManifest
+from diffq.core.runfolder import iter_records, read_cancel, read_manifest
+from diffq.core.storage import Storage, open_storage
 from diffq.core.transports import transport_for
-from diffq.producer.resume import missing_batches, scan
-from diffq.core.runfolder import read_cancel
-from diffq.producer.submit import CeleryPublisher, RunExists, make_options, submit, validate
-from diffq.core.storage import open_storage
+from diffq.producer.resume import check_plan, continuation, missing_batches, scan, uncancel
+from diffq.producer.submit import CeleryPublisher, make_options, submit, validate
 from diffq.worker.backends import get_backend
 from diffq.worker.models import resolve_model
+from diffq.worker.spec import DEFAULT_DEGENERATE_POLICY
 from diffq.worker.supervisor import Supervisor, plan_children
 
 
 class RunFailed(RuntimeError):
+    pass
+
+
+class RunBusy(RunFailed):
     pass
 
 
@@ -49,6 +62,9 @@ class RunResult:
     failed: int
     seconds: float
     reenqueued: int
+    # A continued run: what OUT held before this call began.
+    already_done: int = 0
+    already_failed: int = 0
 
     @property
     def ok(self) -> bool:
@@ -56,7 +72,16 @@ class RunResult:
 
     @property
     def images_per_s(self) -> float:
-        return self.done / self.seconds if self.seconds else 0.0
+        """Of the images this call made."""
+        return (self.done - self.already_done) / self.seconds if self.seconds else 0.0
+
+    def summary(self) -> str:
+        counts = f"{self.done}/{self.total} images, {self.failed} failed"
+        if self.already_done + self.already_failed >= self.total:
+            return f"{counts}: nothing left to run"
+        return (f"{counts}, {self.seconds:.1f}s, {self.images_per_s:.1f} images/s"
+                + (f", continued: {self.already_done} were done before" if self.already_done else "")
+                + (f", {self.reenqueued} re-enqueued" if self.reenqueued else ""))
 
 
 class BoundedPublisher:
@@ -89,6 +114,36 @@ class BoundedPublisher:
         self.inner.close()
 
 
+@dataclass
+class LocalWorkers:
+    """The worker processes of an embedded run: what `run` and `resume` take alike."""
+
+    workers: int = 1
+    device: str = "cpu"
+    devices: list[int] | None = None
+    compile: str = "none"
+    compile_cache: str | None = None
+    offload: str | None = None
+    warmup: list[str] | None = None
+    threads: int = 1
+    allow_fallback: bool = False
+    on_degenerate: str = DEFAULT_DEGENERATE_POLICY
+
+    def check(self, models: list[str]) -> None:
+        # A compile mode a family cannot take fails here, not in every worker.
+        if reason := compile_refusal(models, self.compile):
+            raise ValueError(reason)
+
+    def specs(self, broker_url: str, transport_options: dict, queues: list[str], models: list[str], dtype: str):
+        return plan_children(
+            device=get_backend(self.device).name,
+            devices=self.devices if self.devices is not None else list(range(self.workers)),
+            broker_url=broker_url, transport_options=transport_options, queues=queues, threads=self.threads,
+            compile=self.compile, compile_cache=self.compile_cache, offload=self.offload,
+            warmup=self.warmup or [], models=models, dtype=dtype, allow_fallback=self.allow_fallback,
+            on_degenerate=self.on_degenerate)
+
+
 def run(
     prompts: str | Path,
     out: str,
@@ -102,6 +157,8 @@ def run(
     offload: str | None = None,
     warmup: list[str] | None = None,
     threads: int = 1,
+    allow_fallback: bool = False,
+    on_degenerate: str = DEFAULT_DEGENERATE_POLICY,
     progress: bool = True,
     console: Console | None = None,
     run_id: str | None = None,
@@ -109,66 +166,137 @@ def run(
     keep_columns: tuple[str, ...] | list[str] = (),
     **generation,
 ) -> RunResult:
-    console = console or Console(stderr=True)
+    """Submit `prompts` to OUT and produce it here. If OUT already holds the run these
+    would produce, finish it instead (`RunDiffers`, a `RunExists`, names what differs)."""
     started = time.monotonic()
+    local = LocalWorkers(workers=workers, device=device, devices=devices, compile=compile,
+                         compile_cache=compile_cache, offload=offload, warmup=warmup, threads=threads,
+                         allow_fallback=allow_fallback, on_degenerate=on_degenerate)
     resolve_model(model)
     options, defaults = make_options(model=model, **generation)
     plan = validate(prompts, options, defaults, keep_columns)
     for name in plan.models:
         if name != model:
             resolve_model(name)
-    # A compile mode a family cannot take fails here, not in every worker.
-    if reason := compile_refusal(plan.models, compile):
-        raise ValueError(reason)
+    local.check(plan.models)
     storage = open_storage(out)
-    if storage.exists(layout.MANIFEST):
-        raise RunExists(f"{storage.url} already holds a run; use a new OUT, or `diffq resume {storage.url}`")
 
+    def publish_all(publisher) -> str:
+        return submit(prompts, out, model=model, publisher=publisher, plan=plan, run_id=run_id,
+                      seed_base=seed_base, keep_columns=keep_columns, **generation).run_id
+
+    with _sole_runner(storage):
+        if storage.exists(layout.MANIFEST):
+            manifest = read_manifest(storage)
+            continuation(storage, manifest, prompts=prompts, plan=plan, options=options, defaults=defaults,
+                         run_id=run_id, seed_base=seed_base, keep_columns=keep_columns)
+            return _finish(storage, manifest, local, progress=progress, console=console, started=started)
+        return _serve(storage, local, queues=[shape.queue for shape in plan.shapes], models=plan.models,
+                      dtype=options.dtype, total=plan.total, publish_all=publish_all,
+                      tracker=ProgressSummary(storage), progress=progress, console=console, started=started)
+
+
+def resume(out: str, *, progress: bool = True, console: Console | None = None, **workers) -> RunResult:
+    """Finish the run in OUT here, without servers: `diffq resume OUT` with no broker.
+    Needs no prompt file: the run folder's plan and manifest say what is left and how.
+    `workers`: the worker options `run` takes (`LocalWorkers`' fields)."""
+    started = time.monotonic()
+    local = LocalWorkers(**workers)
+    storage = open_storage(out)
+    manifest = read_manifest(storage)
+    for name in manifest.models:
+        resolve_model(name)
+    local.check(manifest.models)
+    check_plan(storage, manifest)
+    with _sole_runner(storage):
+        return _finish(storage, manifest, local, progress=progress, console=console, started=started)
+
+
+@contextlib.contextmanager
+def _sole_runner(storage: Storage) -> Iterator[None]:
+    """One embedded runner at a time on a local OUT: a second one continuing the run
+    would produce what the first has in hand again, under other batch ids. The lock
+    (flock on the folder) goes with its process, `kill -9` included. An object store
+    has no such lock: there, finishing a run that is still running is the user's call."""
+    path = storage.local_path(layout.MANIFEST)
+    if path is None:
+        yield
+        return
+    folder = path.parent
+    created = not folder.exists()
+    folder.mkdir(parents=True, exist_ok=True)
+    fd = os.open(folder, os.O_RDONLY)  # not inherited by the workers (PEP 446)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise RunBusy(f"another diffq run or resume is producing {storage.url} now: "
+                          "wait for it to end, or stop it first") from None
+        yield
+    finally:
+        os.close(fd)
+        if created:
+            with contextlib.suppress(OSError):  # left only if nothing was written
+                folder.rmdir()
+
+
+def _finish(storage: Storage, manifest: RunManifest, local: LocalWorkers, *, progress: bool,
+            console: Console | None, started: float) -> RunResult:
+    """Produce what OUT's plan holds and its records lack, under the run's own ids."""
+    # `scan` also credits batches recorded but never credited (killed in between).
+    settled = scan(storage).settled
+    tracker = ProgressSummary(storage).refresh()
+    if len(settled) >= manifest.total:  # a finished run: nothing is started
+        return RunResult(out=storage.url, run_id=manifest.run_id, total=manifest.total, done=tracker.done,
+                         failed=tracker.failed, seconds=time.monotonic() - started, reenqueued=0,
+                         already_done=tracker.done, already_failed=tracker.failed)
+    uncancel(storage)  # as `diffq resume` does: running it again means finishing it
+
+    def publish_all(publisher) -> str:
+        for message in missing_batches(storage, settled):
+            publisher.publish(message)
+        return manifest.run_id
+
+    return _serve(storage, local, queues=[shape.queue for shape in manifest.shapes], models=manifest.models,
+                  dtype=manifest.defaults["dtype"], total=manifest.total, publish_all=publish_all,
+                  tracker=tracker, progress=progress, console=console, started=started)
+
+
+def _serve(storage: Storage, local: LocalWorkers, *, queues: list[str], models: list[str], dtype: str, total: int,
+           publish_all, tracker: ProgressSummary, progress: bool, console: Console | None,
+           started: float) -> RunResult:
+    """Embedded broker, local workers and `publish_all(publisher)` (it returns the run
+    id) in a thread; waits until the run folder holds `total` items done or failed."""
+    console = console or Console(stderr=True)
+    already_done, already_failed = tracker.done, tracker.failed
     broker_dir = Path(tempfile.mkdtemp(prefix="diffq-broker-"))
     broker_url, transport_options = embedded_broker(broker_dir)
     # This transport loses a batch in flight when its worker dies (the table says
     # so): the runner re-enqueues from the run folder instead.
     reconciles = transport_for(broker_url).loses_inflight_on_kill
-    backend = get_backend(device)
-    specs = plan_children(
-        device=backend.name,
-        devices=devices if devices is not None else list(range(workers)),
-        broker_url=broker_url,
-        transport_options=transport_options,
-        queues=[shape.queue for shape in plan.shapes],
-        threads=threads,
-        compile=compile,
-        compile_cache=compile_cache,
-        offload=offload,
-        warmup=warmup or [],
-        models=plan.models,
-        dtype=options.dtype,
-    )
+    specs = local.specs(broker_url, transport_options, queues, models, dtype)
     supervisor = Supervisor(specs)
     stop = threading.Event()
     publisher = BoundedPublisher(CeleryPublisher(broker_url, transport_options),
                                  broker_dir / "queue", max(16, 4 * len(specs)), stop)
     submitted: dict = {}
 
-    def publish_all() -> None:
+    def publish() -> None:
         try:
-            submitted["result"] = submit(prompts, out, model=model, publisher=publisher, plan=plan,
-                                         run_id=run_id, seed_base=seed_base, keep_columns=keep_columns,
-                                         **generation)
+            submitted["result"] = publish_all(publisher)
         except BaseException as exc:  # reported by the main thread
             submitted["error"] = exc
 
-    tracker = ProgressSummary(storage)
     reenqueued = 0
     supervisor.start()
-    publishing = threading.Thread(target=publish_all, name="diffq-publish", daemon=True)
+    publishing = threading.Thread(target=publish, name="diffq-publish", daemon=True)
     publishing.start()
     bar = Progress(TextColumn("[bold]diffq run"), BarColumn(), MofNCompleteColumn(),
                    TextColumn("{task.fields[rate]:.1f} img/s · failed {task.fields[failed]}"),
                    TimeElapsedColumn(), console=console, disable=not progress, transient=False)
     try:
         with bar:
-            task = bar.add_task("run", total=plan.total, rate=0.0, failed=0)
+            task = bar.add_task("run", total=total, completed=already_done, rate=0.0, failed=already_failed)
             last_progress, deaths_seen, batch_time = time.monotonic(), 0, None
             next_cancel_check = 0.0
             while True:
@@ -179,8 +307,8 @@ def run(
                     last_progress = now
                 elapsed = now - started
                 bar.update(task, completed=tracker.done, failed=tracker.failed,
-                           rate=tracker.done / elapsed if elapsed else 0.0)
-                if tracker.done + tracker.failed >= plan.total:
+                           rate=(tracker.done - already_done) / elapsed if elapsed else 0.0)
+                if tracker.done + tracker.failed >= total:
                     break
                 # `diffq cancel` from elsewhere: the workers drop what is queued.
                 if now >= next_cancel_check:
@@ -214,6 +342,6 @@ def run(
         publishing.join(timeout=5)
         publisher.close()
         shutil.rmtree(broker_dir, ignore_errors=True)
-    run_id = submitted["result"].run_id if "result" in submitted else ""
-    return RunResult(out=storage.url, run_id=run_id, total=plan.total, done=tracker.done,
-                     failed=tracker.failed, seconds=time.monotonic() - started, reenqueued=reenqueued)
+    return RunResult(out=storage.url, run_id=submitted.get("result", ""), total=total, done=tracker.done,
+                     failed=tracker.failed, seconds=time.monotonic() - started, reenqueued=reenqueued,
+                     already_done=already_done, already_failed=already_failed)

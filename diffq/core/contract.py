@@ -26,10 +26,21 @@ MAX_PROMPT_CHARS = 16_000
 # A row's `metadata` object, as compact JSON: carried in every message and record,
 # so it is capped like the prompt.
 MAX_METADATA_BYTES = 8 * 1024
-# Pipeline dtypes, each with its short tag in queue names: the one list of them
-# (CLI choices, the shape key, queue names and the worker's torch dtypes read it).
+# Pipeline dtypes a worker runs, each with its short tag in queue names: the one list
+# of them (the backend table's dtypes and the worker's torch dtypes read it).
 DTYPE_TAGS = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
-Dtype = Literal[tuple(DTYPE_TAGS)]
+# "auto": the dtype belongs to the device. The producer does not know which device
+# will serve a batch, so an unpinned shape key says auto and each worker runs it at
+# its backend's default_dtype (bfloat16 on accelerators, float32 on cpu).
+AUTO_DTYPE = "auto"
+# What a shape key, a queue name and the CLI's --dtype may say.
+SHAPE_DTYPE_TAGS = {AUTO_DTYPE: AUTO_DTYPE, **DTYPE_TAGS}
+Dtype = Literal[tuple(SHAPE_DTYPE_TAGS)]
+
+
+def effective_dtype(dtype: str, device_default: str) -> str:
+    """The dtype a worker runs a shape at: the pinned one, or its device's default."""
+    return device_default if dtype == AUTO_DTYPE else dtype
 
 
 class Strict(BaseModel):
@@ -50,7 +61,7 @@ class ShapeKey(Strict):
     # > 1. For distilled models that ignore it this only splits queues, never mixes
     # graphs, so the conservative rule is safe.
     cfg: bool
-    dtype: Dtype = "float32"
+    dtype: Dtype = AUTO_DTYPE
 
     @property
     def queue(self) -> str:
@@ -72,24 +83,27 @@ def model_slug(model: str) -> str:
     return f"{tail}-{digest}"
 
 
-# The queue name's dtype part is DTYPE_TAGS's; `shape_from_queue` reads it back.
+# Every diffq queue's name starts with this (shape queues, the dead letters): brokers
+# list diffq's queues by it (core/transports.py).
+QUEUE_PREFIX = "diffq."
+# The queue name's dtype part is SHAPE_DTYPE_TAGS's; `shape_from_queue` reads it back.
 _QUEUE_RE = re.compile(
-    r"diffq\.(?P<slug>[a-z0-9-]+)\.(?P<height>\d+)x(?P<width>\d+)\.b(?P<batch>\d+)"
-    r"\.l(?P<seq>\d+)\.(?P<cfg>cfg|nocfg)\.(?P<dtype>" + "|".join(DTYPE_TAGS.values()) + ")"
+    re.escape(QUEUE_PREFIX) + r"(?P<slug>[a-z0-9-]+)\.(?P<height>\d+)x(?P<width>\d+)\.b(?P<batch>\d+)"
+    r"\.l(?P<seq>\d+)\.(?P<cfg>cfg|nocfg)\.(?P<dtype>" + "|".join(SHAPE_DTYPE_TAGS.values()) + ")"
 )
 
 
 @functools.lru_cache(maxsize=4096)
 def queue_name(shape: ShapeKey) -> str:
-    """``diffq.<model>.<H>x<W>.b<B>.l<L>.<cfg|nocfg>.<dtype>``.
+    """``diffq.<model>.<H>x<W>.b<B>.l<L>.<cfg|nocfg>.<dtype>`` (dtype: auto, fp32, bf16, fp16).
 
     Only ``[a-z0-9.-]``: a plain Redis list (what KEDA's redis-list scaler reads),
     a valid RabbitMQ queue, and under SQS's 80 characters (kombu maps '.' to '-').
     """
     return (
-        f"diffq.{model_slug(shape.model)}.{shape.height}x{shape.width}"
+        f"{QUEUE_PREFIX}{model_slug(shape.model)}.{shape.height}x{shape.width}"
         f".b{shape.batch_size}.l{shape.max_sequence_length}"
-        f".{'cfg' if shape.cfg else 'nocfg'}.{DTYPE_TAGS[shape.dtype]}"
+        f".{'cfg' if shape.cfg else 'nocfg'}.{SHAPE_DTYPE_TAGS[shape.dtype]}"
     )
 
 
@@ -102,14 +116,32 @@ def queue_from_entity_name(name: str) -> str | None:
     match = _ENTITY_RE.fullmatch(name)
     if not match:
         return None
-    return (f"diffq.{match['slug']}.{match['height']}x{match['width']}.b{match['batch']}"
+    return (f"{QUEUE_PREFIX}{match['slug']}.{match['height']}x{match['width']}.b{match['batch']}"
             f".l{match['seq']}.{match['cfg']}.{match['dtype']}")
 
 
-def is_shape_queue(queue: str, models: list[str] | None = None) -> bool:
-    """A diffq shape queue; with `models`, only one of theirs (its slug matches)."""
+def is_shape_queue(queue: str, models: list[str] | None = None, dtypes: tuple[str, ...] | None = None) -> bool:
+    """A diffq shape queue; with `models`, only one of theirs (its slug matches); with
+    `dtypes`, only one whose dtype (auto, float32, ...) is among them."""
     match = _QUEUE_RE.fullmatch(queue)
-    return bool(match) and (not models or match["slug"] in {model_slug(m) for m in models})
+    return (bool(match) and (not models or match["slug"] in {model_slug(m) for m in models})
+            and (dtypes is None or _dtype_of_tag(match["dtype"]) in dtypes))
+
+
+def queue_slug(queue: str) -> str | None:
+    """The model slug a shape queue's name carries, None if not a shape queue."""
+    match = _QUEUE_RE.fullmatch(queue)
+    return match["slug"] if match else None
+
+
+def queue_dtype(queue: str) -> str | None:
+    """The dtype a shape queue's name carries (auto, float32, ...), None if not a shape queue."""
+    match = _QUEUE_RE.fullmatch(queue)
+    return _dtype_of_tag(match["dtype"]) if match else None
+
+
+def _dtype_of_tag(tag: str) -> str:
+    return next(name for name, known in SHAPE_DTYPE_TAGS.items() if known == tag)
 
 
 def shape_from_queue(queue: str, models: list[str]) -> ShapeKey | None:
@@ -121,7 +153,7 @@ def shape_from_queue(queue: str, models: list[str]) -> ShapeKey | None:
     model = next((m for m in models if model_slug(m) == match["slug"]), None)
     if model is None:
         return None
-    dtype = next(name for name, tag in DTYPE_TAGS.items() if tag == match["dtype"])
+    dtype = _dtype_of_tag(match["dtype"])
     return ShapeKey(model=model, height=int(match["height"]), width=int(match["width"]),
                     batch_size=int(match["batch"]), max_sequence_length=int(match["seq"]),
                     cfg=match["cfg"] == "cfg", dtype=dtype)
@@ -150,6 +182,7 @@ class BatchItem(Strict):
         return value
 
 
+# --fit: how a requested size other than the bucket's is stored (the one list of them).
 FITS = ("none", "resize", "crop")
 
 
@@ -161,7 +194,7 @@ class BatchParams(Strict):
     format: Literal[tuple(IMAGE_FORMATS)] = "png"  # type: ignore[valid-type]
     # What the sink stores for an item whose requested size differs from the shape's:
     # the bucket's image as generated, resized, or scaled and centre-cropped to it.
-    fit: Literal["none", "resize", "crop"] = "none"
+    fit: Literal[FITS] = "none"  # type: ignore[valid-type]
     # Provenance (prompt, seed, steps, ...) inside each image file: PNG text chunks,
     # EXIF UserComment for JPEG and WebP.
     embed_metadata: bool = True

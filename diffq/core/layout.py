@@ -9,6 +9,8 @@ file's schema is in records.py.
                                   resume's reconciliation): what status reads, see
                                   progress.py. Written after the record, before the ack
     failures/<batch id>.json      items that failed after every retry
+    fleet-plan.json               `submit`/`run --rates`: the plan's device time (report
+                                  shows planned vs actual)
     cancel.json                   `diffq cancel`: workers drop the run's batches they
                                   receive (checked before each batch, cached for
                                   CANCEL_CHECK_S); `diffq resume` removes it
@@ -31,6 +33,7 @@ RECORDS_PREFIX = "records/"
 FAILURES_PREFIX = "failures/"
 PROGRESS_PREFIX = "progress/"
 CANCEL = "cancel.json"
+FLEET_PLAN = "fleet-plan.json"
 # How long a worker trusts its last look at CANCEL; resume waits this long after
 # removing it before publishing, so no worker drops the resumed batches.
 CANCEL_CHECK_S = 2.0

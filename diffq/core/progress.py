@@ -2,45 +2,125 @@
 
 Status cannot read one record file per batch at scale (125,000 objects for a
 million items), so whoever writes a record also credits its batch in a progress
-segment, `progress/<writer>-<n>.json` (schema: records.ProgressSegment):
+segment, `progress/<writer>-<n>.json` (schema: records.ProgressSegmentV2):
 
-    {"v": 1, "writer": "...", "queues": {"<queue>": [["<batch id>", 8],
-                                                      ["<batch id>.s0", 4, ["<item id>", ...]]]}}
+    {"v": 2, "writer": "...",
+     "numbered": [{"queue": "<queue>", "prefix": "128x128-3f2a1c-", "width": 7, "items": 8,
+                   "count": 12500, "start": 17, "gaps": "<packed>", "zlib": false}],
+     "queues": {"<queue>": [["<batch id>.s0", 4, ["<item id>", ...]]]}}
 
 One writer (ProgressLog, in the sink) and one reader (ProgressSummary: status,
 watch, the embedded runner); `reconcile` credits what records show but no
 segment does.
 
+Plan batch ids end in a number, dense within their queue (`<prefix><index>`, see
+producer/messages.py), so a plan batch's credit is its index: a segment packs a
+writer's indexes per (queue, prefix, width, items) as the gaps between them,
+base64 (`pack_indexes`): 2.7 bytes a batch with a thousand writers, less with
+fewer, where v1 spelled out ~35. The reader keeps one array per (queue, prefix,
+width), a byte per index saying how many items are credited there, so its memory
+is a byte per plan batch whatever the number of writers or of redeliveries, and
+recounting is a pass over those arrays.
+
 A segment has one writer, so it is rewritten whole (an atomic put) each time it
-grows; past SEGMENT_BYTES its writer starts the next one, which keeps each
-rewrite small and lets readers skip sealed segments they have read.
+grows, and each rewrite is longer than the last (readers find what changed from a
+listing's sizes); past SEGMENT_BYTES its writer starts the next one, which keeps
+each rewrite small and lets readers skip sealed segments they have read.
 
 A batch may be credited more than once (redeliveries, two copies of one batch):
-readers union by batch id. A derived batch (an id with a '.', see layout.py)
-carries a subset of its root batch's items and may overlap other batches of
-that root, so its credit lists its item ids; a root batch's credit needs none.
+readers union by batch id (an index credited twice is one array cell). A derived
+batch (an id with a '.', see layout.py) carries a subset of its root batch's items
+and may overlap other batches of that root, so its credit lists its item ids, as
+does a plan batch id not of the numbered form; v1 segments (every credit spelled
+out) are still read, their plan batch ids folded into the same arrays.
 """
 
 from __future__ import annotations
 
+import base64
 import json
 import logging
 import os
 import secrets
 import socket
+import zlib
+from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
+from pydantic import TypeAdapter
+
 from diffq.core import layout
-from diffq.core.records import Credit, FailureRecord, ProgressSegment
+from diffq.core.records import AnyProgressSegment, Credit, FailureRecord, NumberedCredits, ProgressSegmentV2
 from diffq.core.storage import Storage
 
-SEGMENT_BYTES = 256 * 1024
+SEGMENT_BYTES = 64 * 1024
+DECODERS = min(4, os.cpu_count() or 1)  # threads decoding segments as they are read
+# What a numbered credit adds to a segment, for the roll-over estimate (2.7 bytes
+# with gaps of 256 or more between a writer's batches; closer ones pack smaller).
+NUMBERED_CREDIT_BYTES = 3
+# The reader's array of a (queue, prefix, width) spans its lowest to highest index,
+# a byte each: ids numbered beyond this are spelled out instead.
+MAX_INDEX = 2**27 - 1
+_SEGMENT: TypeAdapter = TypeAdapter(AnyProgressSegment)
+_GAP_TYPES = {1: np.dtype("u1"), 2: np.dtype("<u2"), 4: np.dtype("<u4")}  # bytes -> gap type
+
+log = logging.getLogger(__name__)
 
 
 def root_batch(batch_id: str) -> str:
     """The plan batch a (possibly derived) batch id comes from."""
     return batch_id.partition(".")[0]
+
+
+def plan_number(batch_id: str) -> tuple[str, int, int] | None:
+    """(prefix, width, index) of a plan batch id ending in digits, where
+    `prefix + str(index).zfill(width)` spells it again; None for a derived id or one
+    of another form."""
+    if "." in batch_id:
+        return None
+    prefix = batch_id.rstrip("0123456789")
+    digits = batch_id[len(prefix):]
+    if not digits or len(digits) > 20:
+        return None
+    index = int(digits)
+    return (prefix, len(digits), index) if index <= MAX_INDEX else None
+
+
+def pack_indexes(indexes) -> tuple[int, int, str, bool]:
+    """(start, count, packed gaps, whether zlib-compressed) of a set of indexes: the
+    lowest, how many, and the gaps between them sorted, as little-endian integers of
+    1, 2 or 4 bytes (as the largest gap needs), base64. Compressed only where that
+    halves them: gaps between a thousand writers' batches shrink by a fifth, and
+    inflating them would double a reader's time; runs of consecutive batches shrink
+    to nothing."""
+    values = np.unique(np.asarray(indexes, dtype=np.int64))
+    gaps = np.diff(values)
+    kind = next(kind for kind in _GAP_TYPES.values() if int(gaps.max(initial=0)) <= np.iinfo(kind).max)
+    raw = gaps.astype(kind).tobytes()
+    packed = zlib.compress(raw, 6)
+    compressed = len(packed) < 0.5 * len(raw)
+    return int(values[0]), len(values), base64.b64encode(packed if compressed else raw).decode(), compressed
+
+
+def unpack_indexes(start: int, count: int, gaps: str, compressed: bool) -> np.ndarray:
+    """`pack_indexes`' inverse: the indexes, sorted."""
+    raw = base64.b64decode(gaps)
+    if compressed:
+        raw = zlib.decompress(raw)
+    kind = _GAP_TYPES.get(len(raw) // (count - 1)) if count > 1 else _GAP_TYPES[1]
+    if kind is None or len(raw) != kind.itemsize * (count - 1):
+        raise ValueError(f"{len(raw)} bytes of packed gaps are not 1, 2 or 4 × {count - 1}")
+    gaps = np.frombuffer(raw, kind)
+    if start + int(gaps.sum(dtype=np.int64)) > MAX_INDEX:
+        raise ValueError(f"packed indexes past {MAX_INDEX}")
+    # So int32 holds every index, and halves what crediting walks through.
+    indexes = np.empty(count, np.int32)
+    indexes[0] = start
+    np.cumsum(gaps, dtype=np.int32, out=indexes[1:])
+    indexes[1:] += start
+    return indexes
 
 
 def default_writer() -> str:
@@ -59,9 +139,11 @@ class ProgressLog:
         self._start_segment()
 
     def _start_segment(self) -> None:
+        self._numbered: dict[tuple[str, str, int, int], list[int]] = {}  # (queue, prefix, width, items)
         self._queues: dict[str, list[Credit]] = {}
         self._batches: set[str] = set()
         self._bytes = 0
+        self._written = 0  # the size of this segment's last write
         self._dirty = False
 
     def add(self, batch_id: str, queue: str, item_ids: list[str]) -> None:
@@ -72,29 +154,117 @@ class ProgressLog:
             self.flush()  # raises with the state unchanged, so a retry redoes this
             self._segment += 1
             self._start_segment()
-        credit: Credit = (batch_id, len(item_ids), list(item_ids)) if "." in batch_id else (batch_id, len(item_ids))
-        self._queues.setdefault(queue, []).append(credit)
+        number = plan_number(batch_id)
+        if number is not None:
+            prefix, width, index = number
+            self._numbered.setdefault((queue, prefix, width, len(item_ids)), []).append(index)
+            self._bytes += NUMBERED_CREDIT_BYTES
+        else:
+            credit: Credit = (batch_id, len(item_ids), list(item_ids)) if "." in batch_id else (batch_id, len(item_ids))
+            self._queues.setdefault(queue, []).append(credit)
+            self._bytes += len(json.dumps(credit, separators=(",", ":"))) + 1
         self._batches.add(batch_id)
-        self._bytes += len(json.dumps(credit, separators=(",", ":"))) + 1
         self._dirty = True
 
     def flush(self) -> None:
         if not self._dirty:
             return
-        body = ProgressSegment(writer=self.writer, queues=self._queues).model_dump_json()
-        self.storage.put_bytes(layout.progress_key(self.writer, self._segment), body.encode(),
+        numbered = []
+        for (queue, prefix, width, items), indexes in self._numbered.items():
+            start, count, gaps, compressed = pack_indexes(indexes)
+            numbered.append(NumberedCredits(queue=queue, prefix=prefix, width=width, items=items, count=count,
+                                            start=start, gaps=gaps, zlib=compressed))
+        body = ProgressSegmentV2(writer=self.writer, numbered=numbered, queues=self._queues).model_dump_json()
+        # Readers see a change by a listing's sizes alone, and a packed segment can
+        # grow by a credit without growing: trailing spaces keep every rewrite longer.
+        body = body.encode().ljust(self._written + 1)
+        self.storage.put_bytes(layout.progress_key(self.writer, self._segment), body,
                                content_type="application/json")
+        self._written = len(body)
         self._dirty = False
 
 
 def parse_segment(body: bytes) -> Iterator[tuple[str, str, int, list[str] | None]]:
-    """(batch id, queue, items, item ids or None) for each credit in a segment."""
-    for queue, credits in ProgressSegment.model_validate_json(body).queues.items():
+    """(batch id, queue, items, item ids or None) for each credit in a segment, v1 or v2
+    (spelled out one by one: for tests and tools, not for counting)."""
+    segment = _SEGMENT.validate_json(body)
+    for numbered in getattr(segment, "numbered", ()):
+        for index in unpack_indexes(numbered.start, numbered.count, numbered.gaps, numbered.zlib).tolist():
+            yield f"{numbered.prefix}{index:0{numbered.width}d}", numbered.queue, numbered.items, None
+    for queue, credits in segment.queues.items():
         for credit in credits:
             yield credit[0], queue, credit[1], credit[2] if len(credit) > 2 else None
 
 
-log = logging.getLogger(__name__)
+def _decode(pair: tuple[str, bytes]) -> tuple[str, tuple[list, dict[str, list[Credit]]]]:
+    """A segment's numbered credits unpacked ((queue, prefix, width), items, indexes), and its spelled-out ones."""
+    key, body = pair
+    segment = _SEGMENT.validate_json(body)
+    numbered = [((n.queue, n.prefix, n.width), n.items, unpack_indexes(n.start, n.count, n.gaps, n.zlib))
+                for n in getattr(segment, "numbered", ())]
+    return key, (numbered, segment.queues)
+
+
+def _in_order(pool: ThreadPoolExecutor, work, items, window: int) -> Iterator:
+    """pool.map with at most `window` results waiting: memory stays a few segments'."""
+    pending: deque = deque()
+    for item in items:
+        pending.append(pool.submit(work, item))
+        if len(pending) >= window:
+            yield pending.popleft().result()
+    while pending:
+        yield pending.popleft().result()
+
+
+class _Numbered:
+    """What is credited at each index of one (queue, prefix, width): a 1-byte code per
+    index (0: not credited), standing for one of the item counts seen (`sizes`)."""
+
+    CHUNK = 1 << 16  # the array's start is a multiple of this
+
+    def __init__(self) -> None:
+        self.base = 0
+        self.codes = np.zeros(0, np.uint8)
+        self.sizes = [0]  # code -> items
+        self._done: int | None = 0
+
+    def _code(self, items: int) -> int:
+        if items not in self.sizes:
+            self.sizes.append(items)
+            if len(self.sizes) > np.iinfo(self.codes.dtype).max + 1:  # batch sizes past 255
+                self.codes = self.codes.astype(np.uint16)
+        return self.sizes.index(items)
+
+    def credit(self, indexes: np.ndarray, items: int) -> None:
+        """Credit `items` at each of these indexes (sorted)."""
+        if not indexes.size:
+            return
+        low, high = int(indexes[0]), int(indexes[-1])
+        if low < 0 or high > MAX_INDEX or items < 1:
+            raise ValueError(f"a credit of {items} items at indexes {low}..{high}: outside what a segment holds")
+        code = self._code(items)
+        end = self.base + self.codes.size
+        if not self.codes.size or low < self.base or high >= end:
+            base = low - low % self.CHUNK if not self.codes.size else min(self.base, low - low % self.CHUNK)
+            # Grown geometrically, so a segment at a time costs amortised O(1) per index.
+            size = max(high + 1, end) - base
+            size = max(size, min(2 * self.codes.size, MAX_INDEX + 1 - base))
+            grown = np.zeros(size, self.codes.dtype)
+            grown[self.base - base:self.base - base + self.codes.size] = self.codes
+            self.base, self.codes = base, grown
+        self.codes[indexes - self.base if self.base else indexes] = code
+        self._done = None
+
+    def has(self, index: int) -> bool:
+        at = index - self.base
+        return 0 <= at < self.codes.size and bool(self.codes[at])
+
+    @property
+    def done(self) -> int:
+        if self._done is None:  # a pass per item count seen (np.bincount would widen every code)
+            self._done = sum(items * int(np.count_nonzero(self.codes == code))
+                             for code, items in enumerate(self.sizes) if code)
+        return self._done
 
 
 class ProgressSummary:
@@ -104,8 +274,11 @@ class ProgressSummary:
         self.storage = storage
         self._sizes: dict[str, int] = {}  # segment key -> size when read
         self._failures: dict[str, tuple[str, list[str]]] = {}  # key -> (batch id, item ids)
-        # batch id -> (queue, items, item ids of a derived batch else None)
-        self.batches: dict[str, tuple[str, int, list[str] | None]] = {}
+        self._numbered: dict[tuple[str, str, int], _Numbered] = {}  # (queue, prefix, width)
+        self._by_number: dict[tuple[str, int], list[_Numbered]] = {}  # (prefix, width): across queues
+        self._plain: dict[str, tuple[str, int]] = {}  # plan batch id not numbered -> (queue, items)
+        self._derived: dict[str, str] = {}  # derived batch id -> its queue
+        self._derived_roots: dict[str, tuple[str, set[str]]] = {}  # root -> (queue, item ids done)
         self.done = 0
         self.failed = 0
         self.done_per_queue: dict[str, int] = {}
@@ -119,33 +292,77 @@ class ProgressSummary:
             segments, failures = segments.result(), failures.result()
         changed = [key for key, size in segments if key.endswith(".json") and self._sizes.get(key) != size]
         sizes = dict(segments)
-        for key, body in self.storage.get_many(changed):
-            self._sizes[key] = sizes[key]
-            for batch_id, queue, items, ids in parse_segment(body):
-                self.batches.setdefault(batch_id, (queue, items, ids))
+        with ThreadPoolExecutor(DECODERS) as pool:
+            # Decoding (inflating, summing gaps) leaves the GIL; crediting stays in this thread.
+            for key, (numbered, spelled) in _in_order(pool, _decode, self.storage.get_many(changed), DECODERS * 2):
+                self._sizes[key] = sizes[key]
+                for (queue, prefix, width), items, indexes in numbered:
+                    self._array(queue, prefix, width).credit(indexes, items)
+                self._read_spelled(spelled)
         for key, body in self.storage.get_many(key for key in failures if key not in self._failures):
             failure = FailureRecord.model_validate_json(body)
             self._failures[key] = (failure.batch_id, failure.item_ids)
         self._count()
         return self
 
+    def _array(self, queue: str, prefix: str, width: int) -> _Numbered:
+        array = self._numbered.get((queue, prefix, width))
+        if array is None:
+            array = self._numbered[(queue, prefix, width)] = _Numbered()
+            self._by_number.setdefault((prefix, width), []).append(array)
+        return array
+
+    def _read_spelled(self, queues: dict[str, list[Credit]]) -> None:
+        spelled: dict[tuple[str, str, int, int], list[int]] = {}  # v1's plan batches, folded in
+        for queue, credits in queues.items():
+            prefix, size, last_items, indexes = "", -1, 0, []  # the last numbered credit's, for the next
+            for credit in credits:
+                batch_id, items = credit[0], credit[1]
+                # A v1 segment holds a queue's plan batches one after another: same prefix, width, items.
+                if (len(batch_id) == size and items == last_items and batch_id.startswith(prefix)
+                        and (digits := batch_id[len(prefix):]).isascii() and digits.isdigit()
+                        and (index := int(digits)) <= MAX_INDEX):
+                    indexes.append(index)
+                elif "." in batch_id and len(credit) > 2:
+                    if batch_id not in self._derived:
+                        self._derived[batch_id] = queue
+                        self._derived_roots.setdefault(root_batch(batch_id), (queue, set()))[1].update(credit[2])
+                elif (number := plan_number(batch_id)) is not None:
+                    prefix, size, last_items = number[0], len(batch_id), items
+                    indexes = spelled.setdefault((queue, prefix, number[1], items), [])
+                    indexes.append(number[2])
+                else:
+                    self._plain.setdefault(batch_id, (queue, items))
+        for (queue, prefix, width, items), indexes in spelled.items():
+            self._array(queue, prefix, width).credit(np.unique(np.asarray(indexes, dtype=np.int64)), items)
+
+    def _covered(self, root: str) -> bool:
+        """Whether a plan batch is credited whole."""
+        number = plan_number(root)
+        if number is None:
+            return root in self._plain
+        return any(array.has(number[2]) for array in self._by_number.get(number[:2], ()))
+
+    def credited(self, batch_id: str) -> bool:
+        """Whether this batch (plan or derived) has a credit."""
+        return batch_id in self._derived if "." in batch_id else self._covered(batch_id)
+
     def _count(self) -> None:
         done_per_queue: dict[str, int] = {}
-        derived: dict[str, tuple[str, set[str]]] = {}  # root -> (queue, item ids done)
-        for batch_id, (queue, items, ids) in self.batches.items():
-            if ids is None:
-                done_per_queue[queue] = done_per_queue.get(queue, 0) + items
-            else:
-                derived.setdefault(root_batch(batch_id), (queue, set()))[1].update(ids)
-        for root, (queue, ids) in derived.items():
-            if root not in self.batches:  # else the root's credit covers them all
-                done_per_queue[queue] = done_per_queue.get(queue, 0) + len(ids)
+        for (queue, _, _), array in self._numbered.items():
+            done_per_queue[queue] = done_per_queue.get(queue, 0) + array.done
+        for queue, items in self._plain.values():
+            done_per_queue[queue] = done_per_queue.get(queue, 0) + items
+        uncovered = {root for root in self._derived_roots if not self._covered(root)}
+        for root in uncovered:  # else the root's credit covers them all
+            queue, ids = self._derived_roots[root]
+            done_per_queue[queue] = done_per_queue.get(queue, 0) + len(ids)
         failed: set[str] = set()
         for batch_id, item_ids in self._failures.values():
             root = root_batch(batch_id)
-            if root in self.batches:
+            if self._covered(root):
                 continue
-            done = derived.get(root, ("", set()))[1]
+            done = self._derived_roots.get(root, ("", set()))[1]
             failed.update(item for item in item_ids if item not in done)
         self.done_per_queue = done_per_queue
         self.done = sum(done_per_queue.values())
@@ -161,7 +378,7 @@ def reconcile(storage: Storage, recorded: dict[str, tuple[str, list[str]]]) -> i
     record always means its batch is done, so crediting it is always right.
     """
     summary = ProgressSummary(storage).refresh()
-    missing = [batch_id for batch_id in recorded if batch_id not in summary.batches]
+    missing = [batch_id for batch_id in recorded if not summary.credited(batch_id)]
     if missing:
         writer = ProgressLog(storage, writer=f"reconcile-{secrets.token_hex(6)}")
         for batch_id in missing:

@@ -8,6 +8,7 @@ fields, status counts from ProgressSegments. JSON only.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterable, Iterator
 from typing import Annotated, Any, Literal, TypeVar
 
@@ -73,10 +74,16 @@ class RunManifest(Strict):
     batches: int
     plan_parts: int
     shapes: list[ShapeSummary]
-    defaults: dict
+    defaults: dict  # producer/submit.py manifest_defaults: the run's options as recorded
     diffq_version: str
     # Every model the run's rows name (rows may name their own): what workers preload.
     models: list[str] = Field(default_factory=list)
+
+
+# cancel.json: `diffq cancel`'s marker ---------------------------------------------
+class CancelMarker(Strict):
+    cancelled_at: float
+    by: str  # user@host
 
 
 # plan/part-NNNNNN.jsonl: one BatchMessage per line, the bytes as published ---------
@@ -90,6 +97,33 @@ def parse_plan_part(body: bytes) -> Iterator[BatchMessage]:
 
 
 # records/<batch id>.jsonl: one ImageRecord per image of a finished batch ----------
+# What each degenerate-image check finds, in the order they take precedence (a NaN
+# image converts to a flat black one). The worker runs them (worker/pipeline_host.py
+# checked_arrays) and `--on-degenerate` decides what becomes of the image (worker/spec.py
+# DEGENERATE_POLICIES); the key is what ImageRecord.degenerate and FailureRecord.degenerate say.
+FLAT_MAX_LEVELS = 2  # a channel whose values span at most this many 8-bit levels is flat
+DEGENERATE_CHECKS = {
+    "nonfinite": "non-finite values (NaN or infinity) in the pipeline's output",
+    "flat": f"a flat image (each channel spans at most {FLAT_MAX_LEVELS} of its 256 levels)",
+}
+
+
+class BatchMeasures(Strict):
+    """What the worker measured of one batch: handed to the sink with its images (its own
+    schema across the sink process) and spread over every ImageRecord of the batch."""
+
+    device: str  # "<device>:<slot>"
+    dtype: str | None = None  # what ran (an auto queue at its device's default)
+    worker: str
+    generate_s: float
+    generate_started_at: float
+    generate_ended_at: float
+    tp_world_size: int = 1
+    tp_ranks_agree: bool = True
+    graph_fallbacks: int = 0
+    degenerate: dict[str, str] = Field(default_factory=dict)  # item id -> the check a stored image failed
+
+
 class ImageRecord(Strict):
     """One image: a line of its batch's record, of `metadata.jsonl` and a row of an export."""
 
@@ -110,6 +144,9 @@ class ImageRecord(Strict):
     batch_id: str
     queue: str
     device: str  # "<device>:<slot>"
+    # The dtype the pipeline ran at: the queue's, or its device's default for an auto
+    # queue. Records written before dtypes could be auto carry none.
+    dtype: Annotated[str | None, Dtype("string")] = None
     worker: str
     generate_s: float  # the pipeline call
     generate_started_at: float  # wall clock span of that call: idle gaps are the next start minus this end
@@ -118,9 +155,15 @@ class ImageRecord(Strict):
     finished_at: float  # when the batch's images were stored
     tp_world_size: int = 1  # ranks of a tensor-parallel group that generated it
     tp_ranks_agree: bool = True  # every rank produced the same images (a record exists only then)
+    # Compiled-graph calls that failed on the device and re-ran uncompiled, op by op,
+    # while generating this batch (only with `diffq worker --allow-fallback`).
+    graph_fallbacks: int = 0
     # The row's own fields, null where it set none: `datasets` loads metadata as a struct.
     negative_prompt: Annotated[str | None, Dtype("string")] = None
     metadata: Annotated[dict | None, JsonText("string")] = None
+    # Stored although a check found it degenerate (a DEGENERATE_CHECKS key, "flat"), per
+    # --on-degenerate; null for an image no check flagged.
+    degenerate: Annotated[str | None, Dtype("string")] = None
 
     @model_validator(mode="before")
     @classmethod
@@ -128,6 +171,22 @@ class ImageRecord(Strict):
         if isinstance(data, dict) and ("requested_height" not in data or "requested_width" not in data):
             data = {"requested_height": data.get("height"), "requested_width": data.get("width"), **data}
         return data
+
+    @classmethod
+    def of(cls, message: BatchMessage, item, file_name: str, measures: BatchMeasures, *, store_s: float,
+           finished_at: float) -> ImageRecord:
+        """The one place an image's record is made: the batch's message and measures, the
+        item, where its image was stored."""
+        shape, params = message.shape, message.params
+        return cls(
+            file_name=file_name, id=item.id, prompt=item.prompt, seed=item.seed, height=shape.height,
+            width=shape.width,
+            # The size the row asked for (size buckets); the generated one without.
+            requested_height=item.requested_height or shape.height, requested_width=item.requested_width or shape.width,
+            fit=params.fit, steps=params.num_inference_steps, guidance_scale=params.guidance_scale, model=shape.model,
+            run_id=message.run_id, batch_id=message.batch_id, queue=shape.queue, finished_at=finished_at,
+            store_s=store_s, negative_prompt=item.negative_prompt, metadata=item.metadata,
+            degenerate=measures.degenerate.get(item.id), **measures.model_dump(exclude={"degenerate"}))
 
     @classmethod
     def fields(cls) -> list[str]:
@@ -157,6 +216,9 @@ class FailureRecord(Strict):
     attempts: int
     worker: str
     failed_at: float
+    # Items failed by a degenerate-image check, without a retry: item id -> the check
+    # (a DEGENERATE_CHECKS key). None for a failure of the pipeline call.
+    degenerate: dict[str, str] | None = None
 
 
 # progress/<writer>-<n>.json (see progress.py) ---------------------------------------
@@ -166,6 +228,124 @@ Credit = tuple[str, int] | tuple[str, int, list[str]]
 
 
 class ProgressSegment(Strict):
+    """v1: every credit spelled out (still read; no longer written)."""
+
     v: Literal[1] = 1
     writer: str = Field(min_length=1)
     queues: dict[str, list[Credit]]  # queue -> credits of batches of that queue
+
+
+class NumberedCredits(Strict):
+    """Plan batches `<prefix><index>` of one queue (the index zero-padded to `width`
+    digits), each of `items` items: `count` indexes from `start` on, the gaps between
+    them packed as progress.py says (zlib-compressed or not)."""
+
+    queue: str
+    prefix: str
+    width: int = Field(ge=1, le=20)
+    items: int = Field(ge=1)
+    count: int = Field(ge=1)
+    start: int = Field(ge=0)
+    gaps: str
+    zlib: bool = False
+
+
+class ProgressSegmentV2(Strict):
+    """v2: plan batches as packed indexes, the other credits (derived batches, batch ids
+    not of the numbered form) spelled out as in v1."""
+
+    v: Literal[2] = 2
+    writer: str = Field(min_length=1)
+    numbered: list[NumberedCredits] = Field(default_factory=list)
+    queues: dict[str, list[Credit]] = Field(default_factory=dict)
+
+
+AnyProgressSegment = Annotated[ProgressSegment | ProgressSegmentV2, Field(discriminator="v")]
+
+
+# fleet-plan.json: what `diffq plan --rates` planned, kept by `submit`/`run --rates` ---
+class PlanRow(Strict):
+    """One shape at one step count of a plan."""
+
+    queue: str
+    height: int
+    width: int
+    batch_size: int
+    steps: int
+    items: int
+    batches: int
+
+
+class PlannedShape(PlanRow):
+    """A plan row timed from a measured rate."""
+
+    steady_s: float  # one batch's pipeline call in the steady state
+    compile_s: float  # first call minus steady: once per shape per compile cache
+    source: str  # the rates file it came from
+
+    @property
+    def device_s(self) -> float:
+        return self.batches * self.steady_s
+
+
+class UncoveredShape(PlanRow):
+    """A plan row the rates do not cover: named, left out of every figure."""
+
+    reason: str
+
+
+class FleetPlanFigures(Strict):
+    """Device time of a run from measured rates; `finish_s` and `devices_for` are the
+    one model of a fleet's time (`diffq plan`, `diffq report`'s planned vs actual)."""
+
+    v: Literal[1] = 1
+    device_kind: str
+    warm_cache: bool  # True: every shape is already in the compile cache, no compile time
+    startup_s: float = 0.0  # loading the pipeline, once per device, in parallel (0: the rates do not say)
+    shapes: list[PlannedShape]
+    uncovered: list[UncoveredShape] = Field(default_factory=list)
+    devices: int | None = None  # what it was planned for (--devices, --deadline, run --workers)
+    deadline_s: float | None = None
+    price_per_device_hour: float | None = None
+
+    @property
+    def items(self) -> int:
+        return sum(shape.items for shape in self.shapes)
+
+    @property
+    def work_s(self) -> float:
+        return sum(shape.device_s for shape in self.shapes)
+
+    def _compile_per_queue(self) -> dict[str, float]:
+        compiles: dict[str, float] = {}
+        for shape in self.shapes:
+            compiles[shape.queue] = max(compiles.get(shape.queue, 0.0), 0.0 if self.warm_cache else shape.compile_s)
+        return compiles
+
+    @property
+    def compile_s(self) -> float:
+        """One compile per shape: the fleet shares one compile cache."""
+        return sum(self._compile_per_queue().values())
+
+    @property
+    def device_s(self) -> float:
+        return self.work_s + self.compile_s
+
+    @property
+    def floor_s(self) -> float:
+        """No fleet is faster than a shape's compile plus one of its batches."""
+        compiles = self._compile_per_queue()
+        return max((compiles[shape.queue] + shape.steady_s for shape in self.shapes), default=0.0)
+
+    def finish_s(self, devices: int) -> float:
+        """Start-up, then the device time spread over `devices`, never below `floor_s`."""
+        return self.startup_s + max(self.device_s / max(1, devices), self.floor_s)
+
+    def devices_for(self, deadline_s: float) -> int | None:
+        """The fewest devices that finish by `deadline_s`; None when no number can."""
+        budget = deadline_s - self.startup_s
+        if not self.shapes:
+            return 0
+        if budget <= 0 or budget < self.floor_s:
+            return None
+        return max(1, math.ceil(self.device_s / budget))

@@ -6,11 +6,10 @@ nothing here asks the broker. The schemas are in records.py.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable, Iterator
 
 from diffq.core import layout
-from diffq.core.records import FailureRecord, ImageRecord, RunManifest, parse_record
+from diffq.core.records import CancelMarker, FailureRecord, ImageRecord, RunManifest, parse_record
 from diffq.core.storage import NotFound, Storage
 
 
@@ -52,10 +51,10 @@ def recorded_batches(storage: Storage) -> dict[str, tuple[str, list[str]]]:
             for batch_id, records in read_records(storage, record_keys(storage)) if records}
 
 
-def read_cancel(storage: Storage) -> dict | None:
+def read_cancel(storage: Storage) -> CancelMarker | None:
     """The run's cancel marker (`diffq cancel`), or None if it is not cancelled."""
     try:
-        return json.loads(storage.get_bytes(layout.CANCEL))
+        return CancelMarker.model_validate_json(storage.get_bytes(layout.CANCEL))
     except NotFound:
         return None
 

@@ -12,6 +12,9 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="DIFFQ_", extra="ignore")
 
     broker_url: str | None = None
+    # RabbitMQ's management API (http://USER:PASS@HOST:15672), where workers without
+    # --queues list an AMQP broker's queues; --rabbitmq-api overrides it.
+    rabbitmq_api: str | None = None
     # The lease on a held batch: a broker hands a batch back once its holder has not
     # renewed it for this long (Redis's visibility timeout, SQS's message visibility).
     # Live holders renew every `lease_renew_s`, so a batch that compiles for an hour

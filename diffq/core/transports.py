@@ -38,12 +38,11 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from diffq.core.contract import queue_from_entity_name
+from diffq.core.contract import QUEUE_PREFIX as PREFIX, queue_from_entity_name
 
-PREFIX = "diffq."
 # Where a worker puts messages it cannot take (not JSON, pickle, wrong schema, too
 # big): one queue on every broker, shown by `diffq queues`, never consumed by workers.
-DEAD_LETTERS = "diffq.dead"
+DEAD_LETTERS = f"{PREFIX}dead"
 # kombu's Redis priority sub-lists are '<queue>\x06\x16<priority>'.
 PRIORITY_SEP = "\x06\x16"
 
@@ -83,16 +82,44 @@ def redis_list_depths(connection, prefix: str = PREFIX) -> dict[str, int]:
     # A client of its own from the channel's pool: inside a worker the channel's
     # client holds the connection its event loop is blocked in BRPOP on.
     with connection.default_channel.conn_or_acquire() as client:
-        keys = sorted(k.decode() if isinstance(k, bytes) else k
-                      for k in client.scan_iter(match=f"{prefix}*", count=1000, _type="list"))
-        pipe = client.pipeline(transaction=False)
-        for key in keys:
-            pipe.llen(key)
-        lengths = pipe.execute()
+        return _redis_list_depths(client, prefix)
+
+
+def _redis_list_depths(client, prefix: str) -> dict[str, int]:
+    keys = sorted(k.decode() if isinstance(k, bytes) else k
+                  for k in client.scan_iter(match=f"{prefix}*", count=1000, _type="list"))
+    pipe = client.pipeline(transaction=False)
+    for key in keys:
+        pipe.llen(key)
     depths: Counter = Counter()
-    for key, n in zip(keys, lengths):
+    for key, n in zip(keys, pipe.execute()):
         depths[key.split(PRIORITY_SEP, 1)[0]] += n
     return dict(depths)
+
+
+def redis_listing_keys(prefix: str = PREFIX) -> tuple[str, str]:
+    """The fleet's shared depth listing and its refresh lock: strings outside the
+    prefix's lists (a listing SCANs for lists only; kombu's own keys start with '_')."""
+    return f"_{prefix}depths", f"_{prefix}depths.lock"
+
+
+def redis_shared_depths(connection, prefix: str = PREFIX, max_age: float = 1.0) -> dict[str, int]:
+    """Every diffq queue's depth as the fleet last listed it, at most `max_age` s old:
+    one GET, however many queues there are. The one reader per `max_age` that finds
+    the listing stale and wins `SET NX PX` lists the broker (SCAN + pipelined LLEN)
+    and stores it for everyone, so the fleet pays for a listing once per `max_age`,
+    not once per worker. {} while another reader takes the very first one."""
+    key, lock = redis_listing_keys(prefix)
+    with connection.default_channel.conn_or_acquire() as client:
+        stored = client.get(key)
+        listing = json.loads(stored) if stored else None
+        # Dated by its taker's clock: one from the future (a skewed clock) is stale too.
+        fresh = listing is not None and 0 <= time.time() - listing["at"] < max_age
+        if not fresh and client.set(lock, b"1", nx=True, px=max(1, int(max_age * 1000))):
+            listing = {"at": time.time(), "depths": _redis_list_depths(client, prefix)}
+            # Expires long after any reader would retake it: a stopped fleet leaves nothing.
+            client.set(key, json.dumps(listing), ex=max(60, int(10 * max_age)))
+    return dict(listing["depths"]) if listing else {}
 
 
 def redis_queue_depths(connection, queues: list[str]) -> dict[str, int]:
@@ -274,6 +301,67 @@ def _amqp_consumer_arguments(settings) -> dict:
     return {"x-consumer-timeout": settings.max_hold_s * 1000}
 
 
+# --- KEDA: how a fleet scales on this broker's queues ---------------------------------
+# Scaler metadata names as KEDA's scalers read them (kedacore/keda pkg/scalers:
+# redis_scaler.go, aws_sqs_queue_scaler.go, rabbitmq_scaler.go; keda-docs
+# content/docs/2.18/scalers/). Every value is a string, as the CRD requires.
+
+
+@dataclass(frozen=True)
+class KedaFacts:
+    """What a rendered trigger needs besides the queue: the fleet's own settings."""
+
+    per_replica: int  # queued batches per replica before KEDA adds one
+    redis_db: int = 0
+    aws_region: str = "us-east-1"  # kombu's SQS default region too
+
+
+def sqs_entity_name(queue: str) -> str:
+    """The SQS queue kombu creates for `queue` ('.' -> '-', other punctuation but
+    '-' and '_' -> '_'; kombu/transport/SQS/__init__.py `entity_name`)."""
+    import string
+
+    table = {ord(c): "_" for c in string.punctuation if c not in "-_."}
+    table[ord(".")] = "-"
+    return queue.translate(table)
+
+
+def _redis_trigger(queue: str, facts: KedaFacts) -> dict[str, str]:
+    # The Celery queue is one Redis list of exactly this name (priority_steps [0]).
+    return {"listName": queue, "listLength": str(facts.per_replica), "activationListLength": "0",
+            "databaseIndex": str(facts.redis_db)}
+
+
+def _sqs_trigger(queue: str, facts: KedaFacts) -> dict[str, str]:
+    # Visible + in flight (scaleOnInFlight): a pool does not scale in under its batches.
+    return {"queueURL": sqs_entity_name(queue), "queueLength": str(facts.per_replica),
+            "activationQueueLength": "0", "awsRegion": facts.aws_region, "scaleOnInFlight": "true"}
+
+
+def _rabbitmq_trigger(queue: str, facts: KedaFacts) -> dict[str, str]:
+    # AMQP protocol: the ready messages of the queue (a passive declare), like LLEN.
+    return {"protocol": "amqp", "queueName": queue, "mode": "QueueLength",
+            "value": str(facts.per_replica), "activationValue": "0"}
+
+
+@dataclass(frozen=True)
+class KedaScaler:
+    """KEDA's scaler for one queue of this broker and the credentials it reads."""
+
+    type: str
+    metadata: Callable[[str, KedaFacts], dict[str, str]]
+    # TriggerAuthentication secretTargetRef: (scaler parameter, key of the broker Secret).
+    auth: tuple[tuple[str, str], ...]
+
+
+REDIS_SCALER = KedaScaler("redis", _redis_trigger,
+                          auth=(("address", "redis-address"), ("password", "redis-password")))
+SQS_SCALER = KedaScaler("aws-sqs-queue", _sqs_trigger,
+                        auth=(("awsAccessKeyID", "aws-access-key-id"), ("awsSecretAccessKey", "aws-secret-access-key")))
+# `host` is an AMQP URL: the very URL the workers use.
+RABBITMQ_SCALER = KedaScaler("rabbitmq", _rabbitmq_trigger, auth=(("host", "broker-url"),))
+
+
 @dataclass(frozen=True)
 class Transport:
     name: str
@@ -300,8 +388,13 @@ class Transport:
     # is a passive declare.
     list_depths: Callable | None = None
     # The depth of each of the given queues (0 for one with no messages yet): what
-    # compile-aware routing reads every second.
+    # compile-aware routing reads every second where there is no shared listing.
     queue_depths: Callable = field(default=passive_queue_depths)
+    # Every queue's depth from one listing the whole fleet shares, at most max_age
+    # old: shared_depths(connection, prefix, max_age) -> {queue: depth}. What routing
+    # and discovery read every second, at a cost per worker that does not grow with
+    # the queues; None: each worker reads queue_depths itself and lists list_queues.
+    shared_depths: Callable | None = None
     broker_options: Callable = field(default=_visibility_options)
     # Arguments of the worker's basic.consume (settings -> dict).
     consumer_arguments: Callable = field(default=lambda settings: {})
@@ -321,22 +414,30 @@ class Transport:
     # thread between two device calls. Off where no monitor can attach (the embedded
     # run's folder, the in-process memory broker); DIFFQ_TASK_EVENTS overrides events.
     monitored: bool = True
+    # KEDA's scaler for this broker's queues; None: no fleet runs on it (embedded, memory).
+    keda: KedaScaler | None = None
+    # Env a worker pod (and the backlog service) reads from the broker Secret, besides
+    # DIFFQ_BROKER_URL: (variable, Secret key). AMQP lists queues only over its HTTP API.
+    secret_env: tuple[tuple[str, str], ...] = ()
 
 
 TRANSPORTS = (
     Transport("redis", ("redis", "rediss", "sentinel"), event_loop=True, loses_inflight_on_kill=False,
               renew=renew_redis, hand_back=hand_back_redis, publisher="redis-lists",
-              list_depths=redis_list_depths, queue_depths=redis_queue_depths, broker_options=_redis_options,
+              list_depths=redis_list_depths, queue_depths=redis_queue_depths, shared_depths=redis_shared_depths,
+              broker_options=_redis_options,
               list_queues=redis_list_queues, discovery="SCAN for diffq.* lists (queues holding work)",
-              guard_deliveries=guard_redis_deliveries),
+              guard_deliveries=guard_redis_deliveries, keda=REDIS_SCALER),
     # The connection is the lease: the broker redelivers when it closes.
     Transport("amqp", ("amqp", "amqps", "pyamqp"), event_loop=True, loses_inflight_on_kill=False,
               renew=None, broker_options=_no_options, consumer_arguments=_amqp_consumer_arguments,
               list_queues=rabbitmq_list_queues, list_needs_api=NEEDS_RABBITMQ_API,
-              discovery="management API only (--rabbitmq-api URL); AMQP itself cannot list queues"),
+              discovery="management API only (--rabbitmq-api URL); AMQP itself cannot list queues",
+              keda=RABBITMQ_SCALER, secret_env=(("DIFFQ_RABBITMQ_API", "rabbitmq-api"),)),
     Transport("sqs", ("sqs",), event_loop=True, loses_inflight_on_kill=False,
               renew=renew_sqs, hand_back=hand_back_sqs,
-              list_queues=sqs_list_queues, discovery="ListQueues by name prefix"),
+              list_queues=sqs_list_queues, discovery="ListQueues by name prefix", keda=SQS_SCALER,
+              secret_env=(("AWS_ACCESS_KEY_ID", "aws-access-key-id"), ("AWS_SECRET_ACCESS_KEY", "aws-secret-access-key"))),
     # No lease: the embedded runner re-enqueues from the run folder.
     Transport("embedded", ("filesystem",), event_loop=False, loses_inflight_on_kill=True,
               renew=None, broker_options=_no_options, kombu_transport="diffq.core.broker:EmbeddedTransport",

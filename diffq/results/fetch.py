@@ -1,21 +1,27 @@
 """`diffq fetch`: download a run's images and write an imagefolder `metadata.jsonl`.
 
-Its lines are the run's image records (records.ImageRecord), one per image.
+Its lines are the run's image records (records.ImageRecord), one per image, in the
+order `export` writes them. `shard=Shard(i, n)` (`--shard i/n`) fetches the i-th of
+n disjoint parts of the images, as export splits them, and only shard 0 writes
+metadata.jsonl: the union of n machines' DEST folders is a single fetch's.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import tempfile
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 from diffq.core import layout
-from diffq.core.records import ImageRecord, jsonl
-from diffq.core.runfolder import iter_records, read_manifest
+from diffq.core.records import jsonl
+from diffq.core.runfolder import read_manifest
 from diffq.core.storage import open_storage
-from diffq.core.storage.base import atomic_write
+from diffq.core.storage.base import TMP_PREFIX
+from diffq.results.export import DEFAULT_SHARD_SIZE, WHOLE, Positioned, Shard
 
 
 def _fetched_ids(metadata: Path) -> set[str]:
@@ -28,40 +34,62 @@ def _fetched_ids(metadata: Path) -> set[str]:
 @dataclass
 class FetchResult:
     dest: str
-    images: int
+    images: int  # images this fetch holds in DEST (its shard's)
     downloaded: int
+    run_images: int = 0  # images in the whole run: every shard of one fetch must agree
 
 
 def fetch(out: str, dest: str | Path, *, max_workers: int = 16, only_new: bool = False,
-          on_progress: Callable[[int, int], None] | None = None) -> FetchResult:
+          on_progress: Callable[[int, int], None] | None = None, shard: Shard = WHOLE,
+          shard_size: int = DEFAULT_SHARD_SIZE) -> FetchResult:
     """Download every finished image and write DEST/metadata.jsonl (HF imagefolder).
 
     Resumable: an image already in DEST with the stored size is not fetched again.
     only_new: trust DEST/metadata.jsonl and fetch only items it does not list yet,
     without listing sizes or checking files (the cheap way to follow a running run).
-    on_progress(downloaded, to_download) is called after each download.
+    on_progress(downloaded, to_download) is called after each download. shard: only
+    the images of positions k·shard_size … (k+1)·shard_size − 1 with k mod n = i, and
+    metadata.jsonl only from shard 0.
     """
+    if only_new and not shard.whole:
+        raise ValueError("--only-new reads DEST/metadata.jsonl, which only shard 0 writes: not with --shard")
     storage = open_storage(out)
     read_manifest(storage)
     dest = Path(dest)
     (dest / layout.IMAGES_PREFIX).mkdir(parents=True, exist_ok=True)
-    records = list(iter_records(storage))
     if only_new:
         known = _fetched_ids(dest / "metadata.jsonl")
-        todo = [record for record in records if record.id not in known]
+
+        def needed(file_name: str, item_id: str) -> bool:
+            return item_id not in known
     else:
         sizes = dict(storage.list_with_sizes(layout.IMAGES_PREFIX))
 
-        def needed(record: ImageRecord) -> bool:
-            target = dest / record.file_name
-            return not (target.exists() and target.stat().st_size == sizes.get(record.file_name))
+        def needed(file_name: str, item_id: str) -> bool:
+            target = dest / file_name
+            return not (target.exists() and target.stat().st_size == sizes.get(file_name))
 
-        todo = [record for record in records if needed(record)]
-    with ThreadPoolExecutor(max_workers=max_workers) as pool:
-        for done, _ in enumerate(pool.map(lambda r: storage.download_file(r.file_name, dest / r.file_name),
-                                          todo), start=1):
-            if on_progress:
-                on_progress(done, len(todo))
-    body = jsonl(records)
-    atomic_write(dest / "metadata.jsonl", lambda file: file.write(body))
-    return FetchResult(dest=str(dest), images=len(records), downloaded=len(todo))
+    metadata = shard.index == 0
+    records = Positioned(storage, shard_size, None if metadata or shard.whole else shard.owns)
+    # metadata.jsonl streams into a temporary file, renamed into place once every image is in.
+    fd, lines_path = tempfile.mkstemp(prefix=TMP_PREFIX, dir=dest)
+    try:
+        todo, images = [], 0
+        with os.fdopen(fd, "wb") as lines:
+            for position, record in records:
+                if metadata:
+                    lines.write(jsonl([record]))
+                if shard.owns(position // shard_size):
+                    images += 1
+                    if needed(record.file_name, record.id):
+                        todo.append(record.file_name)
+        with ThreadPoolExecutor(max_workers=max_workers) as pool:
+            for done, _ in enumerate(pool.map(lambda key: storage.download_file(key, dest / key), todo), start=1):
+                if on_progress:
+                    on_progress(done, len(todo))
+        if metadata:
+            os.replace(lines_path, dest / "metadata.jsonl")
+    finally:
+        if os.path.exists(lines_path):
+            os.unlink(lines_path)
+    return FetchResult(dest=str(dest), images=images, downloaded=len(todo), run_images=records.run_images)

@@ -13,6 +13,26 @@ import typer
 from diffq.app.options import err, fail, out
 
 OutArg = Annotated[str, typer.Argument(metavar="OUT", help="Run folder: path, s3://… or gs://…")]
+# `export` and `fetch`: N machines each take one part; their outputs together are a single run's.
+ShardOpt = Annotated[Optional[str], typer.Option(
+    "--shard", metavar="I/N", help="Only part I of N (0 ≤ I < N) of the output, e.g. $(JOB_COMPLETION_INDEX)/8 in "
+                                   "an indexed Kubernetes Job: N such exports together write a single export's files")]
+
+
+def parse_shard(text: str | None):
+    """The --shard option as export's Shard (the whole output without it); a bad one exits 2."""
+    from diffq.results.export import WHOLE, Shard
+
+    if text is None:
+        return WHOLE
+    try:
+        return Shard.parse(text)
+    except ValueError as exc:
+        fail(str(exc))
+
+
+def shard_note(shard, run_images: int) -> str:
+    return f" (shard {shard} of {run_images} images)" if not shard.whole else ""
 
 
 class ExportFormat(str, Enum):
@@ -29,6 +49,7 @@ def register(app: typer.Typer) -> None:
         dest: Annotated[str, typer.Argument(help="Destination: path, s3://bucket/prefix or gs://bucket/prefix")],
         format: Annotated[ExportFormat, typer.Option("--format", "-f", help="imagefolder | webdataset (tar shards) | parquet")] = ExportFormat.imagefolder,
         shard_size: Annotated[int, typer.Option("--shard-size", min=1, help="Images per tar / Parquet file")] = 1000,
+        shard: ShardOpt = None,
         progress: Annotated[bool, typer.Option("--progress/--no-progress", help="Show a progress bar")] = True,
     ) -> None:
         """Export finished images as a dataset, streaming (memory does not grow with the run)."""
@@ -37,17 +58,19 @@ def register(app: typer.Typer) -> None:
         from diffq.results.export import export as export_run
         from diffq.core.runfolder import NotARun
 
+        part = parse_shard(shard)
         bar = Progress(TextColumn(f"[bold]export {format.value}"), BarColumn(), MofNCompleteColumn(),
                        TimeRemainingColumn(), console=err, disable=not progress, transient=True)
         task = bar.add_task("export", total=None)
         try:
             with bar:
-                result = export_run(out_dir, dest, format=format.value, shard_size=shard_size,
-                                    on_progress=lambda done, total: bar.update(task, completed=done, total=total))
+                result = export_run(out_dir, dest, format=format.value, shard_size=shard_size, shard=part,
+                                    on_progress=lambda done, total: bar.update(
+                                        task, completed=done, total=-(-total // part.count)))
         except NotARun as exc:
             fail(str(exc))
         out.print(f"{result.images} images ({result.bytes / 1e6:.1f} MB) as {result.format} in {result.dest}"
-                  f" ({len(result.files)} files)")
+                  f" ({len(result.files)} files){shard_note(part, result.run_images)}")
 
     @app.command()
     def report(

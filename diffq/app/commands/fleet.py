@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
+from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
 from diffq.core.settings import get_settings
 from diffq.app.choices import CompileMode, Device, Dtype
+from diffq.app.options import DEFAULT_BATCH_SIZE, DEFAULT_GUIDANCE, DEFAULT_SEQ_LEN
 
 fleet_app = typer.Typer(no_args_is_help=True, help="Render Kubernetes manifests for a worker fleet.")
 
@@ -17,11 +20,11 @@ fleet_app = typer.Typer(no_args_is_help=True, help="Render Kubernetes manifests 
 def manifests(
     model: Annotated[str, typer.Option("--model", "-m", help="Model the workers load (the producer's --model)")],
     shapes: Annotated[str, typer.Option("--shapes", help="HEIGHTxWIDTH list: 1024x1024,768x1344")],
-    batch_size: Annotated[int, typer.Option("--batch-size", "-b", min=1, help="Images per compiled batch")],
+    batch_size: Annotated[int, typer.Option("--batch-size", "-b", min=1, help="Images per compiled batch (as given to submit)")] = DEFAULT_BATCH_SIZE,
     device: Annotated[Device, typer.Option("--device", help="Device kind, from the backend table")] = Device("neuron"),
-    max_sequence_length: Annotated[int, typer.Option("--max-sequence-length", min=1)] = 64,
-    guidance_scale: Annotated[float, typer.Option("--guidance-scale", min=0.0, help="> 1 means CFG queues")] = 1.0,
-    dtype: Annotated[Optional[Dtype], typer.Option("--dtype", help="Pipeline dtype; default: the device's (bfloat16 on accelerators, float32 on cpu)")] = None,
+    max_sequence_length: Annotated[int, typer.Option("--max-sequence-length", min=1)] = DEFAULT_SEQ_LEN,
+    guidance_scale: Annotated[float, typer.Option("--guidance-scale", min=0.0, help="> 1 means CFG queues")] = DEFAULT_GUIDANCE,
+    dtype: Annotated[Dtype, typer.Option("--dtype", help="Pipeline dtype, as `diffq submit` was given it: auto (each worker runs its device's default) or a pinned dtype")] = Dtype("auto"),
     image: Annotated[Optional[str], typer.Option("--image", help="Worker image (default ghcr.io/diffq/diffq-<device>)")] = None,
     namespace: Annotated[str, typer.Option("--namespace")] = "diffq",
     devices_per_pod: Annotated[Optional[int], typer.Option("--devices-per-pod", min=1, help="Cores / chips / GPUs per pod")] = None,
@@ -32,10 +35,14 @@ def manifests(
     grace_seconds: Annotated[Optional[int], typer.Option("--grace-seconds", min=1, help="Longer than a batch plus a first compile")] = None,
     compile: Annotated[Optional[CompileMode], typer.Option("--compile", help="As the device offers it (default: the device's pod default)")] = None,
     storage_class: Annotated[str, typer.Option("--storage-class", help="ReadWriteMany class for the cache PVC (efs-sc on EKS, standard-rwx on GKE)")] = "efs-sc",
+    broker: Annotated[Optional[str], typer.Option("--broker", help="The fleet's broker URL (or DIFFQ_BROKER_URL; default redis://): picks KEDA's scaler and the credentials pods read")] = None,
+    aws_region: Annotated[Optional[str], typer.Option("--aws-region", help="SQS brokers: the queues' region (default AWS_REGION, else us-east-1)")] = None,
+    fleet_plan: Annotated[Optional[Path], typer.Option("--fleet-plan", help="`diffq plan … --rates FILE --deadline 6h --json` output: each pool's maxReplicaCount is the pods the plan needs for its queues (instead of --max-replicas)")] = None,
     out: Annotated[Optional[str], typer.Option("--out", help="Write <name>.yaml per shape here instead of stdout")] = None,
 ) -> None:
-    """Per-shape worker Deployment + KEDA ScaledObject YAML from the producer's shape keys,
-    plus the shared cache PVC and KEDA's Redis TriggerAuthentication."""
+    """Worker Deployments + KEDA ScaledObjects from the producer's shape keys (per shape,
+    or per model where workers discover their queues), the shared cache PVC, KEDA's
+    broker TriggerAuthentication, and for discovery pools the backlog service."""
     from diffq.app import fleet
 
     try:
@@ -43,10 +50,18 @@ def manifests(
                                      devices_per_pod=devices_per_pod, max_replicas=max_replicas,
                                      batches_per_replica=batches_per_replica, redis_db=redis_db,
                                      grace_seconds=grace_seconds, compile=compile.value if compile else None,
-                                     storage_class=storage_class, tp=tp)
+                                     storage_class=storage_class, tp=tp,
+                                     broker=broker or get_settings().broker_url or "redis://",
+                                     aws_region=aws_region or os.environ.get("AWS_REGION")
+                                     or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1")
+        if fleet_plan is not None:
+            try:
+                options.planned_devices = fleet.planned_devices(json.loads(fleet_plan.read_text()))
+            except (OSError, json.JSONDecodeError) as exc:
+                raise ValueError(f"--fleet-plan {fleet_plan}: {exc}") from None
         keys = fleet.shape_keys(model, fleet.parse_shapes(shapes), batch_size=batch_size,
                                 max_sequence_length=max_sequence_length, guidance_scale=guidance_scale,
-                                dtype=dtype.value if dtype else options.backend.default_dtype)
+                                dtype=dtype.value)
         rendered = fleet.render(keys, options)
     except ValueError as exc:
         typer.echo(f"error: {exc}", err=True)
@@ -95,7 +110,32 @@ def queues(
         typer.echo(f"{info.queue:<{width}}  {info.depth:>7}  {info.consumers:>7}{note}")
 
 
+def backlog(
+    broker: Annotated[Optional[str], typer.Option("--broker", help="Broker URL (or DIFFQ_BROKER_URL)")] = None,
+    rabbitmq_api: Annotated[Optional[str], typer.Option("--rabbitmq-api", help="RabbitMQ management API URL (or DIFFQ_RABBITMQ_API): how an AMQP broker's queues are listed")] = None,
+    host: Annotated[str, typer.Option("--host", help="Address to listen on")] = "0.0.0.0",
+    port: Annotated[int, typer.Option("--port", min=1, max=65535, help="Port to listen on")] = 9500,
+) -> None:
+    """Serve each model's backlog over all its shape queues (GET /backlog?model=M) for KEDA's
+    metrics-api scaler: discovery pools scale from zero on shapes published after rendering."""
+    from diffq.app.backlog import Backlog, model_backlogs, serve
+
+    settings = get_settings()
+    broker = broker or settings.broker_url
+    if not broker:
+        typer.echo("error: no broker: pass --broker URL or set DIFFQ_BROKER_URL", err=True)
+        raise typer.Exit(2)
+    api = rabbitmq_api or settings.rabbitmq_api
+    server = serve(Backlog(lambda: model_backlogs(broker, api)), host, port)
+    typer.echo(f"backlog on http://{host}:{server.server_address[1]}/backlog", err=True)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+
+
 def register(app: typer.Typer) -> None:
     fleet_app.command("manifests")(manifests)
+    fleet_app.command("backlog")(backlog)
     app.add_typer(fleet_app, name="fleet")
     app.command("queues")(queues)

@@ -2,12 +2,15 @@
 
 The producer's own validation pass (`validate`, the one `submit` and `run` use), so
 a plan and the submit that follows cannot disagree; nothing is enqueued or written.
+With `--rates` it is also a fleet plan (diffq/app/fleet_plan.py): device time,
+devices for a deadline or the finish time for a device count, cost.
 """
 
 
 import json
 import sys
-from typing import Annotated
+from pathlib import Path
+from typing import Annotated, Optional
 
 import typer
 
@@ -15,6 +18,10 @@ from diffq.app.options import Generation, Model, Prompts, fail, generation_optio
 
 # Requested sizes listed per bucket in the text output (--json lists all of them).
 SHOWN_REQUESTED = 8
+_RATES_HELP = "`diffq qualify --json` or `diffq report --json` output (repeatable)"
+Rates = Annotated[Optional[list[Path]], typer.Option("--rates", help=f"{_RATES_HELP}: time each shape from its measured steady seconds per batch and first call")]
+# `submit` and `run`: the plan kept in OUT (diffq/app/fleet_plan.py, `keep`).
+KeepRates = Annotated[Optional[list[Path]], typer.Option("--rates", help=f"{_RATES_HELP}: keep the fleet plan from these rates in OUT; `diffq report` shows planned vs actual")]
 
 
 def register(app: typer.Typer) -> None:
@@ -23,21 +30,61 @@ def register(app: typer.Typer) -> None:
     def plan(
         prompts: Prompts,
         model: Model,
-        as_json: Annotated[bool, typer.Option("--json", help='{"total": N, "shapes": [{"height", "width", "items", "batches", "padded_slots", "queue"}…]}')] = False,
+        as_json: Annotated[bool, typer.Option("--json", help='{"total": N, "shapes": [{"height", "width", "items", "batches", "padded_slots", "queue", "steps"}…], "fleet": {…} with --rates}')] = False,
+        rates: Rates = None,
+        deadline: Annotated[Optional[str], typer.Option("--deadline", help="With --rates: finish within this long (6h, 90m, 1h30m, seconds): prints the devices and pods needed")] = None,
+        devices: Annotated[Optional[int], typer.Option("--devices", min=1, help="With --rates: this many devices; prints the finishing time")] = None,
+        price_per_device_hour: Annotated[Optional[float], typer.Option("--price-per-device-hour", min=0.0, help="With --rates: prints the cost and the cost per 1,000 images")] = None,
+        warm_cache: Annotated[bool, typer.Option("--warm-cache", help="With --rates: the compile cache already holds every shape (no compile time)")] = False,
         generation: Generation = None,
     ) -> None:
-        """Validate PROMPTS like submit (same errors) and print its shapes, batches, padding and compiles; enqueue and write nothing."""
+        """Validate PROMPTS like submit (same errors) and print its shapes, batches, padding and compiles; enqueue and write nothing.
+
+        With --rates, also the device time per shape, the devices needed for --deadline or the finishing time on --devices, and the cost.
+        """
         from diffq.producer.sources import InputError
         from diffq.producer.submit import plan as plan_file
 
+        if not rates and (deadline or devices or price_per_device_hour is not None or warm_cache):
+            fail("--deadline, --devices, --price-per-device-hour and --warm-cache need --rates")
         try:
             result = plan_file(prompts, model=model, **generation.kwargs())
+            fleet = _fleet(result, rates, deadline, devices, price_per_device_hour, warm_cache) if rates else None
         except (InputError, ValueError) as exc:
             fail(str(exc))
+        dtype = _dtype_runs(generation.dtype.value)
         if as_json:
-            sys.stdout.write(json.dumps(result.to_json()) + "\n")
+            sys.stdout.write(json.dumps({**result.to_json(), "dtype": dtype,
+                                         **({"fleet": fleet.to_json()} if fleet else {})}) + "\n")
             return
         _print_plan(out, result.to_json(), generation.batch_size)
+        out.print(f"dtype {dtype['queue']}: runs as " + "; ".join(
+            f"{dt} on {', '.join(devices)}" for dt, devices in _by_value(dtype["runs_at"]).items()), highlight=False)
+        if fleet:
+            from diffq.app.fleet_plan import render_text
+
+            out.print(render_text(fleet), end="", highlight=False, markup=False, soft_wrap=True)
+
+
+def _dtype_runs(dtype: str) -> dict:
+    """What the queues' dtype runs as on each device (auto: the backend table's default)."""
+    from diffq.worker.backends import BACKENDS
+
+    return {"queue": dtype, "runs_at": {name: backend.dtype_for(dtype) for name, backend in BACKENDS.items()}}
+
+
+def _by_value(mapping: dict[str, str]) -> dict[str, list[str]]:
+    grouped: dict[str, list[str]] = {}
+    for key, value in mapping.items():
+        grouped.setdefault(value, []).append(key)
+    return grouped
+
+
+def _fleet(result, rates, deadline, devices, price, warm_cache):
+    from diffq.app.fleet_plan import fleet_plan, parse_duration
+
+    return fleet_plan(result, rates, deadline_s=parse_duration(deadline) if deadline else None, devices=devices,
+                      price_per_device_hour=price, warm_cache=warm_cache)
 
 
 def _print_plan(console, plan: dict, batch_size: int) -> None:

@@ -7,8 +7,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from diffq.app.choices import CompileMode, Device, Dtype
-from diffq.app.options import Model, devices_of, fail, out
+from diffq.app.choices import CompileMode, Dtype
+from diffq.app.options import Devices, Model, device_options, fail, out
 
 
 def register(app: typer.Typer) -> None:
@@ -18,14 +18,11 @@ def register(app: typer.Typer) -> None:
     limits = Thresholds()
 
     @app.command()
+    @device_options(" to qualify (the first listed)", workers_help=None)
     def qualify(
         model: Model,
-        device: Annotated[Device, typer.Option("--device", help="Device kind, from the backend table")] = Device.cpu,
-        cores: Annotated[Optional[str], typer.Option("--cores", help="NeuronCore to qualify (the first listed)")] = None,
-        chips: Annotated[Optional[str], typer.Option("--chips", help="TPU chip to qualify (the first listed)")] = None,
-        gpus: Annotated[Optional[str], typer.Option("--gpus", help="GPU to qualify (the first listed)")] = None,
         compile: Annotated[CompileMode, typer.Option("--compile", help="none | full | regional | defer-fuse (TPU)")] = CompileMode.none,
-        dtype: Annotated[Optional[Dtype], typer.Option("--dtype", help="Pipeline dtype (default: the backend's)")] = None,
+        dtype: Annotated[Optional[Dtype], typer.Option("--dtype", help="Pipeline dtype (default auto: the backend's)")] = None,
         offload: Annotated[Optional[str], typer.Option("--offload", help="'model': enable_model_cpu_offload()")] = None,
         shapes: Annotated[Optional[str], typer.Option("--shapes", help=f"HxW[,HxW…] (default {DEFAULT_SHAPE[0]}x{DEFAULT_SHAPE[1]})")] = None,
         batch_size: Annotated[Optional[int], typer.Option("--batch-size", "-b", min=1, help=f"Images per call (default {GEN['batch_size']})")] = None,
@@ -44,6 +41,7 @@ def register(app: typer.Typer) -> None:
         reference_max_pixels: Annotated[int, typer.Option("--reference-max-pixels", min=256, help="Larger shapes are compared at a reduced shape of the same aspect")] = REFERENCE_MAX_PIXELS,
         threads: Annotated[int, typer.Option("--threads", min=1, help="Torch threads of the device process (as --threads of diffq worker)")] = 1,
         compile_cache: Annotated[Optional[str], typer.Option("--compile-cache", help="Compile cache, as for diffq worker")] = None,
+        devices: Devices = None,
     ) -> None:
         """Qualify a device before you scale: compile vs steady state, recompiles, fallback ops, parity, memory.
 
@@ -53,9 +51,8 @@ def register(app: typer.Typer) -> None:
         from diffq.core.settings import get_settings
 
         try:
-            slots = devices_of(device, 1, cores, chips, gpus)
             result = run_qualify(
-                model, device=device.value, slot=slots[0], compile=compile.value,
+                model, device=devices.device.value, slot=devices.slots()[0], compile=compile.value,
                 dtype=dtype.value if dtype else None, offload=offload,
                 shapes=parse_shapes(shapes) if shapes else None, batch_size=batch_size, steps=steps,
                 guidance_scale=guidance_scale, max_sequence_length=max_sequence_length, prompts_file=prompts,

@@ -10,7 +10,9 @@ available, and `torch_neuronx.get_fallback_ops()` lists the ops that ran on CPU
 - registers a "neuron" compile backend that counts each graph (one line per graph
   in $STANDIN_NEURON_GRAPHS), warns on every call like a backend downcasting
   float64, and with $STANDIN_NEURON_PERTURB scales the graph's outputs: a device
-  that computes wrongly;
+  that computes wrongly; with $STANDIN_NEURON_RUNTIME_FAIL every compiled call fails
+  on the device and is handled as torch-neuronx's execution_wrapper handles it
+  (neuron_dynamo_backend/backend.py here: raise, or re-run uncompiled and log);
 - answers get_fallback_ops() with a fixed list;
 - writes the pinning it saw at import to $STANDIN_NEURON_ENV.
 """
@@ -24,6 +26,7 @@ import torch._dynamo
 from torch.utils._pytree import tree_map
 
 from diffq.worker import backends
+from torch_neuronx.neuron_dynamo_backend.backend import execution_wrapper, on_device
 
 FALLBACK_OPS = ["aten::_fft_r2c", "aten::linalg_eigh"]
 WARNING = "float64 is not supported on this device; running as float32"
@@ -52,7 +55,7 @@ def _compiler(gm, example_inputs):
         out = gm(*args)
         return tree_map(_perturb, out) if perturb else out
 
-    return run
+    return execution_wrapper(on_device(run), gm.forward)
 
 
 if "neuron" not in torch._dynamo.list_backends(exclude_tags=()):

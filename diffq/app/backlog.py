@@ -1,0 +1,100 @@
+"""The per-model backlog: queued batches over every shape queue of a model, served
+over HTTP for KEDA's `metrics-api` scaler.
+
+KEDA's broker scalers watch queues by name (a Redis list, an SQS queue, a RabbitMQ
+queue), and a pool whose workers discover their queues (`diffq worker --models M`)
+gets new queues whenever a run brings a new shape. Triggers named at render time
+would leave such a pool at zero replicas for that shape forever. This service lists
+the broker's diffq queues the way discovery does (the transport table's listing and
+depths) and sums them per model, so one trigger per pool covers every shape, present
+and future, on every broker diffq supports. It reads only depths: it never consumes,
+and KEDA's own per-queue triggers stay beside it.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import urllib.parse
+from collections import Counter
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from diffq.core.contract import model_slug, queue_slug
+
+PORT = 9500
+# KEDA polls each ScaledObject every 15 s; many pools share one listing.
+REFRESH_S = 5.0
+
+
+def model_backlogs(broker_url: str, rabbitmq_api: str | None = None) -> dict[str, dict[str, int]]:
+    """model slug -> {queue: depth} for every shape queue the broker lists."""
+    from diffq.app.queues import queue_report
+
+    by_model: dict[str, dict[str, int]] = {}
+    for info in queue_report(broker_url, timeout=0, rabbitmq_api=rabbitmq_api):
+        slug = queue_slug(info.queue)
+        if slug is not None:
+            by_model.setdefault(slug, {})[info.queue] = info.depth
+    return by_model
+
+
+class Backlog:
+    """The latest listing, refreshed at most every `refresh_s` (one broker listing for
+    every pool's poll)."""
+
+    def __init__(self, list_backlogs, refresh_s: float = REFRESH_S, clock=time.monotonic):
+        self._list = list_backlogs
+        self.refresh_s = refresh_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._at = float("-inf")
+        self._value: dict[str, dict[str, int]] = {}
+
+    def current(self) -> dict[str, dict[str, int]]:
+        with self._lock:
+            if self._clock() - self._at >= self.refresh_s:
+                self._value = self._list()
+                self._at = self._clock()
+            return self._value
+
+    def answer(self, model: str | None) -> dict:
+        """The JSON a `GET /backlog[?model=M]` answers: `backlog` is what KEDA reads."""
+        backlogs = self.current()
+        if model is None:
+            totals = Counter({slug: sum(queues.values()) for slug, queues in backlogs.items()})
+            return {"backlog": sum(totals.values()), "models": dict(totals)}
+        # A model reference or its slug (what the rendered trigger URL carries).
+        slug = model if model in backlogs else model_slug(model)
+        queues = backlogs.get(slug, {})
+        return {"model": slug, "backlog": sum(queues.values()), "queues": queues}
+
+
+def serve(backlog: Backlog, host: str = "0.0.0.0", port: int = PORT) -> ThreadingHTTPServer:
+    """An HTTP server answering /backlog and /healthz; the caller runs serve_forever()."""
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 (http.server's name)
+            url = urllib.parse.urlsplit(self.path)
+            if url.path == "/healthz":
+                return self._send(200, {"ok": True})
+            if url.path != "/backlog":
+                return self._send(404, {"error": f"no {url.path}: try /backlog?model=M"})
+            model = urllib.parse.parse_qs(url.query).get("model", [None])[0]
+            try:
+                return self._send(200, backlog.answer(model))
+            except Exception as exc:  # the broker is down: KEDA keeps its last value
+                return self._send(503, {"error": f"{type(exc).__name__}: {exc}"})
+
+        def _send(self, code: int, body: dict) -> None:
+            data = json.dumps(body).encode()
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, format, *args):  # KEDA polls often: no access log
+            pass
+
+    return ThreadingHTTPServer((host, port), Handler)

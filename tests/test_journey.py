@@ -1,0 +1,223 @@
+"""The user's journey on defaults, device by device: `diffq submit` with no options →
+`diffq fleet manifests` with no options → the rendered worker command serves the
+queue the producer published and the KEDA trigger watches. For cpu the rendered
+command then really runs, against a private Redis and the S3 server, and finishes
+the run. Nothing is lined up by hand: every name below is read from what a command
+printed, published or rendered."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+import uuid
+from pathlib import Path
+
+import pytest
+import redis
+import yaml
+from typer.testing import CliRunner
+
+from diffq.app.cli import app
+from diffq.app.fleet import BACKLOG_PORT, CACHE_MOUNT
+from diffq.core.runfolder import iter_records, read_manifest
+from diffq.core.storage import open_storage
+from diffq.results.status import status
+from diffq.worker.backends import BACKENDS, get_backend
+from diffq.worker.routing import startup_queues
+from tests.helpers import assert_run_complete
+from tests.test_brokers import amqp_url  # noqa: F401  (fixture: a private vhost on the local RabbitMQ)
+
+runner = CliRunner()
+ENTRYPOINT = ["diffq", "worker"]  # the images' ENTRYPOINT (infra/docker/Dockerfile.*)
+DEPLOYABLE = [name for name, backend in BACKENDS.items() if backend.k8s is not None]
+
+
+def write_prompts(path: Path, n: int = 6) -> Path:
+    path.write_text("".join(json.dumps({"id": f"j{i}", "prompt": f"a journey {i}"}) + "\n" for i in range(n)))
+    return path
+
+
+def cli(*args: str, env: dict | None = None) -> str:
+    result = runner.invoke(app, list(args), env=env)
+    assert result.exit_code == 0, f"diffq {' '.join(args)}:\n{result.output}"
+    return result.output
+
+
+def published_queues(url: str) -> dict[str, int]:
+    """What is really on the broker: every diffq list and its length."""
+    client = redis.Redis.from_url(url)
+    return {key.decode(): client.llen(key) for key in client.scan_iter(match="diffq.*", _type="list")}
+
+
+def render(tmp_path: Path, *args: str, env: dict | None = None) -> list[dict]:
+    folder = tmp_path / "manifests"
+    cli("fleet", "manifests", *args, "--out", str(folder), env=env)
+    return [doc for path in sorted(folder.glob("*.yaml")) for doc in yaml.safe_load_all(path.read_text()) if doc]
+
+
+def pools(docs: list[dict]) -> list[tuple[dict, dict]]:
+    """(worker Deployment, its ScaledObject) pairs."""
+    scaled = {d["spec"]["scaleTargetRef"]["name"]: d for d in docs if d["kind"] == "ScaledObject"}
+    return [(d, scaled[d["metadata"]["name"]]) for d in docs
+            if d["kind"] == "Deployment" and d["metadata"]["labels"]["app.kubernetes.io/name"] == "diffq-worker"]
+
+
+def worker_args(deployment: dict) -> list[str]:
+    return deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+
+
+def plan_env(device: str, broker: str) -> dict:
+    env = {"DIFFQ_BROKER_URL": broker}
+    if device == "neuron":  # what the Neuron device plugin sets for `--cores auto`
+        env["NEURON_RT_VISIBLE_CORES"] = "0-7"
+    return env
+
+
+@pytest.mark.parametrize("device", DEPLOYABLE)
+def test_defaults_meet_from_submit_to_the_rendered_workers(device, tmp_path, make_redis_server, tiny_model):
+    broker = make_redis_server().url
+    prompts = write_prompts(tmp_path / "prompts.jsonl")
+    out = str(tmp_path / "run")
+    cli("submit", str(prompts), "--model", tiny_model, "--out", out, "--broker", broker)
+    published = published_queues(broker)
+    manifest = read_manifest(open_storage(out))
+    assert set(published) == {s.queue for s in manifest.shapes} and sum(published.values()) == manifest.batches
+    [(height, width)] = {(s.shape.height, s.shape.width) for s in manifest.shapes}
+
+    docs = render(tmp_path, "--model", tiny_model, "--shapes", f"{height}x{width}", "--device", device)
+    backend = get_backend(device)
+    watched: set[str] = set()
+    for deployment, scaled in pools(docs):
+        triggers = [t for t in scaled["spec"]["triggers"] if t["type"] == "redis"]
+        watched |= {t["metadata"]["listName"] for t in triggers}
+        args = worker_args(deployment)
+        plan = json.loads(cli("worker", *args, "--plan", env=plan_env(device, broker)))
+        # auto on the queue; the device's own dtype is what runs.
+        assert {(child["dtype"], child["runs_dtype"]) for child in plan} == {("auto", backend.default_dtype)}
+        if backend.k8s.pool == "shape":
+            assert {q for child in plan for q in child["queues"]} == {t["metadata"]["listName"] for t in triggers}
+        else:
+            # A discovery pool lists its model's queues on the broker at start.
+            [child] = {json.dumps(child["serve_models"]) for child in plan}
+            found = startup_queues(broker, json.loads(child), dtypes=backend.served_dtypes)
+            assert set(found) == set(published)
+    assert watched == set(published), "KEDA watches exactly the queues submit filled"
+
+
+def test_a_discovery_pool_scales_on_shapes_published_after_rendering(tmp_path, make_redis_server, tiny_model):
+    """The backlog service sums every shape queue of the model, so the pool's metrics-api
+    trigger sees a shape no trigger named at render time."""
+    from diffq.app.backlog import Backlog, model_backlogs, serve
+
+    broker = make_redis_server().url
+    docs = render(tmp_path, "--model", tiny_model, "--shapes", "128x128", "--device", "cuda", "--broker", broker)
+    [(_, scaled)] = pools(docs)
+    [backlog] = [t for t in scaled["spec"]["triggers"] if t["type"] == "metrics-api"]
+    named = {t["metadata"]["listName"] for t in scaled["spec"]["triggers"] if t["type"] == "redis"}
+    service = [d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "diffq-backlog"]
+    assert service and service[0]["spec"]["template"]["spec"]["containers"][0]["command"][:3] == \
+        ["diffq", "fleet", "backlog"]
+
+    prompts = tmp_path / "later.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"l{i}", "prompt": "later", "height": 64, "width": 96}) + "\n"
+                               for i in range(5)))
+    cli("submit", str(prompts), "--model", tiny_model, "--out", str(tmp_path / "later"), "--broker", broker)
+    published = published_queues(broker)
+    assert published and not set(published) & named, "a shape the rendered triggers do not name"
+
+    server = serve(Backlog(lambda: model_backlogs(broker), refresh_s=0), "127.0.0.1", 0)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = backlog["metadata"]["url"].replace(f"diffq-backlog.diffq.svc:{BACKLOG_PORT}",
+                                                 f"127.0.0.1:{server.server_address[1]}")
+        with urllib.request.urlopen(url, timeout=10) as response:
+            body = json.loads(response.read())
+    finally:
+        server.shutdown()
+    assert body[backlog["metadata"]["valueLocation"]] == sum(published.values()) == 2  # 5 items, batches of 4
+    assert body["queues"] == published
+
+
+def test_the_rendered_cpu_worker_completes_the_submitted_run(tmp_path, make_redis_server, tiny_model, s3_bucket):
+    """cpu end to end on defaults: the rendered container args, run as the image would
+    run them (only the pod's cache volume path is this machine's)."""
+    broker = make_redis_server().url
+    prompts = write_prompts(tmp_path / "prompts.jsonl", n=6)
+    cli("submit", str(prompts), "--model", tiny_model, "--out", s3_bucket, "--broker", broker)
+    docs = render(tmp_path, "--model", tiny_model, "--shapes", "128x128", "--device", "cpu")
+    [(deployment, _)] = pools(docs)
+    args = [a.replace(CACHE_MOUNT, str(tmp_path / "cache")) for a in worker_args(deployment)]
+    env = {**os.environ, "DIFFQ_BROKER_URL": broker}
+    worker = subprocess.Popen([sys.executable, "-m", "diffq", *ENTRYPOINT[1:], *args, "--loglevel", "ERROR"],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while (st := status(s3_bucket)).done + st.failed < st.total:
+            assert worker.poll() is None, worker.stdout.read().decode()[-3000:]
+            assert time.monotonic() < deadline, f"timed out: {st}"
+            time.sleep(0.5)
+    finally:
+        os.killpg(worker.pid, signal.SIGTERM)  # the pod's warm shutdown
+        code = worker.wait(timeout=120)
+    assert code == 0
+    assert (st.done, st.failed) == (6, 0)
+    records = assert_run_complete(s3_bucket, prompts, steps=4, model=tiny_model)
+    assert {r.dtype for r in records} == {"float32"} and all(r.queue.endswith(".auto") for r in records)
+    from diffq.results.report import build_report
+
+    assert {name: d["dtypes"] for name, d in build_report(s3_bucket).per_device().items()} == \
+        {r.device: ["float32"] for r in records}
+    assert [r.id for r in iter_records(open_storage(s3_bucket))] and published_queues(broker) == {}
+
+
+def test_sqs_fleets_scale_on_the_sqs_queue_submit_filled(s3_server, tiny_model, tmp_path):
+    """The trigger kind comes from the transport table: aws-sqs-queue, naming the queue
+    kombu created (moto's SQS, over HTTP)."""
+    pytest.importorskip("pycurl", reason="kombu's SQS transport needs pycurl (pip install 'kombu[sqs]')")
+    import boto3
+
+    from diffq.producer.submit import submit
+
+    broker = f"sqs://testing:testing@127.0.0.1:{s3_server.port}"
+    model = str(tmp_path / f"m{uuid.uuid4().hex[:6]}")  # a fresh slug: queues of its own
+    result = submit(write_prompts(tmp_path / "p.jsonl"), str(tmp_path / "run"), model=model, broker_url=broker,
+                    transport_options={"region": "us-east-1"})
+    docs = render(tmp_path, "--model", model, "--shapes", "128x128", "--device", "neuron", "--broker", broker,
+                  "--aws-region", "us-east-1")
+    sqs = boto3.client("sqs", region_name="us-east-1", endpoint_url=f"http://127.0.0.1:{s3_server.port}")
+    [(deployment, scaled)] = pools(docs)
+    [trigger] = scaled["spec"]["triggers"]
+    assert trigger["type"] == "aws-sqs-queue" and trigger["metadata"]["awsRegion"] == "us-east-1"
+    url = sqs.get_queue_url(QueueName=trigger["metadata"]["queueURL"])["QueueUrl"]
+    depth = sqs.get_queue_attributes(QueueUrl=url, AttributeNames=["ApproximateNumberOfMessages"])
+    assert int(depth["Attributes"]["ApproximateNumberOfMessages"]) == sum(result.queues.values())
+    args = worker_args(deployment)
+    assert args[args.index("--queues") + 1] in result.queues
+    auth = next(d for d in docs if d["kind"] == "TriggerAuthentication")
+    assert {r["parameter"] for r in auth["spec"]["secretTargetRef"]} == {"awsAccessKeyID", "awsSecretAccessKey"}
+
+
+def test_amqp_fleets_scale_on_the_rabbitmq_queue_submit_filled(amqp_url, tiny_model, tmp_path):  # noqa: F811
+    from diffq.app.queues import queue_report
+    from diffq.producer.submit import submit
+
+    result = submit(write_prompts(tmp_path / "p.jsonl"), str(tmp_path / "run"), model=tiny_model,
+                    broker_url=amqp_url)
+    docs = render(tmp_path, "--model", tiny_model, "--shapes", "128x128", "--device", "cuda", "--broker", amqp_url)
+    [(deployment, scaled)] = pools(docs)
+    rabbit = [t for t in scaled["spec"]["triggers"] if t["type"] == "rabbitmq"]
+    depths = {q.queue: q.depth for q in queue_report(amqp_url, [t["metadata"]["queueName"] for t in rabbit],
+                                                     timeout=0)}
+    assert {t["metadata"]["queueName"]: depths[t["metadata"]["queueName"]] for t in rabbit} == result.queues
+    # KEDA's `host` is the broker URL; the discovery pool reads the management API from the Secret.
+    auth = next(d for d in docs if d["kind"] == "TriggerAuthentication")
+    assert [(r["parameter"], r["key"]) for r in auth["spec"]["secretTargetRef"]] == [("host", "broker-url")]
+    env = {e["name"]: e["valueFrom"]["secretKeyRef"]["key"]
+           for e in deployment["spec"]["template"]["spec"]["containers"][0]["env"] if "valueFrom" in e}
+    assert env == {"DIFFQ_BROKER_URL": "broker-url", "DIFFQ_RABBITMQ_API": "rabbitmq-api"}
