@@ -70,7 +70,7 @@ SECTIONS = ("e2e", "whole", "device", "sink", "ray_data", "producer", "status", 
 
 
 def run_section(name: str, quick: bool) -> list[dict] | dict:
-    from bench import device, e2e, figures, producer, ray_data, routing, sink, status
+    from bench import e2e, figures, producer, ray_data, routing, sink, status
 
     if name == "figures":
         return figures.main(["--rows", "5000", "--files", "2000"] if quick else [])

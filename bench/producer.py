@@ -13,11 +13,13 @@ per size; submit with a publisher that discards (validation, plan parts written 
 local run folder, messages encoded: the producer's own cost without a broker's) per
 size up to `--submit-max`; the real `diffq submit` to a private Redis at
 `--redis-rows` (a real publish of 100M rows would need ~30 GB of Redis); and
-`diffq plan` of the same rows as CSV, TXT and Parquet at `--format-rows`. Files are
-written under --workdir (default: a new folder in the temp dir) and removed after.
+`diffq plan` of the same rows as CSV, TXT and Parquet at `--format-rows`, and of rows
+with random sizes (nearly all distinct) under size buckets at `--varied-rows`. Files
+are written under --workdir (default: a new folder in the temp dir) and removed after.
 
     python -m bench.producer --scale 10000000,30000000,100000000 [--submit-max N]
         [--redis-rows 10000000] [--format-rows 10000000] [--formats csv,txt,parquet]
+        [--varied-rows 10000000]
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from bench import redis_server
 SIZES = [(64, 64), (128, 128), (64, 128), (128, 64), (256, 256), (96, 96), (160, 160), (192, 192)]
 MODEL = "/models/bench"
 BLOCK = 100_000  # rows formatted per write when generating files
+VARIED_BUCKETS = "aspect-1024"  # with --varied-rows: bench/plan.py's random sizes, bucketed
 
 
 def _fields(i: int) -> tuple[str, str, int, int]:
@@ -161,12 +164,15 @@ def diffq() -> str:
     return str(Path(sys.executable).with_name("diffq"))
 
 
-def plan_row(prompts: Path, fmt: str, rows: int, batch_size: int) -> dict:
-    figures = measured([diffq(), "plan", str(prompts), "--model", MODEL, "--batch-size", str(batch_size),
-                        "--json"], stdout=subprocess.PIPE)
-    total = json.loads(figures["stdout"])["total"]
-    assert total == rows, (total, rows)
-    return _row("plan", fmt, rows, figures, f"diffq plan {prompts.name} --model {MODEL} --batch-size {batch_size} --json")
+def plan_row(prompts: Path, fmt: str, rows: int, batch_size: int, buckets: str | None = None) -> dict:
+    options = ["--model", MODEL, "--batch-size", str(batch_size), "--json"]
+    options += ["--size-buckets", buckets] if buckets else []
+    figures = measured([diffq(), "plan", str(prompts), *options], stdout=subprocess.PIPE)
+    plan = json.loads(figures["stdout"])
+    assert plan["total"] == rows, (plan["total"], rows)
+    extra = {"requested_sizes": sum(s.get("requested_sizes", 0) for s in plan["shapes"])} if buckets else {}
+    return _row("plan, random sizes" if buckets else "plan", fmt, rows, figures,
+                f"diffq plan {prompts.name} {' '.join(options)}", **extra)
 
 
 def scale(args) -> list[dict]:
@@ -195,6 +201,12 @@ def scale(args) -> list[dict]:
                     other = write_rows(workdir / f"p{n}.{fmt}", n, fmt)
                     rows.append(plan_row(other, fmt, n, args.batch_size))
                     other.unlink()
+            if n == args.varied_rows:  # sizes nearly all distinct: the plan counts each one
+                from bench.plan import write_rows as write_varied
+
+                varied = write_varied(workdir / f"varied{n}.jsonl", n, tidy=False)
+                rows.append(plan_row(varied, "jsonl", n, args.batch_size, buckets=VARIED_BUCKETS))
+                varied.unlink()
             prompts.unlink()
     finally:
         if not args.workdir:
@@ -259,6 +271,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--redis-rows", type=int, default=10_000_000, help="with --scale: the size also submitted to Redis")
     parser.add_argument("--format-rows", type=int, default=10_000_000, help="with --scale: the size also planned as --formats")
     parser.add_argument("--formats", default="csv,txt,parquet")
+    parser.add_argument("--varied-rows", type=int, default=10_000_000,
+                        help=f"with --scale: the size also planned with random sizes and --size-buckets {VARIED_BUCKETS}")
     parser.add_argument("--workdir", help="with --scale: where the files go (kept)")
     parser.add_argument("--one", nargs=3, metavar=("PROMPTS", "BROKER", "OUT"), help=argparse.SUPPRESS)
     parser.add_argument("--discard", nargs=2, metavar=("PROMPTS", "OUT"), help=argparse.SUPPRESS)

@@ -225,25 +225,42 @@ def test_plan_refuses_a_bad_file_like_submit(tmp_path):
     assert result.exit_code == 2 and "q.jsonl:1: field 'heigth'" in result.output
 
 
-def test_plan_is_fast_on_many_rows(tmp_path):
-    """The producer's validation pass: a plan of 200k bucketed rows takes seconds, not minutes."""
-    import time
-
+def test_plan_of_many_nearly_distinct_sizes(tmp_path):
+    """200k bucketed rows of random sizes: every distinct size counted, the commonest
+    kept. (How fast and how much memory: bench/plan.py, bench/producer.py.)"""
     rng = random.Random(1)
+    sizes = [(rng.randrange(64, 2048), rng.randrange(64, 2048)) for _ in range(200_000)]
     with (tmp_path / "p.jsonl").open("w") as handle:
-        for i in range(200_000):
-            handle.write(f'{{"prompt": "p {i}", "height": {rng.randrange(64, 2048)}, '
-                         f'"width": {rng.randrange(64, 2048)}}}\n')
+        for i, (height, width) in enumerate(sizes):
+            handle.write(f'{{"prompt": "p {i}", "height": {height}, "width": {width}}}\n')
     options, defaults = make_options(model="m", batch_size=8, size_buckets="aspect-1024")
-    started = time.perf_counter()
     plan = validate(tmp_path / "p.jsonl", options, defaults)
-    elapsed = time.perf_counter() - started
     assert plan.total == 200_000 and len(plan.shapes) == 9
-    assert sum(s.requested_sizes for s in plan.shapes) > 100_000  # nearly every size distinct
+    assert sum(s.requested_sizes for s in plan.shapes) == len(set(sizes))  # nearly every size distinct
     # The manifest keeps the commonest sizes of each shape, not all of them.
     assert all(len(s.requested) == MAX_REQUESTED_SIZES for s in plan.shapes)
     assert all(a.items >= b.items for s in plan.shapes for a, b in zip(s.requested, s.requested[1:]))
-    assert elapsed < 30, f"{elapsed:.1f}s for 200k rows"
+
+
+@pytest.mark.parametrize("fold", [1, 7, 1000, 1 << 20])
+def test_size_tally_counts_exactly_across_folds(fold, monkeypatch):
+    """SizeTally folds its pending sizes into sorted arrays every FOLD sizes: the same
+    counts and the same commonest sizes (ties: the smaller size first) as a Counter."""
+    import heapq
+
+    from diffq.producer.submit import SizeTally
+
+    monkeypatch.setattr(SizeTally, "FOLD", fold)
+    rng = random.Random(fold)
+    sizes = [rng.choice([5, 9, 1 << 29]) if rng.random() < 0.3 else rng.randrange(1 << 20) for _ in range(5000)]
+    tally = SizeTally()
+    for size in sizes:
+        tally.add(size)
+    counted = Counter(sizes)
+    assert len(tally) == len(counted)
+    assert tally.commonest(64) == heapq.nsmallest(64, counted.items(), key=lambda e: (-e[1], e[0]))
+    assert tally.commonest(10**6) == sorted(counted.items(), key=lambda e: (-e[1], e[0]))
+    assert len(SizeTally()) == 0 and SizeTally().commonest(3) == []
 
 
 # -- fit in the sink -----------------------------------------------------------------

@@ -214,3 +214,14 @@ def test_csv_txt_and_parquet_name_their_own_lines(tmp_path):
     path = tmp_path / "p.txt"
     path.write_text("".join(f"prompt {index}\n" + ("\n" if index % 7 == 0 else "") for index in range(ROWS)))
     assert check_file(path, spill_rows=SPILL, hash_id=lambda item_id: len(item_id) % 2).spilled_runs == ROWS // SPILL
+
+
+def test_an_empty_file_and_a_bad_first_row_are_named_as_such(tmp_path):
+    options, defaults = make_options(model="tiny")
+    path = tmp_path / "empty.jsonl"
+    path.write_text("\n\n")
+    with pytest.raises(InputError, match=r"empty.jsonl: no prompts in file"):
+        validate(path, options, defaults)
+    path = write_jsonl(tmp_path / "bad.jsonl", distinct(5), extra={0: {"height": 100}})
+    with pytest.raises(InputError, match=r"bad.jsonl:1: field 'height'"):
+        validate(path, options, defaults)

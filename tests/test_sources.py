@@ -5,6 +5,8 @@ import json
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from diffq.producer.sources import Defaults, IdChecker, InputError, derive_seed, read_prompts
 
@@ -289,3 +291,36 @@ def test_utf16_guess_ignores_utf8_text_with_no_nul_and_cjk_utf16_is_still_caught
 def test_parquet_values_are_not_touched_by_byte_order_marks(tmp_path):
     path = write(tmp_path, "parquet", [{"prompt": BOM + "a red cat"}])
     assert [p.prompt for p in read_prompts(path)] == [BOM + "a red cat"]
+
+
+CSV_INTS = ["height", "width", "seed", "num_inference_steps"]
+cells = st.one_of(st.integers(-5, 2**64).map(str), st.sampled_from(["064", "00", " 16", "16 ", "+32", "32.0", "1_024",
+                                                                   "٣٢", "１６", "9" * 25, "", "x"]),
+                  st.text(alphabet="0123456789 +-._e", max_size=6))
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(st.fixed_dictionaries({name: cells for name in CSV_INTS}), min_size=1, max_size=4))
+def test_csv_integers_read_exactly_as_pydantic_reads_them(tmp_path_factory, rows):
+    """CSV cells of plain digits become ints before the fast row check: the prompts, or
+    the first error (line, field, message), are what pydantic alone makes of the text."""
+    import csv
+
+    from diffq.producer import sources
+
+    path = tmp_path_factory.mktemp("csv") / "p.csv"
+    with path.open("w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=["prompt", *CSV_INTS])
+        writer.writeheader()
+        writer.writerows({"prompt": f"p{i}", **row} for i, row in enumerate(rows))
+
+    def outcome():
+        try:
+            return [tuple(prompt) for prompt in read_prompts(path, Defaults(size_multiple=1))]
+        except InputError as error:
+            return str(error)
+
+    fast = outcome()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(sources, "_typed_csv", lambda raw: raw)  # every CSV row through pydantic
+        assert outcome() == fast

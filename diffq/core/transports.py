@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import base64
 import json
-import re
 import time
 import urllib.parse
 import urllib.request
