@@ -318,14 +318,7 @@ def submit(
 
     with contextlib.ExitStack() as stack:
         if plan is None:
-            # One read of the file: rows are validated, bucketed and encoded together,
-            # and the encoded plan parts wait on local disk until the last row passed.
-            validation = Validation(prompts, options)
-            spill = stack.enter_context(PlanSpill())
-            for part in plan_parts(encoded(validation.check(read_prompts(prompts, defaults, keep_columns)))):
-                spill.add(part)
-            plan = validation.plan()
-            parts = spill.parts()
+            plan, parts = _validated_parts(prompts, options, defaults, keep_columns, encoded, stack)
         else:  # validated by the caller
             parts = plan_parts(encoded(read_prompts(prompts, defaults, keep_columns)))
         manifest = write_manifest(storage, prompts, plan, run_id,
@@ -335,22 +328,40 @@ def submit(
                 raise ValueError("submit needs a broker URL (--broker or DIFFQ_BROKER_URL)")
             publisher = CeleryPublisher(broker_url, transport_options)
             stack.callback(publisher.close)  # sends what is still buffered
-        # Any publisher takes BatchMessage models; ours also takes them ready-encoded.
-        publish_encoded = getattr(publisher, "publish_encoded", None)
         result = SubmitResult(out=manifest.out, run_id=run_id, total=plan.total, batches=0)
-        for index, part in enumerate(parts):
-            write_plan_part(storage, index, part)
-            for message in part:
-                if publish_encoded is not None:
-                    publish_encoded(message)
-                else:
-                    publisher.publish(BatchMessage.model_validate_json(message.json))
-                result.batches += 1
-                result.queues[message.queue] = result.queues.get(message.queue, 0) + 1
-                if on_published:
-                    on_published(message.items)
+        _publish_parts(storage, parts, publisher, result, on_published)
     return result
 
+
+
+def _validated_parts(prompts, options: RunOptions, defaults: Defaults, keep_columns, encoded,
+                     stack: contextlib.ExitStack) -> tuple[Plan, Iterator[list[EncodedBatch]]]:
+    """One read of the file: rows are validated, bucketed and encoded together, and the
+    encoded plan parts wait on local disk (closed with `stack`) until the last row passed."""
+    validation = Validation(prompts, options)
+    spill = stack.enter_context(PlanSpill())
+    for part in plan_parts(encoded(validation.check(read_prompts(prompts, defaults, keep_columns)))):
+        spill.add(part)
+    return validation.plan(), spill.parts()
+
+
+def _publish_parts(storage: Storage, parts: Iterable[list[EncodedBatch]], publisher, result: SubmitResult,
+                   on_published: Callable[[int], None] | None) -> None:
+    """Each plan part written before its batches are published: the run folder always
+    knows every batch the broker might hold."""
+    # Any publisher takes BatchMessage models; ours also takes them ready-encoded.
+    publish_encoded = getattr(publisher, "publish_encoded", None)
+    for index, part in enumerate(parts):
+        write_plan_part(storage, index, part)
+        for message in part:
+            if publish_encoded is not None:
+                publish_encoded(message)
+            else:
+                publisher.publish(BatchMessage.model_validate_json(message.json))
+            result.batches += 1
+            result.queues[message.queue] = result.queues.get(message.queue, 0) + 1
+            if on_published:
+                on_published(message.items)
 
 def plan_parts(batches: Iterable[EncodedBatch]) -> Iterator[list[EncodedBatch]]:
     part: list[EncodedBatch] = []

@@ -167,27 +167,9 @@ def worker(
     broker = broker or settings.broker_url
     if not broker:
         fail("no broker: pass --broker URL or set DIFFQ_BROKER_URL")
-    rabbitmq_api = rabbitmq_api or settings.rabbitmq_api
-    names = [q for q in (queues or "").split(",") if q]
-    models = [model] if model else []
-    if run:
-        from diffq.core.runfolder import read_manifest
-        from diffq.core.storage import open_storage
-
-        manifest = read_manifest(open_storage(run))
-        names += [s.queue for s in manifest.shapes if s.queue not in names]
-        models = models or manifest.models or [manifest.defaults["model"]]
-    discovery = {}
-    if not names:
-        from diffq.worker.routing import startup_queues
-
-        serve = [m for m in (serve_models or "").split(",") if m] or models
-        if not plan:  # a plan needs no queues and starts nothing
-            try:
-                names = startup_queues(broker, serve, rabbitmq_api, dtypes=devices.backend.served_dtypes)
-            except ValueError as exc:
-                fail(str(exc))
-        discovery = {"discover": True, "serve_models": serve, "rabbitmq_api": rabbitmq_api}
+    names, models, discovery = _served_queues(broker, queues, run, model, serve_models,
+                                              rabbitmq_api or settings.rabbitmq_api,
+                                              devices.backend.served_dtypes, discover=not plan)
     check_compile(models, compile.value)
     try:
         specs = plan_children(device=devices.device.value, devices=devices.slots(),
@@ -204,27 +186,58 @@ def worker(
     except ValueError as exc:
         fail(str(exc))
     if plan:
-        def child_plan(spec) -> dict:
-            # Without --queues the worker would consume the queues it discovers.
-            return {**spec.plan(), "queues": spec.queues or "discovered"}
-
-        if tp == 1:
-            out.print_json(json.dumps([child_plan(spec) for spec in specs]))
-        else:
-            from diffq.worker.tensor_parallel import sharding_plan
-
-            groups = [specs[i:i + tp] for i in range(0, len(specs), tp)]
-            out.print_json(json.dumps([{
-                "group": ranks[0].group,
-                "world_size": tp,
-                "devices": ranks[0].group_slots,
-                "master": f"{ranks[0].master_addr}:{ranks[0].master_port}",
-                "sharding": dataclasses.asdict(sharding_plan(ranks[0].backend, tp)),
-                "ranks": [child_plan(spec) for spec in ranks],
-            } for ranks in groups]))
+        out.print_json(json.dumps(_child_plans(specs, tp)))
         return
     raise typer.Exit(Supervisor(specs).serve_forever())
 
+
+
+def _served_queues(broker: str, queues: str | None, run: str | None, model: str | None, serve_models: str | None,
+                   rabbitmq_api: str | None, dtypes, *, discover: bool) -> tuple[list[str], list[str], dict]:
+    """The queues a worker consumes and the models it loads: --queues, plus a run
+    folder's shapes with --run; with neither, the broker's queues of the served models
+    (discovery goes on while it runs). `discover=False` (--plan) lists nothing."""
+    names = [q for q in (queues or "").split(",") if q]
+    models = [model] if model else []
+    if run:
+        from diffq.core.runfolder import read_manifest
+        from diffq.core.storage import open_storage
+
+        manifest = read_manifest(open_storage(run))
+        names += [s.queue for s in manifest.shapes if s.queue not in names]
+        models = models or manifest.models or [manifest.defaults["model"]]
+    if names:
+        return names, models, {}
+    from diffq.worker.routing import startup_queues
+
+    serve = [m for m in (serve_models or "").split(",") if m] or models
+    if discover:
+        try:
+            names = startup_queues(broker, serve, rabbitmq_api, dtypes=dtypes)
+        except ValueError as exc:
+            fail(str(exc))
+    return names, models, {"discover": True, "serve_models": serve, "rabbitmq_api": rabbitmq_api}
+
+
+def _child_plans(specs: list, tp: int) -> list[dict]:
+    """`worker --plan`: each child's pinning and queues; with --tp, per group."""
+    def child_plan(spec) -> dict:
+        # Without --queues the worker would consume the queues it discovers.
+        return {**spec.plan(), "queues": spec.queues or "discovered"}
+
+    if tp == 1:
+        return [child_plan(spec) for spec in specs]
+    from diffq.worker.tensor_parallel import sharding_plan
+
+    groups = [specs[i:i + tp] for i in range(0, len(specs), tp)]
+    return [{
+        "group": ranks[0].group,
+        "world_size": tp,
+        "devices": ranks[0].group_slots,
+        "master": f"{ranks[0].master_addr}:{ranks[0].master_port}",
+        "sharding": dataclasses.asdict(sharding_plan(ranks[0].backend, tp)),
+        "ranks": [child_plan(spec) for spec in ranks],
+    } for ranks in groups]
 
 @app.command()
 def status(

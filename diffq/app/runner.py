@@ -267,44 +267,32 @@ def _serve(storage: Storage, local: LocalWorkers, *, queues: list[str], models: 
            started: float) -> RunResult:
     """Embedded broker, local workers and `publish_all(publisher)` (it returns the run
     id) in a thread; waits until the run folder holds `total` items done or failed."""
-    console = console or Console(stderr=True)
     already_done, already_failed = tracker.done, tracker.failed
     broker_dir = Path(tempfile.mkdtemp(prefix="diffq-broker-"))
     broker_url, transport_options = embedded_broker(broker_dir)
-    # This transport loses a batch in flight when its worker dies (the table says
-    # so): the runner re-enqueues from the run folder instead.
-    reconciles = transport_for(broker_url).loses_inflight_on_kill
     specs = local.specs(broker_url, transport_options, queues, models, dtype)
     supervisor = Supervisor(specs)
     stop = threading.Event()
     publisher = BoundedPublisher(CeleryPublisher(broker_url, transport_options),
                                  broker_dir / "queue", max(16, 4 * len(specs)), stop)
-    submitted: dict = {}
-
-    def publish() -> None:
-        try:
-            submitted["result"] = publish_all(publisher)
-        except BaseException as exc:  # reported by the main thread
-            submitted["error"] = exc
-
-    reenqueued = 0
+    submission = _Submission(publish_all, publisher)
+    # This transport loses a batch in flight when its worker dies (the table says
+    # so): the runner re-enqueues from the run folder instead.
+    lost = _LostBatches(storage, supervisor, submission) if transport_for(broker_url).loses_inflight_on_kill else None
     supervisor.start()
-    publishing = threading.Thread(target=publish, name="diffq-publish", daemon=True)
-    publishing.start()
+    submission.start()
     bar = Progress(TextColumn("[bold]diffq run"), BarColumn(), MofNCompleteColumn(),
                    TextColumn("{task.fields[rate]:.1f} img/s · failed {task.fields[failed]}"),
-                   TimeElapsedColumn(), console=console, disable=not progress, transient=False)
+                   TimeElapsedColumn(), console=console or Console(stderr=True), disable=not progress,
+                   transient=False)
     try:
         with bar:
             task = bar.add_task("run", total=total, completed=already_done, rate=0.0, failed=already_failed)
-            last_progress, deaths_seen, batch_time = time.monotonic(), 0, None
             next_cancel_check = 0.0
             while True:
                 before = tracker.done + tracker.failed
-                tracker.refresh()
+                moved = tracker.refresh().done + tracker.failed != before
                 now = time.monotonic()
-                if tracker.done + tracker.failed != before:
-                    last_progress = now
                 elapsed = now - started
                 bar.update(task, completed=tracker.done, failed=tracker.failed,
                            rate=(tracker.done - already_done) / elapsed if elapsed else 0.0)
@@ -313,35 +301,84 @@ def _serve(storage: Storage, local: LocalWorkers, *, queues: list[str], models: 
                 # `diffq cancel` from elsewhere: the workers drop what is queued.
                 if now >= next_cancel_check:
                     next_cancel_check = now + layout.CANCEL_CHECK_S
-                    if "result" in submitted and publisher.depth() == 0 and read_cancel(storage) is not None:
+                    if submission.published() and read_cancel(storage) is not None:
                         break
-                if "error" in submitted:
-                    raise submitted["error"]
+                submission.raise_error()
                 supervisor.poll()
                 if supervisor.all_fatal:
                     raise RunFailed("every worker failed to start; see the errors above")
-                # A worker died with a batch in hand: this transport lost it. Once the
-                # queue is empty and the others have had time to finish theirs,
-                # re-enqueue what the run folder says is missing. `scan` also credits
-                # a batch recorded but not credited (killed in between), which would
-                # otherwise stay pending.
-                if (reconciles and supervisor.deaths > deaths_seen and "result" in submitted
-                        and publisher.depth() == 0):
-                    if batch_time is None:  # read once per death, not every poll
-                        batch_time = max((record.generate_s for record in iter_records(storage)), default=5.0)
-                    if now - last_progress > max(5.0, 3 * batch_time):
-                        deaths_seen, batch_time = supervisor.deaths, None
-                        for message in missing_batches(storage, scan(storage).settled):
-                            publisher.publish(message)
-                            reenqueued += len(message.items)
-                        last_progress = now
+                if lost is not None:
+                    lost.check(now, moved)
                 time.sleep(0.2)
     finally:
         stop.set()
         supervisor.stop()
-        publishing.join(timeout=5)
+        submission.join(timeout=5)
         publisher.close()
         shutil.rmtree(broker_dir, ignore_errors=True)
-    return RunResult(out=storage.url, run_id=submitted.get("result", ""), total=total, done=tracker.done,
-                     failed=tracker.failed, seconds=time.monotonic() - started, reenqueued=reenqueued,
+    return RunResult(out=storage.url, run_id=submission.run_id, total=total, done=tracker.done,
+                     failed=tracker.failed, seconds=time.monotonic() - started,
+                     reenqueued=lost.reenqueued if lost else 0,
                      already_done=already_done, already_failed=already_failed)
+
+
+class _Submission:
+    """`publish_all(publisher)` in a thread; its run id, or its error for the main thread."""
+
+    def __init__(self, publish_all, publisher: BoundedPublisher):
+        self.publisher = publisher
+        self.run_id = ""
+        self._done = False
+        self._error: BaseException | None = None
+
+        def publish() -> None:
+            try:
+                self.run_id = publish_all(publisher)
+                self._done = True
+            except BaseException as exc:  # reported by the main thread
+                self._error = exc
+
+        self._thread = threading.Thread(target=publish, name="diffq-publish", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def join(self, timeout: float) -> None:
+        if self._thread.ident is not None:  # started
+            self._thread.join(timeout=timeout)
+
+    def published(self) -> bool:
+        """Everything submitted and nothing left in the runner's own queue."""
+        return self._done and self.publisher.depth() == 0
+
+    def raise_error(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+
+class _LostBatches:
+    """A worker died with a batch in hand and this transport lost it. Once the queue
+    is empty and the other workers have had time to finish theirs, re-enqueue what the
+    run folder says is missing. `scan` also credits a batch recorded but not credited
+    (killed in between), which would otherwise stay pending."""
+
+    def __init__(self, storage: Storage, supervisor: Supervisor, submission: _Submission):
+        self.storage, self.supervisor, self.submission = storage, supervisor, submission
+        self.reenqueued = 0
+        self._deaths_seen = 0
+        self._batch_time: float | None = None
+        self._last_progress = time.monotonic()
+
+    def check(self, now: float, moved: bool) -> None:
+        if moved:
+            self._last_progress = now
+        if self.supervisor.deaths <= self._deaths_seen or not self.submission.published():
+            return
+        if self._batch_time is None:  # read once per death, not every poll
+            self._batch_time = max((record.generate_s for record in iter_records(self.storage)), default=5.0)
+        if now - self._last_progress > max(5.0, 3 * self._batch_time):
+            self._deaths_seen, self._batch_time = self.supervisor.deaths, None
+            for message in missing_batches(self.storage, scan(self.storage).settled):
+                self.submission.publisher.publish(message)
+                self.reenqueued += len(message.items)
+            self._last_progress = now
