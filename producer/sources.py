@@ -195,6 +195,9 @@ def _csv_rows(path: Path) -> Iterator[tuple[int, dict]]:
         reader = csv.DictReader(handle)
         if not reader.fieldnames:
             raise InputError(path, 1, None, "missing CSV header row")
+        if "prompt" not in reader.fieldnames:  # said once, not as a missing field on every row
+            raise InputError(path, 1, "prompt",
+                             f"no 'prompt' column in the header: {', '.join(map(repr, reader.fieldnames))}")
         for row in reader:
             line_no = reader.line_num
             if None in row:

@@ -240,7 +240,7 @@ def test_a_byte_order_mark_inside_a_file_is_never_stripped(tmp_path):
     # Only one leading mark is the file's: a second one right after it is the header's.
     path = tmp_path / "twice.csv"
     path.write_bytes((BOM + BOM + "prompt\nfirst\n").encode("utf-8"))
-    with pytest.raises(InputError, match=r"twice.csv:2: field 'prompt': Field required"):
+    with pytest.raises(InputError, match=r"twice.csv:1: field 'prompt': no 'prompt' column in the header: '\\ufeffprompt'"):
         list(read_prompts(path))
 
 
@@ -324,3 +324,11 @@ def test_csv_integers_read_exactly_as_pydantic_reads_them(tmp_path_factory, rows
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(sources, "_typed_csv", lambda raw: raw)  # every CSV row through pydantic
         assert outcome() == fast
+
+
+def test_a_csv_without_a_prompt_column_is_refused_at_its_header_even_with_no_rows(tmp_path):
+    for body in ("id,height\n", "id,height\n,\n", "id,height\na,64\n"):
+        path = tmp_path / "p.csv"
+        path.write_text(body)
+        with pytest.raises(InputError, match=r"p.csv:1: field 'prompt': no 'prompt' column in the header: 'id', 'height'"):
+            list(read_prompts(path))

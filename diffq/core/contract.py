@@ -12,6 +12,7 @@ import functools
 import hashlib
 import json
 import re
+import string
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -86,11 +87,20 @@ def model_slug(model: str) -> str:
 # Every diffq queue's name starts with this (shape queues, the dead letters): brokers
 # list diffq's queues by it (core/transports.py).
 QUEUE_PREFIX = "diffq."
-# The queue name's dtype part is SHAPE_DTYPE_TAGS's; `shape_from_queue` reads it back.
-_QUEUE_RE = re.compile(
-    re.escape(QUEUE_PREFIX) + r"(?P<slug>[a-z0-9-]+)\.(?P<height>\d+)x(?P<width>\d+)\.b(?P<batch>\d+)"
-    r"\.l(?P<seq>\d+)\.(?P<cfg>cfg|nocfg)\.(?P<dtype>" + "|".join(SHAPE_DTYPE_TAGS.values()) + ")"
-)
+# The queue name, written once: `queue_name` fills it in, its pattern reads it back.
+QUEUE_FORMAT = QUEUE_PREFIX + "{slug}.{height}x{width}.b{batch}.l{seq}.{cfg}.{dtype}"
+_QUEUE_FIELDS = {"slug": "[a-z0-9-]+", "height": r"\d+", "width": r"\d+", "batch": r"\d+", "seq": r"\d+",
+                 "cfg": "cfg|nocfg", "dtype": "|".join(SHAPE_DTYPE_TAGS.values())}
+
+
+def _pattern(dot: str) -> re.Pattern:
+    """QUEUE_FORMAT as a regex, its dots spelled `dot` (kombu's SQS names use '-')."""
+    return re.compile("".join(re.escape(text.replace(".", dot)) + (f"(?P<{name}>{_QUEUE_FIELDS[name]})" if name else "")
+                              for text, name, _, _ in string.Formatter().parse(QUEUE_FORMAT)))
+
+
+_QUEUE_RE = _pattern(".")
+_ENTITY_RE = _pattern("-")
 
 
 @functools.lru_cache(maxsize=4096)
@@ -100,24 +110,15 @@ def queue_name(shape: ShapeKey) -> str:
     Only ``[a-z0-9.-]``: a plain Redis list (what KEDA's redis-list scaler reads),
     a valid RabbitMQ queue, and under SQS's 80 characters (kombu maps '.' to '-').
     """
-    return (
-        f"{QUEUE_PREFIX}{model_slug(shape.model)}.{shape.height}x{shape.width}"
-        f".b{shape.batch_size}.l{shape.max_sequence_length}"
-        f".{'cfg' if shape.cfg else 'nocfg'}.{SHAPE_DTYPE_TAGS[shape.dtype]}"
-    )
-
-
-# The same name as kombu's SQS transport spells it ('.' -> '-').
-_ENTITY_RE = re.compile(_QUEUE_RE.pattern.replace(r"\.", "-"))
+    return QUEUE_FORMAT.format(slug=model_slug(shape.model), height=shape.height, width=shape.width,
+                               batch=shape.batch_size, seq=shape.max_sequence_length,
+                               cfg="cfg" if shape.cfg else "nocfg", dtype=SHAPE_DTYPE_TAGS[shape.dtype])
 
 
 def queue_from_entity_name(name: str) -> str | None:
     """A shape queue's name back from its SQS spelling, or None if it is not one."""
     match = _ENTITY_RE.fullmatch(name)
-    if not match:
-        return None
-    return (f"{QUEUE_PREFIX}{match['slug']}.{match['height']}x{match['width']}.b{match['batch']}"
-            f".l{match['seq']}.{match['cfg']}.{match['dtype']}")
+    return QUEUE_FORMAT.format(**match.groupdict()) if match else None
 
 
 def is_shape_queue(queue: str, models: list[str] | None = None, dtypes: tuple[str, ...] | None = None) -> bool:
