@@ -1,12 +1,18 @@
 """`make bench`: every benchmark in one run; prints a table and writes
 docs/BENCHMARKS.md with the figures (date, commit, machine) and a plot.
 
-    python -m bench [--quick] [--only SECTIONS] [--load SECTION=FILE ...]
+    python -m bench [--quick] [--only SECTIONS] [--load SECTION=FILE ...] [--render]
+
+The Scale section's parts come from docs/scale_*.json, which the scale benchmarks
+write (bench/scale.py): `make bench` keeps them as they are. Notes written by hand
+beside a section's figures (reading them under the load they were taken at) are
+docs/benchmarks.json's "notes" (section → text); running that section again drops its note.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -14,6 +20,7 @@ import platform
 import re
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -65,8 +72,8 @@ def plot(e2e: list[dict], path: Path) -> None:
     fig.savefig(path)
 
 
-SECTIONS = ("e2e", "whole", "device", "sink", "ray_data", "producer", "status", "routing", "compile_cache",
-            "figures", "fleet")
+SECTIONS = ("e2e", "whole", "device", "handoff", "phases", "sink", "ray_data", "producer", "status", "routing", "compile_cache", "warm",
+            "figures", "fleet", "degenerate")
 
 
 def run_section(name: str, quick: bool) -> list[dict] | dict:
@@ -84,6 +91,26 @@ def run_section(name: str, quick: bool) -> list[dict] | dict:
         return e2e.main(["--whole", "--items", "96" if quick else "1920", "--repeats", "1" if quick else "3"])
     if name == "device":
         return device_documents(quick)
+    if name == "handoff":
+        from bench import handoff
+
+        if quick:
+            return handoff.main(["--batches", "2", "--rounds", "1", "--json"])
+        # JPEG encodes in a few ms: more batches so that the 10 ms CPU clock tick stays small beside it.
+        return handoff.main(["--formats", "jpeg", "--batches", "24", "--json"]) + handoff.main(
+            ["--formats", "png,webp", "--json"])
+    if name == "phases":
+        from bench import phases
+
+        breakdown = phases.main(["--size", "512", "--format", "jpeg", "--json"])
+        if quick:
+            return {"breakdowns": [breakdown]}
+        from bench.standin import SOCKET_PIXELS
+
+        # The helper's profile with the pixels through the socket: the hand-off shared memory replaced.
+        with environment(SOCKET_PIXELS, "1"):
+            profiled = phases.main(["--size", "1024", "--format", "jpeg", "--profile-sink", "--json"])
+        return {"breakdowns": [breakdown], "sink_profile": profiled}
     if name == "sink":
         return sink.main(["--rounds", "2" if quick else "6"])
     if name == "producer":
@@ -93,6 +120,14 @@ def run_section(name: str, quick: bool) -> list[dict] | dict:
                             "--s3-summary-items", "50000" if quick else "1000000"])
     if name == "routing":
         return routing.main(["--batches", "4" if quick else "8"])
+    if name == "warm":
+        from bench import warm
+
+        return warm.main(["--repeats", "1" if quick else "3", "--json"])
+    if name == "degenerate":
+        from bench import degenerate
+
+        return degenerate.main(["--batches", "2", "--repeats", "50"] if quick else [])
     if name == "fleet":
         from bench import fleet
 
@@ -120,17 +155,30 @@ def device_documents(quick: bool) -> dict:
         "shared_cores": device.main(["--cores", "2", "--repeats", "1", "--sizes", "1024", "--batches", "8",
                                      "--formats", "png,jpeg", "--targets", "local"]),
     }
-    saved = os.environ.get("DIFFQ_SINK")
-    os.environ["DIFFQ_SINK"] = "thread"
-    try:
+    with environment("DIFFQ_SINK", "thread"):
         documents["thread_sink"] = device.main([*one, "--sizes", "1024", "--batches", "8", "--formats", "jpeg",
                                                 "--targets", "local"])
+    from bench.standin import SOCKET_PIXELS
+
+    with environment(SOCKET_PIXELS, "1"):
+        documents["socket_pixels"] = device.main([*one, "--sizes", "1024,512", "--batches", "8",
+                                                  "--formats", "jpeg,png", "--targets", "local"])
+    for row in documents["socket_pixels"]["sweeps"]:
+        row["sink"] = "process (socket pixels)"
+    return documents
+
+
+@contextlib.contextmanager
+def environment(name: str, value: str) -> Iterator[None]:
+    saved = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
     finally:
         if saved is None:
-            del os.environ["DIFFQ_SINK"]
+            del os.environ[name]
         else:
-            os.environ["DIFFQ_SINK"] = saved
-    return documents
+            os.environ[name] = saved
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -140,24 +188,30 @@ def main(argv: list[str] | None = None) -> None:
                                        "the others are kept from docs/benchmarks.json")
     parser.add_argument("--load", action="append", default=[], metavar="SECTION=FILE",
                         help="take a section's figures from a file (its module's JSON output) instead of running it")
+    parser.add_argument("--render", action="store_true",
+                        help="run nothing: write docs/BENCHMARKS.md again from docs/benchmarks.json and docs/scale_*.json")
     args = parser.parse_args(argv)
     loaded = dict(item.split("=", 1) for item in args.load)
     docs = ROOT / "docs"
     docs.mkdir(exist_ok=True)
     saved = docs / "benchmarks.json"
-    partial = bool(args.only or loaded)
+    partial = bool(args.only or loaded or args.render)
     results = json.loads(saved.read_text()) if partial and saved.exists() else {}
-    only = args.only.split(",") if args.only else ([] if loaded else list(SECTIONS))
+    only = args.only.split(",") if args.only else ([] if loaded or args.render else list(SECTIONS))
     for name in SECTIONS:
         if name in loaded:
             results[name] = json.loads(Path(loaded[name]).read_text())
         elif name in only:
             results[name] = run_section(name, args.quick)
+            # Notes written by hand read the figures they were written beside: a new run drops them.
+            results.get("notes", {}).pop(name, None)
             # Which pass measured each section: a partial run keeps the others' figures.
             results.setdefault("_runs", {})[name] = {"at": _now(), "commit": commit()}
     saved.write_text(json.dumps(results, indent=1))
     text = render(results)
     (docs / "BENCHMARKS.md").write_text(text)
+    if args.render:  # the figures did not change, nor do their plots
+        return
     plot(results["e2e"], docs / "benchmarks.png")
     if results.get("device"):
         from bench.device import plot as plot_device
@@ -211,8 +265,11 @@ def render(results: dict) -> str:
                      f"{repeats('in_run_ratios')} | {row['images_per_s']:.1f} | {row['ratio']:.2f}{repeats('ratios')} | "
                      f"{startup} | {gap} | `{row['command']}` |")
     lines += ["", "![throughput](benchmarks.png)", ""]
-    lines += whole_section(results.get("whole", []))
-    lines += device_section(results.get("device", {}))
+    lines += whole_section(results.get("whole", []), results.get("notes", {}).get("whole"))
+    notes = results.get("notes", {})
+    lines += device_section(results.get("device", {}), notes.get("device"))
+    lines += handoff_section(results.get("handoff", []), notes.get("handoff"))
+    lines += phases_section(results.get("phases"), notes.get("phases"))
     lines += sink_section(results.get("sink", []))
     lines += ray_section(results.get("ray_data", []))
     lines += ["", "## Producer at scale", "",
@@ -238,21 +295,119 @@ def render(results: dict) -> str:
     lines += ["", "## Compile cache (Inductor on CPU)", ""]
     for row in cache_rows:
         lines += [f"`{row['command']}`", "", "```", row["output"], "```", ""]
+    lines += warm_section(results.get("warm"), results.get("notes", {}).get("warm"))
     lines += figures_section(results.get("figures", []))
+    lines += degenerate_section(results.get("degenerate"))
     lines += goals(results) + ["", LIMITS]
     return "\n".join(lines)
 
 
-def whole_section(rows: list[dict]) -> list[str]:
+def warm_section(warm: dict | None, text: str | None) -> list[str]:
+    """bench/warm.py: a second worker process on the same compile cache against a cold one."""
+    if not warm:
+        return []
+    lines = ["## Warm start, whole process", "",
+             f"`python -m bench.warm --repeats {len(warm['pairs'])}`: tiny {warm['family']} {warm['size']}², "
+             f"`--compile {warm['compile']}`, two `diffq worker --warmup-only` processes on one remote cache "
+             "(each its own empty local mirror, as two hosts), spawn to exit; CPU seconds of the process tree "
+             f"beside wall time. Load average {warm['load_average'][0]} → {warm['load_average'][1]} (2 cores).", "",
+             "| pair | cold s | cold CPU s | warm s | warm CPU s | warm: load / warm-up / rest s | warm / cold | CPU ratio |",
+             "|---|---|---|---|---|---|---|---|"]
+    for index, pair in enumerate(warm["pairs"], 1):
+        cold, hot = pair["cold"], pair["warm"]
+        lines.append(f"| {index} | {cold['process_s']:.1f} | {cold['cpu_s']:.1f} | {hot['process_s']:.1f} | "
+                     f"{hot['cpu_s']:.1f} | {hot['load_s']:.1f} / {hot['warmup_s']:.1f} / {hot['rest_s']:.1f} | "
+                     f"{pair['ratio']:.2f} | {pair['cpu_ratio']:.2f} |")
+    lines += ["", f"Median: cold {warm['median_process_s']['cold']:.1f} s, warm {warm['median_process_s']['warm']:.1f} s, "
+              f"**{warm['median_ratio']:.2f}** of a cold process (CPU seconds {warm['median_cpu_ratio']:.2f}); "
+              f"goal ≤ {warm['goal']}.", ""]
+    return lines + note(text)
+
+
+def warm_goal(warm: dict | None) -> tuple:
+    goal = "warm start ≤ 0.25 × cold, whole process"
+    if not warm:
+        return goal, "pending", "not measured in these figures"
+    return (goal, warm["median_ratio"] <= warm["goal"],
+            f"{warm['median_ratio']:.2f} (cold {warm['median_process_s']['cold']:.1f} s, warm "
+            f"{warm['median_process_s']['warm']:.1f} s; CPU seconds {warm['median_cpu_ratio']:.2f}), load "
+            f"{warm['load_average'][0]}–{warm['load_average'][1]}")
+
+
+def note(text: str | None) -> list[str]:
+    """A note written by hand beside a section's figures (docs/benchmarks.json "notes")."""
+    return [text.strip(), ""] if text else []
+
+
+def whole_section(rows: list[dict], written: str | None = None) -> list[str]:
     from bench.e2e import render_whole
 
-    return render_whole(rows) if rows else []
+    return render_whole(rows) + note(written) if rows else []
 
 
-def device_section(results: dict) -> list[str]:
+def device_section(results: dict, written: str | None = None) -> list[str]:
     from bench.device import render
 
-    return render(results) if results else []
+    return render(results) + note(written) if results else []
+
+
+def handoff_section(rows: list[dict], written: str | None = None) -> list[str]:
+    """Under "Keeping a fast device fed": how the worker hands pixels to the sink helper."""
+    from bench.handoff import render
+
+    if not rows:
+        return []
+    return ["### Handing pixels to the sink helper", "",
+            "The worker hands each batch of 8-bit arrays to the sink helper in a **shared-memory",
+            "slot**: an anonymous memfd mapped by both processes (its descriptor passed once per",
+            "helper over the socket). The worker's send thread copies the arrays in (numpy's copy,",
+            "without the GIL), and the helper builds its images straight from the slot into",
+            "uninitialised PIL images (`Image.new(mode, size, None)`: the default fills each image",
+            "with zeros first). A slot is free again when its batch is stored, has failed, or its",
+            "helper died (tests/test_sink_process.py). Before, the helper read every batch off the",
+            "socket (its profile is below the breakdown).", "",
+            "The helper's CPU per image against the bare encode + write of the same images, with",
+            "each kind of hand-off (`python -m bench.handoff`: 24 batches of 8 per mode for JPEG,",
+            "6 for PNG and WebP, two rounds interleaved, least kept; CPU seconds from /proc, so",
+            "the 10 ms clock tick is ±2 % of a PNG/WebP row):", "",
+            *render(rows), "", *note(written)]
+
+
+def phases_section(result: dict | None, written: str | None = None) -> list[str]:
+    """Under "Keeping a fast device fed": the gap between two device calls, step by step."""
+    from bench.phases import render
+
+    if not result:
+        return []
+    if "segments" in result:  # `--load phases=FILE`: bench.phases' own JSON, one breakdown
+        result = {"breakdowns": [result]}
+    lines = ["### Between two device calls: where the milliseconds go", "",
+             "`python -m bench.phases` runs the stand-in device-bound (T well above the host limit,",
+             "so the gap is the worker's own time, not waiting on the sink) with",
+             "`DIFFQ_BENCH_PHASES=<folder>`: the stand-in worker wraps each step a batch passes",
+             "through on its main thread (reading the message off the embedded broker, kombu's",
+             "decode, Celery's request and trace, the task body's steps, the host's preparation of",
+             "the call, the hand-off to the sink, the held ack and its settling) with time stamps",
+             "on entry and exit, written out while the \"device\" runs. Every microsecond between one",
+             "call's end and the next call's start falls into exactly one segment (named by the two",
+             "stamps around it); medians over the batches. The stamps cost ~1 µs each, ~40 per gap.",
+             "The records' gap (the bench.device figure) leaves out \"8-bit arrays + checks\": it is",
+             "inside `generate_s` (on an accelerator it runs on the device; on the stand-in, on the",
+             "host's CPU).", ""]
+    for breakdown in result.get("breakdowns", []):
+        lines += [*render(breakdown), ""]
+    lines += note(written)
+    profiled = result.get("sink_profile") or {}
+    if profiled.get("sink_profile"):
+        lines += [f"The sink helper's own CPU per batch with the pixels through the socket (before the "
+                  f"shared-memory slots; {profiled['size']}² {profiled['format']}, batch {profiled['batch']}; "
+                  "cProfile with each thread's CPU clock, so its overhead inflates the Python rows; "
+                  f"load {profiled['load_average']}; `DIFFQ_BENCH_SOCKET_PIXELS=1 python -m bench.phases "
+                  f"--size {profiled['size']} --format {profiled['format']} --profile-sink`):", "",
+                  "| function | own CPU ms / batch |", "|---|---|",
+                  *(f"| {row['function']} | {row['own_ms_per_batch']:.2f} |" for row in profiled["sink_profile"][:8]),
+                  ""]
+    return lines
 
 
 def sink_section(rows: list[dict]) -> list[str]:
@@ -272,12 +427,16 @@ def sink_section(rows: list[dict]) -> list[str]:
 
 def scale_section(results: dict) -> list[str]:
     """"## Scale": one subsection (###) per part measured at fleet size."""
-    from bench.fleet import render as control_plane
+    from bench.scale import section
 
-    parts = control_plane(results.get("fleet", []))
-    while parts and not parts[-1]:
-        parts.pop()
+    parts = section(results.get("fleet", []))
     return ["", "## Scale", "", *parts] if parts else []
+
+
+def degenerate_section(result: dict | None) -> list[str]:
+    from bench.degenerate import render
+
+    return render(result) if result else []
 
 
 def figures_section(rows: list[dict]) -> list[str]:
@@ -349,7 +508,8 @@ def goals(results: dict) -> list[str]:
                    if "run_cpu_within_10pct_of_bare_loop" in row.get("goal", {})]
     if device_rows:
         def label(row: dict) -> str:
-            sink = " thread sink" if row.get("sink") == "thread" else ""
+            kind = row.get("sink", "process")
+            sink = "" if kind == "process" else " thread sink" if kind == "thread" else f" {kind}"
             return f"{row['height']}² {row['format']} b{row['batch']} {row['target']} {row.get('layout', 'shared')}{sink}"
 
         checks += [
@@ -373,12 +533,56 @@ def goals(results: dict) -> list[str]:
                        all(abs(r - row["marginal_ratio"]) <= row["marginal_ratio"] / 3 for r in ratios),
                        f"marginal {row['marginal_ratio']:.2f} ({min(ratios):.2f}–{max(ratios):.2f}), whole at 2N "
                        f"{row['whole_ratio']:.2f} ({min(row['whole_ratios']):.2f}–{max(row['whole_ratios']):.2f})"))
+    checks += device_feed_goals(results)
     from bench.fleet import goals as fleet_goals
+    from bench.scale import goals as scale_goals
 
-    checks += fleet_goals(results.get("fleet", []))
+    checks += scale_goals() + fleet_goals(results.get("fleet", []))
     lines = ["## Goals", "", "| goal | met | this run |", "|---|---|---|"]
-    lines += [f"| {goal} | {'yes' if met else '**no**'} | {figure} |" for goal, met, figure in checks]
+    # met: True, False, or a word where the figure cannot judge it (pending, not measurable here).
+    lines += [f"| {goal} | {met if isinstance(met, str) else 'yes' if met else '**no**'} | {figure} |"
+              for goal, met, figure in checks]
     return lines
+
+
+def device_feed_goals(results: dict) -> list[tuple[str, bool | str, str]]:
+    """Issue 29's goals: the knee per format and size, the gap's breakdown, the hand-written loop,
+    the warm start and the GPU run."""
+    documents = results.get("device", {})
+    helper = {(row["height"], row["format"]): row for document in documents.values() for row in document["sweeps"]
+              if row.get("sink", "process") == "process" and row.get("layout") == "split"
+              and (row["batch"], row["target"]) == (8, "local")}
+    wanted = [(size, fmt) for size in (1024, 512) for fmt in ("png", "jpeg", "webp")]
+    loads = [r["load_average"] for row in helper.values() for r in row.get("repeats", []) if "load_average" in r]
+
+    def knee(row: dict | None) -> str:
+        if row is None:
+            return "not measured"
+        return f"{row['knee_s_per_image'] / row['host_limit_s_per_image']:.2f}" if row["knee_s_per_image"] else "below grid"
+
+    knees = ", ".join(f"{size}² {fmt}: {knee(helper.get((size, fmt)))}" for size, fmt in wanted)
+    checks: list[tuple[str, bool | str, str]] = [
+        ("knee ≤ 1.10 × host limit, PNG, JPEG and WebP at 1024² and 512² (helper sink, one spare core)",
+         all(helper.get(key) and helper[key]["knee_s_per_image"]
+             and helper[key]["knee_s_per_image"] <= 1.10 * helper[key]["host_limit_s_per_image"] for key in wanted),
+         knees + (f"; load average {min(loads):.1f}–{max(loads):.1f} on 2 cores" if loads else ""))]
+    breakdowns = (results.get("phases") or {}).get("breakdowns", [])
+    checks.append(("every millisecond between two device calls accounted (per-batch breakdown)", bool(breakdowns),
+                   "; ".join(f"{b['size']}² {b['format']}: {len(b['segments'])} segments over {b['gaps']} gaps, "
+                             f"median gap {b['gap_ms_median']} ms (records {b['records_gap_ms']} ms), table under "
+                             "\"Between two device calls\"" for b in breakdowns) or "not measured"))
+    hand = [row for row in results.get("whole", []) if row.get("hand_whole_ratios")]
+    checks.append(("whole process ≥ 1.0 × the hand-written loop (tiny pipeline, median of 3 interleaved repeats)",
+                   bool(hand) and all(row["hand_whole_ratio"] >= 1.0 for row in hand),
+                   ", ".join(f"{row['workers']} worker(s), 2N = {2 * row['items']}: {row['hand_whole_ratio']:.2f} "
+                             f"({min(row['hand_whole_ratios']):.2f}–{max(row['hand_whole_ratios']):.2f}), load "
+                             f"{row.get('load_average', '?')}" for row in hand) or "not measured"))
+    checks += [
+        warm_goal(results.get("warm")),
+        ("real-size FLUX.2-klein at 1024² on a GPU: diffq vs bare vs hand-written loop, `diffq qualify`",
+         "not measurable here", "not run: no GPU lent to this session"),
+    ]
+    return checks
 
 
 LIMITS = """## What limits the figures (from profiles)
@@ -476,20 +680,26 @@ LIMITS = """## What limits the figures (from profiles)
     worker (`DIFFQ_SINK=thread`: 13 ms gaps per 1024² JPEG batch of 8 on a core of
     their own, 4 ms with one thread). The pipeline now returns tensors
     (`output_type="pt"`), scaled to 8 bits where they are (the device, on an
-    accelerator), and the worker writes those arrays' memory to the socket, which
-    releases the GIL: the device loop's gap is ~1.4 ms per batch, the rest of it
-    Celery fetching and dispatching the next message and the task's bookkeeping.
+    accelerator), and the worker's send thread copies those arrays into a shared-memory
+    slot the sink helper builds its images from (numpy's copy runs without the GIL;
+    "Handing pixels to the sink helper"). Through the socket, the helper's read of each
+    batch had cost it about half as much CPU as encoding the batch (1024² JPEG).
   - In the helper, every batch's new images faulted fresh memory in (PIL hands each
     image's blocks back to the OS by default: `Image.new` was half the helper's main
     thread), and each local write resolved its whole path, a GIL round trip per part,
     plus an mkdir: the sink keeps 16 freed blocks, resolves a directory once and makes
-    it on the first write into it. 1024² JPEG: 9.2 → 3.3 ms of CPU per image (bare
-    loop 2.5).
-  - What is left bounds only formats that encode in a few ms: with ~1.4 ms of worker
-    time per batch, busy stays ≥ 0.97 down to ~gap / (0.03 × batch) per image, 5 ms at
-    batch 8 (200 images/s per device), 4.4 ms at batch 16. Getting under it means
-    fetching and preparing batch N+1 while batch N runs, i.e. running the device call
-    outside Celery's task call: not done (retries, splits and hand-backs live there)."""
+    it on the first write into it, and skips PIL's zero fill of each new image.
+    1024² JPEG: 9.2 → 3.3 ms of CPU per image (bare loop 2.5; quiet machine, before
+    the shared-memory slots).
+  - What is left is the worker's own serial time between two calls: reading the next
+    message off the embedded broker, Celery around the task, the task body ("Between
+    two device calls: where the milliseconds go" breaks it down). It bounds only
+    formats that encode in a few ms: busy stays ≥ 0.97 down to ~gap / (0.03 × batch)
+    per image, so a 1.5 ms gap at batch 8 holds the knee near 6 ms per image
+    (512² JPEG is gap-bound; PNG, WebP, and JPEG at 1024² are sink-bound). Getting
+    under it means fetching and preparing batch N+1 while batch N runs, i.e. running
+    the device call outside Celery's task call: not done (retries, splits and
+    hand-backs live there)."""
 
 
 if __name__ == "__main__":

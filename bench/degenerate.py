@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import tempfile
+import textwrap
 import time
 from pathlib import Path
 
@@ -79,18 +81,26 @@ def main(argv: list[str] | None = None) -> dict:
         "conversion_ms_unchecked": best["none"] * 1e3,
         # The flat check alone on 8-bit pixels (conversion to host arrays subtracted), and as one aminmax.
         "flat_ms": max(0.0, best["flat"] - best["8-bit"]) * 1e3, "flat_aminmax_ms": best["aminmax"] * 1e3,
-        "torch": torch.__version__, "command": f"{COMMAND} --batches {args.batches} --repeats {args.repeats}",
+        "torch": torch.__version__, "load_average": [round(x, 2) for x in os.getloadavg()],
+        "command": f"{COMMAND} --batches {args.batches} --repeats {args.repeats}",
     }
     return result
 
 
 def render(result: dict) -> list[str]:
-    """The docs/BENCHMARKS.md subsection."""
+    """The docs/BENCHMARKS.md section; `note`, where the result has one, says when and how it was measured."""
+    when = result.get("note") or (f"Load average (1, 5, 15 min) when measured: "
+                                  f"{' '.join(f'{x:.1f}' for x in result['load_average'])}."
+                                  if result.get("load_average") else "")
+    prose = (f"Tiny pipeline, {result['workload']}, one torch thread (torch {result['torch']}): every check on "
+             "(non-finite before the 8-bit conversion, flat after) against none, on the pipeline's real output "
+             f"(worker/pipeline_host.py `checked_arrays`). {when}")
     return [
         "## What the degenerate-image checks cost",
         "",
-        f"Tiny pipeline, {result['workload']}, one torch thread (torch {result['torch']}): every check on "
-        "(non-finite before the 8-bit conversion, flat after) against none, on the pipeline's real output.",
+        # A number and its unit stay on one line.
+        *(line.replace("\xa0", " ") for line in textwrap.wrap(prose.replace(" %", "\xa0%"), 92,
+                                                               break_on_hyphens=False)),
         "",
         "| pipeline call s (median) | checks ms / batch | share of the batch | flat check ms "
         "| flat check as one aminmax ms | command |",

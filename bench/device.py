@@ -104,7 +104,9 @@ def analyse(records: list, plan: list[tuple[float, int]], cpu: CpuSampler | None
 
 
 def tree_cpu_seconds(root: int) -> float:
-    """User + system CPU seconds of `root` and its live descendants (Linux /proc)."""
+    """User + system CPU seconds of `root` and its live descendants (Linux /proc), with
+    what their exited children spent (cutime, cstime: a helper that ended and was reaped
+    mid-window still counts, or the window's CPU would shrink)."""
     parents, cpu = {}, {}
     tick = os.sysconf("SC_CLK_TCK")
     for entry in os.listdir("/proc"):
@@ -116,7 +118,7 @@ def tree_cpu_seconds(root: int) -> float:
         except OSError:  # exited meanwhile
             continue
         parents[int(entry)] = int(fields[1])
-        cpu[int(entry)] = (int(fields[11]) + int(fields[12])) / tick
+        cpu[int(entry)] = sum(int(value) for value in fields[11:15]) / tick
     children: dict[int, list[int]] = {}
     for pid, parent in parents.items():
         children.setdefault(parent, []).append(pid)
@@ -412,7 +414,7 @@ def render(documents: dict[str, dict]) -> list[str]:
             f"{cpu} | {at_2x[1]:.3f} at {ms(at_2x[0])} ms | {statistics.median(gaps):.1f} | "
             f"{'yes' if goal else '**no**'} |")
     lines += ["", "`python -m bench.device --cores C --sizes S --batches B --formats F --targets T` reproduces a",
-              "row (`--quick --json`: the 1024² PNG and JPEG rows, batch 8, local, one spare core);",
+              "row (`--quick --json`: the 1024² and 512² PNG, JPEG and WebP rows, batch 8, local, one spare core);",
               "`DIFFQ_SINK=thread` in front for the thread-sink row. Goal: busy ≥ 0.97 while T ≥ 1.1 × the host",
               "limit, and the knee within 10 % of it.", "",
               "![device busy vs device time per image](device.png)", ""]
@@ -544,7 +546,7 @@ def plot(sweeps: list[dict], path: Path) -> None:
 
 def main_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="1024² PNG and JPEG, batch 8, local (a few minutes)")
+    parser.add_argument("--quick", action="store_true", help="1024² and 512², PNG, JPEG and WebP, batch 8, local (several minutes)")
     parser.add_argument("--json", action="store_true", help="print only the JSON document on stdout")
     parser.add_argument("--cores", type=int, default=1, help="cores the run and the bare loop may use")
     parser.add_argument("--sizes", default="1024,512")
@@ -561,7 +563,7 @@ def main_parser() -> argparse.ArgumentParser:
 def configs(args: argparse.Namespace) -> list[tuple[str, int, int, str]]:
     """(target, size, batch, format) per sweep, in run order."""
     if args.quick:
-        args.sizes, args.batches, args.formats, args.targets = "1024", "8", "png,jpeg", "local"
+        args.sizes, args.batches, args.formats, args.targets = "1024,512", "8", "png,jpeg,webp", "local"
     if args.repeats is None:
         args.repeats = 1 if args.quick else 2
     return [(target, int(size), int(batch), fmt) for target in args.targets.split(",")

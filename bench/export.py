@@ -176,7 +176,8 @@ writes `metadata.jsonl`); `diffq fetch --shard I/N` splits the same way. Each pa
 reads every record file (a record's position is the count of images before it) and
 parses, fetches and writes only its own; a root batch's records sort together, so items
 are deduplicated per root instead of by a run-wide set. How to run N parts as an
-indexed Kubernetes Job: docs/fleet.md. Each row: noise PNGs (see its command)
+indexed Kubernetes Job (`completionMode: Indexed`, `--shard $(JOB_COMPLETION_INDEX)/N`):
+docs/fleet.md "Exporting with N machines: an indexed Job". Each row: noise PNGs (see its command)
 from a local run folder into /dev/shm (the local disk, shared with the other jobs,
 bounded the writes), N exporters at once (median of 2), then each of the N parts alone
 one after another; the union of the N outputs was checked byte for byte against the
@@ -190,7 +191,9 @@ positions: export a finished run, and check that every part prints the same `of 
 images`."""
 
 
-def scale_goals(rows: list[dict]) -> list[str]:
+def scale_goals(rows: list[dict] | None = None) -> list[tuple[str, bool, str]]:
+    """Issue 27's export goals, judged on the rows (default: docs/scale_export.json)."""
+    rows = json.loads(SCALE_JSON.read_text()) if rows is None else rows
     one = {r["format"]: r["images_per_s"] for r in rows if r["exporters"] == 1}
     split = [r for r in rows if r["exporters"] > 1]
     ratios = [r["images_per_s"] / one[r["format"]] for r in split]
@@ -198,26 +201,28 @@ def scale_goals(rows: list[dict]) -> list[str]:
     loads = [r["load_average"][0] for r in rows]
     scaled = all(r["images_per_s"] >= 0.8 * one[r["format"]] * min(r["exporters"], os.cpu_count() or 1)
                  for r in split)
-    return ["| goal | met | measured |", "|---|---|---|",
-            f"| the union of N shards' output is byte-identical to a single export's | "
-            f"{'yes' if all(r['union_identical'] for r in rows) else '**no**'} | every row above "
-            f"({', '.join(sorted(one))}; N = {', '.join(str(n) for n in sorted({r['exporters'] for r in split}))}); "
-            "tests/test_export.py also for 40 shards of 20 files, shards writing at once into one S3 prefix, "
-            "and fetch |",
-            f"| images/s per exporter scales with N up to the cores | {'yes' if scaled else '**not shown here**'} | "
-            f"with the cores already taken (load {min(loads):.0f}–{max(loads):.0f}), N at once shares what is left: "
-            f"{min(ratios):.2f}–{max(ratios):.2f} × one exporter. What splitting costs is small: the N parts run "
-            f"alone took {min(net):.1f}–{max(net):.1f} × the single export's CPU once each process's start "
-            f"(~{rows[0]['start_cpu_s']:.1f} CPU s) is taken off, within this machine's run-to-run spread (two runs "
-            "of the single export differ by up to 30 % in CPU). Parts share nothing but the storage, so on free "
-            "cores the rate is N × one part's |"]
+    return [("export: the union of N shards' output is byte-identical to a single export's",
+             all(r["union_identical"] for r in rows),
+             f"every row of the export table ({', '.join(sorted(one))}; N = "
+             f"{', '.join(str(n) for n in sorted({r['exporters'] for r in split}))}); tests/test_export.py also for "
+             "40 shards of 20 files, shards writing at once into one S3 prefix, and fetch"),
+            ("export: images/s per exporter scales with N up to the cores", scaled,
+             f"not shown here: with the cores already taken (load {min(loads):.0f}–{max(loads):.0f}), N at once "
+             f"shares what is left: {min(ratios):.2f}–{max(ratios):.2f} × one exporter. What splitting costs is "
+             f"small: the N parts run alone took {min(net):.1f}–{max(net):.1f} × the single export's CPU once each "
+             f"process's start (~{rows[0]['start_cpu_s']:.1f} CPU s) is taken off, within this machine's run-to-run "
+             "spread (two runs of the single export differ by up to 30 % in CPU). Parts share nothing but the "
+             "storage, so on free cores the rate is N × one part's" if not scaled else
+             f"N at once: {min(ratios):.2f}–{max(ratios):.2f} × one exporter")]
 
 
 def scale_section(rows: list[dict] | None = None) -> list[str]:
     """The Scale section's export part: prose, table, plot, goals, limits."""
+    from bench.scale import goal_table
+
     rows = json.loads(SCALE_JSON.read_text()) if rows is None else rows
     return ["### Parallel export and fetch", "", *SCALE_PROSE.splitlines(), "", *render(rows), "",
-            "![export scaling](scale_export.png)", "", *scale_goals(rows), "", *LIMITS.splitlines(), ""]
+            "![export scaling](scale_export.png)", "", *goal_table(scale_goals(rows)), "", *LIMITS.splitlines(), ""]
 
 
 def main(argv: list[str] | None = None) -> list[dict]:

@@ -9,21 +9,27 @@ publish path (faster than kombu's own `Producer.batch`: ../shared/CELERY.md).
 Every other broker ("kombu-batch": AMQP, SQS, the embedded filesystem one)
 publishes through kombu's `Producer.batch`, which pipelines where the transport
 can and publishes at once where it cannot. Either way each queue is declared once
-through kombu, as `send_task` would.
+through kombu, as `send_task` would, and on close the broker's dead letters for
+the queues published to (the transport table's `dead_letters.declare`: RabbitMQ's
+policy given DIFFQ_RABBITMQ_API, SQS's redrive policy; the worker declares them too).
 """
 
 from __future__ import annotations
 
 import base64
 import contextlib
+import logging
 
 import orjson
 from kombu.transport import redis as kombu_redis
 
 from diffq.core.broker import make_celery
 from diffq.core.contract import BatchMessage
+from diffq.core.settings import get_settings
 from diffq.core.transports import transport_for
 from diffq.producer.messages import EncodedBatch, TaskMessages, dashed, new_task_id
+
+log = logging.getLogger(__name__)
 
 
 class CeleryPublisher:
@@ -35,7 +41,8 @@ class CeleryPublisher:
         self._connection = self.app.connection_for_write()
         self._producer = self._connection.Producer(serializer="json")
         self._declared: set[str] = set()
-        self._sink = PUBLISHERS[transport_for(broker_url).publisher](self._producer, batch_size)
+        self._transport = transport_for(broker_url)
+        self._sink = PUBLISHERS[self._transport.publisher](self._producer, batch_size)
 
     def publish(self, message: BatchMessage) -> None:
         self.publish_encoded(EncodedBatch.of(message))
@@ -52,8 +59,19 @@ class CeleryPublisher:
     def close(self) -> None:
         try:
             self._sink.close()  # sends what is still buffered
+            if self._declared:
+                self._declare_dead_letters()
         finally:
             self._connection.release()
+
+    def _declare_dead_letters(self) -> None:
+        # After the messages: SQS applies a redrive policy on receipt, RabbitMQ's
+        # policy applies to a queue whenever it is set.
+        try:
+            self._transport.dead_letters.declare(self._connection, sorted(self._declared),
+                                                 get_settings().rabbitmq_api)
+        except Exception as exc:  # the workers declare them at start as well
+            log.warning("could not declare the broker's dead letters: %s", exc)
 
 
 class RedisLists:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import getpass
 import hashlib
-import json
 import socket
 import time
 from collections.abc import Callable, Iterator
@@ -28,8 +27,8 @@ from pathlib import Path
 from diffq.core import layout
 from diffq.core.contract import BatchMessage
 from diffq.core.progress import reconcile
-from diffq.core.records import CancelMarker, RunManifest, parse_plan_part, plan_part
-from diffq.core.runfolder import read_cancel, read_failures, read_manifest, recorded_batches
+from diffq.core.records import CancelMarker, RunDefaults, RunManifest, parse_plan_part, plan_part
+from diffq.core.runfolder import failed_items, read_cancel, read_failures, read_manifest, recorded_batches
 from diffq.core.storage import NotFound, Storage, open_storage
 from diffq.producer.bucketing import RunOptions
 from diffq.producer.sources import Defaults, read_prompts
@@ -78,7 +77,7 @@ def _publish(storage: Storage, messages: Iterator[BatchMessage], broker_url: str
 
 @dataclass
 class Recorded:
-    """Item ids the run folder's records say are done, and those its failure records name."""
+    """Item ids the run folder's records say are done, and those failed (runfolder.failed_items)."""
 
     done: set[str]
     failed: set[str]
@@ -93,8 +92,9 @@ def scan(storage: Storage) -> Recorded:
     read_manifest(storage)
     recorded = recorded_batches(storage)
     reconcile(storage, recorded)
-    return Recorded(done={item for _, ids in recorded.values() for item in ids},
-                    failed={item for failure in read_failures(storage) for item in failure.item_ids})
+    done = {item for _, ids in recorded.values() for item in ids}
+    failures = ((failure.batch_id, failure.item_ids) for failure in read_failures(storage))
+    return Recorded(done=done, failed=failed_items(failures, lambda batch_id: done))
 
 
 def cancel(out: str) -> bool:
@@ -153,8 +153,8 @@ def retry_failed(out: str, broker_url: str, transport_options: dict | None = Non
     if read_cancel(storage) is not None:
         # Workers would drop what this publishes; resume un-cancels and redoes it all.
         raise RunCancelled(f"{storage.url} is cancelled: `diffq resume` re-enqueues everything missing")
-    failed = recorded.failed - recorded.done
-    return _publish(storage, select_batches(storage, failed.__contains__, "f"), broker_url, transport_options)
+    return _publish(storage, select_batches(storage, recorded.failed.__contains__, "f"), broker_url,
+                    transport_options)
 
 
 class RunDiffers(RunExists):
@@ -167,7 +167,7 @@ def _shown(value) -> str:
     return "none" if value is None else str(value)
 
 
-def differences(manifest: RunManifest, *, source: str, out: str, plan: Plan, defaults: dict,
+def differences(manifest: RunManifest, *, source: str, out: str, plan: Plan, defaults: RunDefaults,
                 run_id: str | None, seed_base: str | None) -> list[str]:
     """What a `diffq run` with these would do differently from the run in OUT, each as
     "--option: <in the manifest> in OUT's manifest, <now> now"."""
@@ -179,9 +179,9 @@ def differences(manifest: RunManifest, *, source: str, out: str, plan: Plan, def
     if run_id is not None and run_id != manifest.run_id:
         found.append(f"--run-id: {manifest.run_id} in OUT's manifest, {run_id} now")
     # JSON's view of both sides (tuples are lists, as the manifest stores them).
-    now = json.loads(json.dumps(defaults))
-    for key, recorded in manifest.defaults.items():
-        if key in now and now[key] != recorded:  # a key older manifests lack is not compared
+    now = defaults.model_dump(mode="json")
+    for key, recorded in manifest.defaults.recorded().items():  # a key older manifests lack is not compared
+        if now[key] != recorded:
             given = _shown(now[key]) if key != "seed_base" or seed_base is not None else "not given"
             found.append(f"--{key.replace('_', '-')}: {_shown(recorded)} in OUT's manifest, {given} now")
     if not found:  # the same options: the same file gives the same shapes
@@ -214,7 +214,7 @@ def restore_plan(storage: Storage, manifest: RunManifest, prompts: str | Path, o
     same, a part it lacks is written. Returns the parts written."""
     written = 0
     batches = encode_plan(read_prompts(prompts, defaults, keep_columns), options,
-                          manifest.defaults["seed_base"], manifest.run_id, manifest.out)
+                          manifest.defaults.seed_base, manifest.run_id, manifest.out)
     for index, part in enumerate(plan_parts(batches)):
         try:
             stored = storage.get_bytes(layout.plan_key(index))
@@ -239,7 +239,8 @@ def continuation(storage: Storage, manifest: RunManifest, *, prompts: str | Path
     # drawn once, by the run that began it).
     own_seed_base = seed_base or run_id or manifest.run_id
     found = differences(manifest, source=str(prompts), out=storage.url, plan=plan,
-                        defaults=manifest_defaults(options, defaults, own_seed_base, keep_columns),
+                        defaults=RunDefaults.model_validate(
+                            manifest_defaults(options, defaults, own_seed_base, keep_columns)),
                         run_id=run_id, seed_base=seed_base)
     if found:
         raise RunDiffers(f"{storage.url} holds a run with other options or rows, so it is not continued "

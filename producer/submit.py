@@ -25,7 +25,7 @@ from pathlib import Path
 from diffq import __version__
 from diffq.core import layout
 from diffq.core.contract import AUTO_DTYPE, FITS, BatchMessage, ShapeKey
-from diffq.core.records import RequestedSize, RunManifest, ShapeSummary, parse_plan_part, plan_part
+from diffq.core.records import RequestedSize, RunDefaults, RunManifest, ShapeSummary, parse_plan_part, plan_part
 from diffq.core.storage import Storage, open_storage
 from diffq.producer.bucketing import RunOptions, bucket, group_key, shape_for
 from diffq.producer.messages import BatchEncoder, EncodedBatch
@@ -243,17 +243,16 @@ def plan(prompts: str | Path, *, model: str, keep_columns=(), **generation) -> P
     return validate(prompts, options, defaults, keep_columns)
 
 
-def manifest_defaults(options: RunOptions, defaults: Defaults, seed_base: str, keep_columns=()) -> dict:
+def manifest_defaults(options: RunOptions, defaults: Defaults, seed_base: str, keep_columns=()) -> RunDefaults:
     """The run's options as its manifest records them (a continued run must match them)."""
-    return {
-        "model": options.model, "batch_size": options.batch_size, "steps": defaults.num_inference_steps,
-        "guidance_scale": defaults.guidance_scale, "max_sequence_length": options.max_sequence_length,
-        "height": defaults.height, "width": defaults.width, "format": options.format, "dtype": options.dtype,
-        "seed_base": seed_base, "fit": options.fit,
+    return RunDefaults(
+        model=options.model, batch_size=options.batch_size, steps=defaults.num_inference_steps,
+        guidance_scale=defaults.guidance_scale, max_sequence_length=options.max_sequence_length,
+        height=defaults.height, width=defaults.width, format=options.format, dtype=options.dtype,
+        seed_base=seed_base, fit=options.fit,
         # Resolved (a preset's sizes, not its name): the run folder says what was used.
-        "size_buckets": ([f"{h}x{w}" for h, w in defaults.size_buckets.sizes]
-                         if defaults.size_buckets else None),
-        "keep_columns": list(keep_columns), "embed_metadata": options.embed_metadata}
+        size_buckets=[f"{h}x{w}" for h, w in defaults.size_buckets.sizes] if defaults.size_buckets else None,
+        keep_columns=list(keep_columns), embed_metadata=options.embed_metadata)
 
 
 def encode_plan(prompts: Iterable[Prompt], options: RunOptions, seed_base: str, run_id: str,
@@ -403,7 +402,8 @@ class PlanSpill:
         self._file.close()
 
 
-def write_manifest(storage: Storage, prompts: str | Path, plan: Plan, run_id: str, defaults: dict) -> RunManifest:
+def write_manifest(storage: Storage, prompts: str | Path, plan: Plan, run_id: str,
+                   defaults: RunDefaults) -> RunManifest:
     """Stores the manifest; `RunExists` if OUT already holds one."""
     manifest = RunManifest(
         run_id=run_id,

@@ -1,4 +1,5 @@
-"""Real servers on 127.0.0.1 for tests: Redis, S3 (moto) and GCS (fake-gcs-server).
+"""Real servers on 127.0.0.1 for tests: Redis, S3 (moto), GCS (fake-gcs-server) and
+RabbitMQ with its management API (a private node).
 
 A pytest plugin module (conftest: ``pytest_plugins = ["tests.servers"]``), also
 imported by bench/. Each server is a child process on a free port, polled until it
@@ -60,6 +61,9 @@ class ServerProcess:
     """One server process on a fixed port; stop() and start() keep port and workdir."""
 
     name: str
+    # A server whose launcher is a script with children: its own process group, so a
+    # stop that has to SIGKILL ends the children too.
+    process_group = False
 
     def __init__(self, workdir: Path, port: int | None = None):
         self.workdir = Path(workdir)
@@ -74,6 +78,10 @@ class ServerProcess:
     def ready(self) -> bool:
         raise NotImplementedError
 
+    def env(self) -> dict[str, str] | None:
+        """The child's environment; None: this process's."""
+        return None
+
     @property
     def running(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -87,6 +95,8 @@ class ServerProcess:
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
+                env=self.env(),
+                start_new_session=self.process_group,
             )
         deadline = time.monotonic() + timeout
         while not self.ready():
@@ -110,7 +120,10 @@ class ServerProcess:
             try:
                 self.proc.wait(timeout)
             except subprocess.TimeoutExpired:
-                os.kill(self.proc.pid, signal.SIGKILL)
+                if self.process_group:
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                else:
+                    os.kill(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
         self.proc = None
 
@@ -292,6 +305,133 @@ class GCSServer(ServerProcess):
         return name
 
 
+def rabbitmq_scripts() -> Path:
+    """The folder of RabbitMQ's own scripts (rabbitmq-server beside rabbitmq-env).
+
+    Debian's /usr/sbin/rabbitmq-server is a wrapper that runs them as the rabbitmq
+    user with the system node's settings; its targets are in /usr/lib/rabbitmq/bin.
+    """
+    candidates = [Path("/usr/lib/rabbitmq/bin")]
+    found = shutil.which("rabbitmq-server")
+    if found:
+        candidates.append(Path(os.path.realpath(found)).parent)
+    for folder in candidates:
+        if (folder / "rabbitmq-server").exists() and (folder / "rabbitmq-env").exists():
+            plugins = Path(os.path.realpath(folder / "rabbitmq-server")).parents[1] / "plugins"
+            if not any(plugins.glob("rabbitmq_management-*")):
+                missing(f"RabbitMQ's management plugin is not in {plugins}")
+            return folder
+    missing("rabbitmq-server is not installed (apt-get install rabbitmq-server)")
+
+
+class RabbitMQServer(ServerProcess):
+    """A private RabbitMQ node with the management plugin: its own node name, AMQP,
+    management and distribution ports, and every file (config, enabled plugins,
+    data, logs, Erlang cookie) in its workdir. The machine's own node is untouched.
+    Its data is on disk: restart() keeps vhosts and queues."""
+
+    name = "rabbitmq"
+    process_group = True  # rabbitmq-server is a shell script around the Erlang VM
+
+    def __init__(self, workdir: Path, port: int | None = None):
+        super().__init__(workdir, port)
+        self.api_port = free_port()
+        self.dist_port = free_port()
+        self.nodename = f"diffq-test-{uuid.uuid4().hex[:8]}@localhost"
+        self.home = self.workdir / "home"
+        self.home.mkdir(exist_ok=True)
+        cookie = self.home / ".erlang.cookie"
+        if not cookie.exists():
+            # Erlang refuses a cookie file others can read.
+            cookie.write_text(uuid.uuid4().hex.upper())
+            cookie.chmod(0o400)
+        (self.workdir / "rabbitmq.conf").write_text(
+            f"listeners.tcp.1 = 127.0.0.1:{self.port}\n"
+            f"management.tcp.ip = 127.0.0.1\nmanagement.tcp.port = {self.api_port}\n"
+        )
+        (self.workdir / "enabled_plugins").write_text("[rabbitmq_management].\n")
+
+    @property
+    def amqp_url(self) -> str:
+        """The default vhost '/' (guest may log in from loopback only)."""
+        return f"amqp://guest:guest@127.0.0.1:{self.port}//"
+
+    @property
+    def api_url(self) -> str:
+        return f"http://guest:guest@127.0.0.1:{self.api_port}"
+
+    def env(self) -> dict[str, str]:
+        own = {
+            "HOME": str(self.home),
+            "RABBITMQ_NODENAME": self.nodename,
+            "RABBITMQ_NODE_IP_ADDRESS": "127.0.0.1",
+            "RABBITMQ_NODE_PORT": str(self.port),
+            "RABBITMQ_DIST_PORT": str(self.dist_port),
+            "RABBITMQ_CONFIG_FILE": str(self.workdir / "rabbitmq.conf"),
+            "RABBITMQ_ADVANCED_CONFIG_FILE": str(self.workdir / "advanced.config"),
+            "RABBITMQ_CONF_ENV_FILE": str(self.workdir / "rabbitmq-env.conf"),
+            "RABBITMQ_ENABLED_PLUGINS_FILE": str(self.workdir / "enabled_plugins"),
+            "RABBITMQ_MNESIA_BASE": str(self.workdir / "mnesia"),
+            "RABBITMQ_LOG_BASE": str(self.workdir / "log"),
+            "RABBITMQ_LOGS": "-",  # the node's log to stdout: this server's log file
+            # Distribution on loopback only; an epmd this node has to start listens there too.
+            "RABBITMQ_SERVER_ADDITIONAL_ERL_ARGS": "-kernel inet_dist_use_interface {127,0,0,1}",
+            "ERL_EPMD_ADDRESS": "127.0.0.1",
+        }
+        inherited = {k: v for k, v in os.environ.items() if not k.startswith(("RABBITMQ_", "ERL_"))}
+        return inherited | own
+
+    def command(self) -> list[str]:
+        return [str(rabbitmq_scripts() / "rabbitmq-server")]
+
+    def start(self, timeout: float = 180.0) -> None:
+        # A node boots in seconds on an idle machine, far slower on a loaded one.
+        super().start(timeout)
+
+    def stop(self, timeout: float = 60.0) -> None:
+        super().stop(timeout)
+
+    def ready(self) -> bool:
+        # The API answers once the plugin is up; AMQP may open a moment later.
+        if self.api("GET", "overview", check=False) is None:
+            return False
+        try:
+            socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
+        except OSError:
+            return False
+        return True
+
+    def api(self, method: str, path: str, body: dict | None = None, *, check: bool = True):
+        """One management API call as guest: the answer's JSON ({} when empty);
+        with check=False, None where the API does not answer 2xx."""
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{self.api_port}/api/{path}", method=method,
+            data=None if body is None else json.dumps(body).encode(),
+            headers={"Authorization": "Basic Z3Vlc3Q6Z3Vlc3Q=", "Content-Type": "application/json"},
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=10) as response:
+                answer = response.read()
+        except OSError:
+            if check:
+                raise
+            return None
+        return json.loads(answer) if answer.strip() else {}
+
+    def make_vhost(self) -> str:
+        """A fresh vhost guest may use; its AMQP URL."""
+        vhost = f"diffq-test-{uuid.uuid4().hex[:8]}"
+        self.api("PUT", f"vhosts/{vhost}")
+        self.api("PUT", f"permissions/{vhost}/guest", {"configure": ".*", "write": ".*", "read": ".*"})
+        return f"amqp://guest:guest@127.0.0.1:{self.port}/{vhost}"
+
+    def rabbitmqctl(self, *args: str) -> str:
+        """rabbitmqctl against this node (it finds the cookie in this node's HOME)."""
+        result = subprocess.run([str(rabbitmq_scripts() / "rabbitmqctl"), "-q", "-n", self.nodename, *args],
+                                env=self.env(), capture_output=True, text=True, timeout=120, check=True)
+        return result.stdout
+
+
 def unique_bucket_name() -> str:
     return f"diffq-test-{uuid.uuid4().hex[:16]}"
 
@@ -361,6 +501,21 @@ def gcs_server(tmp_path_factory) -> Iterator[GCSServer]:
         STORAGE_EMULATOR_HOST=server.endpoint
     ):
         yield server
+
+
+@pytest.fixture(scope="session")
+def rabbitmq_server(tmp_path_factory) -> Iterator[RabbitMQServer]:
+    """A private RabbitMQ node with its management API: `.amqp_url`, `.api_url`."""
+    with RabbitMQServer(tmp_path_factory.mktemp("rabbitmq")) as server:
+        yield server
+
+
+@pytest.fixture
+def rabbitmq_vhost(rabbitmq_server) -> Iterator[str]:
+    """amqp://guest:guest@127.0.0.1:PORT/<fresh vhost> on the private node, deleted after."""
+    url = rabbitmq_server.make_vhost()
+    yield url
+    rabbitmq_server.api("DELETE", "vhosts/" + url.rsplit("/", 1)[1])
 
 
 @pytest.fixture

@@ -66,9 +66,9 @@ def test_knee_interpolates_where_busy_crosses_the_goal():
     assert knee([(0.4, 0.9), (0.1, 0.5)]) == 0.4
 
 
-def test_quick_is_1024_png_and_jpeg_batch_8_local():
+def test_quick_is_every_format_at_1024_and_512_batch_8_local():
     assert configs(main_parser().parse_args(["--quick"])) == [
-        ("local", 1024, 8, "png"), ("local", 1024, 8, "jpeg")]
+        ("local", size, 8, fmt) for size in (1024, 512) for fmt in ("png", "jpeg", "webp")]
 
 
 def test_sweep_drives_a_real_run_and_prints_the_json_shape():
@@ -126,3 +126,23 @@ def test_sink_threads_setting_reaches_the_helper(monkeypatch):
     threaded = make_sink()
     assert isinstance(threaded, Sink) and threaded._pool._max_workers == 8
     threaded.close()
+
+
+def test_phases_cut_each_gap_into_the_segments_between_stamps():
+    """bench.phases: every second between one call's end and the next call's start
+    falls into exactly one segment, named by the stamps either side of it."""
+    from bench.phases import breakdown, gaps
+
+    stamps = []
+    for n in range(4):
+        base = 10.0 * n
+        stamps += [(base, "device>"), (base + 1.0, "device<"), (base + 1.5, "task<"), (base + 1.75, "read message>"),
+                   (base + 2.0, "read message<")]
+    stamps.append((40.0, "device>"))
+    per_gap = gaps(stamps)
+    assert len(per_gap) == 3 and [name for name, _ in per_gap[0]] == [
+        "device< → task<", "task< → read message>", "read message> → read message<", "read message< → device>"]
+    assert all(sum(seconds for _, seconds in segments) == 9.0 for segments in per_gap)
+    result = breakdown(per_gap, skip=1)
+    assert result["gaps"] == 2 and result["gap_ms_median"] == 9000.0
+    assert {row["segment"]: row["ms"] for row in result["segments"]}["read message< → device>"] == 8000.0

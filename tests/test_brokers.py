@@ -1,11 +1,9 @@
-"""Brokers other than Redis: RabbitMQ on this machine (127.0.0.1:5672, a private
+"""Brokers other than Redis: RabbitMQ (a private node, tests/servers.py, a private
 vhost per test module) and Amazon SQS through moto's server over HTTP."""
 
 from __future__ import annotations
 
-import shutil
 import socket
-import subprocess
 import time
 import uuid
 from pathlib import Path
@@ -17,32 +15,14 @@ from diffq.app.queues import queue_report
 from tests.helpers import assert_run_complete, start_workers, wait_until
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "prompts.jsonl"
-RABBIT = ("127.0.0.1", 5672)
-
-
-def rabbitmqctl(*args: str) -> None:
-    subprocess.run(["rabbitmqctl", "-q", *args], check=True, capture_output=True, timeout=60)
 
 
 @pytest.fixture(scope="module")
-def amqp_url():
-    """amqp://guest:guest@127.0.0.1:5672/<private vhost>, deleted afterwards with its queues."""
-    try:
-        socket.create_connection(RABBIT, timeout=2).close()
-    except OSError:
-        pytest.skip("no RabbitMQ on 127.0.0.1:5672")
-    if shutil.which("rabbitmqctl") is None:
-        pytest.skip("rabbitmqctl not found: cannot make a private vhost")
-    vhost = f"diffq-test-{uuid.uuid4().hex[:8]}"
-    try:
-        rabbitmqctl("add_vhost", vhost)
-        rabbitmqctl("set_permissions", "-p", vhost, "guest", ".*", ".*", ".*")
-    except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as exc:
-        pytest.skip(f"rabbitmqctl cannot add a vhost here: {exc}")
-    try:
-        yield f"amqp://guest:guest@127.0.0.1:5672/{vhost}"
-    finally:
-        rabbitmqctl("delete_vhost", vhost)
+def amqp_url(rabbitmq_server):
+    """amqp://guest:guest@127.0.0.1:PORT/<private vhost> on the private node, deleted afterwards with its queues."""
+    url = rabbitmq_server.make_vhost()
+    yield url
+    rabbitmq_server.api("DELETE", "vhosts/" + url.rsplit("/", 1)[1])
 
 
 def run_workers(broker_url: str, queues: list[str], model: str, out: str, total: int,
@@ -113,7 +93,7 @@ def test_embedded_broker_wait_ends_when_the_worker_stops(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
-def test_rabbitmq_consumer_carries_the_ack_timeout(amqp_url, tiny_model, tmp_path):
+def test_rabbitmq_consumer_carries_the_ack_timeout(rabbitmq_server, amqp_url, tiny_model, tmp_path):
     """RabbitMQ closes a channel whose delivery stays unacked past `consumer_timeout`
     (30 min by default): a long first compile would hit it. The worker consumes with
     `x-consumer-timeout` = DIFFQ_MAX_HOLD_S (read per consumer by RabbitMQ >= 3.11.15;
@@ -127,8 +107,7 @@ def test_rabbitmq_consumer_carries_the_ack_timeout(amqp_url, tiny_model, tmp_pat
     supervisor = start_workers(amqp_url, [queue], tiny_model, n=1)
 
     def consumer_arguments() -> str:
-        listed = subprocess.run(["rabbitmqctl", "-q", "list_consumers", "-p", vhost, "queue_name", "arguments"],
-                                check=True, capture_output=True, text=True, timeout=60).stdout
+        listed = rabbitmq_server.rabbitmqctl("list_consumers", "-p", vhost, "queue_name", "arguments")
         return "\n".join(line for line in listed.splitlines() if line.startswith(queue))
 
     try:

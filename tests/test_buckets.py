@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 
 from diffq.app.cli import app
 from tests.helpers import MEASURED
-from diffq.core.contract import BatchMessage, ShapeKey
+from diffq.core.contract import FITS, BatchMessage, ShapeKey
 from diffq.core.runfolder import read_manifest
 from diffq.core.storage import open_storage
 from diffq.producer.sizes import PRESETS, BucketSpecError, parse_buckets
@@ -190,8 +190,8 @@ def test_plan_json_equals_what_submit_publishes(make_redis_server, tmp_path):
             for s in manifest.shapes] == [
         {"queue": s["queue"], "items": s["items"], "batches": s["batches"], "requested": s["requested"],
          "requested_sizes": s["requested_sizes"]} for s in plan["shapes"]]
-    assert manifest.defaults["size_buckets"] == [f"{h}x{w}" for h, w in PRESETS["aspect-1024"]]
-    assert manifest.defaults["fit"] == "crop"
+    assert manifest.defaults.size_buckets == [f"{h}x{w}" for h, w in PRESETS["aspect-1024"]]
+    assert manifest.defaults.fit == "crop"
 
 
 def test_plan_without_buckets_and_its_text(tmp_path):
@@ -273,7 +273,7 @@ def bucket_image(height: int, width: int) -> Image.Image:
     return image
 
 
-@pytest.mark.parametrize("fit", ["none", "resize", "crop"])
+@pytest.mark.parametrize("fit", FITS)
 def test_fit_stores_the_image_at_the_requested_size(tmp_path, fit):
     from diffq.worker.sink import Sink
 

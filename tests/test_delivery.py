@@ -1,7 +1,8 @@
 """What happens to a delivery, decided in one place (worker/delivery.py), tested without
 a broker: a stub delivery, a stub sink and a stub task drive the real batch line and the
 real task body through every outcome (stored, store failed, redelivered, cancelled,
-retried, split, failed, dead-lettered, handed back)."""
+retried, split, failed, dead-lettered, handed back), the hooks ending batches among them
+(each hook on its own: tests/test_hooks.py)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import pytest
 
 from diffq.core import layout
 from diffq.core.contract import BatchItem, BatchMessage, BatchParams, ShapeKey
+from diffq.core.records import CancelMarker
 from diffq.core.storage import open_storage
 from diffq.worker.batches import BatchLine
 from diffq.worker.delivery import DECISIONS, Action, Outcome, decide
@@ -29,6 +31,9 @@ class StubDelivery:
 
     def requeue(self) -> None:
         self.calls.append("requeue")
+
+    def reject(self, requeue: bool) -> None:
+        self.calls.append("reject" if not requeue else "requeue")
 
 
 class StubWindow:
@@ -84,7 +89,7 @@ def test_outcomes_without_sink_work_are_settled_at_once(outcome):
     delivery = StubDelivery()
     line.report(delivery.id, outcome)
     line.ack(delivery)
-    assert delivery.calls == [{Action.ACK: "ack", Action.REQUEUE: "requeue"}[decide(outcome)]]
+    assert delivery.calls == [decide(outcome).value]  # each stub call is named as its action
     assert window.extra == 0 and line.settle(wait=True) == 0
 
 
@@ -118,8 +123,8 @@ def test_a_generated_batch_is_acked_only_once_stored(stored_ok, expected):
 def test_a_redelivered_stored_batch_is_credited_again_then_acked():
     line, _ = line_with_window()
     delivery = StubDelivery()
-    line.credit_again(delivery.id, storage=None, message=None)
-    assert line.reported(delivery.id) is Outcome.ALREADY_STORED
+    line.report(delivery.id, Outcome.ALREADY_STORED, line.credit_again(storage=None, message=None))
+    assert line.expected(delivery.id) is line.sink.credited[0]
     line.ack(delivery)
     assert delivery.calls == []
     line.sink.credited[0].set_result(None)
@@ -194,14 +199,15 @@ class StubTask:
             send_task=lambda name, kwargs, **options: self.sent.append(kwargs["batch"]),
             producer_or_acquire=lambda: contextlib.nullcontext(Producer()))
 
-    def retry(self, exc, countdown, max_retries=None):
+    def retry(self, exc, countdown, **options):
+        self.retried = {"exc": exc, "countdown": countdown, **options}
         return Retried(countdown)
 
 
 @pytest.fixture
 def make_runtime(tmp_path):
     from diffq.worker.spec import ChildSpec
-    from diffq.worker.tasks import Runtime
+    from diffq.worker.runtime import Runtime
 
     def make(host: StubHost) -> Runtime:
         spec = ChildSpec(name="w", broker_url="memory://", queues=[SHAPE.queue])
@@ -241,7 +247,8 @@ def test_not_a_batch_is_dead_lettered(tmp_path, make_runtime):
 def test_a_cancelled_runs_batch_is_dropped_unseen(tmp_path, make_runtime):
     rt = make_runtime(StubHost())
     payload = batch(tmp_path)
-    open_storage(payload["out"]).put_bytes(layout.CANCEL, b"{}")
+    marker = CancelMarker(cancelled_at=0.0, by="u@h")  # as `diffq cancel` writes it
+    open_storage(payload["out"]).put_bytes(layout.CANCEL, marker.model_dump_json().encode())
     assert run_task(StubTask(rt), payload)["cancelled"] == 2
     assert rt.line.reported("task-1") is Outcome.CANCELLED and rt.host.calls == 0 and not rt.sink.submitted
 
@@ -288,3 +295,84 @@ def test_a_broken_tensor_parallel_group_hands_the_batch_back(tmp_path, make_runt
     delivery = StubDelivery()
     rt.line.ack(delivery)
     assert delivery.calls == ["requeue"]
+
+
+# --- the hooks ending batches, through the real task body ----------------------------------
+
+
+def test_a_fault_injected_batch_retries_then_splits(tmp_path, make_runtime, monkeypatch):
+    from diffq.core.settings import get_settings
+
+    monkeypatch.setenv("DIFFQ_FAULT_POISON", "p")  # every prompt of `batch` is "p"
+    rt = make_runtime(StubHost())
+    task = StubTask(rt)
+    with pytest.raises(Retried):
+        run_task(task, batch(tmp_path))
+    # Reported before Celery's retry was asked for; a counted attempt (Celery's own limit).
+    assert rt.line.reported("task-1") is Outcome.RETRY and "max_retries" not in task.retried
+    assert "PoisonedPrompt" in type(task.retried["exc"]).__name__ and rt.host.calls == 0
+    out_of_retries = StubTask(rt, retries=get_settings().task_max_retries)
+    assert run_task(out_of_retries, batch(tmp_path))["split"] == ["b-1.s0", "b-1.s1"]
+    assert rt.line.reported("task-1") is Outcome.SPLIT and rt.host.calls == 0
+
+
+def test_a_permanent_error_fails_at_once_and_refused_items_are_split_off(tmp_path, make_runtime):
+    from diffq.worker.pipeline_host import FamilyUnsupported
+
+    rt = make_runtime(StubHost(fail=FamilyUnsupported("no such family")))
+    assert run_task(StubTask(rt), batch(tmp_path))["failed"] == 2  # first attempt, no retry
+    assert rt.line.reported("task-1") is Outcome.FAILED
+
+    refused = RuntimeError("family refuses i1")
+    refused.item_ids = ["i1"]
+    rt = make_runtime(StubHost(fail=refused))
+    task = StubTask(rt, retries=99)
+    assert run_task(task, batch(tmp_path))["split"] == ["b-1.s0", "b-1.s1"]
+    assert [[i["id"] for i in half["items"]] for half in task.sent] == [["i0"], ["i1"]]
+
+
+class Flaky:
+    """A run folder whose reads of `key` (or every write) raise, as a store that is down."""
+
+    def __init__(self, storage, key: str | None):
+        self.storage, self.key = storage, key
+
+    def exists(self, key):
+        if key == self.key:
+            raise OSError("store down")
+        return self.storage.exists(key)
+
+    def put_bytes(self, key, data, **options):
+        raise OSError("store down")
+
+
+@pytest.mark.parametrize("where", ["cancel marker", "redelivery lookup", "failure record"])
+def test_storage_trouble_retries_without_using_an_attempt(tmp_path, make_runtime, where):
+    from diffq.core.settings import get_settings
+
+    rt = make_runtime(StubHost(fail=RuntimeError("boom") if where == "failure record" else None))
+    payload = batch(tmp_path, n=1)
+    key = {"cancel marker": layout.CANCEL, "redelivery lookup": layout.record_key("b-1")}.get(where)
+    rt.storages[payload["out"]] = Flaky(rt.storage_for(payload["out"]), key)
+    task = StubTask(rt, retries=get_settings().task_max_retries, redelivered=True)
+    with pytest.raises(Retried):
+        run_task(task, payload)
+    assert rt.line.reported("task-1") is Outcome.RETRY
+    assert task.retried["max_retries"] is None and isinstance(task.retried["exc"], OSError)
+    assert rt.host.calls == (1 if where == "failure record" else 0) and not rt.sink.submitted
+
+
+def test_a_hook_that_ends_a_batch_stops_its_life_there(tmp_path, make_runtime):
+    from diffq.worker.hooks import BatchHook
+
+    class Skip(BatchHook):
+        def before_generate(self, batch):
+            return batch.end(Outcome.CANCELLED, cancelled=len(batch.message.items))
+
+    rt = make_runtime(StubHost())
+    rt.hooks = [Skip()]
+    assert run_task(StubTask(rt), batch(tmp_path)) == {"batch_id": "b-1", "cancelled": 2}
+    assert rt.line.reported("task-1") is Outcome.CANCELLED and rt.host.calls == 0 and not rt.sink.submitted
+    delivery = StubDelivery()
+    rt.line.ack(delivery)
+    assert delivery.calls == ["ack"]

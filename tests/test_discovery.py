@@ -1,15 +1,16 @@
 """Workers without --queues find their queues on the broker (worker/routing.py
 Discovery, the transport table's `list_queues`): Redis by SCAN, SQS (moto's server)
-by ListQueues, RabbitMQ only through its management API, refused clearly otherwise."""
+by ListQueues, RabbitMQ only through its management API (a private node with the
+plugin, tests/servers.py), refused clearly otherwise."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import subprocess
 import uuid
 
 import pytest
+from kombu import Connection, Exchange, Queue
 from kombu.transport.SQS import Channel as SQSChannel
 from typer.testing import CliRunner
 
@@ -21,7 +22,7 @@ from diffq.producer.submit import submit
 from diffq.worker.routing import Discovery, startup_queues
 from diffq.worker.supervisor import Supervisor, plan_children
 from tests.helpers import wait_until
-from tests.test_brokers import amqp_url  # noqa: F401  (fixture: a private vhost on the local RabbitMQ)
+from tests.servers import free_port
 
 runner = CliRunner()
 
@@ -106,21 +107,54 @@ def test_sqs_lists_queues_by_prefix(s3_server, tmp_path):
     assert {q: report[q] for q in result.queues} == result.queues and report[DEAD_LETTERS] == 0
 
 
-def test_rabbitmq_without_management_api_is_refused_clearly(amqp_url):  # noqa: F811
+def test_rabbitmq_without_management_api_is_refused_clearly(rabbitmq_vhost):
     """AMQP has no queue listing: without --rabbitmq-api the worker refuses and says
-    what to pass; with an API URL that does not answer (the management plugin is not
-    enabled on this machine's RabbitMQ) it says that, naming the URL."""
+    what to pass; with an API URL that does not answer it says that, naming the URL."""
+    amqp_url = rabbitmq_vhost
     assert transport_for(amqp_url).list_needs_api
     result = runner.invoke(app, ["worker", "--broker", amqp_url])
     assert result.exit_code == 2 and "--rabbitmq-api" in result.output and "--queues" in result.output
-    enabled = subprocess.run(["rabbitmq-plugins", "is_enabled", "rabbitmq_management"], capture_output=True)
-    if enabled.returncode == 0:
-        pytest.skip("the management plugin is enabled here: the refusal below does not apply")
-    result = runner.invoke(app, ["worker", "--broker", amqp_url, "--rabbitmq-api", "http://127.0.0.1:15672"])
-    assert result.exit_code == 2 and "http://127.0.0.1:15672" in result.output and "did not answer" in result.output
+    silent = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    result = runner.invoke(app, ["worker", "--broker", amqp_url, "--rabbitmq-api", silent])
+    assert result.exit_code == 2 and silent in result.output and "did not answer" in result.output
     # Named queues still work on AMQP: the report shows them (and the dead letters).
     report = {q.queue for q in queue_report(amqp_url, ["diffq.x-000000.64x64.b1.l64.nocfg.fp32"], timeout=0)}
     assert report == {"diffq.x-000000.64x64.b1.l64.nocfg.fp32", DEAD_LETTERS}
+
+
+def test_rabbitmq_lists_shape_queues_through_its_management_api(rabbitmq_server, rabbitmq_vhost, tmp_path):
+    """The API lists the broker URL's vhost only: what submit published there, the
+    served models' shape queues, without the dead letters or others' queues."""
+    amqp_url, api = rabbitmq_vhost, rabbitmq_server.api_url
+    mine, other = str(tmp_path / "mine"), str(tmp_path / "other")
+    ours = submit(prompts(tmp_path / "a.jsonl", [(64, 64), (32, 64)], 2), str(tmp_path / "a"), model=mine,
+                  broker_url=amqp_url, batch_size=2)
+    theirs = submit(prompts(tmp_path / "b.jsonl", [(64, 64)], 2), str(tmp_path / "b"), model=other,
+                    broker_url=amqp_url, batch_size=2)
+    with Connection(amqp_url) as connection:
+        Queue("not-diffq", Exchange("not-diffq"), routing_key="not-diffq")(connection.channel()).declare()
+    elsewhere = rabbitmq_server.make_vhost()  # another vhost's shape queues are not this broker URL's
+    submit(prompts(tmp_path / "c.jsonl", [(48, 48)], 2), str(tmp_path / "c"), model=mine, broker_url=elsewhere,
+           batch_size=2)
+    assert startup_queues(amqp_url, [mine], api) == sorted(ours.queues)
+    assert startup_queues(amqp_url, [], api) == sorted({**ours.queues, **theirs.queues})
+    report = {q.queue: q.depth for q in queue_report(amqp_url, timeout=0, rabbitmq_api=api)}
+    assert report == {**ours.queues, **theirs.queues, DEAD_LETTERS: 0}
+    listed = runner.invoke(app, ["queues", "--broker", amqp_url, "--rabbitmq-api", api, "--timeout", "0", "--json"])
+    assert listed.exit_code == 0, listed.output
+    assert {row["queue"] for row in json.loads(listed.stdout)} == {*ours.queues, *theirs.queues, DEAD_LETTERS}
+
+
+def test_rabbitmq_lists_the_default_vhost_too(rabbitmq_server, tmp_path):
+    """The broker URL's vhost '/' goes into the API path quoted (%2F)."""
+    model = str(tmp_path / f"m{uuid.uuid4().hex[:8]}")  # the node's '/' is shared: this test's queues only
+    result = submit(prompts(tmp_path / "a.jsonl", [(64, 64)], 2), str(tmp_path / "a"), model=model,
+                    broker_url=rabbitmq_server.amqp_url, batch_size=2)
+    try:
+        assert startup_queues(rabbitmq_server.amqp_url, [model], rabbitmq_server.api_url) == sorted(result.queues)
+    finally:
+        for queue in result.queues:
+            rabbitmq_server.api("DELETE", f"queues/%2F/{queue}")
 
 
 def test_discovery_keeps_found_queues_and_skips_failed_listings():
@@ -164,3 +198,22 @@ def test_worker_without_queues_on_sqs(s3_server, tiny_model, tmp_path):
         assert (st.done, st.failed) == (4, 0) and supervisor.deaths == 0
     finally:
         supervisor.stop(timeout=60)
+
+
+@pytest.mark.slow
+def test_worker_without_queues_on_rabbitmq(rabbitmq_server, rabbitmq_vhost, tiny_model, tmp_path):
+    """The same on AMQP through the management API: a run submitted after the worker
+    started is found and done."""
+    supervisor = Supervisor(plan_children(device="cpu", devices=[0], broker_url=rabbitmq_vhost, queues=[],
+                                          discover=True, serve_models=[tiny_model], models=[tiny_model],
+                                          rabbitmq_api=rabbitmq_server.api_url, loglevel="ERROR"))
+    supervisor.start()
+    try:
+        result = submit(prompts(tmp_path / "a.jsonl", [(32, 32), (32, 48)], 2), str(tmp_path / "a"),
+                        model=tiny_model, broker_url=rabbitmq_vhost, batch_size=2, steps=1)
+        st = wait_until(result.out, supervisor, lambda s: s.done + s.failed >= result.total, timeout=240)
+        assert (st.done, st.failed) == (4, 0) and supervisor.deaths == 0
+    finally:
+        supervisor.stop(timeout=60)
+    report = queue_report(rabbitmq_vhost, timeout=0, rabbitmq_api=rabbitmq_server.api_url)
+    assert {info.queue for info in report} >= set(result.queues) and all(info.depth == 0 for info in report)

@@ -85,6 +85,7 @@ def test_a_worker_killed_with_a_batch_in_hand_is_made_good_by_the_runner(tmp_pat
     run folder lacks, and the run ends with every item exactly once."""
     import os
     import signal
+    import tempfile
     import threading
     import time
 
@@ -100,16 +101,23 @@ def test_a_worker_killed_with_a_batch_in_hand_is_made_good_by_the_runner(tmp_pat
                                            "height": 64, "width": 64}) + "\n" for i in range(6)))
     out = tmp_path / "out"
     monkeypatch.setenv("DIFFQ_FAULT_HOLD", f"{held}:8")  # long enough to be killed holding it
+    (tmp_path / "tmp").mkdir()
+    # Where the runner's embedded broker folder goes (tempfile caches the temp dir per process).
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp"))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
     killed: list[int] = []
+
+    def in_hand() -> bool:
+        """Two batches stored and none left in the broker's queue folder: the worker
+        has taken the held batch (the filesystem transport loses it on a kill)."""
+        storage = open_storage(str(out)) if out.exists() else None
+        records = sum(len(storage.get_bytes(key).splitlines()) for key in storage.list("records/")) if storage else 0
+        queued = list((tmp_path / "tmp").glob("diffq-broker-*/queue/*.msg"))
+        return records >= 4 and not queued
 
     def kill_the_worker_holding_the_last_batch() -> None:
         deadline = time.monotonic() + 300
-        storage = None
-        while time.monotonic() < deadline:
-            storage = storage or (open_storage(str(out)) if out.exists() else None)
-            records = sum(len(storage.get_bytes(key).splitlines()) for key in storage.list("records/")) if storage else 0
-            if records >= 4:
-                break
+        while time.monotonic() < deadline and not in_hand():
             time.sleep(0.05)
         for child in psutil.Process().children():
             if "spawn_main" in " ".join(child.cmdline()):  # the worker, not the resource tracker

@@ -15,19 +15,20 @@ from PIL import Image
 from diffq.core import layout
 from diffq.core.contract import ShapeKey
 from diffq.core.progress import ProgressLog
-from diffq.core.records import FailureRecord, ImageRecord, RunManifest, ShapeSummary, jsonl
+from diffq.core.records import FailureRecord, ImageRecord, RunDefaults, RunManifest, ShapeSummary, jsonl
 from diffq.results.export import Shard, export
+from diffq.results.writers import FORMATS, WRITERS, Writer
 from diffq.core.storage import open_storage
 
 SHAPES = [ShapeKey(model="tiny", height=32, width=32, batch_size=8, max_sequence_length=64, cfg=False),
           ShapeKey(model="tiny", height=32, width=48, batch_size=8, max_sequence_length=64, cfg=False)]
 
 
-def run_defaults(shape: ShapeKey) -> dict:
+def run_defaults(shape: ShapeKey) -> RunDefaults:
     """A manifest's `defaults` as submit records them."""
-    return {"model": shape.model, "batch_size": shape.batch_size, "steps": 2, "guidance_scale": 1.0,
-            "max_sequence_length": shape.max_sequence_length, "height": shape.height, "width": shape.width,
-            "format": "png", "seed_base": "synth"}
+    return RunDefaults(model=shape.model, batch_size=shape.batch_size, steps=2, guidance_scale=1.0,
+                       max_sequence_length=shape.max_sequence_length, height=shape.height, width=shape.width,
+                       format="png", seed_base="synth")
 
 
 def png(seed: int, shape: ShapeKey, size: int | None = None) -> bytes:
@@ -156,7 +157,8 @@ def test_export_between_object_stores(tmp_path, gcs_bucket, s3_bucket):
     assert dest.exists(f"folder/images/{ids[-1]}.png")
 
 
-@pytest.mark.parametrize("format", ["webdataset", "parquet"])
+# Formats handed each image's bytes (imagefolder copies files store to store).
+@pytest.mark.parametrize("format", [name for name, writer in WRITERS.items() if writer.reads_images])
 def test_export_memory_does_not_grow_with_the_run(tmp_path, format):
     n = 2100
     make_run(str(tmp_path / "run"), n, distinct=64, image_side=48)
@@ -181,6 +183,31 @@ def test_unknown_format_is_refused(tmp_path):
     make_run(str(tmp_path / "run"), 1)
     with pytest.raises(ValueError, match="unknown export format"):
         export(str(tmp_path / "run"), tmp_path / "x", format="zip")
+
+
+def test_a_format_is_one_row_of_the_writer_table(tmp_path, monkeypatch):
+    """A writer class in WRITERS is all export needs: it is handed every image of its
+    shard in position order, with its bytes, and closed once."""
+    calls = []
+
+    class Listing(Writer):
+        name = "listing"
+
+        def write(self, position, record, image):
+            calls.append((position, record.id, len(image)))
+            self.on_image(len(image), False)
+
+        def close(self):
+            calls.append("closed")
+            return ["listing.txt"]
+
+    monkeypatch.setitem(WRITERS, Listing.name, Listing)
+    ids = make_run(str(tmp_path / "run"), 20)
+    result = export(str(tmp_path / "run"), tmp_path / "x", format="listing", shard_size=4, shard=Shard(1, 2))
+    mine = [position for position in range(20) if (position // 4) % 2 == 1]
+    assert [call[:2] for call in calls[:-1]] == [(position, ids[position]) for position in mine]
+    assert calls[-1] == "closed" and result.files == ["listing.txt"] and result.images == len(mine)
+    assert result.bytes == sum(call[2] for call in calls[:-1]) and result.run_images == 20
 
 
 def test_fetch_only_new_and_progress(tmp_path):
@@ -253,7 +280,7 @@ def union(trees: list[dict[str, bytes]]) -> dict[str, bytes]:
     return merged
 
 
-@pytest.mark.parametrize("format", ["webdataset", "parquet", "imagefolder"])
+@pytest.mark.parametrize("format", FORMATS)
 def test_shards_together_write_a_single_exports_files(tmp_path, format):
     ids = make_overlapping_run(str(tmp_path / "run"))
     run = str(tmp_path / "run")

@@ -88,7 +88,7 @@ def _assert_finished(out: Path, prompts: Path, model: str, done_before: dict, im
     manifest = read_manifest(open_storage(str(out)))
     # The continued items have the seeds of the run that began (its run id's), not new ones.
     assert {r.run_id for r in records} == {manifest.run_id}
-    assert all(r.seed == derive_seed(manifest.defaults["seed_base"], r.id) for r in records)
+    assert all(r.seed == derive_seed(manifest.defaults.seed_base, r.id) for r in records)
     after = {r.id: r for r in records}
     assert all(after[item].batch_id == record.batch_id for item, record in done_before.items())
     # Stored before the kill: not generated again, not rewritten.

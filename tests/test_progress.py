@@ -64,9 +64,18 @@ def store(sink: Sink, message: BatchMessage):
 
 
 def split(message: BatchMessage) -> list[BatchMessage]:
-    middle = len(message.items) // 2
-    return [message.model_copy(update={"items": items, "batch_id": f"{message.batch_id}.s{i}"})
-            for i, items in enumerate([message.items[:middle], message.items[middle:]])]
+    """The worker's own split (tasks.split) of a failing batch: the halves as it
+    publishes them, through a task whose app records what it sends."""
+    from diffq.core.broker import TASK_NAME
+    from diffq.worker import tasks
+
+    sent = []
+    task = SimpleNamespace(app=SimpleNamespace(send_task=lambda name, **options: sent.append((name, options))))
+    children = tasks.split(task, message)
+    published = [BatchMessage.model_validate(options["kwargs"]["batch"]) for _, options in sent]
+    assert published == children and {name for name, _ in sent} == {TASK_NAME}
+    assert all(options["queue"] == message.shape.queue for _, options in sent)
+    return published
 
 
 def fail(message: BatchMessage) -> None:

@@ -15,10 +15,11 @@ from pydantic import ValidationError
 from diffq.core import layout
 from diffq.core.contract import BatchItem, BatchMessage, BatchParams, ShapeKey
 from diffq.core.progress import ProgressSummary
-from diffq.core.records import ImageRecord, RunManifest, ShapeSummary
+from diffq.core.records import ImageRecord, RunDefaults, RunManifest, ShapeSummary
 from diffq.core.storage import open_storage
 from diffq.worker.sink import Sink
 from tests.helpers import MEASURED
+from tests.test_export import run_defaults
 
 SHAPE = ShapeKey(model="tiny", height=24, width=40, batch_size=4, max_sequence_length=64, cfg=False)
 FIELDS = ImageRecord.fields()
@@ -33,7 +34,8 @@ def sink_run(out: str, batches: int = 2) -> list[BatchMessage]:
                 for b in range(batches)]
     storage.put_bytes(layout.MANIFEST, RunManifest(
         run_id="r", created_at=0.0, source="p.jsonl", out=out, total=4 * batches, batches=batches, plan_parts=1,
-        shapes=[ShapeSummary(shape=SHAPE, queue=SHAPE.queue, items=4 * batches, batches=batches)], defaults={},
+        shapes=[ShapeSummary(shape=SHAPE, queue=SHAPE.queue, items=4 * batches, batches=batches)],
+        defaults=run_defaults(SHAPE),
         diffq_version="test").model_dump_json().encode())
     sink = Sink()
     try:
@@ -131,3 +133,60 @@ def test_the_image_decodes_where_the_record_says(tmp_path):
     record = ImageRecord.model_validate_json(storage.get_bytes(layout.record_key("b0")).splitlines()[1])
     image = Image.open(io.BytesIO(storage.get_bytes(record.file_name)))
     assert image.size == (record.width, record.height) and image.getpixel((0, 0)) == (60, 0, 0)
+
+
+# Manifests as earlier diffq versions wrote them (`defaults` an untyped dict): the
+# first one's keys, and today's, whose JSON the typed defaults must write unchanged.
+OLD_MANIFEST = {
+    "schema_version": 1, "run_id": "r", "created_at": 1.7e9, "source": "p.jsonl", "out": "/runs/r", "total": 8,
+    "batches": 2, "plan_parts": 1, "shapes": [], "diffq_version": "0.1.0",
+    "defaults": {"model": "tiny", "batch_size": 4, "steps": 4, "guidance_scale": 1, "max_sequence_length": 64,
+                 "height": 128, "width": 128, "format": "png", "dtype": "bf16", "seed_base": "r"}}
+CURRENT_DEFAULTS = {
+    "model": "tiny", "batch_size": 4, "steps": 4, "guidance_scale": 1.0, "max_sequence_length": 64, "height": 128,
+    "width": 128, "format": "png", "dtype": "auto", "seed_base": "r", "fit": "crop", "size_buckets": ["64x96"],
+    "keep_columns": ["style"], "embed_metadata": False}
+
+
+def test_manifests_written_with_untyped_defaults_still_load():
+    old = RunManifest.model_validate_json(json.dumps(OLD_MANIFEST))
+    assert (old.defaults.model, old.defaults.dtype, old.defaults.guidance_scale) == ("tiny", "bf16", 1.0)
+    # What a run before a field existed did, and the field is not one it stated.
+    assert (old.defaults.fit, old.defaults.size_buckets, old.defaults.keep_columns) == ("none", None, [])
+    assert old.defaults.recorded() == {**OLD_MANIFEST["defaults"], "guidance_scale": 1.0}
+
+    current = RunManifest.model_validate_json(json.dumps({**OLD_MANIFEST, "defaults": CURRENT_DEFAULTS}))
+    assert json.loads(current.model_dump_json())["defaults"] == CURRENT_DEFAULTS
+    assert list(json.loads(current.model_dump_json())["defaults"]) == list(CURRENT_DEFAULTS)  # key order too
+    assert current.defaults.recorded() == CURRENT_DEFAULTS
+    with pytest.raises(ValidationError):  # a typo in a key is an error, as everywhere in the manifest
+        RunDefaults.model_validate({**CURRENT_DEFAULTS, "stpes": 4})
+
+
+def test_submit_records_every_default_in_the_typed_order():
+    from diffq.producer.submit import make_options, manifest_defaults
+
+    options, defaults = make_options(model="tiny", size_buckets="64x96", fit="crop")
+    recorded = RunDefaults.model_validate(manifest_defaults(options, defaults, "r", ["style"]))
+    assert list(recorded.recorded()) == list(RunDefaults.model_fields)
+
+
+def test_an_item_recorded_twice_counts_once_and_a_failed_one_until_done():
+    from diffq.core.runfolder import ItemSet, failed_items, first_records
+
+    base = ImageRecord(file_name="images/x.png", id="x", prompt="p", seed=0, height=8, width=8, steps=1,
+                       guidance_scale=1.0, model="tiny", run_id="r", batch_id="b", queue="q", device="cpu:0",
+                       worker="w", generate_s=0.1, generate_started_at=0.0, generate_ended_at=0.1, store_s=0.1,
+                       finished_at=1.0)
+
+    def record(item_id: str, batch_id: str) -> ImageRecord:
+        return base.model_copy(update={"id": item_id, "batch_id": batch_id})
+
+    seen = ItemSet(["a"])
+    batches = [[record("a", "b0"), record("b", "b0")], [record("b", "b0.r1"), record("c", "b0.r1")],
+               [record("c", "b0.s0")]]
+    kept = list(first_records(batches, seen))
+    assert [[(r.id, r.batch_id) for r in new] for new in kept] == [[("b", "b0")], [("c", "b0.r1")]]
+    assert len(seen) == 3 and "c" in seen and "d" not in seen
+    done = {"b0": {"a"}, "b1": set()}
+    assert failed_items([("b0", ["a", "e"]), ("b1", ["a", "f"])], done.__getitem__) == {"e", "a", "f"}

@@ -17,7 +17,7 @@ from diffq.core.progress import ProgressLog
 from diffq.core.records import FailureRecord, ImageRecord, RunManifest, ShapeSummary, jsonl, parse_record
 from diffq.core.storage import open_storage
 from diffq.results.report import build_report, render_html, render_text, report, to_json
-from tests.test_export import make_run
+from tests.test_export import make_run, run_defaults
 
 # Three sizes, the largest four times the side of the smallest: the contact sheet must
 # fit each into its cell.
@@ -144,7 +144,7 @@ def lost_host_run(url: str, *, second_host_at: float = 5.0, writers: bool = True
     items = {s.queue: sum(len(batch[b][2]) for b in batch if batch[b][1] == s) for s in LOST_SHAPES}
     storage.put_bytes(layout.MANIFEST, RunManifest(
         run_id="lost", created_at=t0 - 1, source="p.jsonl", out=url, total=200, batches=25, plan_parts=1,
-        defaults={"model": "tiny", "format": "png"}, diffq_version="0",
+        defaults=run_defaults(LOST_SHAPES[0]), diffq_version="0",
         shapes=[ShapeSummary(shape=s, queue=s.queue, items=items[s.queue], batches=-(-items[s.queue] // 8))
                 for s in LOST_SHAPES]).model_dump_json().encode())
 

@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from multiprocessing.connection import Connection
 
 import numpy as np
@@ -23,7 +24,7 @@ from diffq.core import layout, progress
 from diffq.core.contract import BatchItem, BatchMessage, BatchParams, ShapeKey
 from diffq.core.storage import open_storage
 from diffq.worker.sink import Sink
-from diffq.worker.sink_process import SinkError, SinkLost, SinkProcess, make_sink
+from diffq.worker.sink_process import SinkError, SinkLost, SinkProcess, Slots, make_sink
 from tests.helpers import MEASURED
 
 SHAPE = ShapeKey(model="tiny", height=24, width=40, batch_size=4, max_sequence_length=64, cfg=False)
@@ -187,15 +188,18 @@ def test_a_dead_helper_fails_what_it_held_and_the_next_batch_gets_a_new_one(tmp_
         sink.close()
 
 
-def test_a_storage_error_reaches_the_future_after_the_retries(tmp_path):
+@pytest.mark.parametrize("kind", ["images", "arrays"])
+def test_a_storage_error_reaches_the_future_after_the_retries(tmp_path, kind):
+    """Arrays cross in a shared-memory slot: a failed batch gives it back too."""
     blocker = tmp_path / "file"
     blocker.write_text("not a folder")
     out = str(blocker / "run")
     sink = SinkProcess(retry_for_s=0)
     try:
         with pytest.raises(SinkError, match="run"):
-            store(sink, out, batch(out, 0), pictures(batch(out, 0)), {})
+            store(sink, out, batch(out, 0), (pictures if kind == "images" else arrays_of)(batch(out, 0)), {})
         assert sink._helper.process.poll() is None  # one bad batch does not end the helper
+        assert sink.slots.counts() == ((0, 0) if kind == "images" else (1, 1))
     finally:
         sink.close()
 
@@ -269,5 +273,140 @@ def test_a_helper_that_cannot_start_falls_back_to_threads(tmp_path, monkeypatch,
         assert store(sink, out, message, images, {"generate_s": 0.25}).written == 4
         assert_stored(out, message, images)
         assert "storing in threads" in caplog.text
+    finally:
+        sink.close()
+
+
+def arrays_of(message: BatchMessage, height: int = SHAPE.height, width: int = SHAPE.width) -> list:
+    """What the pipeline host hands over: views of one B×H×W×3 uint8 batch array."""
+    rng = np.random.default_rng(int(message.batch_id[1:]))
+    return list(rng.integers(0, 256, (len(message.items), height, width, 3), dtype=np.uint8))
+
+
+def test_array_batches_cross_in_shared_memory_slots_given_back_once_stored(tmp_path):
+    """Batches of arrays go through the worker's shared-memory slots (PIL images through
+    the socket); each slot is free again once its batch is stored, and slots are
+    reused, not made per batch."""
+    out = str(tmp_path / "run")
+    sink = SinkProcess()
+    assert sink.slots is not None
+    try:
+        for index in range(6):
+            message = batch(out, index)
+            arrays = arrays_of(message)
+            assert store(sink, out, message, arrays, {"generate_s": 0.25}).written == 4
+            assert_stored(out, message, arrays)
+        made, free = sink.slots.counts()
+        assert 1 <= made <= Slots.MOST and free == made
+        message = batch(out, 7)
+        images = pictures(message)  # PIL images: by the socket, no slot taken
+        assert store(sink, out, message, images, {"generate_s": 0.25}).written == 4
+        assert_stored(out, message, images)
+        assert sink.slots.counts() == (made, made)
+    finally:
+        sink.close()
+    assert sink.slots.counts() == (0, 0)
+
+
+def test_a_batch_of_another_shape_gets_a_slot_that_fits(tmp_path, monkeypatch):
+    """A bigger batch than every slot retires a free one for one that fits (the helper
+    unmaps the old one); the pixels are still the batch's own."""
+    monkeypatch.setattr(Slots, "MOST", 1)
+    out = str(tmp_path / "run")
+    sink = SinkProcess()
+    try:
+        for index, (height, width) in enumerate([(24, 40), (48, 40), (24, 40), (48, 40)]):
+            message = batch(out, index)
+            arrays = arrays_of(message, height, width)
+            assert store(sink, out, message, arrays, {"generate_s": 0.25}).written == 4
+            assert_stored(out, message, arrays)
+            assert sink.slots.counts() == (1, 1)
+    finally:
+        sink.close()
+
+
+def test_a_dead_helper_gives_the_slots_of_what_it_held_back(tmp_path):
+    """Slots taken by batches a killed helper held are free again once those batches
+    fail; the next helper is handed the slots anew and stores the right pixels."""
+    out = str(tmp_path / "run")
+    sink = SinkProcess()
+    try:
+        sink.start()
+        first = sink._helper.process
+        first.send_signal(signal.SIGSTOP)
+        held = [sink.submit(open_storage(out), batch(out, i), arrays_of(batch(out, i)),
+                            {**MEASURED, "generate_s": 0.25}) for i in range(2)]
+        first.send_signal(signal.SIGKILL)
+        for handed in held:
+            with pytest.raises(SinkLost):
+                handed.stored.result(60)
+        made, free = sink.slots.counts()
+        assert made == free >= 1
+        message = batch(out, 3)
+        arrays = arrays_of(message)
+        assert store(sink, out, message, arrays, {"generate_s": 0.25}).written == 4
+        assert sink._helper.process.pid != first.pid
+        assert_stored(out, message, arrays)
+        assert sink.slots.counts() == (made, made)
+    finally:
+        sink.close()
+
+
+def test_slots_refuse_a_second_give_back_and_close_their_memory():
+    slots = Slots()
+    images = [np.zeros((4, 5, 3), np.uint8)] * 2
+    slot = slots.acquire(images)
+    slot.fill([np.full((4, 5, 3), 7, np.uint8), np.full((4, 5, 3), 9, np.uint8)])
+    assert bytes(slot.map[:60]) == bytes([7]) * 60 and bytes(slot.map[60:120]) == bytes([9]) * 60
+    assert slots.acquire([Image.new("RGB", (5, 4))]) is None  # PIL images: the socket
+    slots.release(slot)
+    with pytest.raises(RuntimeError, match="twice"):
+        slots.release(slot)
+    fd = slot.fd
+    slots.close()
+    assert slots.counts() == (0, 0) and slot.map.closed
+    with pytest.raises(OSError):
+        os.fstat(fd)
+
+
+def test_helper_stores_from_its_own_mapping_when_the_worker_goes_away(tmp_path):
+    """The worker's end and its slots close while the helper still holds batches handed
+    in shared memory: the helper's mapping keeps the pixels, it stores them, exits 0."""
+    out = str(tmp_path / "run")
+    sink = SinkProcess()
+    sink.start()
+    helper = sink._helper
+    helper.process.send_signal(signal.SIGSTOP)
+    messages = [batch(out, i) for i in range(3)]
+    arrays = [arrays_of(message) for message in messages]
+    for message, batch_arrays in zip(messages, arrays):
+        sink.submit(open_storage(out), message, batch_arrays, {**MEASURED, "generate_s": 0.25})
+    while sink.slots.counts()[0] < 3:  # the send thread has copied each batch into a slot
+        time.sleep(0.01)
+    helper.close()  # the goodbye queues behind the batches: all of them are in the socket then
+    while helper._outbox.qsize():
+        time.sleep(0.01)
+    for slot in list(sink.slots._all):  # the worker gone: its mappings and descriptors too
+        slot.close()
+    helper._socket.shutdown(socket.SHUT_RDWR)  # as the worker's exit closes its end
+    helper.process.send_signal(signal.SIGCONT)
+    assert helper.process.wait(timeout=60) == 0
+    for message, batch_arrays in zip(messages, arrays):
+        assert_stored(out, message, batch_arrays)
+    assert credited(out) == {m.batch_id for m in messages}
+
+
+@pytest.mark.parametrize("channels", [1, 4])
+def test_grey_and_rgba_arrays_cross_in_slots_too(tmp_path, channels):
+    out = str(tmp_path / "run")
+    message = batch(out, 8)
+    rng = np.random.default_rng(8)
+    shape = (SHAPE.height, SHAPE.width) if channels == 1 else (SHAPE.height, SHAPE.width, channels)
+    arrays = list(rng.integers(0, 256, (len(message.items), *shape), dtype=np.uint8))
+    sink = SinkProcess()
+    try:
+        assert store(sink, out, message, arrays, {"generate_s": 0.25}).written == 4
+        assert_stored(out, message, arrays)
+        assert sink.slots.counts() == (1, 1)
     finally:
         sink.close()

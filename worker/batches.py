@@ -1,6 +1,7 @@
-"""A batch's life on the worker, from receipt to ack, in one object.
+"""The process's line of batches: back-pressure, the sink's futures, the held ack.
 
-`BatchLine` is the process's line of batches. On receipt it settles the acks
+`BatchLine` is the process's line of batches (a batch's life, step by step, is
+worker/tasks.py). On receipt it settles the acks
 whose stores finished; after generation it waits for the previous batch's store
 (back-pressure: one batch stored while the next generates, never a growing pile
 of images behind a slow store), hands the images to the sink and keeps the sink's
@@ -10,7 +11,7 @@ starts the next batch while this one uploads; then the routing step re-chooses
 queues. A worker killed before the upload finishes never acked the batch: the
 broker delivers it again (its lease lapses, core/transports.py).
 
-Every way a batch ends is an `Outcome` the task body reports (`report`); what the
+Every way a batch ends is an `Outcome` the task body reports once (`report`); what the
 broker sees is `decide(outcome)` (worker/delivery.py, the one table): ack now, hold
 the ack until the sink's future is done, or requeue. Acks and requeues run only on
 the consumer's main thread (kombu channels are not thread-safe): from the task
@@ -44,6 +45,8 @@ class Delivery(Protocol):
 
     def requeue(self) -> None: ...
 
+    def reject(self, requeue: bool = False) -> None: ...  # Celery's Request.reject: the broker dead-letters it
+
 
 class Window(Protocol):
     """The consumer's prefetch window: one more delivery while an ack is held."""
@@ -70,22 +73,23 @@ class BatchLine:
         """A batch arrives: ack what the sink finished meanwhile."""
         self.settle()
 
-    def store(self, task_id: str, storage: Storage, message: BatchMessage, images: list, record: dict) -> None:
-        """Generation is done: back-pressure, hand to the sink, hold the ack, route."""
+    def store(self, storage: Storage, message: BatchMessage, images: list, record: dict) -> Future:
+        """Generation is done: back-pressure, hand to the sink, route. Returns the sink's
+        `credited` future, which the batch's ack waits for (reported as `generated`)."""
         if self._last_store is not None:
             concurrent.futures.wait([self._last_store])
         self.settle()
         handed = self.sink.submit(storage, message, images, record)
         self._last_store = handed.stored
         handed.stored.add_done_callback(_observe_store)
-        self.report(task_id, Outcome.GENERATED, handed.credited)
         if self.router is not None:
             self.router.update()  # before the next fetch
+        return handed.credited
 
-    def credit_again(self, task_id: str, storage: Storage, message: BatchMessage) -> None:
-        """A redelivered batch already stored: credit it again (the copy that stored the
-        record may have died before crediting it) and ack after that."""
-        self.report(task_id, Outcome.ALREADY_STORED, self.sink.credit(storage, message))
+    def credit_again(self, storage: Storage, message: BatchMessage) -> Future:
+        """A redelivered batch already stored: credit it again; the ack waits for that
+        (reported as `already stored`)."""
+        return self.sink.credit(storage, message)
 
     def report(self, task_id: str, outcome: Outcome, future: Future | None = None) -> None:
         """How this delivery's batch ended; `future`: what a held ack waits for."""
@@ -147,6 +151,8 @@ def _apply(action: Action, delivery: Delivery) -> None:
         delivery.ack_now()
     elif action is Action.REQUEUE:
         delivery.requeue()
+    elif action is Action.REJECT:
+        delivery.reject(requeue=False)  # Celery's Request.reject: the broker dead-letters it
     else:
         raise ValueError(f"{action.value} is carried out by holding the ack, not at once")
 

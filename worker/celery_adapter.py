@@ -1,7 +1,8 @@
 """The Celery adapter: all of the glue between diffq's worker and Celery, in one module.
 
-The worker's own logic is Celery-free where it can be: the task body (tasks.py),
-a batch's life from receipt to ack (batches.py), queue choice (routing.py). Here:
+The worker's own logic is Celery-free where it can be: a batch's life from receipt
+to outcome and its hooks (tasks.py, hooks.py), the held ack (batches.py), queue
+choice (routing.py). Here:
 
 - the ack policy, stated once (`ACK_POLICY`, `WORKER_ARGS`);
 - `BatchRequest`: Celery's request, whose ack goes through the batch line, so it
@@ -35,7 +36,8 @@ from diffq.worker.lifeline import parent_gone
 from diffq.worker.dead_letters import DeadLetterStep
 from diffq.worker.delivery import Action, Outcome, decide
 from diffq.worker.spec import ChildSpec, hostname
-from diffq.worker.tasks import Runtime, generate_batch
+from diffq.worker.runtime import Runtime
+from diffq.worker.tasks import generate_batch
 
 log = logging.getLogger("diffq.worker")
 
@@ -150,7 +152,16 @@ class Drain:
     def __init__(self, rt: Runtime, timeout: float):
         self.rt = rt
         self.timeout = timeout
+        self.due = time.monotonic() + timeout
         self.thread = threading.Thread(target=self._run, name="diffq-drain", daemon=True)
+
+    def finish(self) -> None:
+        """The consumer has shut down. A drain still sleeping out its timeout is moot
+        (the batch in hand finished first); one whose timeout has passed (at once when
+        the parent is gone) is handing back: the process must not end before it has
+        (it ends the process itself)."""
+        if self.thread.is_alive() and time.monotonic() >= self.due:
+            self.thread.join(DRAIN_SETTLE_S + 30)
 
     def _run(self) -> None:
         time.sleep(self.timeout)  # a batch that finishes first ends the process before this
@@ -169,6 +180,11 @@ class Drain:
         handed += _hand_back(rt)
         log.warning("%s: drain timeout (%.0f s) passed; handed back %d held batch(es), exiting",
                     rt.spec.name, self.timeout, handed)
+        if rt.consuming_stopped.is_set():
+            # The consumer is shutting down the usual way: its channel's close (and
+            # kombu's exit hook) gives back anything delivered after the hand-back.
+            # os._exit here would skip both.
+            return
         os._exit(0)
 
 
@@ -201,6 +217,7 @@ def build_app(rt: Runtime) -> Celery:
         rt.sink.flush()
 
     signals.worker_shutting_down.connect(on_shutdown, weak=False)
+    app.diffq_drains = drains  # for `serve`, once Celery has returned
     return app
 
 
@@ -208,3 +225,5 @@ def serve(app: Celery, spec: ChildSpec) -> None:
     """Consume the spec's queues until a warm shutdown."""
     app.worker_main(["--quiet", "worker", *WORKER_ARGS, f"--queues={','.join(spec.queues)}",
                      f"--hostname={spec.name}@{hostname()}", f"--loglevel={spec.loglevel}"])
+    for drain in getattr(app, "diffq_drains", ()):
+        drain.finish()

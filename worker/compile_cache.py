@@ -23,6 +23,7 @@ import logging
 import re
 import tempfile
 import threading
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from importlib import metadata
@@ -113,7 +114,10 @@ def _host_lock(directory: Path):
 
 
 class CacheSync:
-    """Mirror between a local cache directory and a storage URL."""
+    """Mirror between a local cache directory and a storage URL.
+
+    `mirrored(plan)` is how a process uses it (worker warm start, qualify): the one
+    place that pulls, pushes and says what a failed sync costs."""
 
     def __init__(self, remote: str, local_dir: str | Path, storage: Storage | None = None):
         self.remote = remote
@@ -170,3 +174,30 @@ class CacheSync:
         thread = threading.Thread(target=push, name="diffq-cache-push", daemon=True)
         thread.start()
         return thread
+
+
+@contextmanager
+def mirrored(plan: CachePlan) -> Iterator[CacheSync | None]:
+    """Pull before the body (the compiles), push what it added after; None without a remote.
+
+    A failed pull or push is a warning, never an error: a missing cache costs compile
+    time, and another worker compiles what was not pushed. A body that fails pushes
+    nothing (its entries may be half a shape)."""
+    sync = CacheSync(plan.remote, plan.local_dir) if plan.remote else None
+    if sync:
+        try:
+            sync.pull()
+        except Exception as exc:
+            log.warning("compile cache pull from %s failed: %s", plan.remote, exc)
+    yield sync
+    if sync:
+        try:
+            sync.push()
+        except Exception as exc:
+            log.warning("compile cache push to %s failed: %s", plan.remote, exc)
+
+
+def report(plan: CachePlan, sync: CacheSync | None) -> dict:
+    """The cache part of a warm-start or qualify report."""
+    return {"dir": plan.local_dir, "remote": plan.remote,
+            "pulled": sync.pulled if sync else 0, "pushed": sync.pushed if sync else 0}

@@ -3,18 +3,23 @@
 Not JSON, a content type other than JSON (pickle is refused unread), not a diffq
 task, over the size cap (measured on receipt, before the body is parsed), a call
 that is not one batch, or a batch that fails the schema: none of these can ever succeed, so none is
-retried. Each is logged once (queue and reason), moved to the `diffq.dead` queue
-(core/transports.py DEAD_LETTERS, shown by `diffq queues`, consumed by no worker)
-as a JSON letter carrying the reason and the start of the original body, and
-acknowledged; the worker goes on with the next message.
+retried. Each is logged once (queue and reason) and ends in the broker's dead
+letters, its way (core/transports.py `DeadLetterWay`, shown by `diffq queues`,
+consumed by no worker): on RabbitMQ, once the worker has declared the policy,
+rejected without requeue for the broker to route to `diffq.dead` (it adds the
+queue and 'rejected' as `x-death`; diffq's reason is in the log only); elsewhere
+(Redis, SQS, RabbitMQ without its management API) written as a JSON letter
+carrying the reason and the start of the original body to `diffq.dead`, and
+acknowledged. The worker goes on with the next message.
 
 Celery's own handlers for the first four (celery/worker/consumer/consumer.py:
 `on_decode_error`, `on_invalid_task`, `on_unknown_message`, `on_unknown_task`)
 log a traceback and drop or reject the message; `DeadLetterStep` replaces them on
-the consumer (its task handler looks them up when the event loop starts) and puts
-the receipt checks (size, call shape) in front of the batch task's strategy. A
-Redis list item that is not even a kombu envelope would end the worker inside
-kombu; the transport table's `guard_deliveries` catches it first.
+the consumer (its task handler looks them up when the event loop starts), declares
+the broker's dead letters for the consumer's queues, and puts the receipt checks
+(size, call shape) in front of the batch task's strategy. A Redis list item that
+is not even a kombu envelope would end the worker inside kombu; the transport
+table's `guard_deliveries` catches it first.
 """
 
 from __future__ import annotations
@@ -25,18 +30,18 @@ import logging
 import time
 
 from celery import bootsteps
-from kombu import Exchange, Queue
 
 from diffq.core.broker import TASK_NAME
 from diffq.core.contract import MAX_MESSAGE_BYTES
-from diffq.core.transports import DEAD_LETTERS, transport_for
+from diffq.core.settings import get_settings
+from diffq.core.transports import DEAD_LETTERS, DEAD_QUEUE, transport_for
+from diffq.worker.delivery import Outcome
 
 log = logging.getLogger("diffq.worker")
 
 # A letter keeps the start of the body: enough to find the sender, and the dead
 # queue cannot become a way around the size cap.
 KEPT_BODY_BYTES = 16 * 1024
-DEAD_QUEUE = Queue(DEAD_LETTERS, Exchange(DEAD_LETTERS), routing_key=DEAD_LETTERS)
 
 
 def letter(queue: str, reason: str, body, content_type: str | None, headers: dict | None, worker: str) -> dict:
@@ -53,12 +58,17 @@ def letter(queue: str, reason: str, body, content_type: str | None, headers: dic
 
 
 class DeadLetters:
-    def __init__(self, app, worker: str):
+    """`by_broker`: the broker dead-letters a delivery rejected without requeue itself
+    (what the transport's `DeadLetterWay.declare` answered); else diffq writes a letter."""
+
+    def __init__(self, app, worker: str, by_broker: bool = False):
         self.app = app
         self.worker = worker
+        self.by_broker = by_broker
 
     def send(self, queue: str, reason: str, body, content_type: str | None = None,
              headers: dict | None = None) -> None:
+        """Write the letter to DEAD_LETTERS (the caller acks the delivery)."""
         log.warning("dead letter from queue %s: %s (moved to %s)", queue, reason, DEAD_LETTERS)
         try:
             with self.app.producer_or_acquire() as producer:
@@ -69,11 +79,42 @@ class DeadLetters:
             # Still acked by the caller: a message that can never succeed must not loop.
             log.error("could not store the dead letter from %s (%s); it is dropped", queue, exc)
 
+    def refuse(self, queue: str, reason: str, body, content_type: str | None = None,
+               headers: dict | None = None) -> Outcome:
+        """A delivery the task refuses: the outcome to report for it. REFUSED (reject,
+        the broker routes it) or DEAD_LETTER (the letter is written: ack)."""
+        if self.by_broker:
+            log.warning("dead letter from queue %s: %s (rejected to %s)", queue, reason, DEAD_LETTERS)
+            return Outcome.REFUSED
+        self.send(queue, reason, body, content_type, headers)
+        return Outcome.DEAD_LETTER
+
     def reject(self, message, reason: str) -> None:
-        """Dead-letter a delivery the consumer cannot turn into a task, and ack it."""
+        """Dead-letter a delivery the consumer cannot turn into a task."""
         queue = (message.delivery_info or {}).get("routing_key") or "?"
-        self.send(queue, reason, message.body, message.content_type, message.headers)
-        message.ack()
+        if self.refuse(queue, reason, message.body, message.content_type, message.headers) is Outcome.REFUSED:
+            message.reject(requeue=False)
+        else:
+            message.ack()
+
+
+def dead_letters_of(app, worker: str) -> DeadLetters:
+    """The consumer's DeadLetters (the broker's way, as declared when it started; kept
+    on its app for the task body's refusals), else a letter writer."""
+    return getattr(app, "diffq_dead_letters", None) or DeadLetters(app, worker)
+
+
+def declare_dead_letters(app, queues: list[str], api: str | None) -> bool:
+    """The broker's dead letters for `queues` (core/transports.py `DeadLetterWay`):
+    True where it routes rejects itself. A broker that refuses (no policy rights,
+    API down) leaves the worker writing letters, logged."""
+    try:
+        with app.connection_for_write() as connection:
+            return transport_for(app.conf.broker_url).dead_letters.declare(connection, queues, api)
+    except Exception as exc:
+        log.warning("could not declare the broker's dead letters (%s); refused messages are written as letters",
+                    exc)
+        return False
 
 
 def _is_batch_call(call) -> bool:
@@ -93,7 +134,9 @@ class DeadLetterStep(bootsteps.StartStopStep):
     worker = "diffq"  # bound per app
 
     def start(self, consumer):
-        dead = DeadLetters(consumer.app, self.worker)
+        queues = [queue.name for queue in (consumer.task_consumer.queues if consumer.task_consumer else [])]
+        dead = DeadLetters(consumer.app, self.worker, declare_dead_letters(consumer.app, queues, _api(consumer.app)))
+        consumer.app.diffq_dead_letters = dead
 
         def on_decode_error(message, exc):
             dead.reject(message, f"body not decodable as {message.content_type}: {_reason(exc)}")
@@ -119,6 +162,13 @@ class DeadLetterStep(bootsteps.StartStopStep):
         strategy = consumer.strategies.get(TASK_NAME)
         if strategy is not None and not getattr(strategy, "checked_on_receipt", False):
             consumer.strategies[TASK_NAME] = checked_on_receipt(strategy, dead)
+
+
+def _api(app) -> str | None:
+    """The worker's RabbitMQ management API URL (its spec's, else DIFFQ_RABBITMQ_API)."""
+    task = app.tasks.get(TASK_NAME)
+    spec = getattr(getattr(task, "runtime", None), "spec", None)
+    return getattr(spec, "rabbitmq_api", None) or get_settings().rabbitmq_api
 
 
 def checked_on_receipt(strategy, dead: DeadLetters):

@@ -14,7 +14,8 @@ the drain (worker/celery_adapter.py) for what is still held at its timeout.
     failed           ack               its failure record is stored: the run goes on
     split            ack               its halves are published as batches of their own
     retry            ack               Celery has published the retry (with its countdown)
-    dead letter      ack               not a diffq batch: moved to diffq.dead, never retried
+    dead letter      ack               not a diffq batch: its letter is in diffq.dead, never retried
+    refused          reject            not a diffq batch: the broker dead-letters it (RabbitMQ's policy)
     hand back        requeue           not a failed attempt (a tensor-parallel rank died)
     drained          requeue           SIGTERM's drain timeout passed with it in hand
     unreported       ack               the task ended without saying (Celery's own acks_late)
@@ -35,6 +36,7 @@ class Outcome(str, Enum):
     SPLIT = "split"
     RETRY = "retry"
     DEAD_LETTER = "dead letter"
+    REFUSED = "refused"
     HAND_BACK = "hand back"
     DRAINED = "drained"
     UNREPORTED = "unreported"
@@ -44,6 +46,7 @@ class Action(str, Enum):
     ACK = "ack"
     ACK_WHEN_STORED = "ack when stored"  # hold the ack until the sink's future is done
     REQUEUE = "requeue"  # back to its queue now, not counted as an attempt
+    REJECT = "reject"  # without requeue: to the broker's dead letters (core/transports.py)
 
 
 DECISIONS: dict[Outcome, Action] = {
@@ -56,6 +59,7 @@ DECISIONS: dict[Outcome, Action] = {
     Outcome.SPLIT: Action.ACK,
     Outcome.RETRY: Action.ACK,
     Outcome.DEAD_LETTER: Action.ACK,
+    Outcome.REFUSED: Action.REJECT,
     Outcome.HAND_BACK: Action.REQUEUE,
     Outcome.DRAINED: Action.REQUEUE,
     Outcome.UNREPORTED: Action.ACK,

@@ -253,8 +253,10 @@ class PipelineHost:
             "seconds": round(sum(self.compile_seconds.values()), 3),
             "per_shape": {queue: {"seconds": round(seconds, 3), "graphs": self.compile_graphs[queue]}
                           for queue, seconds in self.compile_seconds.items()},
-            # Inductor's persistent-cache hits and misses (the compile cache at work).
-            "cache": {k: v for k, v in counters["inductor"].items() if "cache" in k},
+            # Persistent-cache hits and misses (the compile cache at work): Inductor's
+            # compiled graphs, and AOTAutograd's entries that skip re-tracing the joint graph.
+            "cache": {k: v for group in ("inductor", "aot_autograd") for k, v in counters[group].items()
+                      if "cache" in k},
         }
 
     def fallback_ops(self) -> list[str]:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import importlib
 import json
-import logging
 import os
 import signal
 import sys
@@ -19,11 +18,9 @@ import warnings
 from pathlib import Path
 
 from diffq.core.storage.base import atomic_write
-from diffq.worker.compile_cache import CacheSync
+from diffq.worker import compile_cache
 from diffq.worker.lifeline import die_with_parent
 from diffq.worker.spec import EXIT_FATAL, QUIET_ENV, ChildSpec
-
-log = logging.getLogger("diffq.worker")
 
 
 def _write_env_report(path: str) -> None:
@@ -38,31 +35,20 @@ def warm_start(rt) -> dict:
     """
     from diffq.worker.tasks import preload
 
-    spec, host = rt.spec, rt.host
+    spec, host, cache = rt.spec, rt.host, rt.spec.cache
     started = time.perf_counter()
-    cache = spec.cache
-    sync = CacheSync(cache.remote, cache.local_dir) if cache.remote else None
+    with compile_cache.mirrored(cache) as sync:
+        preload(rt)
+        loaded = time.perf_counter()
+        host.warmup(spec.warmup_shapes())
     if sync:
-        try:
-            sync.pull()
-        except Exception as exc:  # a missing cache costs compile time, not the worker
-            log.warning("compile cache pull from %s failed: %s", cache.remote, exc)
-    preload(rt)
-    loaded = time.perf_counter()
-    host.warmup(spec.warmup_shapes())
-    if sync:
-        try:
-            sync.push()
-        except Exception as exc:  # another worker will compile it: not fatal
-            log.warning("compile cache push to %s failed: %s", cache.remote, exc)
         host.on_compiled.append(lambda _shape: sync.push_in_background())
     return {
         "worker": spec.name,
         "load_s": round(loaded - started, 3),
         "warmup_s": round(time.perf_counter() - loaded, 3),
         "compile": host.compile_stats(),
-        "cache": {"dir": cache.local_dir, "remote": cache.remote,
-                  "pulled": sync.pulled if sync else 0, "pushed": sync.pushed if sync else 0},
+        "cache": compile_cache.report(cache, sync),
         "fallback_ops": host.fallback_ops(),
     }
 
@@ -106,6 +92,30 @@ def child_main(spec_json: str) -> None:
     finally:
         if group is not None:
             group.stop()  # the other ranks exit with it
+    if spec.warmup_only:
+        # Only a warm-up run: a serving worker's exit still lets kombu close its
+        # channels the usual way (a Redis channel's close restores what it holds).
+        _exit_without_teardown()
+
+
+def _exit_without_teardown() -> None:
+    """End a child that finished cleanly without the interpreter's teardown.
+
+    Tearing down the modules of torch, dynamo and Inductor frees their whole object
+    graph one object at a time, seconds of a warm start's wall time (docs/BENCHMARKS.md,
+    "Warm start") for memory the OS takes back at once. Everything an exit must do
+    still runs: other threads finish, exit handlers run (logging, multiprocessing,
+    Inductor's compile workers), the streams are flushed."""
+    import atexit
+    import threading
+
+    # The interpreter's own first exit step: the thread pools' exit hooks (they tell
+    # idle workers to stop), then a join of every other non-daemon thread.
+    threading._shutdown()
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _consume(spec: ChildSpec, group) -> None:

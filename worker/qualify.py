@@ -125,86 +125,108 @@ def _save(images, spec: QualifySpec, height: int, width: int) -> None:
         as_image(image).save(path, format="PNG")
 
 
-def measure(spec: QualifySpec) -> dict:
-    """Everything the parent reports except parity; runs after `import torch`."""
-    from diffq.core.contract import BatchItem, BatchParams, ShapeKey
-    from diffq.core.records import DEGENERATE_CHECKS
-    from diffq.worker.backends import device_count
-    from diffq.worker.compile_cache import CacheSync
-    from diffq.worker.pipeline_host import PipelineHost, graphs_compiled
+class _Session:
+    """One qualify child's pipeline host and the calls it makes, each counted as a worker
+    would count it: graphs compiled around the call, degenerate images per shape."""
 
-    backend = spec.child.backend  # read after the extension import: it may register itself
-    cache = spec.child.cache
-    sync = CacheSync(cache.remote, cache.local_dir) if cache.remote else None
-    if sync:
-        try:
-            sync.pull()
-        except Exception as exc:  # as in a worker: a missing cache costs compile time only
-            logging.getLogger("diffq.worker").warning("compile cache pull from %s failed: %s", cache.remote, exc)
-    host = PipelineHost(backend=backend, compile_mode=spec.child.compile, offload=spec.child.offload,
-                        checks=frozenset(DEGENERATE_CHECKS))
-    degenerate: dict[str, dict[str, int]] = {}  # shape label -> check -> images it found
-    items = [BatchItem(id=f"q{i}", prompt=prompt, seed=seed)
-             for i, (prompt, seed) in enumerate(zip(spec.prompts, spec.seeds))]
+    def __init__(self, spec: QualifySpec):
+        from diffq.core.contract import BatchItem
+        from diffq.core.records import DEGENERATE_CHECKS
+        from diffq.worker.pipeline_host import PipelineHost
 
-    def key(height: int, width: int) -> ShapeKey:
+        self.spec = spec
+        self.backend = spec.child.backend  # read after the extension import: it may register itself
+        self.host = PipelineHost(backend=self.backend, compile_mode=spec.child.compile,
+                                 offload=spec.child.offload, checks=frozenset(DEGENERATE_CHECKS))
+        self.items = [BatchItem(id=f"q{i}", prompt=prompt, seed=seed)
+                      for i, (prompt, seed) in enumerate(zip(spec.prompts, spec.seeds))]
+        self.degenerate: dict[str, dict[str, int]] = {}  # shape label -> check -> images it found
+
+    def load(self) -> float:
+        """Load the model (and wrap it for compiling); returns the seconds it took."""
+        started = time.perf_counter()
+        self.host.set_shape_budget(len(self.spec.shapes) + len(self.spec.extra_parity_shapes))
+        self.host.pipeline(self.spec.model, self.spec.dtype)
+        return time.perf_counter() - started
+
+    def key(self, height: int, width: int):
+        from diffq.core.contract import ShapeKey
+
+        spec = self.spec
         return ShapeKey(model=spec.model, height=height, width=width, batch_size=spec.batch_size,
                         max_sequence_length=spec.max_sequence_length, cfg=spec.guidance_scale > 1,
                         dtype=spec.dtype)
 
-    def call(shape: ShapeKey, steps: int):
+    def call(self, height: int, width: int, steps: int):
+        """One batch at HxW; returns it and the graphs compiled during the call."""
+        from diffq.core.contract import BatchParams
+        from diffq.core.records import DEGENERATE_CHECKS
+        from diffq.worker.pipeline_host import graphs_compiled
+
         before = graphs_compiled()
-        generated = host.generate(shape, BatchParams(num_inference_steps=steps,
-                                                     guidance_scale=spec.guidance_scale), items)
-        counts = degenerate.setdefault(f"{shape.height}x{shape.width}", dict.fromkeys(DEGENERATE_CHECKS, 0))
+        generated = self.host.generate(self.key(height, width), BatchParams(
+            num_inference_steps=steps, guidance_scale=self.spec.guidance_scale), self.items)
+        counts = self.degenerate.setdefault(f"{height}x{width}", dict.fromkeys(DEGENERATE_CHECKS, 0))
         for kind in filter(None, generated.degenerate):
             counts[kind] += 1
         return generated, graphs_compiled() - before
 
-    started = time.perf_counter()
-    host.set_shape_budget(len(spec.shapes) + len(spec.extra_parity_shapes))
-    host.pipeline(spec.model, spec.dtype)
-    load_s = time.perf_counter() - started
-    # A reference run only generates images: its shapes are all parity shapes.
-    timed, images_only = (spec.shapes, spec.extra_parity_shapes) if spec.measure else ([], spec.shapes)
-    shapes = []
-    steps_change = 0
-    for height, width in timed:
-        shape = key(height, width)
-        first, first_graphs = call(shape, spec.steps)
-        _save(first.images, spec, height, width)
-        steady, steady_graphs = [], 0
-        for _ in range(spec.repeats):
-            generated, graphs = call(shape, spec.steps)
-            steady.append(generated.generate_s)
-            steady_graphs += graphs
-        _, changed = call(shape, spec.steps - 1 if spec.steps > 1 else spec.steps + 1)
-        steps_change += changed
-        median = statistics.median(steady)
-        shapes.append({
-            "shape": f"{height}x{width}",
-            "height": height, "width": width, "batch_size": spec.batch_size,
-            "first_call_s": round(first.generate_s, 4),
-            "first_call_graphs": first_graphs,
-            "steady_s": {"median": round(median, 6), "p90": round(percentile(steady, 90), 6),
-                         "calls": len(steady)},
-            "recompiles": {"steady": steady_graphs, "steps_change": changed, "revisit": None},
-            "images_per_s": round(spec.batch_size / median, 4) if median > 0 else None,
-        })
-    # Back to every shape, now that later shapes compiled in between: nothing new.
+
+def measure(spec: QualifySpec) -> dict:
+    """Everything the parent reports except parity; runs after `import torch`."""
+    from diffq.worker import compile_cache
+
+    cache = spec.child.cache
+    with compile_cache.mirrored(cache) as sync:
+        session = _Session(spec)
+        load_s = session.load()
+        # A reference run only generates images: its shapes are all parity shapes.
+        timed, images_only = (spec.shapes, spec.extra_parity_shapes) if spec.measure else ([], spec.shapes)
+        shapes = [_timed_shape(session, height, width) for height, width in timed]
+        revisit = _revisit(session, shapes) if spec.measure else None
+        for height, width in images_only:
+            generated, _ = session.call(height, width, spec.steps)
+            _save(generated.images, spec, height, width)
+    return _report(session, load_s, shapes, revisit, compile_cache.report(cache, sync))
+
+
+def _timed_shape(session: _Session, height: int, width: int) -> dict:
+    """A shape's first call (its compile; images saved for parity), `repeats` timed calls,
+    then one call with other steps, which must not compile."""
+    spec = session.spec
+    first, first_graphs = session.call(height, width, spec.steps)
+    _save(first.images, spec, height, width)
+    steady, steady_graphs = [], 0
+    for _ in range(spec.repeats):
+        generated, graphs = session.call(height, width, spec.steps)
+        steady.append(generated.generate_s)
+        steady_graphs += graphs
+    _, changed = session.call(height, width, spec.steps - 1 if spec.steps > 1 else spec.steps + 1)
+    median = statistics.median(steady)
+    return {
+        "shape": f"{height}x{width}",
+        "height": height, "width": width, "batch_size": spec.batch_size,
+        "first_call_s": round(first.generate_s, 4),
+        "first_call_graphs": first_graphs,
+        "steady_s": {"median": round(median, 6), "p90": round(percentile(steady, 90), 6), "calls": len(steady)},
+        "recompiles": {"steady": steady_graphs, "steps_change": changed, "revisit": None},
+        "images_per_s": round(spec.batch_size / median, 4) if median > 0 else None,
+    }
+
+
+def _revisit(session: _Session, shapes: list[dict]) -> int:
+    """Back to every shape, now that later shapes compiled in between: nothing new."""
     for entry in shapes:
-        _, entry["recompiles"]["revisit"] = call(key(entry["height"], entry["width"]), spec.steps)
-    revisit = sum(entry["recompiles"]["revisit"] for entry in shapes) if spec.measure else None
+        _, entry["recompiles"]["revisit"] = session.call(entry["height"], entry["width"], session.spec.steps)
+    return sum(entry["recompiles"]["revisit"] for entry in shapes)
+
+
+def _report(session: _Session, load_s: float, shapes: list[dict], revisit: int | None, cache: dict) -> dict:
+    from diffq.worker.backends import device_count
+
+    spec, host, backend = session.spec, session.host, session.backend
     for entry in shapes:
-        entry["degenerate"] = degenerate[entry["shape"]]
-    for height, width in images_only:
-        generated, _ = call(key(height, width), spec.steps)
-        _save(generated.images, spec, height, width)
-    if sync:
-        try:
-            sync.push()
-        except Exception as exc:  # noqa: BLE001 - reported, not fatal, as in a worker
-            logging.getLogger("diffq.worker").warning("compile cache push to %s failed: %s", cache.remote, exc)
+        entry["degenerate"] = session.degenerate[entry["shape"]]
     peak = _call_or_none(backend.peak_memory)
     stats = host.compile_stats()
     return {
@@ -213,19 +235,21 @@ def measure(spec: QualifySpec) -> dict:
         "compile": {"mode": stats["mode"], "backend": stats["backend"],
                     "options": backend.compile_options if stats["backend"] else None,
                     "cache_env": backend.cache_env,
-                    "cache_dir": os.environ.get(backend.cache_env) or cache.local_dir,
-                    "cache_remote": cache.remote,
+                    "cache_dir": os.environ.get(backend.cache_env) or cache["dir"],
+                    "cache_remote": cache["remote"],
+                    "cache_sync": {"pulled": cache["pulled"], "pushed": cache["pushed"]},
                     "cache_stats": {"inductor": stats["cache"],
                                     "backend": _json_safe(_call_or_none(backend.cache_stats))}},
         "versions": versions(backend),
         "load_s": round(load_s, 4),
         "shapes": shapes,
-        "recompiles": {"steps_change": steps_change if spec.measure else None, "revisit": revisit,
+        "recompiles": {"steps_change": sum(s["recompiles"]["steps_change"] for s in shapes) if spec.measure else None,
+                       "revisit": revisit,
                        "steady": sum(s["recompiles"]["steady"] for s in shapes),
                        "new_shapes": {s["shape"]: s["first_call_graphs"] for s in shapes}},
         "fallback_ops": list(dict.fromkeys(host.fallback_ops())),
         # Every call's images, parity-only shapes included: shape label -> check -> images.
-        "degenerate": degenerate,
+        "degenerate": session.degenerate,
         # Compiled graphs that failed on the device and re-ran uncompiled: none may, and
         # the table's switch says they must not (it is the worker's default too).
         "graph_fallback": ({"env": row.env, "value": os.environ.get(row.env),

@@ -6,12 +6,20 @@ GIL. Measured in one process (docs/BENCHMARKS.md): a pipeline call takes ~10 %
 longer while the threaded sink stores the previous batch, and as long as with no
 sink at all when the same work runs in a helper process.
 
-How: the worker sends each batch's raw pixels and message over a socket pair to a
-helper (`python -m diffq.worker.sink_process`, no torch) that runs the same `Sink`
+How: the worker sends each batch's message over a socket pair to a helper
+(`python -m diffq.worker.sink_process`, no torch) that runs the same `Sink`
 (encode/upload threads, images if absent, then the record, then the credit, with
-its retries). In the worker only two threads touch the socket, and they spend
-their time blocked in send/recv, which release the GIL. Every batch still gets a
-future that resolves once it is stored, so deferred acks (batches.py) work unchanged.
+its retries). The pixels of a batch of arrays cross in a shared-memory slot (an
+anonymous memfd mapped by both processes, its descriptor passed over the socket
+once per helper): the worker's send thread copies the arrays in (numpy's copy
+releases the GIL), the helper builds its images straight from the slot, and the
+slot is free again once the batch is stored, has failed, or the helper is gone
+(`Slots`). Reading each batch off the socket cost the helper's core a large share
+of what JPEG's encoder does (docs/BENCHMARKS.md); PIL images, and systems without
+memfd, still go through the socket. In the worker only two threads touch the
+socket, and they spend their time blocked in send/recv or copying without the
+GIL. Every batch still gets a future that resolves once it is stored, so deferred
+acks (batches.py) work unchanged.
 
 Failure: if the helper dies, the batches it held fail (their acks turn into
 requeues, nothing is lost) and the next batch starts a new helper. When the worker
@@ -26,6 +34,7 @@ import dataclasses
 import itertools
 import json
 import logging
+import mmap
 import os
 import queue
 import signal
@@ -60,13 +69,16 @@ class SinkError(RuntimeError):
 class _Helper:
     """One helper process and the two worker threads that talk to it."""
 
-    def __init__(self, module: str, threads: int, retry_for_s: float):
+    def __init__(self, module: str, threads: int, retry_for_s: float, slots: Slots | None = None):
+        self.slots = slots
+        self._mapped: set[int] = set()  # slots whose descriptor this helper has (send thread only)
         ours, theirs = socket.socketpair()
         with theirs:
             self.process = subprocess.Popen(
                 [sys.executable, "-m", module, str(theirs.fileno()), str(threads), str(retry_for_s)],
                 pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, close_fds=True)
-        self._conn = Connection(ours.detach())
+        self._socket = ours  # for passing slot descriptors (the same socket as the Connection)
+        self._conn = Connection(os.dup(ours.fileno()))
         self._lock = threading.Lock()
         self._pending: dict[int, dict[str, Future]] = {}  # job -> stage -> future
         self._jobs = itertools.count()
@@ -87,7 +99,7 @@ class _Helper:
                 return futures
             job = next(self._jobs)
             self._pending[job] = futures
-        self._outbox.put(({**header, "job": job}, images))
+        self._outbox.put(({**header, "job": job}, images, futures.get("stored")))
         return futures
 
     def pending(self) -> list[Future]:
@@ -95,14 +107,29 @@ class _Helper:
             return [future for futures in self._pending.values() for future in futures.values()]
 
     def close(self) -> None:
-        self._outbox.put((_CLOSE, None))
+        self._outbox.put((_CLOSE, None, None))
 
     def _send_loop(self) -> None:
         while True:
-            header, images = self._outbox.get()
+            header, images, stored = self._outbox.get()
+            slot = self.slots.acquire(images) if images is not None and self.slots is not None else None
+            if slot is not None:
+                try:
+                    slot.fill(images)
+                finally:
+                    # Free again once the batch is stored or failed (a helper that dies fails
+                    # what it held): the helper reads the slot only before it replies. Not
+                    # before the copy: a batch already failed gives the slot back at once.
+                    stored.add_done_callback(lambda _done, slot=slot: self.slots.release(slot))
+                new = slot.id not in self._mapped
+                header = {**header, "slot": {"id": slot.id, "size": slot.size, "new": new, "step": images[0].nbytes,
+                                             "unmap": self.slots.take_retired()}}
             try:
                 self._conn.send_bytes(json.dumps(header).encode())
-                if images is not None:
+                if slot is not None and new:
+                    socket.send_fds(self._socket, [b"s"], [slot.fd])
+                    self._mapped.add(slot.id)
+                elif images is not None and slot is None:
                     _send_pixels(self._conn.fileno(), images)
             except OSError:
                 return  # the receive loop sees the same end and fails what is pending
@@ -134,6 +161,112 @@ class _Helper:
             future.set_exception(SinkLost(f"sink helper process exited with {code} before storing the batch"))
 
 
+class _Slot:
+    """One shared-memory region: an anonymous memfd, mapped here and in the helper."""
+
+    def __init__(self, slot_id: int, size: int):
+        self.id, self.size = slot_id, size
+        self.fd = os.memfd_create(f"diffq-sink-slot-{slot_id}", os.MFD_CLOEXEC)
+        os.ftruncate(self.fd, size)
+        self.map = mmap.mmap(self.fd, size)
+
+    def fill(self, images: list) -> None:
+        """Copy a batch of same-shaped uint8 arrays in, one after the other."""
+        step = images[0].nbytes
+        for index, image in enumerate(images):
+            target = np.frombuffer(self.map, np.uint8, count=step, offset=index * step).reshape(image.shape)
+            np.copyto(target, image)  # strided sources too; releases the GIL
+            del target  # no export of the map outlives the copy
+
+    def close(self) -> None:
+        self.map.close()
+        os.close(self.fd)
+
+
+class Slots:
+    """The worker's shared-memory slots for batches of pixels on their way to the helper.
+
+    A slot is taken by the send thread for one batch and given back exactly once,
+    when that batch's `stored` future resolves (stored, failed, or lost with its
+    helper): the helper builds its images from the slot before it replies. Slots
+    outlive helpers (a new helper is sent their descriptors on first use); `MOST`
+    bounds them (back-pressure keeps at most two stores in flight: batches.py), and a
+    batch that finds none free, or is not a batch of uint8 arrays, goes through the
+    socket.
+    """
+
+    MOST = 3
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._free: list[_Slot] = []
+        self._all: list[_Slot] = []
+        self._ids = itertools.count()
+        self._retired: list[int] = []
+
+    def take_retired(self) -> list[int]:
+        with self._lock:
+            retired, self._retired = self._retired, []
+        return retired
+
+    @staticmethod
+    def fits(images: list) -> bool:
+        first = images[0]
+        channels = first.shape[2] if isinstance(first, np.ndarray) and first.ndim == 3 else 1
+        if not isinstance(first, np.ndarray) or first.ndim not in (2, 3) or channels not in ARRAY_MODES:
+            return False
+        return all(isinstance(image, np.ndarray) and image.dtype == np.uint8 and image.shape == first.shape
+                   for image in images)
+
+    def acquire(self, images: list) -> _Slot | None:
+        if not self.fits(images):
+            return None
+        size = images[0].nbytes * len(images)
+        with self._lock:
+            fitting = [slot for slot in self._free if slot.size >= size]
+            if fitting:
+                slot = min(fitting, key=lambda slot: slot.size)
+                self._free.remove(slot)
+                return slot
+            if len(self._all) >= self.MOST:
+                if not self._free:
+                    return None
+                self._all.remove(retired := self._free.pop(0))  # too small for this shape
+                retired.close()
+                self._retired.append(retired.id)  # the helper unmaps it too (`take_retired`)
+            slot = _Slot(next(self._ids), size)
+            self._all.append(slot)
+            return slot
+
+    def release(self, slot: _Slot) -> None:
+        with self._lock:
+            if slot in self._free:
+                raise RuntimeError(f"shared-memory slot {slot.id} given back twice")
+            if slot in self._all:
+                self._free.append(slot)
+            else:  # closed meanwhile (the sink closed)
+                slot.close()
+
+    def counts(self) -> tuple[int, int]:
+        """(slots, free slots)."""
+        with self._lock:
+            return len(self._all), len(self._free)
+
+    def close(self) -> None:
+        """Unmap and close the free slots; one still taken is closed when given back."""
+        with self._lock:
+            for slot in self._free:
+                slot.close()
+            taken = [slot for slot in self._all if slot not in self._free]
+            self._all, self._free = [], []
+        if taken:
+            log.warning("closing the sink with %d shared-memory slot(s) still taken", len(taken))
+
+
+def _slots_available() -> bool:
+    return hasattr(os, "memfd_create") and hasattr(socket, "send_fds")
+
+
 class SinkProcess:
     """`Sink`'s interface (submit / credit / flush / close), stored by a helper process."""
 
@@ -142,9 +275,11 @@ class SinkProcess:
     # (broken install, no fork allowed); store in threads instead of requeueing forever.
     MAX_FAILED_STARTS = 3
 
-    def __init__(self, threads: int = 4, retry_for_s: float = 600.0):
+    def __init__(self, threads: int = 4, retry_for_s: float = 600.0, shared_memory: bool = True):
         self.threads = threads
         self.retry_for_s = retry_for_s
+        # Pixels of array batches cross in shared memory where the system has memfd.
+        self.slots = Slots() if shared_memory and _slots_available() else None
         self._helper: _Helper | None = None
         self._failed_starts = 0
         self._fallback = None  # a threaded Sink, once the helper proved unable to run
@@ -169,7 +304,7 @@ class SinkProcess:
                         self._fallback = Sink(self.threads, self.retry_for_s)
                         return None
                     log.warning("sink helper exited with %s; starting a new one", self._helper.process.poll())
-                self._helper = _Helper(self.HELPER_MODULE, self.threads, self.retry_for_s)
+                self._helper = _Helper(self.HELPER_MODULE, self.threads, self.retry_for_s, self.slots)
             return self._helper
 
     def submit(self, storage: Storage, message: BatchMessage, images: list, record_extra: dict):
@@ -224,6 +359,8 @@ class SinkProcess:
         if helper is not None and not helper.closed:
             helper.close()
             helper.process.wait()
+        if self.slots is not None:
+            self.slots.close()
 
 
 def make_sink():
@@ -309,6 +446,8 @@ def serve(conn: Connection, threads: int, retry_for_s: float) -> None:
 
 
     sink = Sink(threads=threads, retry_for_s=retry_for_s)
+    sock = socket.socket(fileno=os.dup(conn.fileno()))  # for the slots' descriptors
+    slots: dict[int, mmap.mmap] = {}  # the worker's shared-memory slots, by id
     storages: dict[str, Storage] = {}
     reply_lock = threading.Lock()
     buffer: bytearray | None = None
@@ -333,7 +472,19 @@ def serve(conn: Connection, threads: int, retry_for_s: float) -> None:
         if header["op"] == "close":
             break
         payload = None
-        if header["op"] == "store":
+        if header["op"] == "store" and "slot" in header:
+            slot = header["slot"]
+            for retired in slot["unmap"]:
+                if retired in slots:
+                    slots.pop(retired).close()
+            if slot["new"]:  # its descriptor follows the header
+                _, fds, _, _ = socket.recv_fds(sock, 1, 1)
+                if slot["id"] in slots:
+                    slots.pop(slot["id"]).close()
+                slots[slot["id"]] = mmap.mmap(fds[0], slot["size"], prot=mmap.PROT_READ)
+                os.close(fds[0])
+            payload = slots[slot["id"]]
+        elif header["op"] == "store":
             # The images are copied out of it before the next receive: reuse it.
             payload = buffer = _recv_payload(conn, buffer)
         try:
@@ -344,10 +495,14 @@ def serve(conn: Connection, threads: int, retry_for_s: float) -> None:
             if header["op"] == "store":
                 spec = header["image"]
                 size = tuple(spec["size"])
-                step = len(payload) // spec["count"]
-                pixels = memoryview(payload)  # slices without copies
-                images = [Image.frombytes(spec["mode"], size, pixels[i * step:(i + 1) * step])
-                          for i in range(spec["count"])]
+                step = header["slot"]["step"] if "slot" in header else len(payload) // spec["count"]
+                images = []
+                with memoryview(payload) as pixels:  # slices without copies
+                    for i in range(spec["count"]):
+                        # Not initialised (the default fills it), then unpacked from the pixels.
+                        image = Image.new(spec["mode"], size, None)
+                        image.frombytes(pixels[i * step:(i + 1) * step])
+                        images.append(image)
                 handed = sink.submit(storages[url], message, images, header["measures"])
                 stages = {"stored": handed.stored, "credited": handed.credited}
             else:
@@ -359,6 +514,9 @@ def serve(conn: Connection, threads: int, retry_for_s: float) -> None:
         for stage, future in stages.items():
             future.add_done_callback(lambda done, job=header["job"], stage=stage: reply(job, stage, done))
     sink.close()
+    for mapped in slots.values():
+        mapped.close()
+    sock.close()
     conn.close()
 
 

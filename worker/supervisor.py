@@ -21,7 +21,7 @@ import os
 import signal
 import time
 from dataclasses import dataclass
-from multiprocessing import resource_tracker
+from multiprocessing import connection, resource_tracker
 
 from diffq.worker.backends import Allocation, get_backend
 from diffq.worker.process import child_main
@@ -251,7 +251,8 @@ class Supervisor:
                     return EXIT_FATAL
                 if self.all_done:
                     return EXIT_FATAL if any(unit.fatal for unit in self.units) else 0
-                time.sleep(poll_interval)
+                # Wake as soon as a child exits (a --warmup-only run is done then), else after poll_interval.
+                connection.wait([child.process.sentinel for child in self.children if child.alive], poll_interval)
             self.stop()
             return 0
         finally:

@@ -205,7 +205,7 @@ def _served_queues(broker: str, queues: str | None, run: str | None, model: str 
 
         manifest = read_manifest(open_storage(run))
         names += [s.queue for s in manifest.shapes if s.queue not in names]
-        models = models or manifest.models or [manifest.defaults["model"]]
+        models = models or manifest.models or [manifest.defaults.model]
     if names:
         return names, models, {}
     from diffq.worker.routing import startup_queues

@@ -7,8 +7,11 @@ reports every diffq queue; on the others the names come from the caller and from
 the workers' replies, and each depth is a passive declare.
 
 The dead letters (`diffq.dead`: messages a worker refused, worker/dead_letters.py)
-are always reported. SQS and, given its management API URL, RabbitMQ list their
-queues too (the transport table's `list_queues`).
+are always reported, the same way on every broker: their count and, where the
+broker keeps them, a few letters' queue, reason and time (the transport table's
+`dead_letters.peek`: Redis's newest, RabbitMQ's oldest with the queue its
+`x-death` names, a sample on SQS). SQS and, given its management API URL,
+RabbitMQ list their queues too (the transport table's `list_queues`).
 
 Consumers come from `inspect().active_queues()`. A solo-pool worker busy with a
 batch does not answer remote control until the batch ends, so that count is a
@@ -18,13 +21,15 @@ consumer count (AMQP), and the larger of the two is shown.
 
 from __future__ import annotations
 
+import time
 from collections import Counter
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 from diffq.core.broker import make_celery
-from diffq.core.transports import DEAD_LETTERS, PREFIX, PRIORITY_SEP, declared_depths, transport_for
+from diffq.core.transports import DEAD_LETTERS, PEEKED_LETTERS, PREFIX, PRIORITY_SEP, declared_depths, transport_for
 
-__all__ = ["DEAD_LETTERS", "PREFIX", "PRIORITY_SEP", "QueueInfo", "queue_report", "worker_queues"]
+__all__ = ["DEAD_LETTERS", "PEEKED_LETTERS", "PREFIX", "PRIORITY_SEP", "QueueInfo", "dead_letter_lines",
+           "queue_report", "worker_queues"]
 
 
 @dataclass
@@ -32,9 +37,12 @@ class QueueInfo:
     queue: str
     depth: int
     consumers: int
+    # The dead letters' row only: some of them, {queue, reason, at}, and which ones.
+    letters: list[dict] | None = field(default=None, compare=False)
+    letters_order: str | None = field(default=None, compare=False)
 
     def to_json(self) -> dict:
-        return asdict(self)
+        return {k: v for k, v in asdict(self).items() if v is not None or k not in ("letters", "letters_order")}
 
 
 def worker_queues(app, timeout: float) -> Counter:
@@ -49,8 +57,9 @@ def worker_queues(app, timeout: float) -> Counter:
 
 def queue_report(broker_url: str, queues: list[str] | None = None, *, timeout: float = 1.0,
                  prefix: str = PREFIX, transport_options: dict | None = None,
-                 rabbitmq_api: str | None = None) -> list[QueueInfo]:
-    """Depth and consumers for every diffq queue the broker or the workers know of."""
+                 rabbitmq_api: str | None = None, letters: int = 0) -> list[QueueInfo]:
+    """Depth and consumers for every diffq queue the broker or the workers know of;
+    with `letters`, up to that many dead letters on the dead letters' row."""
     transport = transport_for(broker_url)
     app = make_celery(broker_url, transport_options)
     consumers: Counter = Counter()
@@ -71,6 +80,24 @@ def queue_report(broker_url: str, queues: list[str] | None = None, *, timeout: f
             declared = declared_depths(conn, sorted(names))
             depths = {q: d for q, (d, _) in declared.items()}
             broker_consumers = {q: c for q, (_, c) in declared.items()}
-    return [QueueInfo(queue=q, depth=depths.get(q, 0),
-                      consumers=max(consumers.get(q, 0), broker_consumers.get(q, 0)))
-            for q in sorted(names)]
+        dead = transport.dead_letters.peek(conn, letters) if transport.dead_letters.peek and letters else None
+    report = [QueueInfo(queue=q, depth=depths.get(q, 0),
+                        consumers=max(consumers.get(q, 0), broker_consumers.get(q, 0)))
+              for q in sorted(names)]
+    if dead is not None:
+        for info in report:
+            if info.queue == DEAD_LETTERS:
+                info.depth, info.letters, info.letters_order = dead.count, dead.letters, dead.order
+    return report
+
+
+def dead_letter_lines(report: list[QueueInfo]) -> list[str]:
+    """The dead letters `queue_report` peeked at, one line each (time UTC, queue, reason)."""
+    lines = []
+    for info in report:
+        if info.letters:
+            lines.append(f"dead letters, {info.letters_order}:")
+            for letter in info.letters:
+                at = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(letter["at"])) if letter["at"] else "-"
+                lines.append(f"  {at}  {letter['queue'] or '?'}  {letter['reason']}")
+    return lines

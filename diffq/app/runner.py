@@ -258,7 +258,7 @@ def _finish(storage: Storage, manifest: RunManifest, local: LocalWorkers, *, pro
         return manifest.run_id
 
     return _serve(storage, local, queues=[shape.queue for shape in manifest.shapes], models=manifest.models,
-                  dtype=manifest.defaults["dtype"], total=manifest.total, publish_all=publish_all,
+                  dtype=manifest.defaults.dtype, total=manifest.total, publish_all=publish_all,
                   tracker=tracker, progress=progress, console=console, started=started)
 
 

@@ -7,12 +7,20 @@ between the two sides.
 
 from __future__ import annotations
 
+import collections
+import os
+import shutil
 import socket
+import tempfile
 import time
 from pathlib import Path
+from queue import Empty
 
 from celery import Celery
+from kombu.exceptions import ChannelError
 from kombu.transport import filesystem
+from kombu.utils.encoding import bytes_to_str
+from kombu.utils.json import loads
 
 from diffq.core.settings import get_settings
 from diffq.core.transports import transport_for
@@ -39,6 +47,54 @@ def embedded_broker(folder: str | Path) -> tuple[str, dict]:
     }
 
 
+class EmbeddedChannel(filesystem.Channel):
+    """kombu's filesystem channel, but the queue folder is listed once per pass, not
+    once per message.
+
+    kombu's `_get` lists and sorts the whole folder for every message it takes, on
+    the worker's main thread between two device calls: its cost grows with the
+    messages still queued (a run publishes all of its batches at once). Here the
+    sorted names of a queue are kept and taken oldest first; the folder is listed
+    again only when they run out. Taking a message is still the atomic rename that
+    makes delivery exactly-once across processes: a name another worker took
+    meanwhile fails to move and is skipped. Messages published after a listing
+    (retries, halves, hand-backs) are newer than every name in it, so they come next.
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._listed: dict[str, collections.deque] = {}
+
+    def _get(self, queue):
+        names = self._listed.get(queue)
+        if not names:
+            suffix = f"{queue}.msg"
+            names = self._listed[queue] = collections.deque(
+                sorted(name for name in os.listdir(self.data_folder_in) if name.partition(".")[2] == suffix))
+        processed = self.processed_folder if self.store_processed else tempfile.gettempdir()
+        while names:
+            name = names.popleft()
+            path = os.path.join(processed, name)
+            try:
+                os.rename(os.path.join(self.data_folder_in, name), path)
+            except FileNotFoundError:
+                continue  # taken by another worker since the listing
+            except OSError:  # another file system: what kombu's shutil.move does
+                try:
+                    shutil.move(os.path.join(self.data_folder_in, name), processed)
+                except OSError:
+                    continue
+            try:
+                with open(path, "rb") as f:
+                    payload = f.read()
+                if not self.store_processed:
+                    os.remove(path)
+            except OSError as exc:
+                raise ChannelError(f"Cannot read file {path!r} from queue.") from exc
+            return loads(bytes_to_str(payload))
+        raise Empty()
+
+
 class EmbeddedTransport(filesystem.Transport):
     """kombu's filesystem transport, but a warm shutdown takes effect between polls.
 
@@ -48,6 +104,8 @@ class EmbeddedTransport(filesystem.Transport):
     even began to exit (docs/BENCHMARKS.md). Here
     the wait is cut into polling intervals and ends as soon as the flag is set.
     """
+
+    Channel = EmbeddedChannel
 
     def drain_events(self, connection, timeout=None):
         if timeout is None:

@@ -38,6 +38,7 @@ out) are still read, their plan batch ids folded into the same arrays.
 from __future__ import annotations
 
 import base64
+import binascii
 import json
 import logging
 import os
@@ -45,7 +46,7 @@ import secrets
 import socket
 import zlib
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Container, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -53,6 +54,7 @@ from pydantic import TypeAdapter
 
 from diffq.core import layout
 from diffq.core.records import AnyProgressSegment, Credit, FailureRecord, NumberedCredits, ProgressSegmentV2
+from diffq.core.runfolder import failed_items
 from diffq.core.storage import Storage
 
 SEGMENT_BYTES = 64 * 1024
@@ -106,7 +108,8 @@ def pack_indexes(indexes) -> tuple[int, int, str, bool]:
 
 def unpack_indexes(start: int, count: int, gaps: str, compressed: bool) -> np.ndarray:
     """`pack_indexes`' inverse: the indexes, sorted."""
-    raw = base64.b64decode(gaps)
+    # b64decode without its copy of the text into bytes (a2b_base64 reads ASCII text as is).
+    raw = binascii.a2b_base64(gaps)
     if compressed:
         raw = zlib.decompress(raw)
     kind = _GAP_TYPES.get(len(raw) // (count - 1)) if count > 1 else _GAP_TYPES[1]
@@ -357,16 +360,26 @@ class ProgressSummary:
         for root in uncovered:  # else the root's credit covers them all
             queue, ids = self._derived_roots[root]
             done_per_queue[queue] = done_per_queue.get(queue, 0) + len(ids)
-        failed: set[str] = set()
-        for batch_id, item_ids in self._failures.values():
-            root = root_batch(batch_id)
-            if self._covered(root):
-                continue
-            done = self._derived_roots.get(root, ("", set()))[1]
-            failed.update(item for item in item_ids if item not in done)
         self.done_per_queue = done_per_queue
         self.done = sum(done_per_queue.values())
-        self.failed = len(failed)
+        self.failed = len(failed_items(self._failures.values(), self._done_of))
+
+    def _done_of(self, batch_id: str) -> Container[str]:
+        """The items of this batch's root that credits show done."""
+        root = root_batch(batch_id)
+        if self._covered(root):
+            return _EVERY_ITEM
+        return self._derived_roots.get(root, ("", frozenset()))[1]
+
+
+class _EveryItem:
+    """What a plan batch credited whole holds: every one of its items is done."""
+
+    def __contains__(self, item_id: object) -> bool:
+        return True
+
+
+_EVERY_ITEM = _EveryItem()
 
 
 def reconcile(storage: Storage, recorded: dict[str, tuple[str, list[str]]]) -> int:

@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, Field, model_validator
 
-from diffq.core.contract import SCHEMA_VERSION, BatchMessage, ShapeKey, Strict
+from diffq.core.contract import AUTO_DTYPE, SCHEMA_VERSION, BatchMessage, ShapeKey, Strict
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -64,6 +64,33 @@ class ShapeSummary(Strict):
     requested_sizes: int = 0
 
 
+class RunDefaults(Strict):
+    """The run's options as its manifest records them (producer/submit.py
+    manifest_defaults); a continued run must match them. Fields a later diffq added
+    default to how a run behaved before it, and a manifest that lacks one leaves it
+    unset: `recorded` leaves it out, so nothing is compared against a value the run
+    never stated."""
+
+    model: str
+    batch_size: int
+    steps: int
+    guidance_scale: float
+    max_sequence_length: int
+    height: int
+    width: int
+    format: str
+    dtype: str = AUTO_DTYPE
+    seed_base: str
+    fit: str = "none"
+    size_buckets: list[str] | None = None  # resolved sizes, "HxW" (a preset's, not its name)
+    keep_columns: list[str] = Field(default_factory=list)
+    embed_metadata: bool = True
+
+    def recorded(self) -> dict[str, Any]:
+        """The options the manifest states, as JSON values."""
+        return self.model_dump(mode="json", include=self.model_fields_set)
+
+
 class RunManifest(Strict):
     schema_version: Literal[1] = SCHEMA_VERSION
     run_id: str
@@ -74,7 +101,7 @@ class RunManifest(Strict):
     batches: int
     plan_parts: int
     shapes: list[ShapeSummary]
-    defaults: dict  # producer/submit.py manifest_defaults: the run's options as recorded
+    defaults: RunDefaults
     diffq_version: str
     # Every model the run's rows name (rows may name their own): what workers preload.
     models: list[str] = Field(default_factory=list)

@@ -1,4 +1,6 @@
-"""Reading a run folder: its manifest, its image records and its failure records.
+"""Reading a run folder: its manifest, its image records and its failure records, and
+the one rule each for counting them: an item recorded twice counts once (first_records),
+a failed item counts unless done since (failed_items).
 
 Every layer above the base reads through these (status, resume, export, report);
 nothing here asks the broker. The schemas are in records.py.
@@ -6,7 +8,8 @@ nothing here asks the broker. The schemas are in records.py.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+import hashlib
+from collections.abc import Callable, Container, Iterable, Iterator
 
 from diffq.core import layout
 from diffq.core.records import CancelMarker, FailureRecord, ImageRecord, RunManifest, parse_record
@@ -35,14 +38,65 @@ def read_records(storage: Storage, keys: Iterable[str]) -> Iterator[tuple[str, l
         yield layout.batch_of_record(key), parse_record(body)
 
 
+class ItemSet:
+    """Item ids, each kept as a 16-byte digest: a run's ids cost the same whatever their
+    length. Two ids sharing one would count as one; at 2^-128 a pair, even a run of
+    10^9 items has a chance below 10^-20 of holding such a pair."""
+
+    __slots__ = ("_digests",)
+
+    def __init__(self, item_ids: Iterable[str] = ()):
+        self._digests = {_digest(item_id) for item_id in item_ids}
+
+    def add(self, item_id: str) -> bool:
+        """Add an id; whether it was new."""
+        digest = _digest(item_id)
+        if digest in self._digests:
+            return False
+        self._digests.add(digest)
+        return True
+
+    def __contains__(self, item_id: object) -> bool:
+        return isinstance(item_id, str) and _digest(item_id) in self._digests
+
+    def __len__(self) -> int:
+        return len(self._digests)
+
+
+def _digest(item_id: str) -> bytes:
+    return hashlib.blake2b(item_id.encode(), digest_size=16).digest()
+
+
+def first_records(batches: Iterable[list[ImageRecord]], seen: ItemSet | None = None
+                  ) -> Iterator[list[ImageRecord]]:
+    """Each batch's records of items no earlier batch had (and not in `seen`, which
+    gains them), skipping a batch left with none: the one rule for an item recorded
+    twice (a redelivery, a copy of a batch, a re-done batch overlapping its original):
+    the first record wins."""
+    seen = ItemSet() if seen is None else seen
+    for records in batches:
+        new = [record for record in records if seen.add(record.id)]
+        if new:
+            yield new
+
+
+def failed_items(failures: Iterable[tuple[str, Iterable[str]]], done: Callable[[str], Container[str]]
+                 ) -> set[str]:
+    """The items failed: named by a failure record, given as (batch id, item ids), and
+    not done since (a retry, a resume or a copy of the batch may have done them);
+    `done(batch id)` holds the items shown done among that batch's. The one rule that
+    status, report and retry-failed count by."""
+    failed: set[str] = set()
+    for batch_id, item_ids in failures:
+        done_here = done(batch_id)
+        failed.update(item for item in item_ids if item not in done_here)
+    return failed
+
+
 def iter_records(storage: Storage) -> Iterator[ImageRecord]:
-    """Every image record, each item once (first record wins if a race wrote two)."""
-    seen: set[str] = set()
-    for _, records in read_records(storage, record_keys(storage)):
-        for record in records:
-            if record.id not in seen:
-                seen.add(record.id)
-                yield record
+    """Every image record, each item once (first_records)."""
+    for records in first_records(records for _, records in read_records(storage, record_keys(storage))):
+        yield from records
 
 
 def recorded_batches(storage: Storage) -> dict[str, tuple[str, list[str]]]:

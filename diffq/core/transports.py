@@ -30,12 +30,16 @@ from __future__ import annotations
 
 import base64
 import json
+import re
 import time
+import urllib.error
 import urllib.parse
 import urllib.request
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+
+from kombu import Exchange, Queue
 
 from diffq.core.contract import QUEUE_PREFIX as PREFIX, queue_from_entity_name
 
@@ -170,20 +174,33 @@ def rabbitmq_list_queues(connection, prefix: str = PREFIX, api: str | None = Non
     broker URL's vhost. Credentials: the API URL's, else the broker URL's."""
     if not api:
         raise CannotList(NEEDS_RABBITMQ_API)
+    rows = rabbitmq_api_call(connection, api, "GET", "queues/{vhost}?columns=name")
+    return sorted(row["name"] for row in rows if row["name"].startswith(prefix))
+
+
+def rabbitmq_api_call(connection, api: str, method: str, path: str, body: dict | None = None):
+    """One call to RabbitMQ's management HTTP API on the broker URL's vhost ('{vhost}'
+    in `path`); the answer's JSON, or None for an empty one. CannotList when it does
+    not answer."""
     parts = urllib.parse.urlsplit(api)
     user = urllib.parse.unquote(parts.username) if parts.username else connection.userid
     password = urllib.parse.unquote(parts.password) if parts.password else connection.password
     base = urllib.parse.urlunsplit((parts.scheme, parts.hostname + (f":{parts.port}" if parts.port else ""),
                                     parts.path.rstrip("/"), "", ""))
     vhost = urllib.parse.quote(connection.virtual_host or "/", safe="")
-    request = urllib.request.Request(f"{base}/api/queues/{vhost}?columns=name", headers={
-        "Authorization": "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()})
+    request = urllib.request.Request(f"{base}/api/{path.format(vhost=vhost)}", method=method,
+                                     data=None if body is None else json.dumps(body).encode(), headers={
+        "Authorization": "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode(),
+        "Content-Type": "application/json"})
     try:
         with urllib.request.urlopen(request, timeout=10) as response:
-            rows = json.loads(response.read())
+            answer = response.read()
+    except urllib.error.HTTPError as exc:  # it answered: wrong credentials, no such vhost, ...
+        raise CannotList(f"RabbitMQ management API at {base} refused {method} /api/{path.format(vhost=vhost)} "
+                         f"as {user}: HTTP {exc.code} {exc.reason}") from exc
     except OSError as exc:
         raise CannotList(f"RabbitMQ management API at {base} did not answer: {exc}") from exc
-    return sorted(row["name"] for row in rows if row["name"].startswith(prefix))
+    return json.loads(answer) if answer.strip() else None
 
 
 def guard_redis_deliveries(channel, on_bad: Callable[[str, bytes, str], None]) -> None:
@@ -298,6 +315,215 @@ def _amqp_consumer_arguments(settings) -> dict:
     # RabbitMQ >= 3.11.15 reads a per-consumer ack timeout (older servers ignore it
     # and need `consumer_timeout` in rabbitmq.conf: docs/RELIABILITY.md).
     return {"x-consumer-timeout": settings.max_hold_s * 1000}
+
+
+# --- Dead letters: where a message no worker can take ends, the broker's own way --------
+# RabbitMQ: a policy (`dead-letter-exchange`) on every diffq queue routes a delivery
+# rejected without requeue to the `diffq.dead` exchange and queue; the broker adds an
+# `x-death` header (queue, reason 'rejected', time). A policy, not queue arguments:
+# a queue declared earlier without `x-dead-letter-exchange` would refuse a declare
+# with it (PRECONDITION_FAILED), and an older worker's plain declare would then
+# refuse the new queue; a policy applies to old and new queues alike and needs no
+# argument on any declare. Only the management API sets one, so without its URL
+# the worker writes the letter itself (as on Redis), into the same queue.
+# SQS: a redrive policy on each shape queue moves a message received
+# `maxReceiveCount` times to `diffq-dead`; a message diffq refuses goes there at
+# once as a letter and is deleted (kombu's reject leaves a message of a queue with
+# a redrive policy for SQS to redeliver, kombu/transport/SQS `basic_reject`: a
+# message that can never succeed would go to workers that many times more).
+# Redis has no mechanism: the worker's letter is the only way.
+
+DEAD_LETTER_POLICY = "diffq-dead-letters"
+DEAD_QUEUE = Queue(DEAD_LETTERS, Exchange(DEAD_LETTERS), routing_key=DEAD_LETTERS)
+# Receives before SQS moves a batch to the dead letters: each lapsed lease, hand-back
+# and requeue is one, so a batch whose host was lost a few times still runs.
+SQS_MAX_RECEIVES = 20
+PEEKED_LETTERS = 10  # letters `diffq queues` shows
+
+
+@dataclass(frozen=True)
+class DeadLetterReport:
+    """The dead letters on a broker: how many, and some of them (queue, reason, at)."""
+
+    count: int
+    letters: list[dict]
+    order: str  # which ones `letters` are, in words
+
+
+def rabbitmq_dead_letter_policy(prefix: str = PREFIX) -> dict:
+    """The policy body: every diffq queue but the dead one dead-letters to `diffq.dead`
+    (the dead letters' own rejects would otherwise loop back to it)."""
+    dead = DEAD_LETTERS[len(prefix):] if DEAD_LETTERS.startswith(prefix) else DEAD_LETTERS
+    return {"pattern": f"^{re.escape(prefix)}(?!{re.escape(dead)}$)", "apply-to": "queues", "priority": 0,
+            "definition": {"dead-letter-exchange": DEAD_LETTERS, "dead-letter-routing-key": DEAD_LETTERS}}
+
+
+def declare_rabbitmq_dead_letters(connection, queues: list[str], api: str | None = None) -> bool:
+    """The dead-letter exchange and queue, and with the API URL the policy that routes
+    rejects there. True: a delivery rejected without requeue is dead-lettered by RabbitMQ."""
+    channel = connection.channel()
+    try:
+        DEAD_QUEUE(channel).declare()
+    finally:
+        _close_quietly(channel)
+    if not api:
+        return False
+    rabbitmq_api_call(connection, api, "PUT", "policies/{vhost}/" + DEAD_LETTER_POLICY,
+                      rabbitmq_dead_letter_policy())
+    return True
+
+
+def declare_sqs_dead_letters(connection, queues: list[str], api: str | None = None) -> bool:
+    """`diffq-dead`, and a redrive policy to it on each of `queues` that has none or
+    diffq's with another count (a policy to another queue is the operator's: left as
+    it is). False: diffq itself moves what it refuses."""
+    channel = connection.default_channel
+    dead_url = channel._new_queue(DEAD_LETTERS)
+    client = channel.sqs(queue=channel.canonical_queue_name(DEAD_LETTERS))
+    arn = client.get_queue_attributes(QueueUrl=dead_url, AttributeNames=["QueueArn"])["Attributes"]["QueueArn"]
+    for queue in queues:
+        if queue == DEAD_LETTERS:
+            continue
+        url = channel._new_queue(queue)
+        found = client.get_queue_attributes(QueueUrl=url, AttributeNames=["RedrivePolicy"])
+        current = json.loads(found.get("Attributes", {}).get("RedrivePolicy") or "{}")
+        if current.get("deadLetterTargetArn", arn) != arn or \
+                str(current.get("maxReceiveCount")) == str(SQS_MAX_RECEIVES):
+            continue
+        client.set_queue_attributes(QueueUrl=url, Attributes={"RedrivePolicy": json.dumps(
+            {"deadLetterTargetArn": arn, "maxReceiveCount": str(SQS_MAX_RECEIVES)})})
+    return False
+
+
+def declare_no_dead_letters(connection, queues: list[str], api: str | None = None) -> bool:
+    return False
+
+
+def _letter_fields(payload, queue: str | None, reason: str) -> dict:
+    """A worker's JSON letter (worker/dead_letters.py `letter`) as it is, else what the
+    broker says about a message it moved itself."""
+    if isinstance(payload, dict) and payload.get("v") == 1 and "reason" in payload:
+        return {"queue": payload.get("queue"), "reason": payload.get("reason"), "at": payload.get("at")}
+    return {"queue": queue, "reason": reason, "at": None}
+
+
+def _envelope_payload(envelope: dict):
+    """The body of a kombu virtual-transport envelope, parsed (None if not JSON)."""
+    body = envelope.get("body")
+    try:
+        if (envelope.get("properties") or {}).get("body_encoding") == "base64":
+            body = base64.b64decode(body)
+        return json.loads(body)
+    except (ValueError, TypeError):
+        return None
+
+
+def _envelope_queue(envelope: dict) -> str | None:
+    return ((envelope.get("properties") or {}).get("delivery_info") or {}).get("routing_key")
+
+
+def peek_redis_dead_letters(connection, limit: int = PEEKED_LETTERS) -> DeadLetterReport:
+    """LLEN and the list's head: kombu LPUSHes, so the head holds the newest."""
+    with connection.default_channel.conn_or_acquire() as client:
+        count = client.llen(DEAD_LETTERS)
+        items = client.lrange(DEAD_LETTERS, 0, limit - 1) if limit > 0 else []
+    letters = []
+    for item in items:
+        try:
+            envelope = json.loads(item)
+        except ValueError:
+            envelope = None
+        if not isinstance(envelope, dict):
+            letters.append({"queue": None, "reason": "not a kombu message", "at": None})
+            continue
+        letters.append(_letter_fields(_envelope_payload(envelope), _envelope_queue(envelope), "unknown"))
+    return DeadLetterReport(count, letters, "newest first")
+
+
+def peek_rabbitmq_dead_letters(connection, limit: int = PEEKED_LETTERS) -> DeadLetterReport:
+    """Passive declare for the count; the first `limit` fetched unacked and left to the
+    channel's close, which requeues them in place. `x-death` names their queue."""
+    channel = connection.channel()
+    try:
+        try:
+            _, count, _ = channel.queue_declare(queue=DEAD_LETTERS, passive=True)
+        except Exception:
+            return DeadLetterReport(0, [], "oldest first")  # never declared: none yet
+        queue = DEAD_QUEUE(channel)
+        letters = []
+        for _ in range(min(limit, count)):
+            message = queue.get(no_ack=False)
+            if message is None:
+                break
+            deaths = (message.headers or {}).get("x-death") or []
+            death = deaths[0] if deaths else {}
+            try:
+                payload = json.loads(message.body)
+            except (ValueError, TypeError):
+                payload = None
+            fields = _letter_fields(payload, death.get("queue"), f"{death.get('reason', 'unknown')} (broker)")
+            if fields["at"] is None and hasattr(death.get("time"), "timestamp"):
+                fields["at"] = death["time"].timestamp()
+            letters.append(fields)
+        return DeadLetterReport(count, letters, "oldest first")
+    finally:
+        _close_quietly(channel)
+
+
+def peek_sqs_dead_letters(connection, limit: int = PEEKED_LETTERS) -> DeadLetterReport:
+    """ApproximateNumberOfMessages, and up to 10 received with visibility 0 (left in
+    place; SQS picks which). A batch the redrive policy moved is a kombu envelope."""
+    channel = connection.default_channel
+    url = channel._new_queue(DEAD_LETTERS)
+    client = channel.sqs(queue=channel.canonical_queue_name(DEAD_LETTERS))
+    attributes = client.get_queue_attributes(QueueUrl=url, AttributeNames=["ApproximateNumberOfMessages"])
+    count = int(attributes["Attributes"]["ApproximateNumberOfMessages"])
+    messages = []
+    if limit > 0 and count:
+        messages = client.receive_message(QueueUrl=url, MaxNumberOfMessages=min(limit, 10), VisibilityTimeout=0,
+                                          WaitTimeSeconds=0, AttributeNames=["All"]).get("Messages", [])
+    letters = []
+    for message in messages:
+        body = message.get("Body", "")
+        try:
+            envelope = json.loads(body)
+        except ValueError:
+            try:
+                envelope = json.loads(base64.b64decode(body))
+            except (ValueError, TypeError):
+                envelope = None
+        received = message.get("Attributes", {}).get("ApproximateReceiveCount", "?")
+        if not isinstance(envelope, dict):
+            letters.append({"queue": None, "reason": "not a kombu message", "at": None})
+            continue
+        letters.append(_letter_fields(_envelope_payload(envelope), _envelope_queue(envelope),
+                                      f"moved by the redrive policy (received {received} times)"))
+    return DeadLetterReport(count, letters, "a sample (SQS keeps no order)")
+
+
+@dataclass(frozen=True)
+class DeadLetterWay:
+    """How this broker keeps the messages no worker can take."""
+
+    place: str  # in words, for the docs and `diffq queues`
+    # (connection, queues, api URL) -> True where the broker now dead-letters a
+    # delivery rejected without requeue itself; False: the worker writes a letter
+    # to DEAD_LETTERS and acks. Idempotent; run by `diffq submit` and worker start.
+    declare: Callable = declare_no_dead_letters
+    # (connection, limit) -> DeadLetterReport; None: only the queue's depth is shown.
+    peek: Callable | None = None
+
+
+HAND_DEAD_LETTERS = DeadLetterWay("the diffq.dead queue: the worker's JSON letters")
+REDIS_DEAD_LETTERS = DeadLetterWay("the diffq.dead list: the worker's JSON letters (Redis has no mechanism)",
+                                   peek=peek_redis_dead_letters)
+RABBITMQ_DEAD_LETTERS = DeadLetterWay(
+    f"policy {DEAD_LETTER_POLICY}: rejects routed to exchange and queue diffq.dead (needs --rabbitmq-api; "
+    "without it the worker's JSON letters, same queue)",
+    declare=declare_rabbitmq_dead_letters, peek=peek_rabbitmq_dead_letters)
+SQS_DEAD_LETTERS = DeadLetterWay(
+    f"queue diffq-dead: redrive policy target (maxReceiveCount {SQS_MAX_RECEIVES}) and the worker's JSON letters",
+    declare=declare_sqs_dead_letters, peek=peek_sqs_dead_letters)
 
 
 # --- KEDA: how a fleet scales on this broker's queues ---------------------------------
@@ -418,6 +644,8 @@ class Transport:
     # Env a worker pod (and the backlog service) reads from the broker Secret, besides
     # DIFFQ_BROKER_URL: (variable, Secret key). AMQP lists queues only over its HTTP API.
     secret_env: tuple[tuple[str, str], ...] = ()
+    # Where refused messages end and how (see DeadLetterWay above).
+    dead_letters: DeadLetterWay = HAND_DEAD_LETTERS
 
 
 TRANSPORTS = (
@@ -426,17 +654,19 @@ TRANSPORTS = (
               list_depths=redis_list_depths, queue_depths=redis_queue_depths, shared_depths=redis_shared_depths,
               broker_options=_redis_options,
               list_queues=redis_list_queues, discovery="SCAN for diffq.* lists (queues holding work)",
-              guard_deliveries=guard_redis_deliveries, keda=REDIS_SCALER),
+              guard_deliveries=guard_redis_deliveries, keda=REDIS_SCALER, dead_letters=REDIS_DEAD_LETTERS),
     # The connection is the lease: the broker redelivers when it closes.
     Transport("amqp", ("amqp", "amqps", "pyamqp"), event_loop=True, loses_inflight_on_kill=False,
               renew=None, broker_options=_no_options, consumer_arguments=_amqp_consumer_arguments,
               list_queues=rabbitmq_list_queues, list_needs_api=NEEDS_RABBITMQ_API,
               discovery="management API only (--rabbitmq-api URL); AMQP itself cannot list queues",
-              keda=RABBITMQ_SCALER, secret_env=(("DIFFQ_RABBITMQ_API", "rabbitmq-api"),)),
+              keda=RABBITMQ_SCALER, secret_env=(("DIFFQ_RABBITMQ_API", "rabbitmq-api"),),
+              dead_letters=RABBITMQ_DEAD_LETTERS),
     Transport("sqs", ("sqs",), event_loop=True, loses_inflight_on_kill=False,
               renew=renew_sqs, hand_back=hand_back_sqs,
               list_queues=sqs_list_queues, discovery="ListQueues by name prefix", keda=SQS_SCALER,
-              secret_env=(("AWS_ACCESS_KEY_ID", "aws-access-key-id"), ("AWS_SECRET_ACCESS_KEY", "aws-secret-access-key"))),
+              secret_env=(("AWS_ACCESS_KEY_ID", "aws-access-key-id"), ("AWS_SECRET_ACCESS_KEY", "aws-secret-access-key")),
+              dead_letters=SQS_DEAD_LETTERS),
     # No lease: the embedded runner re-enqueues from the run folder.
     Transport("embedded", ("filesystem",), event_loop=False, loses_inflight_on_kill=True,
               renew=None, broker_options=_no_options, kombu_transport="diffq.core.broker:EmbeddedTransport",

@@ -1,27 +1,25 @@
 """`diffq fetch`: download a run's images and write an imagefolder `metadata.jsonl`.
 
 Its lines are the run's image records (records.ImageRecord), one per image, in the
-order `export` writes them. `shard=Shard(i, n)` (`--shard i/n`) fetches the i-th of
-n disjoint parts of the images, as export splits them, and only shard 0 writes
-metadata.jsonl: the union of n machines' DEST folders is a single fetch's.
+order `export` writes them: both write through writers.ImageFolderWriter.
+`shard=Shard(i, n)` (`--shard i/n`) fetches the i-th of n disjoint parts of the
+images, as export splits them, and only shard 0 writes metadata.jsonl: the union of n
+machines' DEST folders is a single fetch's.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 from diffq.core import layout
-from diffq.core.records import jsonl
+from diffq.core.records import ImageRecord
 from diffq.core.runfolder import read_manifest
 from diffq.core.storage import open_storage
-from diffq.core.storage.base import TMP_PREFIX
 from diffq.results.export import DEFAULT_SHARD_SIZE, WHOLE, Positioned, Shard
+from diffq.results.writers import Destination, ImageFolderWriter
 
 
 def _fetched_ids(metadata: Path) -> set[str]:
@@ -60,36 +58,26 @@ def fetch(out: str, dest: str | Path, *, max_workers: int = 16, only_new: bool =
     if only_new:
         known = _fetched_ids(dest / "metadata.jsonl")
 
-        def needed(file_name: str, item_id: str) -> bool:
-            return item_id not in known
+        def needed(record: ImageRecord) -> bool:
+            return record.id not in known
     else:
         sizes = dict(storage.list_with_sizes(layout.IMAGES_PREFIX))
 
-        def needed(file_name: str, item_id: str) -> bool:
-            target = dest / file_name
-            return not (target.exists() and target.stat().st_size == sizes.get(file_name))
+        def needed(record: ImageRecord) -> bool:
+            target = dest / record.file_name
+            return not (target.exists() and target.stat().st_size == sizes.get(record.file_name))
 
-    metadata = shard.index == 0
-    records = Positioned(storage, shard_size, None if metadata or shard.whole else shard.owns)
-    # metadata.jsonl streams into a temporary file, renamed into place once every image is in.
-    fd, lines_path = tempfile.mkstemp(prefix=TMP_PREFIX, dir=dest)
+    def downloaded(size: int, copied: bool) -> None:
+        if copied and on_progress:
+            on_progress(folder.copied, folder.queued)
+
+    target = Destination(str(dest))
     try:
-        todo, images = [], 0
-        with os.fdopen(fd, "wb") as lines:
-            for position, record in records:
-                if metadata:
-                    lines.write(jsonl([record]))
-                if shard.owns(position // shard_size):
-                    images += 1
-                    if needed(record.file_name, record.id):
-                        todo.append(record.file_name)
-        with ThreadPoolExecutor(max_workers=max_workers) as pool:
-            for done, _ in enumerate(pool.map(lambda key: storage.download_file(key, dest / key), todo), start=1):
-                if on_progress:
-                    on_progress(done, len(todo))
-        if metadata:
-            os.replace(lines_path, dest / "metadata.jsonl")
+        # Every record is read before the first download, so progress knows how many are left.
+        folder = ImageFolderWriter(target, source=storage, part_size=shard_size, shard=shard, chunk=None,
+                                   max_workers=max_workers, on_image=downloaded, needed=needed)
+        records = Positioned(storage, shard_size, folder.parts)
+        folder.write_all((position, record, None) for position, record in records)
     finally:
-        if os.path.exists(lines_path):
-            os.unlink(lines_path)
-    return FetchResult(dest=str(dest), images=images, downloaded=len(todo), run_images=records.run_images)
+        target.close()
+    return FetchResult(dest=str(dest), images=folder.images, downloaded=folder.copied, run_images=records.run_images)

@@ -35,14 +35,13 @@ each batch (a segment's writer is one process: host, pid and a token). From thos
 - with `fleet-plan.json` (`submit`/`run --rates`): planned vs actual device-hours,
   finish time and cost, the plan's model of a fleet's time (FleetPlanFigures).
 
-Memory: one small record per batch, an 8-byte digest per item, a fixed-size sample.
+Memory: one small record per batch, a 16-byte digest per item, a fixed-size sample.
 """
 
 from __future__ import annotations
 
 import base64
 import bisect
-import hashlib
 import html
 import io
 import random
@@ -54,7 +53,8 @@ from pathlib import Path
 from diffq.core import layout
 from diffq.core.progress import parse_segment
 from diffq.core.records import FailureRecord, FleetPlanFigures, ImageRecord, ShapeSummary
-from diffq.core.runfolder import read_failures, read_manifest, read_records, record_keys
+from diffq.core.runfolder import (ItemSet, failed_items, first_records, read_failures, read_manifest, read_records,
+                                  record_keys)
 from diffq.core.storage import Storage, open_storage
 
 # A gap shorter than both is ordinary scheduling (a broker poll, a hand-over), not a wait.
@@ -206,6 +206,10 @@ class Report:
     planned: Planned | None = None
     flagged: list[ImageRecord] = field(default_factory=list)  # the first FLAGGED_SHOWN read, sorted by id
     flagged_kinds: Counter = field(default_factory=Counter)  # check -> images it flagged
+
+    @property
+    def pending(self) -> int:
+        return self.total - self.done - self.failed
 
     @property
     def device_hours(self) -> float:
@@ -515,20 +519,12 @@ def build_report(out: str, *, price_per_device_hour: float | None = None, sample
               for s in manifest.shapes}
     writers = _writers(storage)
     batches: list[Batch] = []
-    seen: set[bytes] = set()
+    seen = ItemSet()
     sample: list[ImageRecord] = []
     flagged: list[ImageRecord] = []
     flagged_kinds: Counter = Counter()
     rng = random.Random(seed)
-    for _, records in read_records(storage, record_keys(storage)):
-        new = []
-        for record in records:
-            digest = hashlib.blake2b(record.id.encode(), digest_size=8).digest()
-            if digest not in seen:
-                seen.add(digest)
-                new.append(record)
-        if not new:
-            continue
+    for new in first_records((records for _, records in read_records(storage, record_keys(storage))), seen):
         head = new[0]
         batches.append(Batch(batch_id=head.batch_id, finished_at=head.finished_at, generate_s=head.generate_s,
                              images=len(new), worker=head.worker, device=head.device, queue=head.queue,
@@ -551,8 +547,7 @@ def build_report(out: str, *, price_per_device_hour: float | None = None, sample
     lives = _lives(batches)
     threshold = _classify(batches, lives)
     failures = list(read_failures(storage))
-    failed_ids = {i for f in failures for i in f.item_ids
-                  if hashlib.blake2b(i.encode(), digest_size=8).digest() not in seen}
+    failed_ids = failed_items(((f.batch_id, f.item_ids) for f in failures), lambda batch_id: seen)
     batches.sort(key=lambda b: b.finished_at)
     sample.sort(key=lambda r: r.id)
     return Report(out=storage.url, run_id=manifest.run_id, created_at=manifest.created_at, total=manifest.total,
@@ -570,7 +565,7 @@ def build_report(out: str, *, price_per_device_hour: float | None = None, sample
 def render_text(report: Report) -> str:
     lines = [f"run {report.run_id}  ·  {report.out}",
              f"items      {report.done}/{report.total} done, {report.failed} failed, "
-             f"{report.total - report.done - report.failed} pending",
+             f"{report.pending} pending",
              f"throughput {report.images_per_s:.2f} images/s over {report.wall_s:.1f} s",
              f"devices    {len(report.workers)} worker processes, {report.device_hours:.4f} device-hours"]
     if report.cost_per_1000 is not None:
@@ -797,7 +792,7 @@ def render_html(report: Report, thumbs: list[tuple[ImageRecord, bytes]] | None =
             if report.cost_per_1000 is not None else "pass --price-per-device-hour")
     summary = _table(None, [
         ["items", f"{report.done} / {report.total} done, {report.failed} failed, "
-                  f"{report.total - report.done - report.failed} pending"],
+                  f"{report.pending} pending"],
         ["throughput", f"{report.images_per_s:.2f} images/s over {report.wall_s:.1f} s"],
         ["device-hours", f"{report.device_hours:.4f} ({len(report.workers)} worker processes)"],
         ["cost", cost]])

@@ -11,6 +11,7 @@ from typing import Annotated, Optional
 import typer
 
 from diffq.app.options import err, fail, out
+from diffq.results.writers import DEFAULT_FORMAT, FORMATS, formats_help
 
 OutArg = Annotated[str, typer.Argument(metavar="OUT", help="Run folder: path, s3://… or gs://…")]
 # `export` and `fetch`: N machines each take one part; their outputs together are a single run's.
@@ -35,10 +36,8 @@ def shard_note(shard, run_images: int) -> str:
     return f" (shard {shard} of {run_images} images)" if not shard.whole else ""
 
 
-class ExportFormat(str, Enum):
-    imagefolder = "imagefolder"
-    webdataset = "webdataset"
-    parquet = "parquet"
+# The choices are the writer table's formats (writers.WRITERS).
+ExportFormat = Enum("ExportFormat", {name: name for name in FORMATS}, type=str)
 
 
 def register(app: typer.Typer) -> None:
@@ -47,7 +46,7 @@ def register(app: typer.Typer) -> None:
     def export(
         out_dir: OutArg,
         dest: Annotated[str, typer.Argument(help="Destination: path, s3://bucket/prefix or gs://bucket/prefix")],
-        format: Annotated[ExportFormat, typer.Option("--format", "-f", help="imagefolder | webdataset (tar shards) | parquet")] = ExportFormat.imagefolder,
+        format: Annotated[ExportFormat, typer.Option("--format", "-f", help=formats_help())] = ExportFormat(DEFAULT_FORMAT),
         shard_size: Annotated[int, typer.Option("--shard-size", min=1, help="Images per tar / Parquet file")] = 1000,
         shard: ShardOpt = None,
         progress: Annotated[bool, typer.Option("--progress/--no-progress", help="Show a progress bar")] = True,

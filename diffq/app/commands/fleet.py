@@ -84,7 +84,7 @@ def queues(
     """Depth of each diffq shape queue and how many workers consume it."""
     from kombu.exceptions import OperationalError
 
-    from diffq.app.queues import DEAD_LETTERS, queue_report
+    from diffq.app.queues import DEAD_LETTERS, PEEKED_LETTERS, dead_letter_lines, queue_report
     from diffq.core.transports import CannotList
 
     broker = broker or get_settings().broker_url
@@ -93,7 +93,7 @@ def queues(
         raise typer.Exit(2)
     try:
         report = queue_report(broker, [q for q in (names or "").split(",") if q], timeout=timeout,
-                              rabbitmq_api=rabbitmq_api)
+                              rabbitmq_api=rabbitmq_api, letters=PEEKED_LETTERS)
     except CannotList as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2)
@@ -108,6 +108,8 @@ def queues(
     for info in report:
         note = "  (dead letters: messages workers refused)" if info.queue == DEAD_LETTERS else ""
         typer.echo(f"{info.queue:<{width}}  {info.depth:>7}  {info.consumers:>7}{note}")
+    for line in dead_letter_lines(report):
+        typer.echo(line)
 
 
 def backlog(
