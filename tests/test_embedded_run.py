@@ -1,6 +1,7 @@
 """`diffq run`: the embedded default, end to end through real worker processes."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -89,8 +90,6 @@ def test_a_worker_killed_with_a_batch_in_hand_is_made_good_by_the_runner(tmp_pat
     import threading
     import time
 
-    import psutil
-
     from diffq.app.runner import run
     from diffq.core.storage import open_storage
 
@@ -119,10 +118,15 @@ def test_a_worker_killed_with_a_batch_in_hand_is_made_good_by_the_runner(tmp_pat
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline and not in_hand():
             time.sleep(0.05)
-        for child in psutil.Process().children():
-            if "spawn_main" in " ".join(child.cmdline()):  # the worker, not the resource tracker
-                os.kill(child.pid, signal.SIGKILL)
-                killed.append(child.pid)
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                parent = int(stat.read_text().rpartition(")")[2].split()[1])
+                command = (stat.parent / "cmdline").read_bytes()
+            except OSError:  # gone meanwhile
+                continue
+            if parent == os.getpid() and b"spawn_main" in command:  # the worker, not the resource tracker
+                os.kill(int(stat.parent.name), signal.SIGKILL)
+                killed.append(int(stat.parent.name))
 
     killer = threading.Thread(target=kill_the_worker_holding_the_last_batch, daemon=True)
     killer.start()
