@@ -1,7 +1,6 @@
 """`diffq run`: the embedded default, end to end through real worker processes."""
 
 import json
-from pathlib import Path
 
 import pytest
 
@@ -79,60 +78,3 @@ def test_run_again_on_a_finished_run_changes_nothing_and_refuses_other_options_o
     assert "Traceback" not in proc.stderr
     assert before == {p: (p.stat().st_mtime_ns, p.read_bytes()) for p in out.rglob("*") if p.is_file()}
 
-
-def test_a_worker_killed_with_a_batch_in_hand_is_made_good_by_the_runner(tmp_path, tiny_model, monkeypatch):
-    """The embedded transport loses what a SIGKILLed worker held (the transport table
-    says so): once the queue is empty and nothing moves, the runner re-enqueues what the
-    run folder lacks, and the run ends with every item exactly once."""
-    import os
-    import signal
-    import tempfile
-    import threading
-    import time
-
-    from diffq.app.runner import run
-    from diffq.core.storage import open_storage
-
-    held = "held back"
-    prompts = tmp_path / "p.jsonl"
-    # The held batch is published last: one worker stores the two others first.
-    prompts.write_text("".join(json.dumps({"id": f"i{i}", "prompt": f"p {i}" + (f" {held}" if i >= 4 else ""),
-                                           "height": 64, "width": 64}) + "\n" for i in range(6)))
-    out = tmp_path / "out"
-    monkeypatch.setenv("DIFFQ_FAULT_HOLD", f"{held}:8")  # long enough to be killed holding it
-    (tmp_path / "tmp").mkdir()
-    # Where the runner's embedded broker folder goes (tempfile caches the temp dir per process).
-    monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp"))
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
-    killed: list[int] = []
-
-    def in_hand() -> bool:
-        """Two batches stored and none left in the broker's queue folder: the worker
-        has taken the held batch (the filesystem transport loses it on a kill)."""
-        storage = open_storage(str(out)) if out.exists() else None
-        records = sum(len(storage.get_bytes(key).splitlines()) for key in storage.list("records/")) if storage else 0
-        queued = list((tmp_path / "tmp").glob("diffq-broker-*/queue/*.msg"))
-        return records >= 4 and not queued
-
-    def kill_the_worker_holding_the_last_batch() -> None:
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline and not in_hand():
-            time.sleep(0.05)
-        for stat in Path("/proc").glob("[0-9]*/stat"):
-            try:
-                parent = int(stat.read_text().rpartition(")")[2].split()[1])
-                command = (stat.parent / "cmdline").read_bytes()
-            except OSError:  # gone meanwhile
-                continue
-            if parent == os.getpid() and b"spawn_main" in command:  # the worker, not the resource tracker
-                os.kill(int(stat.parent.name), signal.SIGKILL)
-                killed.append(int(stat.parent.name))
-
-    killer = threading.Thread(target=kill_the_worker_holding_the_last_batch, daemon=True)
-    killer.start()
-    result = run(str(prompts), str(out), model=tiny_model, batch_size=2, steps=2, progress=False)
-    killer.join(timeout=5)
-    assert len(killed) == 1, "one worker was killed"
-    assert result.ok and (result.done, result.failed) == (6, 0)
-    assert result.reenqueued == 2  # the held batch, and nothing stored twice
-    assert len(assert_run_complete(str(out), prompts, steps=2, model=tiny_model)) == 6
