@@ -33,7 +33,7 @@ def warm_start(rt) -> dict:
 
     Runs after `import torch`, on the process's runtime. Returns a JSON-able report.
     """
-    from diffq.worker.tasks import preload
+    from diffq.worker.runtime import preload
 
     spec, host, cache = rt.spec, rt.host, rt.spec.cache
     started = time.perf_counter()
@@ -121,7 +121,7 @@ def _exit_without_teardown() -> None:
 def _consume(spec: ChildSpec, group) -> None:
     """Warm start, then a Celery solo-pool worker on the spec's queues until shutdown."""
     from diffq.worker.celery_adapter import build_app, serve
-    from diffq.worker.tasks import Runtime
+    from diffq.worker.runtime import Runtime
 
     rt = Runtime.start(spec, group=group)  # starts the sink's helper process
     try:
