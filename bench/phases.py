@@ -1,10 +1,14 @@
 """Where the worker's time between two device calls goes (bench only).
 
 With `DIFFQ_BENCH_PHASES=<folder>` in its environment, a stand-in worker
-(bench/standin.py's `device_child_main`) wraps the steps a batch passes through on
-the worker's main thread (reading the next message off the embedded broker, Celery's
-request, the task body, the host's preparation of the call, the hand-off to the sink,
-the held ack) so that each logs a time stamp on entry and exit. The stamps go to
+(bench/standin.py's `device_child_main`) wraps the steps a batch passes through
+(reading the next message off the embedded broker, Celery's request, the task body,
+the host's preparation of the call, the hand-off to the sink, the held ack), on
+whichever thread runs them (the consumer's, or one of the two task threads), so that
+each logs a time stamp on entry and exit. With run-ahead (the default) the next
+batch's steps run while the device does, and only what lies between one call's end
+and the next call's start shows in the gap; `DIFFQ_RUN_AHEAD_S=0` shows the serial
+path, every step in it. The stamps go to
 `<folder>/<pid>.stamps` (written out while the device runs, so writing them costs the
 gap nothing). `breakdown` cuts the time between one call's end and the next call's
 start into the segments between consecutive stamps: every millisecond of the gap falls
@@ -33,21 +37,24 @@ PROFILE_SINK = "DIFFQ_BENCH_PROFILE_SINK"  # set: the sink helper runs under cPr
 DEVICE = "device"  # the label of the stand-in's pipeline call
 
 _stamps: list[tuple[float, str]] = []
-_main: int | None = None
+_lock = threading.Lock()
 _out = None
 
 
 def stamp(label: str) -> None:
-    if threading.get_ident() == _main:
-        _stamps.append((time.perf_counter(), label))
+    if _out is not None:  # from any thread: one list, in time order
+        with _lock:
+            _stamps.append((time.perf_counter(), label))
 
 
 def flush() -> None:
     """Write what was stamped so far (called inside the device call, off the gap)."""
     if _out is None or not _stamps:
         return
-    lines = "".join(f"{t:.7f} {label}\n" for t, label in _stamps)
-    _stamps.clear()
+    with _lock:
+        taken = list(_stamps)
+        _stamps.clear()
+    lines = "".join(f"{t:.7f} {label}\n" for t, label in taken)
     _out.write(lines)
     _out.flush()
 
@@ -99,13 +106,12 @@ STEPS = [
 
 def install() -> None:
     """In the worker process, before Celery starts: wrap the steps (no-op without ENV)."""
-    global _main, _out
+    global _out
     folder = os.environ.get(ENV)
     if not folder or _out is not None:
         return
     import importlib
 
-    _main = threading.get_ident()  # the consumer's thread: the task runs here (solo pool)
     Path(folder).mkdir(parents=True, exist_ok=True)
     _out = open(Path(folder) / f"{os.getpid()}.stamps", "w")
     for module, path, label in STEPS:

@@ -92,6 +92,30 @@ def test_embedded_broker_wait_ends_when_the_worker_stops(tmp_path, monkeypatch):
                 connection.drain_events(timeout=3600)  # returns in one polling interval
 
 
+
+def test_embedded_consumer_looks_again_when_its_worker_rings(tmp_path):
+    """A worker whose window was full waits between polls; when a task thread acks or
+    widens the window (`wake_consumer`), the wait ends and Celery's loop applies the
+    new window before it drains again."""
+    import threading
+
+    from kombu import Exchange, Queue
+
+    from diffq.core.broker import embedded_broker, make_celery, wake_consumer
+
+    url, options = embedded_broker(tmp_path / "broker")
+    app = make_celery(url, options)
+    with app.connection_for_read() as connection:
+        queue = Queue("diffq.test", Exchange("diffq.test"), routing_key="diffq.test")
+        with connection.Consumer([queue], callbacks=[lambda body, message: message.ack()]):
+            waiting = threading.Event()
+            threading.Timer(0.3, lambda: (waiting.wait(), wake_consumer())).start()
+            waiting.set()
+            started = time.monotonic()
+            with pytest.raises(socket.timeout):
+                connection.drain_events(timeout=120)  # nothing queued: only the bell ends it early
+            assert time.monotonic() - started < 60
+
 @pytest.mark.slow
 def test_rabbitmq_consumer_carries_the_ack_timeout(rabbitmq_server, amqp_url, tiny_model, tmp_path):
     """RabbitMQ closes a channel whose delivery stays unacked past `consumer_timeout`

@@ -460,3 +460,30 @@ def test_a_worker_whose_graphs_fail_on_the_device_fails_fast_unless_allowed(tmp_
             lines = [json.loads(line) for key in storage.list("records/")
                      for line in storage.get_bytes(key).decode().splitlines() if line]
             assert [line["graph_fallbacks"] for line in lines] == [2, 2]  # one re-run call per step
+
+
+def test_two_batch_tasks_take_turns_on_the_device(tiny_model):
+    """A worker's two task threads (run-ahead) both call the host: each prepares its call
+    outside the device lock, the calls themselves never overlap, and each image is the
+    one a call on its own would make."""
+    import threading
+
+    import numpy as np
+
+    host = PipelineHost(backend=get_backend("cpu"))
+    small = shape(tiny_model, 32)
+    params = BatchParams(num_inference_steps=2, guidance_scale=1.0)
+    alone = [host.generate(small, params, [item]).images[0] for item in items(4)]
+    results: dict[int, object] = {}
+
+    def task(n: int) -> None:
+        results[n] = host.generate(small, params, [items(4)[n]])
+
+    threads = [threading.Thread(target=task, args=(n,)) for n in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    spans = sorted((r.started_at, r.ended_at) for r in results.values())
+    assert len(spans) == 4 and all(end <= start for (_, end), (start, _) in zip(spans, spans[1:]))
+    assert all(np.array_equal(results[n].images[0], alone[n]) for n in range(4))

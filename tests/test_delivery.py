@@ -154,6 +154,58 @@ def test_a_held_outcome_needs_its_future_and_the_others_take_none():
         line.report("t", Outcome.FAILED, Future())
 
 
+
+def test_run_ahead_widens_the_window_by_one_while_calls_are_short():
+    line = BatchLine(StubSink(), run_ahead_s=2.0)
+    window = StubWindow()
+    rings = []
+    line.attach(window, wake=lambda: rings.append(1))
+    assert window.extra == -1  # from Celery's two task threads down to one batch in hand
+    line.paced(0.5)
+    assert window.extra == 0 and len(rings) == 1  # a second batch comes in, and at once
+    line.paced(0.4)
+    assert window.extra == 0  # widened once, not per short call
+    line.paced(30.0)  # a compile, or a big model: no batch waits behind it
+    assert window.extra == -1
+    line.attach(window)  # the consumer came up again: one batch in hand until a short call
+    assert window.extra == -2
+    never = BatchLine(StubSink(), run_ahead_s=0.0)
+    never.attach(StubWindow())
+    never.paced(0.001)
+    assert never.window.extra == -1
+
+
+def test_once_the_consumer_stopped_a_finishing_batch_acks_itself_when_stored():
+    import threading
+
+    line, window = line_with_window()
+    line.close()  # no timer settles held acks any more
+    future: Future = Future()
+    delivery = StubDelivery()
+    line.report(delivery.id, Outcome.GENERATED, future)
+    threading.Timer(0.05, future.set_result, args=(None,)).start()
+    line.ack(delivery)  # waits for the store instead of leaving the ack held
+    assert delivery.calls == ["ack"] and window.extra == 0
+
+
+def test_at_most_two_batches_are_with_the_sink_at_once(tmp_path):
+    import threading
+
+    from diffq.worker.batches import STORES_IN_FLIGHT
+
+    line, _ = line_with_window()
+    message = BatchMessage.model_validate(batch(tmp_path))
+    for _ in range(STORES_IN_FLIGHT):
+        line.store(None, message, [b"px"], {})
+    third = threading.Thread(target=line.store, args=(None, message, [b"px"], {}))
+    third.start()
+    third.join(0.2)
+    assert third.is_alive() and len(line.sink.submitted) == STORES_IN_FLIGHT  # waits for the oldest
+    line.sink.stored[0].set_result(SimpleNamespace(store_s=0.1, bytes=2))
+    third.join(10)
+    assert not third.is_alive() and len(line.sink.submitted) == STORES_IN_FLIGHT + 1
+
+
 # --- the task body, through a stub task: each path reports its outcome ------------------
 
 SHAPE = ShapeKey(model="m", height=64, width=64, batch_size=2, max_sequence_length=8, cfg=False)

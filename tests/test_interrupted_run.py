@@ -59,7 +59,11 @@ def _interrupted_run(tmp_path: Path, model: str):
     # TMPDIR: the killed runner's embedded broker folder is left behind; keep it in tmp_path.
     env = {**os.environ, "DIFFQ_FAULT_HOLD": f"{HOLD}:600", "TMPDIR": str(tmp_path / "tmp")}
     with open(tmp_path / "run.log", "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "diffq", *_args(prompts, out, model)], env=env,
+        # Two workers: the held batch may be delivered first (same-millisecond names sort
+        # by their uuid), and a worker holding it takes nothing else (its calls are not
+        # known to be short); the other one records the first batches.
+        proc = subprocess.Popen([sys.executable, "-m", "diffq", *_args(prompts, out, model), "--workers", "2"],
+                                env=env,
                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         deadline = time.monotonic() + 300

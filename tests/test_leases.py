@@ -89,9 +89,15 @@ def held(client: redis.Redis) -> int:
     return client.hlen("unacked")
 
 
+# Enough that batches are still in hand well after the first 16 images: a worker
+# takes a second batch while its calls are short (run-ahead), and the tiny pipeline's
+# are ~0.1 s, so 40 prompts could all be done or held before a kill lands.
+PROMPTS = 400
+
+
 def started_run(tmp_path, server, tiny_model):
-    """40 prompts submitted and a 2-process `diffq worker` on them, 16 images in."""
-    prompts = write_prompts(tmp_path / "p.jsonl", 40)
+    """PROMPTS prompts submitted and a 2-process `diffq worker` on them, 16 images in."""
+    prompts = write_prompts(tmp_path / "p.jsonl", PROMPTS)
     out = str(tmp_path / "run")
     result = submit(prompts, out, model=tiny_model, broker_url=server.url, batch_size=4, steps=4)
     first = WorkerCLI(tmp_path, server.url, result.queues, tiny_model, "--workers", "2")
@@ -128,13 +134,13 @@ def test_whole_host_loss_finishes_exactly_once_about_a_lease_after_the_new_worke
     try:
         wait_for(returned, LEASE + 60, "the lost batches to return")
         returned_s = time.time() - killed
-        wait_for(lambda: status(out).done >= 40, 240, "the run to finish")
+        wait_for(lambda: status(out).done >= PROMPTS, 240, "the run to finish")
         finished_s = time.monotonic() - started
     finally:
         second.stop()
     assert second.proc.returncode == 0
     st = status(out)
-    assert (st.done, st.failed) == (40, 0)
+    assert (st.done, st.failed) == (PROMPTS, 0)
     assert_run_complete(out, prompts, steps=4, model=tiny_model)  # every item exactly once
     assert held(client) == 0
     # The held batches came back one lease (+ a 5 s sweep) after their last renewal,
@@ -162,12 +168,12 @@ def test_kill_9_of_diffq_worker_leaves_no_process_and_hands_back_at_once(tmp_pat
     started = time.monotonic()
     second = WorkerCLI(tmp_path, server.url, result.queues, tiny_model, "--workers", "2")
     try:
-        wait_for(lambda: status(out).done >= 40, 180, "the run to finish")
+        wait_for(lambda: status(out).done >= PROMPTS, 180, "the run to finish")
         finished_s = time.monotonic() - started
     finally:
         second.stop()
     st = status(out)
-    assert (st.done, st.failed) == (40, 0)
+    assert (st.done, st.failed) == (PROMPTS, 0)
     assert_run_complete(out, prompts, steps=4, model=tiny_model)
     assert finished_s < LEASE, finished_s
     print(f"\nkill -9 of the supervisor: its tree ended {gone_s:.1f} s later; the run finished "

@@ -2,38 +2,53 @@
 
 `BatchLine` is the process's line of batches (a batch's life, step by step, is
 worker/tasks.py). On receipt it settles the acks
-whose stores finished; after generation it waits for the previous batch's store
-(back-pressure: one batch stored while the next generates, never a growing pile
-of images behind a slow store), hands the images to the sink and keeps the sink's
+whose stores finished; after generation it waits while `STORES_IN_FLIGHT` batches
+are with the sink (back-pressure: never a growing pile of images behind a slow
+store; two, so the sink starts the next batch as soon as it finishes one instead
+of idling through the hand-off), hands the images to the sink and keeps the sink's
 `credited` future; when the task returns, the ack is *held* until that future is
 done, and the consumer's prefetch window widens by one meanwhile so the device
 starts the next batch while this one uploads; then the routing step re-chooses
 queues. A worker killed before the upload finishes never acked the batch: the
 broker delivers it again (its lease lapses, core/transports.py).
 
+Run-ahead (`paced`): while the device's calls are short (under DIFFQ_RUN_AHEAD_S),
+the window holds one batch more, so the process's second task thread receives and
+prepares the next batch while a call runs and the device never waits on the host's
+per-batch work; a long call (a compile, a big model) narrows it back to one batch
+in hand, which no other device could take meanwhile.
+
 Every way a batch ends is an `Outcome` the task body reports once (`report`); what the
 broker sees is `decide(outcome)` (worker/delivery.py, the one table): ack now, hold
-the ack until the sink's future is done, or requeue. Acks and requeues run only on
-the consumer's main thread (kombu channels are not thread-safe): from the task
-body, from an event-loop timer, and at shutdown. The Celery side of this (the
-request whose ack goes through here, the bootstep driving the timers) is
-worker/celery_adapter.py.
+the ack until the sink's future is done, or requeue. They are carried out from the
+task threads, from an event-loop timer, and at shutdown, through Celery's request,
+which hands each ack to the consumer's loop where it has one (kombu channels are
+not thread-safe). The Celery side of this (the request whose ack goes through here,
+the bootstep driving the timers) is worker/celery_adapter.py.
 """
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
+import contextlib
 import logging
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Protocol
 
 from diffq.core.contract import BatchMessage
+from diffq.core.settings import get_settings
 from diffq.core.storage import Storage
 from diffq.worker import metrics
 from diffq.worker.delivery import Action, Outcome, decide
 
 log = logging.getLogger(__name__)
+
+# Batches handed to the sink and not yet stored, at most (worker/sink_process.py's
+# shared-memory slots hold one more: the batch being handed on).
+STORES_IN_FLIGHT = 2
 
 
 class Delivery(Protocol):
@@ -57,15 +72,62 @@ class Window(Protocol):
 
 
 class BatchLine:
-    def __init__(self, sink, router=None):
+    def __init__(self, sink, router=None, run_ahead_s: float | None = None):
         self.sink = sink
         self.router = router  # worker/routing.py's Router, or None (round-robin)
         self.window: Window | None = None  # set once the consumer is up
+        # Rung after an ack or a wider window: a consumer that polls (the embedded
+        # broker) looks again at once instead of at its next poll.
+        self.wake: Callable[[], None] = _nothing
+        self.run_ahead_s = get_settings().run_ahead_s if run_ahead_s is None else run_ahead_s
         self._lock = threading.Lock()
+        self._store_lock = threading.Lock()  # one hand-off at a time: the back-pressure order
         # task id -> its outcome, and the sink future a held ack waits for
         self._reported: dict[str, tuple[Outcome, Future | None]] = {}
         self._held: list[tuple[Future, Delivery]] = []
-        self._last_store: Future | None = None
+        self._stores: collections.deque[Future] = collections.deque()  # the sink's, oldest first
+        self._ahead = False  # the window holds one batch more (`paced`)
+        self.running = 0  # batch tasks in progress (`batch_task`)
+        self._closing = False  # the consumer has stopped (`close`)
+
+    @contextlib.contextmanager
+    def batch_task(self):
+        """Around a batch task's body: `running` counts the task threads inside one."""
+        with self._lock:
+            self.running += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self.running -= 1
+
+    def attach(self, window: Window, wake: Callable[[], None] | None = None) -> None:
+        """The consumer is up (again): its window starts at one batch per task thread;
+        one batch in hand until a short call is seen."""
+        with self._lock:
+            self.window, self._ahead, self._closing = window, False, False
+        window.narrow()
+        if wake is not None:
+            self.wake = wake
+
+    def close(self) -> None:
+        """The consumer has stopped: no timer settles held acks any more, so a batch
+        task that ends from now on waits for its store and acks it itself."""
+        self._closing = True
+
+    def paced(self, call_s: float) -> None:
+        """A call took `call_s` on the device: run ahead (a second batch in hand, its call
+        prepared while this one runs) while calls are shorter than `run_ahead_s`."""
+        ahead = call_s < self.run_ahead_s
+        with self._lock:
+            if self.window is None or ahead == self._ahead:
+                return
+            self._ahead = ahead
+        if ahead:
+            self.window.widen()
+        else:
+            self.window.narrow()
+        self.wake()
 
     # -- the task body's side ------------------------------------------------------
 
@@ -76,20 +138,22 @@ class BatchLine:
     def store(self, storage: Storage, message: BatchMessage, images: list, record: dict) -> Future:
         """Generation is done: back-pressure, hand to the sink, route. Returns the sink's
         `credited` future, which the batch's ack waits for (reported as `generated`)."""
-        if self._last_store is not None:
-            concurrent.futures.wait([self._last_store])
-        self.settle()
-        handed = self.sink.submit(storage, message, images, record)
-        self._last_store = handed.stored
+        with self._store_lock:
+            while self._stores and (self._stores[0].done() or len(self._stores) >= STORES_IN_FLIGHT):
+                concurrent.futures.wait([self._stores.popleft()])
+            self.settle()
+            handed = self.sink.submit(storage, message, images, record)
+            self._stores.append(handed.stored)
         handed.stored.add_done_callback(_observe_store)
         if self.router is not None:
-            self.router.update()  # before the next fetch
+            self.router.update_soon()  # before the next fetch, on the consumer's loop
         return handed.credited
 
     def credit_again(self, storage: Storage, message: BatchMessage) -> Future:
         """A redelivered batch already stored: credit it again; the ack waits for that
         (reported as `already stored`)."""
-        return self.sink.credit(storage, message)
+        with self._store_lock:
+            return self.sink.credit(storage, message)
 
     def report(self, task_id: str, outcome: Outcome, future: Future | None = None) -> None:
         """How this delivery's batch ended; `future`: what a held ack waits for."""
@@ -121,13 +185,15 @@ class BatchLine:
                 self._held.append((future, delivery))
             if self.window is not None:
                 self.window.widen()
-            self.settle()
+                self.wake()
+            self.settle(wait=self._closing)
             return
         _apply(action, delivery)
+        self.wake()
 
     def settle(self, wait: bool = False) -> int:
         """Decide every held batch whose sink work is done (stored: ack; storing failed:
-        requeue); with `wait`, every held batch. Main thread only. Returns how many settled."""
+        requeue); with `wait`, every held batch. Returns how many settled."""
         settled = 0
         while True:
             with self._lock:
@@ -143,7 +209,12 @@ class BatchLine:
                 _apply(decide(Outcome.STORED if future.exception() is None else Outcome.STORE_FAILED), delivery)
                 if self.window is not None:
                     self.window.narrow()
+                self.wake()
                 settled += 1
+
+
+def _nothing() -> None:
+    pass
 
 
 def _apply(action: Action, delivery: Delivery) -> None:

@@ -15,20 +15,21 @@ choice (routing.py). Here:
   timeout; past it (or at once, when the parent is gone) everything held is handed
   back, not as a failed attempt, what was generated is stored, and the process
   exits 0;
-- `build_app` / `serve`: the app a worker process runs, and its solo-pool worker.
+- `build_app` / `serve`: the app a worker process runs, and its two-thread worker.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import sys
 import threading
 import time
 
 from celery import Celery, Task, bootsteps, signals
 from celery.worker.request import Request
 
-from diffq.core.broker import TASK_NAME, make_celery
+from diffq.core.broker import TASK_NAME, make_celery, wake_consumer
 from diffq.core.settings import get_settings
 from diffq.core.transports import transport_for
 from diffq.worker.lease import LeaseKeeper, held_deliveries
@@ -53,11 +54,16 @@ ACK_POLICY = {
     "worker_prefetch_multiplier": 1,
     "worker_max_tasks_per_child": None,
 }
-# Solo pool: the task runs in the consumer's own process and thread, where the
-# device and the compiled graphs live. Its plain SIGTERM is a warm shutdown (the
-# batch in hand finishes); soft/cold shutdown with solo acks and loses it
-# (../shared/CELERY.md), so SIGTERM is never remapped.
-WORKER_ARGS = ["--pool=solo", "--concurrency=1", "--without-mingle", "--without-gossip"]
+# Two task threads in the process that holds the device and the compiled graphs
+# (Celery's threads pool): while one batch's call runs, the next batch is received,
+# validated and its call prepared, and it waits on the device lock (PipelineHost),
+# so the device goes from one call to the next without the host's per-batch work in
+# between. The second batch is taken only while calls are short (`BatchLine.paced`,
+# DIFFQ_RUN_AHEAD_S): otherwise one batch in hand, as before. Acks from the task
+# threads go through Celery's own `call_soon_ack` (the consumer's loop where it has
+# one). Plain SIGTERM is a warm shutdown (the batches in hand finish); it is never
+# remapped (../shared/CELERY.md).
+WORKER_ARGS = ["--pool=threads", "--concurrency=2", "--without-mingle", "--without-gossip"]
 
 
 class BatchRequest(Request):
@@ -109,7 +115,9 @@ class WorkerStep(bootsteps.StartStopStep):
     def start(self, consumer):
         rt = self.runtime
         line = rt.line
-        line.window = PrefetchWindow(consumer.qos)
+        # Celery's window starts at the pool's two threads; the line widens it to two
+        # once it has seen a short call.
+        line.attach(PrefetchWindow(consumer.qos), wake=wake_consumer)
         transport = transport_for(rt.spec.broker_url)
         settings = get_settings()
         rt.lease = LeaseKeeper(transport, consumer.app.connection_for_write, lambda: held_deliveries(consumer),
@@ -124,18 +132,21 @@ class WorkerStep(bootsteps.StartStopStep):
             consumer.hub.call_repeatedly(router.interval, router.update)
 
     def stop(self, consumer):
+        """Consuming has stopped (the task threads may still be finishing their batches):
+        ack what was stored; a drain waiting on it may go on."""
         rt = self.runtime
         if rt.line.router is not None:
             rt.line.router.detach()
-        self._release(rt)
+        rt.line.close()
+        rt.line.settle(wait=True)  # leases still renewed meanwhile
+        rt.consuming_stopped.set()
 
     def shutdown(self, consumer):
-        self._release(self.runtime)
-
-    @staticmethod
-    def _release(rt: Runtime) -> None:
-        """Consuming has stopped: ack what was stored; a drain waiting on it may go on."""
-        rt.line.settle(wait=True)  # leases still renewed meanwhile
+        """The task threads are done (Celery stops its pool first): the last acks, then
+        the leases, before the channel closes."""
+        rt = self.runtime
+        rt.line.close()
+        rt.line.settle(wait=True)
         if rt.lease is not None:
             rt.lease.stop()
         rt.consuming_stopped.set()
@@ -180,11 +191,13 @@ class Drain:
         handed += _hand_back(rt)
         log.warning("%s: drain timeout (%.0f s) passed; handed back %d held batch(es), exiting",
                     rt.spec.name, self.timeout, handed)
-        if rt.consuming_stopped.is_set():
+        if rt.consuming_stopped.is_set() and not rt.line.running:
             # The consumer is shutting down the usual way: its channel's close (and
             # kombu's exit hook) gives back anything delivered after the hand-back.
             # os._exit here would skip both.
             return
+        # Still generating a batch just handed back (a long compile, a hold): the
+        # pool's shutdown would wait for its task thread; nothing it makes is needed.
         os._exit(0)
 
 
@@ -221,8 +234,15 @@ def build_app(rt: Runtime) -> Celery:
     return app
 
 
+# The task thread waiting with the next prepared call gets the GIL only when the
+# one whose call just ended (now handing its images on, in Python) drops it: at worst
+# after the switch interval, 5 ms by default, which would sit between two calls.
+SWITCH_INTERVAL_S = 0.0005
+
+
 def serve(app: Celery, spec: ChildSpec) -> None:
     """Consume the spec's queues until a warm shutdown."""
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     app.worker_main(["--quiet", "worker", *WORKER_ARGS, f"--queues={','.join(spec.queues)}",
                      f"--hostname={spec.name}@{hostname()}", f"--loglevel={spec.loglevel}"])
     for drain in getattr(app, "diffq_drains", ()):

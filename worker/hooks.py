@@ -150,16 +150,13 @@ class Metrics(BatchHook):
     """What a generated batch did on the device, as Prometheus series. Failure and
     degenerate counts are observed where their records are written (worker/failures.py)."""
 
-    def before_generate(self, batch: Batch) -> None:
-        batch.notes[Metrics] = batch.runtime.host.recompiles
-
     def after_generate(self, batch: Batch, generated) -> None:
-        shape, host = batch.message.shape, batch.runtime.host
+        shape = batch.message.shape
         metrics.observe_batch(shape.queue, len(batch.message.items), generated.generate_s)
         if generated.compiled:  # eager backends compile too (PipelineHost.compiles)
             metrics.observe_compile(shape.label, generated.generate_s)
-        if host.recompiles > batch.notes[Metrics]:
-            metrics.observe_recompile(shape.label, host.recompiles - batch.notes[Metrics])
+        if generated.recompiled:
+            metrics.observe_recompile(shape.label, generated.recompiled)
         if generated.graph_fallbacks:  # --allow-fallback: counted, never silent
             metrics.observe_graph_fallback(shape.label, generated.graph_fallbacks)
 

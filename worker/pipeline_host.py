@@ -9,6 +9,7 @@ generator so its image does not depend on its neighbours in the batch.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -60,6 +61,12 @@ class Generated:
     graph_fallbacks: int = 0
     # Per item: the degenerate-image check its image failed (a DEGENERATE_CHECKS key), or None.
     degenerate: list = field(default_factory=list)
+    # Wall clock when the call had the device and when it gave it up: the device's
+    # idle gap between two batches is the next start minus this end.
+    started_at: float = 0.0
+    ended_at: float = 0.0
+    # Graphs this call compiled for a shape already served (PipelineHost.recompiles).
+    recompiled: int = 0
 
 
 @dataclass
@@ -86,6 +93,10 @@ class PipelineHost:
     # The degenerate-image checks run on every batch (DEGENERATE_CHECKS keys: the
     # worker's --on-degenerate policy names them); none by default, at no cost.
     checks: frozenset = frozenset()
+    # One call on the device at a time. A worker runs two batch tasks (worker/
+    # celery_adapter.py): the next batch is received and its call prepared while this
+    # one runs, and waits here, so the device goes from one call to the next.
+    _device: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     @property
     def compiles(self) -> bool:
@@ -159,7 +170,8 @@ class PipelineHost:
             torch._dynamo.config.accumulated_recompile_limit, 4 * limit)
 
     def generate(self, shape: ShapeKey, params: BatchParams, items: list[BatchItem]) -> Generated:
-        pipe = self.pipeline(shape.model, shape.dtype)
+        with self._device:  # the first call of a model loads it
+            pipe = self.pipeline(shape.model, shape.dtype)
         if len(items) > shape.batch_size:
             raise ValueError(f"{len(items)} items exceed the shape's batch size {shape.batch_size}")
         # Pad to the compiled batch size by repeating the last item: the graph never
@@ -184,42 +196,51 @@ class PipelineHost:
             max_sequence_length=shape.max_sequence_length,
             generator=generators,
         )
-        new_shape = shape not in self.shapes_seen
-        if new_shape:
-            self.shapes_seen.add(shape)
-            self.set_shape_budget(len(self.shapes_seen))
-        leader = self.group is not None and self.group.leader
-        if leader:
-            self.group.announce(shape, params, items)
-        graphs_before = graphs_compiled()
-        fallbacks_before = fallback_count(self.backend.graph_fallback)
-        started = time.perf_counter()
-        try:
-            with torch.inference_mode():
-                images, degenerate = checked_arrays(faults.degrade(pipe(**kwargs).images, padded), self.checks)
-        except Exception:
+        with self._device:
+            started_at = time.time()
+            new_shape = shape not in self.shapes_seen
+            if new_shape:
+                self.shapes_seen.add(shape)
+                self.set_shape_budget(len(self.shapes_seen))
+            leader = self.group is not None and self.group.leader
             if leader:
-                self.group.agree(None)  # keep the other ranks in step
-            raise
-        elapsed = time.perf_counter() - started
-        fallbacks = fallback_count(self.backend.graph_fallback) - fallbacks_before
-        if fallbacks:
-            self.graph_fallbacks[shape.label] = self.graph_fallbacks.get(shape.label, 0) + fallbacks
-            log.warning("shape %s: %d compiled-graph call(s) failed on the device and re-ran uncompiled",
-                        shape.label, fallbacks)
-        record_extra = self.group.agree(images) if leader else {}
-        graphs = graphs_compiled() - graphs_before
-        compiled = new_shape and self.compiles
+                self.group.announce(shape, params, items)
+            graphs_before = graphs_compiled()
+            fallbacks_before = fallback_count(self.backend.graph_fallback)
+            started = time.perf_counter()
+            try:
+                with torch.inference_mode():
+                    images, degenerate = checked_arrays(faults.degrade(pipe(**kwargs).images, padded), self.checks)
+            except Exception:
+                if leader:
+                    self.group.agree(None)  # keep the other ranks in step
+                raise
+            elapsed = time.perf_counter() - started
+            fallbacks = fallback_count(self.backend.graph_fallback) - fallbacks_before
+            if fallbacks:
+                self.graph_fallbacks[shape.label] = self.graph_fallbacks.get(shape.label, 0) + fallbacks
+                log.warning("shape %s: %d compiled-graph call(s) failed on the device and re-ran uncompiled",
+                            shape.label, fallbacks)
+            record_extra = self.group.agree(images) if leader else {}
+            ended_at = time.time()
+            graphs = graphs_compiled() - graphs_before
+            compiled = new_shape and self.compiles
+            if compiled:
+                self.compile_seconds[shape.queue] = elapsed
+                self.compile_graphs[shape.queue] = graphs
+            recompiled = 0 if compiled else graphs
+            self.recompiles += recompiled
+        # Let a task thread waiting with the next call take the device (and the GIL)
+        # now, before this thread goes on with its batch's hand-off.
+        time.sleep(0)
         if compiled:
-            self.compile_seconds[shape.queue] = elapsed
-            self.compile_graphs[shape.queue] = graphs
-            for callback in self.on_compiled:
+            for callback in self.on_compiled:  # off the device: the next call may start meanwhile
                 callback(shape)
-        elif graphs:
-            self.recompiles += graphs
-            log.warning("shape %s compiled %d more graph(s) after its first batch", shape.label, graphs)
+        if recompiled:
+            log.warning("shape %s compiled %d more graph(s) after its first batch", shape.label, recompiled)
         return Generated(images=images[: len(items)], generate_s=elapsed, compiled=compiled,
-                         record_extra=record_extra, graph_fallbacks=fallbacks, degenerate=degenerate[: len(items)])
+                         record_extra=record_extra, graph_fallbacks=fallbacks, degenerate=degenerate[: len(items)],
+                         started_at=started_at, ended_at=ended_at, recompiled=recompiled)
 
     def warmup(self, shapes: list[ShapeKey]) -> None:
         """Compile `shapes` before consuming, so no batch waits on a compile."""

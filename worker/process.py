@@ -119,7 +119,7 @@ def _exit_without_teardown() -> None:
 
 
 def _consume(spec: ChildSpec, group) -> None:
-    """Warm start, then a Celery solo-pool worker on the spec's queues until shutdown."""
+    """Warm start, then a Celery worker (two task threads) on the spec's queues until shutdown."""
     from diffq.worker.celery_adapter import build_app, serve
     from diffq.worker.runtime import Runtime
 

@@ -185,6 +185,13 @@ class Router:
                 depths.update(self.transport.queue_depths(connection, exact))
         return depths
 
+    def update_soon(self) -> None:
+        """From a task thread, right after a batch: the update runs on the consumer's
+        loop, the only thread that may use its connection (kombu's are not thread-safe)."""
+        consumer = self.consumer
+        if consumer is not None:
+            consumer.call_soon(self.update)
+
     def update(self) -> None:
         consumer = self.consumer
         if consumer is None or consumer.task_consumer is None:

@@ -190,7 +190,7 @@ class Slots:
     when that batch's `stored` future resolves (stored, failed, or lost with its
     helper): the helper builds its images from the slot before it replies. Slots
     outlive helpers (a new helper is sent their descriptors on first use); `MOST`
-    bounds them (back-pressure keeps at most two stores in flight: batches.py), and a
+    bounds them (back-pressure keeps at most STORES_IN_FLIGHT in flight: batches.py), and a
     batch that finds none free, or is not a batch of uint8 arrays, goes through the
     socket.
     """

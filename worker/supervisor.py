@@ -7,7 +7,7 @@ The supervisor never imports torch and never touches a device, and children are
 *spawned*, never forked: Neuron, TPU and CUDA runtimes cannot be re-initialised in
 a forked child. SIGTERM is forwarded to every child, which finishes the batch in
 hand within its drain timeout (or hands it back), stores it, and exits 0 (Celery's
-warm shutdown of the solo pool, worker/celery_adapter.py); a second SIGTERM or
+warm shutdown, worker/celery_adapter.py); a second SIGTERM or
 SIGINT kills. Children die with the supervisor (worker/lifeline.py).
 """
 

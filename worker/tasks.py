@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import logging
-import time
 
 from pydantic import ValidationError
 
@@ -43,6 +42,11 @@ log = logging.getLogger("diffq.worker")
 
 
 def generate_batch(task, payload: dict) -> dict | None:
+    with task.runtime.line.batch_task():
+        return _generate_batch(task, payload)
+
+
+def _generate_batch(task, payload: dict) -> dict | None:
     rt: Runtime = task.runtime
     rt.line.received()
     try:
@@ -75,9 +79,8 @@ def live(batch: Batch, hooks: list[BatchHook]) -> End:
         for hook in hooks:
             if end := hook.before_generate(batch):
                 return end
-        started_at = time.time()
         generated = rt.host.generate(message.shape, message.params, message.items)
-        ended_at = time.time()
+        rt.line.paced(generated.generate_s)  # short calls: the next batch comes in now
     except GroupBroken as exc:
         # A rank of this worker's tensor-parallel group died: the supervisor restarts
         # the group, and the batch goes back meanwhile.
@@ -100,8 +103,8 @@ def live(batch: Batch, hooks: list[BatchHook]) -> End:
         generate_s=round(generated.generate_s, 4),
         # Wall-clock span of the pipeline call: the device idle gap between two
         # batches of one worker is the next start minus this end.
-        generate_started_at=round(started_at, 4),
-        generate_ended_at=round(ended_at, 4),
+        generate_started_at=round(generated.started_at, 4),
+        generate_ended_at=round(generated.ended_at, 4),
         graph_fallbacks=generated.graph_fallbacks,
         degenerate=flagged or {},
         **generated.record_extra,

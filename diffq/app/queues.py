@@ -13,9 +13,8 @@ broker keeps them, a few letters' queue, reason and time (the transport table's
 `x-death` names, a sample on SQS). SQS and, given its management API URL,
 RabbitMQ list their queues too (the transport table's `list_queues`).
 
-Consumers come from `inspect().active_queues()`. A solo-pool worker busy with a
-batch does not answer remote control until the batch ends, so that count is a
-lower bound while batches run; a passive declare also reports the broker's own
+Consumers come from `inspect().active_queues()` (a worker's consumer loop answers
+while its task threads generate); a passive declare also reports the broker's own
 consumer count (AMQP), and the larger of the two is shown.
 """
 

@@ -12,6 +12,7 @@ import os
 import shutil
 import socket
 import tempfile
+import threading
 import time
 from pathlib import Path
 from queue import Empty
@@ -112,11 +113,27 @@ class EmbeddedTransport(filesystem.Transport):
             return super().drain_events(connection, timeout=timeout)
         deadline = time.monotonic() + timeout
         while True:
+            _doorbell.clear()
             try:
-                return super().drain_events(connection, timeout=min(self.polling_interval or timeout, timeout))
+                return super().drain_events(connection, timeout=0)  # one look at the queues
             except socket.timeout:
-                if time.monotonic() >= deadline or _worker_stopping():
+                left = deadline - time.monotonic()
+                if left <= 0 or _worker_stopping():
                     raise
+            # Between looks: the polling interval, or less when the worker acked or
+            # widened its window (`wake_consumer`); then back to Celery's loop, which
+            # applies a new window before it drains again.
+            if _doorbell.wait(min(self.polling_interval or left, left)):
+                raise socket.timeout()
+
+
+# Rung by a worker's task threads (worker/batches.py) when it may take another
+# message: its embedded consumer, otherwise between two polls, looks at once.
+_doorbell = threading.Event()
+
+
+def wake_consumer() -> None:
+    _doorbell.set()
 
 
 def _worker_stopping() -> bool:

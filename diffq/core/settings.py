@@ -32,6 +32,10 @@ class Settings(BaseSettings):
     task_max_retries: int = Field(default=3, ge=0)
     # Celery retry countdown: base * 2**attempt seconds, capped at 30 s.
     retry_backoff_s: float = Field(default=2.0, ge=0)
+    # Run-ahead: while a worker's device calls take less than this, it holds a second
+    # batch, received and prepared while the call runs (worker/batches.py). Longer
+    # calls: one batch in hand, none waiting that another device could take. 0: never.
+    run_ahead_s: float = Field(default=2.0, ge=0)
     # Celery task events for Flower / `celery events`; unset: the transport's own
     # default (core/transports.py: on, except where no monitor can attach).
     task_events: bool | None = None
