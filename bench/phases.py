@@ -231,7 +231,9 @@ def sink_profile(folder: Path, batches: int, top: int = 15) -> list[dict]:
 
 
 def render(result: dict) -> list[str]:
-    lines = [f"{result['size']}² {result['format']}, batch {result['batch']}, T = {1000 * result['device_s']:.0f} ms "
+    mode = ("" if "run_ahead_s" not in result else
+            "serial path (`DIFFQ_RUN_AHEAD_S=0`), " if result["run_ahead_s"] == 0 else "run-ahead (the default), ")
+    lines = [f"{mode}{result['size']}² {result['format']}, batch {result['batch']}, T = {1000 * result['device_s']:.0f} ms "
              f"per image: {result['gaps']} gaps, median {result['gap_ms_median']} ms (records: "
              f"{result['records_gap_ms']} ms), load {result['load_average']}", "",
              "| segment (stamp → stamp) | median ms | mean ms |", "|---|---|---|"]
@@ -255,6 +257,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--profile-sink", action="store_true", help="also profile the sink helper (cProfile)")
     args = parser.parse_args(argv)
     result = measure(args.size, args.format, args.device_s, args.batches, args.batch, profile_sink=args.profile_sink)
+    from diffq.core.settings import get_settings
+
+    result["run_ahead_s"] = get_settings().run_ahead_s  # 0: the serial path, one batch in hand
     print(json.dumps(result) if args.json else "\n".join(render(result)))
     return result
 

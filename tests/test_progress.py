@@ -587,3 +587,17 @@ def test_gcs_declares_its_rewrite_limit():
 
     assert GCSStorage.min_rewrite_interval_s == 1.0
     assert LocalStorage.min_rewrite_interval_s == 0.0
+
+
+def test_a_stream_of_batches_shares_its_segment_writes(tmp_path):
+    """Batches stored faster than CREDITS_EVERY_S apart (a fast device): their credits
+    go in fewer segment writes than batches, and every one is credited."""
+    out = str(tmp_path / "run")
+    plan = make_plan(out)
+    storage = RewriteLimited(open_storage(out), interval=0.0)  # a local folder's: no limit of its own
+    sink = Sink()
+    handed = [sink.submit(storage, m, [Image.new("RGB", (32, 32)) for _ in m.items], MEASURED) for m in plan]
+    for h in handed:
+        h.credited.result(timeout=60)  # no flush: the timer writes them
+    assert counts(out)[:2] == (23, 0)
+    assert 1 <= storage.segment_writes < len(plan)

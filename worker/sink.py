@@ -167,6 +167,12 @@ class _Credits:
     timer: threading.Timer | None = None
 
 
+# A run folder's progress segment is rewritten at most this often: credits of batches
+# stored meanwhile (a fast device's stream) wait and go in one write, and their acks
+# with them; a store with a rewrite limit of its own (GCS) keeps the longer one.
+CREDITS_EVERY_S = 0.05
+
+
 # BatchMeasures' field of per-item flags (item id -> check) for ImageRecord.degenerate.
 DEGENERATE_KEY = "degenerate"
 
@@ -252,7 +258,7 @@ class Sink:
         else:
             for future in waiting:
                 future.set_result(None)
-        credits.next_write = time.monotonic() + credits.log.storage.min_rewrite_interval_s
+        credits.next_write = time.monotonic() + max(credits.log.storage.min_rewrite_interval_s, CREDITS_EVERY_S)
 
     def _with_retry(self, batch_id: str, write: Callable):
         """Outlast a storage outage instead of regenerating the batch.
