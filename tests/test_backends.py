@@ -73,6 +73,18 @@ def test_distributed_backends_and_dtypes():
         "cpu": "float32", "cuda": "bfloat16", "neuron": "bfloat16", "tpu": "bfloat16"}
 
 
+def test_the_current_device_is_per_thread_on_every_accelerator():
+    """Batches run on a Celery task thread, not the loading one. The current device is a
+    thread-local on each accelerator, so a new thread starts on index 0:
+    pytorch c10/cuda/CUDAFunctions.cpp (`thread_local static DeviceIndex targetDeviceIndex`),
+    torch-neuronx torch_neuronx/csrc/core/NeuronDevice.cpp (`thread_local int
+    current_device_index`; a process-wide fallback only in newer releases), torch_tpu
+    torch_tpu/csrc/eager/current_stream.cc (`thread_local DeviceIndex current_device_index_ = 0`).
+    The CPU has no device index."""
+    assert {name: b.thread_device for name, b in BACKENDS.items()} == {
+        "cpu": False, "cuda": True, "neuron": True, "tpu": True}
+
+
 def test_extensions_and_modes():
     # BACKENDS.md Trainium "device": import torch_neuronx when autoload is off.
     # TPU "modes": defer-and-fuse eager is TORCH_TPU_DEFER_AND_FUSE=1.

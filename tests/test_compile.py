@@ -94,8 +94,8 @@ def compiled(monkeypatch):
 
 
 def stand_in(kind: str):
-    """The real table entry, but tensors stay on the CPU."""
-    return dataclasses.replace(get_backend(kind), torch_device="cpu")
+    """The real table entry, but tensors stay on the CPU (no device index per thread)."""
+    return dataclasses.replace(get_backend(kind), torch_device="cpu", thread_device=False)
 
 
 def shape(model: str, height: int, width: int = 32, batch: int = 1) -> ShapeKey:
@@ -365,23 +365,30 @@ def test_mirrored_without_remote_and_when_sync_fails(tmp_path, caplog):
 
 def test_a_finished_child_exits_without_teardown_but_runs_its_exit_steps(tmp_path):
     # What a worker child's exit must still do when it skips the interpreter's teardown
-    # (worker/process.py): an idle thread pool (non-daemon workers, stopped by its own
-    # exit hook) does not hang it, exit handlers run, and buffered output is written.
-    marker = tmp_path / "atexit"
+    # (worker/process.py, every clean exit): an idle thread pool (non-daemon workers,
+    # stopped by its own exit hook) does not hang it, exit handlers run, among them the
+    # multiprocessing finalizers kombu restores a Redis channel's unacked messages with
+    # (kombu/transport/virtual/base.py, QoS: `Finalize(self, self.restore_unacked_once,
+    # exitpriority=1)`), buffered output is written, and the exit code is the one given.
+    marker, restored = tmp_path / "atexit", tmp_path / "restored"
     code = f"""
 import atexit, concurrent.futures, sys
+from multiprocessing.util import Finalize
 from diffq.worker.process import _exit_without_teardown
 pool = concurrent.futures.ThreadPoolExecutor(2)
 pool.submit(print, "pool ran").result()
 atexit.register(lambda: open({str(marker)!r}, "w").write("ran"))
+class QoS: pass
+qos = QoS()
+Finalize(qos, lambda: open({str(restored)!r}, "w").write("restored"), exitpriority=1)
 sys.stdout.write("buffered, no newline")
-_exit_without_teardown()
+_exit_without_teardown(4)
 raise SystemExit(3)  # never reached
 """
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 0, proc.stderr
+    assert proc.returncode == 4, proc.stderr
     assert proc.stdout.endswith("buffered, no newline") and "pool ran" in proc.stdout
-    assert marker.read_text() == "ran"
+    assert marker.read_text() == "ran" and restored.read_text() == "restored"
 
 
 def warm_worker(model: str, remote: str, local: Path) -> dict:
@@ -487,3 +494,46 @@ def test_two_batch_tasks_take_turns_on_the_device(tiny_model):
     spans = sorted((r.started_at, r.ended_at) for r in results.values())
     assert len(spans) == 4 and all(end <= start for (_, end), (start, _) in zip(spans, spans[1:]))
     assert all(np.array_equal(results[n].images[0], alone[n]) for n in range(4))
+
+
+def test_task_threads_run_on_the_loading_threads_device(tiny_model, monkeypatch):
+    """Where the current device is per thread (CUDA's `thread_local targetDeviceIndex`,
+    c10/cuda/CUDAFunctions.cpp; torch-neuronx's `thread_local int current_device_index`,
+    torch_neuronx/csrc/core/NeuronDevice.cpp; torch_tpu's `thread_local DeviceIndex
+    current_device_index_ = 0`, torch_tpu/csrc/eager/current_stream.cc), a task thread
+    starts on index 0: each thread that calls the host is first bound to the index the
+    loading thread had, once."""
+    import dataclasses
+    import threading
+
+    import torch
+
+    current = threading.local()
+    calls: list[tuple[str, int]] = []
+    monkeypatch.setattr(torch.accelerator, "current_device_index", lambda: getattr(current, "index", 0))
+
+    def set_index(index: int) -> None:
+        calls.append((threading.current_thread().name, index))
+        current.index = index
+
+    monkeypatch.setattr(torch.accelerator, "set_device_index", set_index)
+    host = PipelineHost(backend=dataclasses.replace(get_backend("cpu"), thread_device=True))
+    current.index = 3  # the loading thread's device (a rank's LOCAL_RANK, say)
+    small = shape(tiny_model, 32)
+    params = BatchParams(num_inference_steps=1, guidance_scale=1.0)
+    host.generate(small, params, items(1))
+    seen: dict[str, int] = {}
+
+    def task(name: str) -> None:
+        for _ in range(2):
+            host.generate(small, params, items(1))
+        seen[name] = current.index
+
+    threads = [threading.Thread(target=task, args=(f"task-{n}",), name=f"task-{n}") for n in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    assert seen == {"task-0": 3, "task-1": 3}
+    assert sorted(calls) == [("task-0", 3), ("task-1", 3)]  # once per thread, none on the loading one
+    assert not get_backend("cpu").thread_device

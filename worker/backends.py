@@ -345,6 +345,10 @@ class Backend:
     bind_local_rank: bool = False
     # Dotted callable giving a rank's device index after init_process_group.
     rank_device: str | None = None
+    # The current device is per thread: a batch's task thread (Celery's threads pool)
+    # starts on index 0, not on the one the loading thread chose, so the pipeline host
+    # binds each thread to the loading thread's index (torch.accelerator) first.
+    thread_device: bool = False
     # Static shapes: every backend compiles one whole graph per shape; Neuron
     # rejects dynamic=True outright.
     fullgraph: bool = True
@@ -449,6 +453,8 @@ BACKENDS: dict[str, Backend] = {
         pin=_cuda_pin,
         rank_pin=_cuda_rank,
         bind_local_rank=True,
+        # c10/cuda/CUDAFunctions.cpp: `thread_local ... targetDeviceIndex`.
+        thread_device=True,
         device_option="--gpus",
         device_noun="GPUs",
         cache_packages=("triton",),
@@ -469,6 +475,9 @@ BACKENDS: dict[str, Backend] = {
         # torch-neuronx sets it from the store itself (backend.py, _neuron_runtime_setup).
         rank_unset=("NEURON_RT_ROOT_COMM_ID",),
         rank_device="torch.neuron.current_device",
+        # torch_neuronx/csrc/core/NeuronDevice.cpp: `thread_local int current_device_index`
+        # (newer releases fall back to a process-wide default set once; older ones to 0).
+        thread_device=True,
         device_option="--cores",
         device_noun="NeuronCores",
         extension="torch_neuronx",
@@ -510,6 +519,8 @@ BACKENDS: dict[str, Backend] = {
         # A torch_tpu process is bound to one device, its only addressable one (set_device
         # refuses any other index: _internal/device/_device_module.py).
         rank_device="torch.accelerator.current_device_index",
+        # torch_tpu/csrc/eager/current_stream.cc: `thread_local DeviceIndex current_device_index_ = 0`.
+        thread_device=True,
         device_option="--chips",
         device_noun="TPU chips",
         extension="torch_tpu",

@@ -64,6 +64,10 @@ ACK_POLICY = {
 # one). Plain SIGTERM is a warm shutdown (the batches in hand finish); it is never
 # remapped (../shared/CELERY.md).
 WORKER_ARGS = ["--pool=threads", "--concurrency=2", "--without-mingle", "--without-gossip"]
+# Celery's timer thread (a transport without an event loop, the embedded one) sleeps
+# up to this between looks, and a warm shutdown waits for it (celery/utils/timer2.py,
+# Timer.stop): Celery's default of 1 s was a second at the end of every `diffq run`.
+TIMER_PRECISION_S = 0.1
 
 
 class BatchRequest(Request):
@@ -211,7 +215,7 @@ def _hand_back(rt: Runtime) -> int:
 
 def build_app(rt: Runtime) -> Celery:
     app = make_celery(rt.spec.broker_url, rt.spec.transport_options)
-    app.conf.update(ACK_POLICY)
+    app.conf.update(ACK_POLICY, worker_timer_precision=TIMER_PRECISION_S)
     arguments = transport_for(rt.spec.broker_url).consumer_arguments(get_settings())
     if arguments:
         for queue in rt.spec.queues:

@@ -95,15 +95,33 @@ class PipelineHost:
     checks: frozenset = frozenset()
     # One call on the device at a time. A worker runs two batch tasks (worker/
     # celery_adapter.py): the next batch is received and its call prepared while this
-    # one runs, and waits here, so the device goes from one call to the next.
+    # one runs, and waits here, so the device goes from one call to the next. (One
+    # device thread that all calls are queued to was tried: the woken task thread then
+    # contends with it for the GIL between two calls, a wider gap than this lock's.)
     _device: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+    # The device index of the first thread on the device (the loading one), and which
+    # threads were bound to it since (Backend.thread_device).
+    _device_index: int | None = field(default=None, repr=False, compare=False)
+    _threads: threading.local = field(default_factory=threading.local, repr=False, compare=False)
 
     @property
     def compiles(self) -> bool:
         """Whether a new shape's first batch is compile time on this backend and mode."""
         return self.compile_mode in COMPILING_MODES or self.backend.eager_compiles
 
+    def _on_this_thread(self) -> None:
+        """Bind the calling thread to the device the pipelines live on, once per thread,
+        where the current device is a per-thread setting."""
+        if not self.backend.thread_device or getattr(self._threads, "bound", False):
+            return
+        if self._device_index is None:
+            self._device_index = torch.accelerator.current_device_index()
+        else:
+            torch.accelerator.set_device_index(self._device_index)
+        self._threads.bound = True
+
     def pipeline(self, model: str, dtype: str):
+        self._on_this_thread()
         dtype = self.backend.dtype_for(dtype)  # an auto shape runs at the device's default
         key = (model, dtype)
         if key not in self._pipelines:

@@ -86,19 +86,20 @@ def child_main(spec_json: str) -> None:
         metrics.start_server(settings.metrics_port + spec.slot)
     group = _join_group(spec) if spec.world_size > 1 else None
     if group is not None and not group.leader:
-        sys.exit(_follow(spec, group))
+        _exit_without_teardown(_follow(spec, group))
     try:
         _consume(spec, group)
     finally:
         if group is not None:
             group.stop()  # the other ranks exit with it
-    if spec.warmup_only:
-        # Only a warm-up run: a serving worker's exit still lets kombu close its
-        # channels the usual way (a Redis channel's close restores what it holds).
-        _exit_without_teardown()
+    # Celery's warm shutdown has closed the broker connection by now (its Connection
+    # step's shutdown); what a Redis channel still held, kombu restores from an exit
+    # hook (a multiprocessing Finalize), which still runs. Skipped: the interpreter's
+    # teardown of torch, seconds at the end of every `diffq run`.
+    _exit_without_teardown()
 
 
-def _exit_without_teardown() -> None:
+def _exit_without_teardown(code: int = 0) -> None:
     """End a child that finished cleanly without the interpreter's teardown.
 
     Tearing down the modules of torch, dynamo and Inductor frees their whole object
@@ -115,7 +116,7 @@ def _exit_without_teardown() -> None:
     atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(code)
 
 
 def _consume(spec: ChildSpec, group) -> None:

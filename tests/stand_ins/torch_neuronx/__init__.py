@@ -31,7 +31,9 @@ from torch_neuronx.neuron_dynamo_backend.backend import execution_wrapper, on_de
 FALLBACK_OPS = ["aten::_fft_r2c", "aten::linalg_eigh"]
 WARNING = "float64 is not supported on this device; running as float32"
 
-backends.BACKENDS["neuron"] = __import__("dataclasses").replace(backends.BACKENDS["neuron"], torch_device="cpu")
+# Tensors stay on the CPU, which has no device index to carry to a task thread.
+backends.BACKENDS["neuron"] = __import__("dataclasses").replace(backends.BACKENDS["neuron"], torch_device="cpu",
+                                                                thread_device=False)
 
 if os.environ.get("STANDIN_NEURON_ENV"):
     with open(os.environ["STANDIN_NEURON_ENV"], "w") as f:
