@@ -626,15 +626,21 @@ def plot(sweeps: list[dict], path: Path) -> None:
     fig.savefig(path)
 
 
+# What a run sweeps where --sizes/--batches/--formats/--targets are not given: the full
+# layout, or --quick's.
+LAYOUTS = {
+    False: {"sizes": "1024,512", "batches": "4,8", "formats": "png,jpeg,webp", "targets": "local,s3"},
+    True: {"sizes": "1024,512", "batches": "8", "formats": "png,jpeg,webp", "targets": "local"},
+}
+
+
 def main_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="1024² and 512², PNG, JPEG and WebP, batch 8, local (several minutes)")
     parser.add_argument("--json", action="store_true", help="print only the JSON document on stdout")
     parser.add_argument("--cores", type=int, default=1, help="cores the run and the bare loop may use")
-    parser.add_argument("--sizes", default="1024,512")
-    parser.add_argument("--batches", default="4,8")
-    parser.add_argument("--formats", default="png,jpeg,webp")
-    parser.add_argument("--targets", default="local,s3")
+    for name in LAYOUTS[False]:  # unset: the layout's (--quick's or the full one's)
+        parser.add_argument(f"--{name}", help=f"default {LAYOUTS[False][name]}; --quick {LAYOUTS[True][name]}")
     parser.add_argument("--repeats", type=int, help="runs per configuration, best kept (default 2; --quick 1)")
     parser.add_argument("--grid", help="seconds per image, comma-separated, slow to fast")
     parser.add_argument("--plot", type=Path, help="write the busy-vs-T plot (PNG) here")
@@ -644,8 +650,9 @@ def main_parser() -> argparse.ArgumentParser:
 
 def configs(args: argparse.Namespace) -> list[tuple[str, int, int, str]]:
     """(target, size, batch, format) per sweep, in run order."""
-    if args.quick:
-        args.sizes, args.batches, args.formats, args.targets = "1024,512", "8", "png,jpeg,webp", "local"
+    for name, value in LAYOUTS[args.quick].items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
     if args.repeats is None:
         args.repeats = 1 if args.quick else 2
     return [(target, int(size), int(batch), fmt) for target in args.targets.split(",")

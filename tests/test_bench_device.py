@@ -66,6 +66,11 @@ def test_knee_interpolates_where_busy_crosses_the_goal():
     assert knee([(0.4, 0.9), (0.1, 0.5)]) == 0.4
 
 
+def test_quick_keeps_the_rows_asked_for():
+    assert configs(main_parser().parse_args(["--quick", "--sizes", "512", "--formats", "jpeg"])) == [
+        ("local", 512, 8, "jpeg")]
+
+
 def test_quick_is_every_format_at_1024_and_512_batch_8_local():
     assert configs(main_parser().parse_args(["--quick"])) == [
         ("local", size, 8, fmt) for size in (1024, 512) for fmt in ("png", "jpeg", "webp")]
