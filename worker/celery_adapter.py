@@ -127,6 +127,8 @@ class WorkerStep(bootsteps.StartStopStep):
         rt.lease = LeaseKeeper(transport, consumer.app.connection_for_write, lambda: held_deliveries(consumer),
                                period=settings.lease_renew_s, max_hold_s=settings.max_hold_s)
         rt.lease.start()
+        if transport.consumer_channel is not None and consumer.task_consumer is not None:
+            transport.consumer_channel(consumer.task_consumer.channel)
         if not transport.event_loop:
             return  # synloop: acks settle from the task body and at shutdown
         consumer.hub.call_repeatedly(self.settle_interval, line.settle)

@@ -10,6 +10,9 @@ Facts pinned to kombu 5.7's sources (tests/test_transports.py cites them):
   the `unacked_index` sorted set; a live consumer's sweep (`QoS.restore_visible`,
   under the `unacked_mutex`) puts back every entry older than the visibility
   timeout (kombu/transport/redis.py). Renewing a lease = moving the score forward.
+  kombu records a delivery there only after its BRPOP returned, a second round trip:
+  a message popped in between is lost for good, so workers fetch with a script that
+  pops and records in one step (core/redis_consumer.py).
 - SQS hides a received message for its visibility timeout; the holder extends it
   with `ChangeMessageVisibility` on the receipt handle (kombu/transport/SQS).
 - RabbitMQ redelivers by itself when the consumer's connection goes, so nothing
@@ -42,6 +45,7 @@ from dataclasses import dataclass, field
 from kombu import Exchange, Queue
 
 from diffq.core.contract import QUEUE_PREFIX as PREFIX, queue_from_entity_name
+from diffq.core.redis_consumer import redis_consumer_channel
 
 # Where a worker puts messages it cannot take (not JSON, pickle, wrong schema, too
 # big): one queue on every broker, shown by `diffq queues`, never consumed by workers.
@@ -633,6 +637,10 @@ class Transport:
     discovery: str = "none: name the queues (--queues or --run)"  # the same, in words
     # (channel, on_bad) -> None: check raw deliveries the transport would choke on.
     guard_deliveries: Callable | None = None
+    # (channel) -> None: what the worker's consumer channel needs beyond the transport's
+    # own (Redis: a fetch that pops and records in one step; settling after a lost
+    # connection: core/redis_consumer.py).
+    consumer_channel: Callable | None = None
     # Celery's monitoring channels: task events (Flower, `celery events`: three
     # publishes per batch) and remote control (`celery inspect`, `diffq queues`' live
     # consumers: its pidbox queue is polled every cycle), both on the worker's main
@@ -654,7 +662,7 @@ TRANSPORTS = (
               list_depths=redis_list_depths, queue_depths=redis_queue_depths, shared_depths=redis_shared_depths,
               broker_options=_redis_options,
               list_queues=redis_list_queues, discovery="SCAN for diffq.* lists (queues holding work)",
-              guard_deliveries=guard_redis_deliveries, keda=REDIS_SCALER, dead_letters=REDIS_DEAD_LETTERS),
+              guard_deliveries=guard_redis_deliveries, consumer_channel=redis_consumer_channel, keda=REDIS_SCALER, dead_letters=REDIS_DEAD_LETTERS),
     # The connection is the lease: the broker redelivers when it closes.
     Transport("amqp", ("amqp", "amqps", "pyamqp"), event_loop=True, loses_inflight_on_kill=False,
               renew=None, broker_options=_no_options, consumer_arguments=_amqp_consumer_arguments,

@@ -1,0 +1,178 @@
+"""The worker's Redis fetch (diffq/core/redis_consumer.py) pops and records a message as
+unacked in one step, against a private redis-server: a reply lost after the pop leaves
+the message where a lapsed lease restores it, which kombu's BRPOP-then-append cannot
+(kombu/transport/redis.py, kombu 5.7: `Channel._brpop_read`, `QoS.append`)."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+import uuid
+
+from kombu import Connection, Consumer, Queue
+
+from diffq.core.redis_consumer import redis_consumer_channel
+from diffq.core.transports import transport_for
+
+
+def _queue() -> Queue:
+    name = f"diffq.fetch-{uuid.uuid4().hex[:8]}"
+    return Queue(name, routing_key=name)
+
+
+def _drain(conn, timeout=0.2) -> None:
+    try:
+        conn.drain_events(timeout=timeout)
+    except socket.timeout:
+        pass
+
+
+def test_the_redis_row_installs_the_redis_consumer_channel():
+    assert transport_for("redis://h:6379/0").consumer_channel is redis_consumer_channel
+    assert transport_for("amqp://h//").consumer_channel is None
+
+
+def test_a_taken_message_is_recorded_unacked_by_the_same_step_and_acked_as_usual(redis_server):
+    queue = _queue()
+    got = []
+    with Connection(redis_server) as conn:
+        conn.Producer().publish({"n": 1}, routing_key=queue.name, declare=[queue])
+        channel = conn.channel()
+        consumer = Consumer(channel, [queue], callbacks=[lambda body, message: got.append(message)])
+        channel.basic_qos(0, 1, False)
+        fetch = redis_consumer_channel(channel)
+        assert redis_consumer_channel(channel) is fetch  # once per channel
+        with consumer:
+            _drain(conn)
+            assert [m.payload for m in got] == [{"n": 1}] and fetch.taken == 1
+            tag = got[0].delivery_tag
+            entry = json.loads(channel.client.hget(channel.unacked_key, tag))
+            # kombu's own unacked entry: [payload, exchange, routing key]
+            assert entry[0]["properties"]["delivery_tag"] == tag and entry[2] == queue.name
+            assert channel.client.zscore(channel.unacked_index_key, tag) is not None
+            assert channel.client.llen(queue.name) == 0
+            got[0].ack()
+            assert channel.client.hexists(channel.unacked_key, tag) is False
+            assert channel.client.zscore(channel.unacked_index_key, tag) is None
+
+
+def test_a_message_whose_reply_is_lost_comes_back_when_its_lease_lapses(redis_server):
+    """The broker restart of tests/test_reliability.py in small: the pop happened, the
+    worker never saw the message. Recorded in the same step, a sweep restores it."""
+    queue = _queue()
+    options = {"visibility_timeout": 1, "unacked_restore_throttle": 1}
+    with Connection(redis_server, transport_options=options) as conn:
+        conn.Producer().publish("lost reply", routing_key=queue.name, declare=[queue])
+        channel = conn.channel()
+        channel.basic_consume(queue.name, False, lambda message: None, consumer_tag="t")
+        fetch = redis_consumer_channel(channel)
+        taken = fetch.take()  # popped and recorded; the reply goes nowhere
+        assert taken is not None and channel.client.llen(queue.name) == 0
+        time.sleep(1.2)  # past the visibility timeout, nobody renewing
+        channel.qos.restore_visible(num=10)
+        back = channel.basic_get(queue.name, no_ack=True)
+        assert back is not None and back.payload == "lost reply" and back.delivery_info["redelivered"]
+
+
+def test_the_window_bounds_what_one_poll_start_takes(redis_server):
+    queue = _queue()
+    got = []
+    with Connection(redis_server) as conn:
+        producer = conn.Producer()
+        for n in range(3):
+            producer.publish({"n": n}, routing_key=queue.name, declare=[queue])
+        channel = conn.channel()
+        consumer = Consumer(channel, [queue], callbacks=[lambda body, message: got.append(message)])
+        channel.basic_qos(0, 2, False)
+        fetch = redis_consumer_channel(channel)
+        with consumer:
+            _drain(conn)
+            assert [m.payload["n"] for m in got] == [0, 1]  # in order, two in hand
+            assert not channel._in_poll  # nothing outstanding while the window is full
+            assert channel.client.llen(queue.name) == 1 and fetch.taken == 2
+            got[0].ack()
+            _drain(conn)
+            assert [m.payload["n"] for m in got] == [0, 1, 2]
+
+
+def test_an_item_that_is_not_a_kombu_envelope_is_left_for_kombus_read(redis_server):
+    queue = _queue()
+    with Connection(redis_server) as conn:
+        channel = conn.channel()
+        channel.basic_consume(queue.name, False, lambda message: None, consumer_tag="t")
+        channel.client.lpush(queue.name, b"not json")
+        assert redis_consumer_channel(channel).take() is None
+        assert channel.client.lrange(queue.name, 0, -1) == [b"not json"]
+        assert channel.client.hlen(channel.unacked_key) == 0
+
+
+
+
+def _held(conn, queue):
+    got = []
+    conn.Producer().publish("held", routing_key=queue.name, declare=[queue])
+    channel = conn.default_channel  # the channel Celery's task consumer uses
+    consumer = Consumer(channel, [queue], callbacks=[lambda body, message: got.append(message)])
+    channel.basic_qos(0, 1, False)
+    consumer.consume()
+    return channel, got
+
+
+def _collected(conn, channel) -> None:
+    """The state Celery 5.7 leaves on a lost connection: `on_connection_error_after_connected`
+    runs `connection.collect()`, which drops the transport's link to the connection
+    (kombu/connection.py `_do_close_transport`) even when closing the channel failed on
+    the dead socket; then `connection.close()` closes the channel again."""
+    channel._disconnect_pools()  # the failed first close got this far
+    conn._do_close_transport()
+
+
+def test_kombu_alone_cannot_give_back_through_a_collected_connection(redis_server):
+    """The vendor fact the detached settling answers: kombu's Redis QoS gives back what
+    it holds through the channel's pool, rebuilt from the connection the transport no
+    longer knows (kombu/transport/redis.py `_connparams`: `conninfo.hostname`); the
+    AttributeError ended a worker on every Redis restart (tests/test_reliability.py)."""
+    import pytest
+
+    conn = Connection(redis_server)
+    channel, got = _held(conn, _queue())
+    _drain(conn)
+    assert len(got) == 1
+    _collected(conn, channel)
+    with pytest.raises(AttributeError, match="hostname"):
+        channel.close()
+
+
+def test_a_channel_whose_connection_is_gone_leaves_its_deliveries_to_their_lease(redis_server):
+    queue = _queue()
+    conn = Connection(redis_server)
+    channel, got = _held(conn, queue)
+    installed = redis_consumer_channel(channel)
+    _drain(conn)
+    assert len(got) == 1 and installed.taken == 1
+    tag = got[0].delivery_tag
+    _collected(conn, channel)
+    got[0].ack()  # a batch finishing after the loss: settled here, raises nothing
+    channel.close()  # gives back nothing, raises nothing
+    assert installed.left_held == 1 and not channel.qos._delivered
+    with Connection(redis_server) as fresh:
+        client = fresh.default_channel.client
+        # Still held in the broker, where the lease sweep finds it once it lapses.
+        assert client.hexists("unacked", tag) and client.zscore("unacked_index", tag) is not None
+        assert client.llen(queue.name) == 0
+
+
+def test_an_ack_after_the_channel_closed_and_gave_back_is_settled_here(redis_server):
+    """A batch finishing after a reconnect whose close gave back what it held: the
+    given-back copy is the broker's; the late ack must not end the worker."""
+    queue = _queue()
+    conn = Connection(redis_server)
+    channel, got = _held(conn, queue)
+    installed = redis_consumer_channel(channel)
+    _drain(conn)
+    conn.close()  # the broker was back in time: kombu gives the delivery back
+    got[0].ack()
+    assert installed.left_held == 1
+    with Connection(redis_server) as fresh:
+        assert fresh.default_channel.client.llen(queue.name) == 1
