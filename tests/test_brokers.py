@@ -116,6 +116,31 @@ def test_embedded_consumer_looks_again_when_its_worker_rings(tmp_path):
                 connection.drain_events(timeout=120)  # nothing queued: only the bell ends it early
             assert time.monotonic() - started < 60
 
+
+def test_a_ring_before_the_drain_begins_is_not_lost(tmp_path):
+    """A task thread that widens the window just after Celery's loop applied it and
+    before the next drain began: the drain must end at once for the loop to apply the
+    new window (a ring cleared on entry cost a whole polling interval: 100 ms stalls
+    of a fast device, bench.device)."""
+    from kombu import Exchange, Queue
+
+    from diffq.core.broker import embedded_broker, make_celery, wake_consumer
+
+    url, options = embedded_broker(tmp_path / "broker")
+    app = make_celery(url, options)
+    with app.connection_for_read() as connection:
+        queue = Queue("diffq.test", Exchange("diffq.test"), routing_key="diffq.test")
+        with connection.Consumer([queue], callbacks=[lambda body, message: message.ack()]):
+            wake_consumer()
+            started = time.monotonic()
+            with pytest.raises(socket.timeout):
+                connection.drain_events(timeout=30)
+            assert time.monotonic() - started < 10
+            started = time.monotonic()
+            with pytest.raises(socket.timeout):  # the ring was taken: the next drain polls on
+                connection.drain_events(timeout=0.5)
+            assert time.monotonic() - started >= 0.45
+
 @pytest.mark.slow
 def test_rabbitmq_consumer_carries_the_ack_timeout(rabbitmq_server, amqp_url, tiny_model, tmp_path):
     """RabbitMQ closes a channel whose delivery stays unacked past `consumer_timeout`

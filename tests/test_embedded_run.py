@@ -78,3 +78,44 @@ def test_run_again_on_a_finished_run_changes_nothing_and_refuses_other_options_o
     assert "Traceback" not in proc.stderr
     assert before == {p: (p.stat().st_mtime_ns, p.read_bytes()) for p in out.rglob("*") if p.is_file()}
 
+
+
+
+class _Workers:
+    """Stands in for the run's stop event: each wait of the publisher is a look's worth of
+    the workers' consumption (`per_look` messages taken from the queue folder)."""
+
+    def __init__(self, queue_dir, per_look):
+        self.queue_dir, self.per_look, self.looks, self.deepest = queue_dir, per_look, 0, 0
+
+    def wait(self, timeout):
+        self.looks += 1
+        for name in sorted(p.name for p in self.queue_dir.iterdir())[: self.per_look]:
+            (self.queue_dir / name).unlink()
+        return False
+
+
+class _Files:
+    def __init__(self, queue_dir, workers):
+        self.queue_dir, self.workers, self.count = queue_dir, workers, 0
+
+    def publish(self, message):
+        self.count += 1
+        (self.queue_dir / f"{self.count:06d}.diffq.msg").write_text("m")
+        self.workers.deepest = max(self.workers.deepest, sum(1 for _ in self.queue_dir.iterdir()))
+
+
+@pytest.mark.parametrize("per_look, grows", [(10_000, True), (1, False)], ids=["fast device", "slow device"])
+def test_the_embedded_backlog_grows_to_what_the_workers_drain_between_two_looks(tmp_path, monkeypatch,
+                                                                                per_look, grows):
+    from diffq.app.runner import BoundedPublisher
+
+    monkeypatch.setattr(BoundedPublisher, "MOST_BACKLOG", 128)
+    workers = _Workers(tmp_path, per_look)
+    publisher = BoundedPublisher(_Files(tmp_path, workers), tmp_path, 16, workers)
+    for n in range(400):
+        publisher.publish({"n": n})
+    if grows:  # found drained at every look: waves of 16, 32, 64, then 128, the ceiling
+        assert publisher.max_backlog == 128 and workers.deepest == 128
+    else:  # never found drained: the first bound holds
+        assert publisher.max_backlog == 16 and workers.deepest == 16

@@ -2,8 +2,9 @@
 
 The same submit, the same Celery task and the same worker processes as a fleet,
 over kombu's filesystem transport in a temporary folder. Two things differ, both
-from ../shared/CELERY.md: the backlog is published in waves (every fetch lists the
-whole queue folder, so a deep backlog slows consumers), and a batch in flight when
+from ../shared/CELERY.md: the backlog is published in waves (kombu's channel lists the
+whole queue folder on every fetch; diffq's lists it once per pass, and the waves grow
+to what the workers drain between two looks), and a batch in flight when
 its worker dies is lost by this transport, so once the queues drain the runner
 re-enqueues whatever the run folder says is neither done nor failed.
 
@@ -85,21 +86,39 @@ class RunResult:
 
 
 class BoundedPublisher:
-    """Blocks while the embedded queue already holds `max_backlog` messages."""
+    """Publishes in waves: blocks while the embedded queue already holds `max_backlog`
+    messages, and doubles `max_backlog` (up to MOST_BACKLOG) whenever a look finds the
+    queue drained since the last one: the workers may have waited for the next wave.
+
+    The first bound (4 batches per worker) suits a slow device; a fast one drains it
+    well within one look (16 batches of 512² JPEG at 1.2 ms an image: 0.15 s), and
+    every wave that came late was a pause of the whole run (docs/BENCHMARKS.md). A deep
+    backlog costs the consumers little: the embedded channel lists the queue folder
+    once per pass, not once per message (core/broker.py)."""
+
+    POLL_S = 0.2  # between looks at a full queue: faster only takes CPU from the workers
+    MOST_BACKLOG = 4096
 
     def __init__(self, inner: CeleryPublisher, queue_dir: Path, max_backlog: int, stop: threading.Event):
         self.inner, self.queue_dir, self.max_backlog, self.stop = inner, queue_dir, max_backlog, stop
+        self._room = 0  # messages that may go before the folder is counted again
 
     def depth(self) -> int:
         with os.scandir(self.queue_dir) as entries:
             return sum(1 for entry in entries if entry.name.endswith(".msg"))
 
     def _wait_for_room(self) -> None:
-        # A backlog of 4 batches per worker outlasts a 0.2 s poll; polling faster
-        # only takes CPU from the workers on small machines.
-        while self.depth() >= self.max_backlog:
-            if self.stop.wait(0.2):
+        if self._room > 0:  # the queue only shrank since it was counted
+            self._room -= 1
+            return
+        depth = self.depth()
+        while depth >= self.max_backlog:
+            if self.stop.wait(self.POLL_S):
                 raise RunFailed("run stopped")
+            depth = self.depth()
+            if depth == 0:
+                self.max_backlog = min(2 * self.max_backlog, self.MOST_BACKLOG)
+        self._room = self.max_backlog - depth - 1
 
     def publish(self, message) -> None:
         self._wait_for_room()

@@ -113,7 +113,6 @@ class EmbeddedTransport(filesystem.Transport):
             return super().drain_events(connection, timeout=timeout)
         deadline = time.monotonic() + timeout
         while True:
-            _doorbell.clear()
             try:
                 return super().drain_events(connection, timeout=0)  # one look at the queues
             except socket.timeout:
@@ -122,8 +121,12 @@ class EmbeddedTransport(filesystem.Transport):
                     raise
             # Between looks: the polling interval, or less when the worker acked or
             # widened its window (`wake_consumer`); then back to Celery's loop, which
-            # applies a new window before it drains again.
+            # applies a new window before it drains again. The ring is taken here, not
+            # cleared on entry: one rung after Celery's loop applied the window and
+            # before this drain began would be lost, and the new window wait out a
+            # whole polling interval.
             if _doorbell.wait(min(self.polling_interval or left, left)):
+                _doorbell.clear()
                 raise socket.timeout()
 
 
