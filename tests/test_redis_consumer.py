@@ -10,6 +10,7 @@ import socket
 import time
 import uuid
 
+import pytest
 from kombu import Connection, Consumer, Queue
 
 from diffq.core.redis_consumer import redis_consumer_channel
@@ -133,8 +134,6 @@ def test_kombu_alone_cannot_give_back_through_a_collected_connection(redis_serve
     it holds through the channel's pool, rebuilt from the connection the transport no
     longer knows (kombu/transport/redis.py `_connparams`: `conninfo.hostname`); the
     AttributeError ended a worker on every Redis restart (tests/test_reliability.py)."""
-    import pytest
-
     conn = Connection(redis_server)
     channel, got = _held(conn, _queue())
     _drain(conn)
