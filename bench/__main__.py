@@ -311,16 +311,21 @@ def warm_section(warm: dict | None, text: str | None) -> list[str]:
              f"`--compile {warm['compile']}`, two `diffq worker --warmup-only` processes on one remote cache "
              "(each its own empty local mirror, as two hosts), spawn to exit; CPU seconds of the process tree "
              f"beside wall time. Load average {warm['load_average'][0]} → {warm['load_average'][1]} (2 cores).", "",
-             "| pair | cold s | cold CPU s | warm s | warm CPU s | warm: load / warm-up / rest s | warm / cold | CPU ratio |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| pair | cold s | cold CPU s | warm s | warm CPU s | warm: load / warm-up / rest s | warm / cold | CPU ratio "
+             "| no compile s | no compile / cold |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for index, pair in enumerate(warm["pairs"], 1):
-        cold, hot = pair["cold"], pair["warm"]
+        cold, hot, eager = pair["cold"], pair["warm"], pair.get("eager")
+        floor = f"{eager['process_s']:.1f} | {pair['floor_ratio']:.2f}" if eager else "– | –"
         lines.append(f"| {index} | {cold['process_s']:.1f} | {cold['cpu_s']:.1f} | {hot['process_s']:.1f} | "
                      f"{hot['cpu_s']:.1f} | {hot['load_s']:.1f} / {hot['warmup_s']:.1f} / {hot['rest_s']:.1f} | "
-                     f"{pair['ratio']:.2f} | {pair['cpu_ratio']:.2f} |")
+                     f"{pair['ratio']:.2f} | {pair['cpu_ratio']:.2f} | {floor} |")
+    floor = (f" The same worker with `--compile none` (everything but the compile: the floor no cache can go "
+             f"below): {warm['median_process_s']['eager']:.1f} s, {warm['median_floor_ratio']:.2f} of a cold process."
+             if "median_floor_ratio" in warm else "")
     lines += ["", f"Median: cold {warm['median_process_s']['cold']:.1f} s, warm {warm['median_process_s']['warm']:.1f} s, "
               f"**{warm['median_ratio']:.2f}** of a cold process (CPU seconds {warm['median_cpu_ratio']:.2f}); "
-              f"goal ≤ {warm['goal']}.", ""]
+              f"goal ≤ {warm['goal']}.{floor}", ""]
     return lines + note(text)
 
 
@@ -328,9 +333,11 @@ def warm_goal(warm: dict | None) -> tuple:
     goal = "warm start ≤ 0.25 × cold, whole process"
     if not warm:
         return goal, "pending", "not measured in these figures"
+    floor = (f"; a start that compiles nothing: {warm['median_floor_ratio']:.2f}"
+             if "median_floor_ratio" in warm else "")
     return (goal, warm["median_ratio"] <= warm["goal"],
             f"{warm['median_ratio']:.2f} (cold {warm['median_process_s']['cold']:.1f} s, warm "
-            f"{warm['median_process_s']['warm']:.1f} s; CPU seconds {warm['median_cpu_ratio']:.2f}), load "
+            f"{warm['median_process_s']['warm']:.1f} s; CPU seconds {warm['median_cpu_ratio']:.2f}{floor}), load "
             f"{warm['load_average'][0]}–{warm['load_average'][1]}")
 
 

@@ -391,6 +391,39 @@ raise SystemExit(3)  # never reached
     assert marker.read_text() == "ran" and restored.read_text() == "restored"
 
 
+def test_cpu_vector_isa_probes_run_beside_the_load_and_import_nothing_there(tmp_path):
+    # worker/backends.py, the cpu row's warm_in_background: Inductor's first CPU kernel
+    # calls torch/_inductor/cpu_vec_isa.py `valid_vec_isa_list` (functools.cache), which
+    # builds a probe per ISA and dlopens each in a `python -c` subprocess (VecISA.
+    # check_build, _probe_load). A compiling child starts it in a thread after the cache
+    # pull; everything it imports is imported first, on the main thread (warm_imports),
+    # so the model's imports never race it. Nothing starts where nothing compiles.
+    code = """
+import importlib, sys
+from diffq.worker.backends import BACKENDS
+from diffq.worker.process import _warm_in_background
+from diffq.worker.spec import ChildSpec
+cpu = BACKENDS["cpu"]
+assert _warm_in_background(ChildSpec(name="e", broker_url="memory://", queues=["q"])) is None
+(module, name), = cpu.warm_in_background
+for imported in cpu.warm_imports + (module,):
+    importlib.import_module(imported)
+probe = getattr(sys.modules[module], name)
+before = set(sys.modules)
+found = probe()
+assert set(sys.modules) == before, sorted(set(sys.modules) - before)
+probe.cache_clear()
+thread = _warm_in_background(ChildSpec(name="c", broker_url="memory://", queues=["q"], compile="full"))
+thread.join(120)
+assert not thread.is_alive() and probe.cache_info().currsize == 1 and probe() == found
+print("isas", len(found))
+"""
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "isas" in proc.stdout
+
+
 def warm_worker(model: str, remote: str, local: Path) -> dict:
     queue = queue_name(shape(model, 32))
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}

@@ -23,7 +23,7 @@ from PIL import Image
 from diffq.core import layout, progress
 from diffq.core.contract import BatchItem, BatchMessage, BatchParams, ShapeKey
 from diffq.core.storage import open_storage
-from diffq.worker.sink import Sink
+from diffq.worker.sink import Pixels, Sink
 from diffq.worker.sink_process import SinkError, SinkLost, SinkProcess, Slots, make_sink
 from tests.helpers import MEASURED
 
@@ -321,6 +321,42 @@ def test_a_batch_of_another_shape_gets_a_slot_that_fits(tmp_path, monkeypatch):
             assert store(sink, out, message, arrays, {"generate_s": 0.25}).written == 4
             assert_stored(out, message, arrays)
             assert sink.slots.counts() == (1, 1)
+    finally:
+        sink.close()
+
+
+def test_pixels_from_a_slot_become_their_image_each_time_they_are_asked(tmp_path, monkeypatch):
+    """The helper hands the sink each slot image as `Pixels`, unpacked by the thread
+    that encodes it; a store that is retried (here: the first attempt of each batch
+    fails) builds its images again from the same slot, which stays the batch's until
+    it is stored."""
+    arrays = [np.random.default_rng(n).integers(0, 256, (24, 40, 3), dtype=np.uint8) for n in range(2)]
+    buffer = bytearray(b"".join(array.tobytes() for array in arrays))
+    step = arrays[0].nbytes
+    with memoryview(buffer) as view:
+        pixels = [Pixels("RGB", (40, 24), view[n * step:(n + 1) * step]) for n in range(2)]
+    for one, array in zip(pixels, arrays):
+        assert np.array_equal(np.asarray(one.image()), array)
+        assert np.array_equal(np.asarray(one.image()), array)  # asked again: the same image
+    out = str(tmp_path / "run")
+    failures = {"left": 0}
+    real_put = type(open_storage(out)).put_bytes
+
+    def flaky_put(self, key, data, **kwargs):
+        if key.endswith(".png") and failures["left"]:
+            failures["left"] -= 1
+            raise OSError("transient")
+        return real_put(self, key, data, **kwargs)
+
+    monkeypatch.setattr("diffq.worker.sink.time.sleep", lambda seconds: None)  # the retry's back-off
+    monkeypatch.setattr(type(open_storage(out)), "put_bytes", flaky_put)
+    sink = Sink(threads=2)
+    try:
+        message = batch(out, 0, items=2)
+        failures["left"] = 1
+        sink.submit(open_storage(out), message, pixels, {**MEASURED, "generate_s": 0.25}).stored.result(30)
+        assert failures["left"] == 0
+        assert_stored(out, message, [Image.fromarray(array) for array in arrays])
     finally:
         sink.close()
 

@@ -357,6 +357,12 @@ class Backend:
     # The dtypes a worker of this kind runs when a queue pins one (auto queues run at
     # default_dtype): discovery serves only these, and --queues naming another is refused.
     dtypes: tuple[str, ...] = ("float32", "bfloat16", "float16")
+    # Vendor set-up a compiling process may run in a thread while it loads the model
+    # (after the compile cache's pull: the set-up may find its builds there), each
+    # ("module", "function"): the module and `warm_imports` (everything the call would
+    # import) first, on the main thread, so the two threads never import at once.
+    warm_in_background: tuple[tuple[str, str], ...] = ()
+    warm_imports: tuple[str, ...] = ()
 
     @property
     def compile_options(self) -> dict:
@@ -442,6 +448,15 @@ BACKENDS: dict[str, Backend] = {
         dtypes=("float32", "bfloat16"),
         k8s=K8sPod(resource=None, devices_per_pod=2, grace_seconds=300, cpu="2", memory="4Gi", pool="model"),
         peak_memory=None,
+        # Inductor's first CPU kernel asks which vector ISAs build and load here: per ISA
+        # a probe library, then a `python -c` subprocess that dlopens it, one after
+        # another (torch/_inductor/cpu_vec_isa.py, VecISA.check_build / _probe_load),
+        # a second and more of every compiling start, warm ones included. Its result is
+        # cached per process (functools.cache on valid_vec_isa_list); the subprocesses
+        # wait off the GIL. It imports these lazily (setuptools among them).
+        warm_in_background=(("torch._inductor.cpu_vec_isa", "valid_vec_isa_list"),),
+        warm_imports=("torch._inductor.codecache", "torch._inductor.cpp_builder", "torch.utils._filelock",
+                      "torch.utils.cpp_extension"),
     ),
     "cuda": Backend(
         name="cuda",

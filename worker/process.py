@@ -13,6 +13,7 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -38,6 +39,7 @@ def warm_start(rt) -> dict:
     spec, host, cache = rt.spec, rt.host, rt.spec.cache
     started = time.perf_counter()
     with compile_cache.mirrored(cache) as sync:
+        _warm_in_background(spec)  # after the pull: what it builds may be there
         preload(rt)
         loaded = time.perf_counter()
         host.warmup(spec.warmup_shapes())
@@ -99,6 +101,32 @@ def child_main(spec_json: str) -> None:
     _exit_without_teardown()
 
 
+def _warm_in_background(spec: ChildSpec) -> threading.Thread | None:
+    """Start the backend's vendor set-up that a compile will ask for (the backend
+    table's `warm_in_background`) in a thread, so it overlaps the model's load (its
+    imports included) instead of adding to the warm-up. Nothing to start where
+    nothing compiles."""
+    from diffq.worker.backends import COMPILING_MODES
+
+    backend = spec.backend
+    if spec.compile not in COMPILING_MODES or not backend.warm_in_background:
+        return None
+    for module in backend.warm_imports:  # here, so the two threads never import at once
+        importlib.import_module(module)
+    calls = [getattr(importlib.import_module(module), name) for module, name in backend.warm_in_background]
+
+    def run() -> None:
+        for call in calls:
+            try:
+                call()
+            except Exception as exc:  # the compile asks again, and reports it there
+                print(f"diffq worker {spec.name}: background {call.__qualname__}: {exc!r}", file=sys.stderr)
+
+    thread = threading.Thread(target=run, name="diffq-warm-background", daemon=True)
+    thread.start()
+    return thread
+
+
 def _exit_without_teardown(code: int = 0) -> None:
     """End a child that finished cleanly without the interpreter's teardown.
 
@@ -108,7 +136,6 @@ def _exit_without_teardown(code: int = 0) -> None:
     still runs: other threads finish, exit handlers run (logging, multiprocessing,
     Inductor's compile workers), the streams are flushed."""
     import atexit
-    import threading
 
     # The interpreter's own first exit step: the thread pools' exit hooks (they tell
     # idle workers to stop), then a join of every other non-daemon thread.

@@ -72,12 +72,34 @@ def place_on_sink_cpus() -> None:
         log.warning("DIFFQ_SINK_CPUS=%s not applied: %s", cpus, exc)
 
 
+@dataclass(frozen=True)
+class Pixels:
+    """A generated image's 8-bit pixels in a buffer (the sink helper's shared-memory
+    slot), made a PIL image by the thread that encodes it, just before encoding: the
+    encoder then reads pixels that were unpacked a moment ago (still in the CPU's
+    cache), and a batch's images are not all held unpacked at once."""
+
+    mode: str
+    size: tuple[int, int]  # width, height
+    data: memoryview
+
+    def image(self):
+        from PIL import Image
+
+        # Not initialised (Image.new's default fills it with zeros), then unpacked.
+        image = Image.new(self.mode, self.size, None)
+        image.frombytes(self.data)
+        return image
+
+
 def as_image(image):
-    """A PIL image of a generated one (an H×W×3 uint8 array, or already PIL)."""
+    """A PIL image of a generated one (an H×W×3 uint8 array, `Pixels`, or already PIL)."""
     from PIL import Image
 
     if isinstance(image, Image.Image):
         return image
+    if isinstance(image, Pixels):
+        return image.image()
     return Image.fromarray(image)
 
 

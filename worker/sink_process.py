@@ -51,7 +51,7 @@ import numpy as np
 from diffq.core.contract import BatchMessage
 from diffq.core.settings import get_settings
 from diffq.core.storage import Storage, open_storage
-from diffq.worker.sink import SINK_NICENESS, BatchOutcome, Handed, Sink, place_on_sink_cpus
+from diffq.worker.sink import SINK_NICENESS, BatchOutcome, Handed, Pixels, Sink, place_on_sink_cpus
 
 log = logging.getLogger(__name__)
 
@@ -442,9 +442,6 @@ def _recv_payload(conn: Connection, reuse: bytearray | None = None) -> bytearray
 
 def serve(conn: Connection, threads: int, retry_for_s: float) -> None:
     """The helper's loop: receive batches, store them with `Sink`, reply per job."""
-    from PIL import Image
-
-
     sink = Sink(threads=threads, retry_for_s=retry_for_s)
     sock = socket.socket(fileno=os.dup(conn.fileno()))  # for the slots' descriptors
     slots: dict[int, mmap.mmap] = {}  # the worker's shared-memory slots, by id
@@ -496,14 +493,21 @@ def serve(conn: Connection, threads: int, retry_for_s: float) -> None:
                 spec = header["image"]
                 size = tuple(spec["size"])
                 step = header["slot"]["step"] if "slot" in header else len(payload) // spec["count"]
-                images = []
                 with memoryview(payload) as pixels:  # slices without copies
-                    for i in range(spec["count"]):
-                        # Not initialised (the default fills it), then unpacked from the pixels.
-                        image = Image.new(spec["mode"], size, None)
-                        image.frombytes(pixels[i * step:(i + 1) * step])
-                        images.append(image)
-                handed = sink.submit(storages[url], message, images, header["measures"])
+                    views = [pixels[i * step:(i + 1) * step] for i in range(spec["count"])]
+                pixels_of = [Pixels(spec["mode"], size, view) for view in views]
+                if "slot" in header:
+                    # The slot is the worker's until this batch is stored: each image is
+                    # unpacked by the thread that encodes it. A mapping cannot close while
+                    # a view of it lives: they end with the batch, before its reply.
+                    images = pixels_of
+                    handed = sink.submit(storages[url], message, images, header["measures"])
+                    handed.stored.add_done_callback(lambda _, views=views: [view.release() for view in views])
+                else:  # the socket's buffer is reused (resized) by the next receive: unpack now
+                    images = [p.image() for p in pixels_of]
+                    for view in views:
+                        view.release()
+                    handed = sink.submit(storages[url], message, images, header["measures"])
                 stages = {"stored": handed.stored, "credited": handed.credited}
             else:
                 stages = {"credited": sink.credit(storages[url], message)}
