@@ -12,14 +12,15 @@ How: the worker sends each batch's message over a socket pair to a helper
 its retries). The pixels of a batch of arrays cross in a shared-memory slot (an
 anonymous memfd mapped by both processes, its descriptor passed over the socket
 once per helper): the worker's send thread copies the arrays in (numpy's copy
-releases the GIL), the helper builds its images straight from the slot, and the
-slot is free again once the batch is stored, has failed, or the helper is gone
-(`Slots`). Reading each batch off the socket cost the helper's core a large share
-of what JPEG's encoder does (docs/BENCHMARKS.md); PIL images, and systems without
-memfd, still go through the socket. In the worker only two threads touch the
-socket, and they spend their time blocked in send/recv or copying without the
-GIL. Every batch still gets a future that resolves once it is stored, so deferred
-acks (batches.py) work unchanged.
+releases the GIL), the helper's encoding threads build each image straight from
+the slot just before encoding it (`Pixels`), and the slot is free again once the
+batch is stored, has failed, or the helper is gone (`Slots`). Reading each batch
+off the socket cost the helper's core a large share of what JPEG's encoder does
+(docs/BENCHMARKS.md); PIL images, and systems without memfd, still go through the
+socket. In the worker only two threads touch the socket, and they spend their
+time blocked in send/recv or copying without the GIL. Every batch still gets a
+future that resolves once it is stored, so deferred acks (batches.py) work
+unchanged.
 
 Failure: if the helper dies, the batches it held fail (their acks turn into
 requeues, nothing is lost) and the next batch starts a new helper. When the worker
