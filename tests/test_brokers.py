@@ -141,6 +141,7 @@ def test_a_ring_before_the_drain_begins_is_not_lost(tmp_path):
                 connection.drain_events(timeout=0.5)
             assert time.monotonic() - started >= 0.45
 
+
 @pytest.mark.slow
 def test_rabbitmq_consumer_carries_the_ack_timeout(rabbitmq_server, amqp_url, tiny_model, tmp_path):
     """RabbitMQ closes a channel whose delivery stays unacked past `consumer_timeout`

@@ -79,8 +79,6 @@ def test_run_again_on_a_finished_run_changes_nothing_and_refuses_other_options_o
     assert before == {p: (p.stat().st_mtime_ns, p.read_bytes()) for p in out.rglob("*") if p.is_file()}
 
 
-
-
 class _Workers:
     """Stands in for the run's stop event: each wait of the publisher is a look's worth of
     the workers' consumption (`per_look` messages taken from the queue folder)."""
