@@ -14,9 +14,10 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 from PIL import Image
 
-from bench.device import configs, knee, main_parser, render
+from bench.device import configs, host_at, knee, main_parser, render, summarise
 from bench.standin import StandInPipeline, image_pool, synth_image
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -64,6 +65,24 @@ def test_knee_interpolates_where_busy_crosses_the_goal():
     assert knee([(0.4, 1.0), (0.1, 0.99), (0.05, 0.5)]) == 0.05 + 0.05 * (0.97 - 0.5) / (0.99 - 0.5)
     assert knee([(0.4, 1.0), (0.1, 0.99)]) is None
     assert knee([(0.4, 0.9), (0.1, 0.5)]) == 0.4
+
+
+def test_a_pass_is_set_against_its_bare_loop_where_it_read_the_knee():
+    # The bare loop ran 0.10 s per image before the run and 0.12 after; the knee's grid
+    # points were measured a quarter of the way through: 0.105 there, not the faster end.
+    run = {"host_limit_before_after": [0.10, 0.12], "host_limit_at": [1000.0, 1400.0],
+           "busy": [[0.2, 1.0], [0.13, 0.99], [0.11, 0.95], [0.09, 0.8]],
+           "window_at": [[0.2, 1050.0], [0.13, 1100.0], [0.11, 1100.0], [0.09, 1300.0]],
+           "gap_ms": [[0.2, 0.2], [0.13, 0.2], [0.11, 0.2], [0.09, 0.2]], "bytes_per_image": 1,
+           "sink_store_s_per_image": 0.1, "host_cpu_s_per_image": 0.1,
+           "run_cpu_s_per_image": [[0.2, 0.1], [0.09, 0.1]], "images": 8, "images_stored": 8}
+    assert host_at(run, 900.0) == 0.10 and host_at(run, 1500.0) == 0.12
+    row = summarise({"height": 64}, [run])
+    (one,) = row["passes"]
+    assert one["host_limit_s_per_image"] == 0.105 and one["knee_s_per_image"] == pytest.approx(0.12)
+    assert one["knee_over_host"] == round(0.12 / 0.105, 3) and row["host_limit_s_per_image"] == 0.105
+    old = {k: v for k, v in run.items() if k not in ("host_limit_at", "window_at")}  # before the time stamps
+    assert summarise({"height": 64}, [old])["passes"][0]["host_limit_s_per_image"] == 0.10
 
 
 def test_quick_keeps_the_rows_asked_for():

@@ -424,6 +424,38 @@ print("isas", len(found))
     assert "isas" in proc.stdout
 
 
+def test_dynamo_names_a_traced_function_only_where_a_log_prints_it(compiled, tiny_model):
+    # worker/dynamo_quirks.py: torch/_dynamo/output_graph.py `SubgraphTracer.create_proxy`
+    # builds a `trace_call` log header for every FX call it records, eagerly, and the
+    # header's function name (torch/_dynamo/funcname_cache.py `get_funcname`) tokenizes
+    # the traced file whole. With those logs off, a compile reads no source file for
+    # it; with `trace_call` on, the header still names the function.
+    import inspect
+
+    import torch._logging
+    from torch._dynamo import funcname_cache, symbolic_convert
+
+    funcname_cache.clearcache()
+    host = PipelineHost(backend=stand_in("neuron"), compile_mode="full")
+    s = shape(tiny_model, 32)
+    assert len(host.generate(s, BatchParams(num_inference_steps=1, guidance_scale=1.0), items(1)).images) == 1
+    transformer = type(host.pipeline(tiny_model, "float32").transformer)
+    source = inspect.getsourcefile(transformer)
+    assert len(GRAPHS["neuron"]) == 1 and source not in funcname_cache.cache
+
+    torch._dynamo.reset()
+    torch._logging.set_logs(trace_call=True)
+    try:
+        again = PipelineHost(backend=stand_in("neuron"), compile_mode="full")
+        assert len(again.generate(s, BatchParams(num_inference_steps=1, guidance_scale=1.0), items(1)).images) == 1
+        forward_line = inspect.getsourcelines(transformer.forward)[1] + 1
+        assert source in funcname_cache.cache
+        assert symbolic_convert.get_funcname(source, forward_line) == f"{transformer.__name__}.forward"
+    finally:
+        torch._logging.set_logs()
+    assert symbolic_convert.get_funcname(source, forward_line) is None
+
+
 def warm_worker(model: str, remote: str, local: Path) -> dict:
     queue = queue_name(shape(model, 32))
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -527,6 +559,40 @@ def test_two_batch_tasks_take_turns_on_the_device(tiny_model):
     spans = sorted((r.started_at, r.ended_at) for r in results.values())
     assert len(spans) == 4 and all(end <= start for (_, end), (start, _) in zip(spans, spans[1:]))
     assert all(np.array_equal(results[n].images[0], alone[n]) for n in range(4))
+
+
+def test_a_thread_leaving_the_device_lets_the_waiting_one_start_first():
+    # worker/pipeline_host.py DeviceTurns: the thread leaving waits (GIL released) until
+    # the waiting one holds the device, and only then goes on with its batch; with
+    # nobody waiting it does not wait at all.
+    import threading
+
+    from diffq.worker.pipeline_host import DeviceTurns
+
+    turns = DeviceTurns()
+    turns.HANDOVER_S = 60.0  # a bound that only a broken hand-over reaches
+    done = threading.Event()
+
+    def next_call() -> None:
+        with turns:
+            done.wait(30)
+
+    with turns:
+        thread = threading.Thread(target=next_call)
+        thread.start()
+        while not turns._waiting:  # it has asked for the device
+            done.wait(0.001)
+    next_call_holds_the_device = turns._lock.locked()
+    done.set()
+    thread.join(30)
+    assert next_call_holds_the_device and not turns._lock.locked()
+
+    waits = []
+    real_wait = turns._taken.wait
+    turns._taken.wait = lambda timeout=None: waits.append(timeout) or real_wait(timeout)
+    with turns:
+        pass
+    assert waits == []
 
 
 def test_task_threads_run_on_the_loading_threads_device(tiny_model, monkeypatch):

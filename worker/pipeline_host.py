@@ -20,7 +20,7 @@ import torch
 from diffq.core.contract import BatchItem, BatchParams, ShapeKey
 from diffq.core.families import Family, FamilyError, family_for_class
 from diffq.core.records import DEGENERATE_CHECKS, FLAT_MAX_LEVELS
-from diffq.worker import faults
+from diffq.worker import dynamo_quirks, faults
 from diffq.worker.backends import COMPILING_MODES, DTYPES, Backend, GraphFallback, resolve
 from diffq.worker.models import resolve_model
 
@@ -69,6 +69,44 @@ class Generated:
     recompiled: int = 0
 
 
+class DeviceTurns:
+    """One call on the device at a time, and a straight hand-over between calls.
+
+    A thread leaving the device while another waits for it lets that one start its
+    call before going on: it waits (GIL released) until the next thread holds the
+    device, at most `HANDOVER_S`. Without this the leaving thread kept the GIL for its
+    batch's hand-off to the sink, and the woken one, needing the GIL to start its
+    call, waited on it: the device idled for the difference (docs/BENCHMARKS.md,
+    "Between two device calls")."""
+
+    HANDOVER_S = 0.002
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._count = threading.Lock()  # guards `_waiting`
+        self._waiting = 0
+        self._taken = threading.Event()
+
+    def __enter__(self) -> DeviceTurns:
+        with self._count:
+            self._waiting += 1
+        try:
+            self._lock.acquire()
+        finally:
+            with self._count:
+                self._waiting -= 1
+        self._taken.set()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._taken.clear()
+        with self._count:
+            waiting = self._waiting
+        self._lock.release()
+        if waiting:
+            self._taken.wait(self.HANDOVER_S)
+
+
 @dataclass
 class PipelineHost:
     backend: Backend
@@ -98,7 +136,7 @@ class PipelineHost:
     # one runs, and waits here, so the device goes from one call to the next. (One
     # device thread that all calls are queued to was tried: the woken task thread then
     # contends with it for the GIL between two calls, a wider gap than this lock's.)
-    _device: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+    _device: DeviceTurns = field(default_factory=lambda: DeviceTurns(), repr=False, compare=False)
     # The device index of the first thread on the device (the loading one), and which
     # threads were bound to it since (Backend.thread_device).
     _device_index: int | None = field(default=None, repr=False, compare=False)
@@ -169,6 +207,7 @@ class PipelineHost:
     def _compile(self, pipe, family: type[Family]) -> None:
         if self.compile_mode not in COMPILING_MODES:
             return  # eager, or a call-time mode set by env (defer-fuse)
+        dynamo_quirks.install()
         options = self.backend.compile_options
         if self.compile_mode == "full":
             pipe.transformer.compile(**options)
@@ -188,8 +227,11 @@ class PipelineHost:
             torch._dynamo.config.accumulated_recompile_limit, 4 * limit)
 
     def generate(self, shape: ShapeKey, params: BatchParams, items: list[BatchItem]) -> Generated:
-        with self._device:  # the first call of a model loads it
-            pipe = self.pipeline(shape.model, shape.dtype)
+        if (shape.model, self.backend.dtype_for(shape.dtype)) in self._pipelines:
+            pipe = self.pipeline(shape.model, shape.dtype)  # loaded: the call is prepared off the device
+        else:
+            with self._device:  # the first call of a model loads it
+                pipe = self.pipeline(shape.model, shape.dtype)
         if len(items) > shape.batch_size:
             raise ValueError(f"{len(items)} items exceed the shape's batch size {shape.batch_size}")
         # Pad to the compiled batch size by repeating the last item: the graph never
@@ -248,9 +290,6 @@ class PipelineHost:
                 self.compile_graphs[shape.queue] = graphs
             recompiled = 0 if compiled else graphs
             self.recompiles += recompiled
-        # Let a task thread waiting with the next call take the device (and the GIL)
-        # now, before this thread goes on with its batch's hand-off.
-        time.sleep(0)
         if compiled:
             for callback in self.on_compiled:  # off the device: the next call may start meanwhile
                 callback(shape)
