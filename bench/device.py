@@ -219,8 +219,8 @@ class CpuSampler:
 
 def host_at(run: dict, moment: float) -> float:
     """The bare loop's seconds per image at `moment` of a run, between its measures
-    before and after the run (linear): on these shared cores it drifts by 5–10 % over
-    one run, and a knee read mid-run is that moment's, not the faster end's."""
+    before and after the run (linear): on these shared cores it drifts by up to a third
+    over one run, and a knee read mid-run is that moment's, not the faster end's."""
     before, after = run["host_limit_before_after"]
     if "host_limit_at" not in run:  # a document from before the time stamps
         return min(before, after)
@@ -399,7 +399,7 @@ def summarise(config: dict, repeats: list[dict]) -> dict:
     run_cpu = min(statistics.median([v for t, v in r["run_cpu_s_per_image"] if t < host_cpu]
                                     or [r["run_cpu_s_per_image"][-1][1]]) for r in repeats)
     # Each pass on its own, against its own bare loop where it read the knee: "steady" is
-    # every pass within 10 %.
+    # every pass at 1.10 × or below.
     passes = []
     for r in repeats:
         own_knee = knee([tuple(point) for point in r["busy"]])
@@ -409,8 +409,10 @@ def summarise(config: dict, repeats: list[dict]) -> dict:
                        "knee_over_host": round(own_knee / own_host, 3) if own_knee is not None else None})
     host = statistics.median(p["host_limit_s_per_image"] for p in passes)
     goal_busy = all(fraction >= BUSY_GOAL for seconds, fraction in busy if seconds >= 1.1 * host)
-    goal_knee = abs(found / host - 1) <= 0.1 if found is not None else host <= 1.1 * min(grid)
-    every_pass = all(p["knee_over_host"] is not None and abs(p["knee_over_host"] - 1) <= 0.1 for p in passes)
+    # The issue's goal is one-sided (knee ≤ 1.10 × host): a device fed below the bare
+    # loop's time per image is the sink outrunning it, not a miss.
+    goal_knee = found / host <= 1.1 if found is not None else host <= 1.1 * min(grid)
+    every_pass = all(p["knee_over_host"] is not None and p["knee_over_host"] <= 1.1 for p in passes)
     return {
         **config,
         "host_limit_s_per_image": round(host, 5),
@@ -495,13 +497,13 @@ def render(documents: dict[str, dict]) -> list[str]:
         "  and after each run: the 8-bit array as an image, encoded with diffq's encoder settings and the",
         "  provenance it embeds by default (the same bytes diffq stores), stored with diffq's storage",
         "  client. A pass's knee is set against its bare loop where the pass read it: interpolated",
-        "  between the measures before and after the run (the bare loop drifts by 5–10 % over one run",
+        "  between the measures before and after the run (the bare loop drifts by up to a third over one run",
         "  on these shared cores; the faster end alone made every pass look that much worse).",
         "- **CPU per image**: CPU seconds of the bare loop, and of the whole run's process tree (runner,",
         "  worker, sink helper) in each T's window, per image: diffq run / bare loop is the host side's",
         "  overhead whatever else shares the machine.",
         "- Figures are the best of the repeats run; **knee / host per pass** is each pass against its",
-        "  own bare loop (the goal: every pass within 10 %).", "",
+        "  own bare loop (the goal: every pass at 1.10 × or below).", "",
         f"Load average during the runs: {min(loads, default=0):.1f}–{max(loads, default=0):.1f} (2 cores).", "",
         "| size | format | batch | store | layout | sink cores | sink | KB/img | host limit ms/img | knee ms/img "
         "| knee / host | knee / host per pass | CPU ms/img bare / run (×) | busy at 2× host limit "
@@ -531,7 +533,7 @@ def render(documents: dict[str, dict]) -> list[str]:
     lines += ["", "`python -m bench.device --cores C --sizes S --batches B --formats F --targets T` reproduces a",
               "row (`--quick --json`: the 1024² and 512² PNG, JPEG and WebP rows, batch 8, local, one spare core);",
               "`DIFFQ_SINK=thread` in front for the thread-sink row. Goal: busy ≥ 0.97 while T ≥ 1.1 × the host",
-              "limit, and the knee within 10 % of it.", "",
+              "limit, i.e. the knee at 1.10 × the host limit or below.", "",
               "![device busy vs device time per image](device.png)", ""]
     lines += findings(documents)
     settings = next((d["encode_settings"] for d in documents.values() if d.get("encode_settings")), [])
