@@ -136,7 +136,7 @@ class PipelineHost:
     # one runs, and waits here, so the device goes from one call to the next. (One
     # device thread that all calls are queued to was tried: the woken task thread then
     # contends with it for the GIL between two calls, a wider gap than this lock's.)
-    _device: DeviceTurns = field(default_factory=lambda: DeviceTurns(), repr=False, compare=False)
+    _device: DeviceTurns = field(default_factory=DeviceTurns, repr=False, compare=False)
     # The device index of the first thread on the device (the loading one), and which
     # threads were bound to it since (Backend.thread_device).
     _device_index: int | None = field(default=None, repr=False, compare=False)
