@@ -490,6 +490,11 @@ def test_inductor_cache_second_worker_compiles_nothing_new(tiny_model, tmp_path)
     # AOTAutograd's cache too: the second process re-traces only with dynamo.
     assert warm["compile"]["cache"].get("autograd_cache_hit", 0) == cold["compile"]["cache"]["autograd_cache_saved"]
     assert warm["compile"]["graphs"] == cold["compile"]["graphs"] and warm["compile"]["recompiles"] == 0
+    # Neither start walked the whole heap (worker/heap.py); both serve with collection
+    # on, their start's objects kept out of its walks.
+    for start in (cold, warm):
+        assert start["heap"]["full_collections"] == 0 and start["heap"]["collecting"]
+        assert start["heap"]["kept"] > 100_000
 
 
 @pytest.mark.slow

@@ -19,7 +19,7 @@ import warnings
 from pathlib import Path
 
 from diffq.core.storage.base import atomic_write
-from diffq.worker import compile_cache
+from diffq.worker import compile_cache, heap
 from diffq.worker.lifeline import die_with_parent
 from diffq.worker.spec import EXIT_FATAL, QUIET_ENV, ChildSpec
 
@@ -41,8 +41,11 @@ def warm_start(rt) -> dict:
     with compile_cache.mirrored(cache) as sync:
         _warm_in_background(spec)  # after the pull: what it builds may be there
         preload(rt)
+        heap.keep()  # the pipelines stay
         loaded = time.perf_counter()
         host.warmup(spec.warmup_shapes())
+    heap.settle()  # what the start made stays; each later shape's graphs too
+    host.on_compiled.append(lambda _shape: heap.settle())
     if sync:
         host.on_compiled.append(lambda _shape: sync.push_in_background())
     return {
@@ -52,10 +55,12 @@ def warm_start(rt) -> dict:
         "compile": host.compile_stats(),
         "cache": compile_cache.report(cache, sync),
         "fallback_ops": host.fallback_ops(),
+        "heap": heap.report(),
     }
 
 
 def child_main(spec_json: str) -> None:
+    heap.pause()  # until the warm start is done (a follower's: until it follows)
     spec = ChildSpec.model_validate_json(spec_json)
     # A consumer's SIGTERM hands back what it holds and exits; a follower rank holds
     # nothing and ignores SIGTERM (below), so it is killed outright.
@@ -74,6 +79,7 @@ def child_main(spec_json: str) -> None:
     torch.set_num_threads(spec.threads)
     if spec.backend.extension:
         importlib.import_module(spec.backend.extension)
+    heap.keep()  # modules stay
 
     from diffq.core.settings import get_settings
     from diffq.worker import metrics
@@ -203,6 +209,7 @@ def _follow(spec: ChildSpec, group) -> int:
     # Rank 0 decides when the group stops (after its warm shutdown finishes the batch
     # in hand, which needs this rank); a SIGTERM here would break that batch.
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    heap.settle()
     host = PipelineHost(backend=spec.backend, compile_mode=spec.compile, offload=spec.offload, group=group)
     try:
         return follow(group, host, spec.models, spec.dtype)

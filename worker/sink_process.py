@@ -52,6 +52,7 @@ import numpy as np
 from diffq.core.contract import BatchMessage
 from diffq.core.settings import get_settings
 from diffq.core.storage import Storage, open_storage
+from diffq.worker import heap
 from diffq.worker.sink import SINK_NICENESS, BatchOutcome, Handed, Pixels, Sink, place_on_sink_cpus
 
 log = logging.getLogger(__name__)
@@ -540,6 +541,7 @@ def main(argv: list[str]) -> None:
         install_json_logging("INFO")
     else:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s sink[%(process)d] %(levelname)s %(message)s")
+    heap.settle()  # a full collection here was a 30 ms pause in storing, every half minute or so
     serve(Connection(fd), threads, retry_for_s)
 
 
