@@ -570,13 +570,24 @@ def device_feed_goals(results: dict) -> list[tuple[str, bool | str, str]]:
     def knee(row: dict | None) -> str:
         if row is None:
             return "not measured"
-        return f"{row['knee_s_per_image'] / row['host_limit_s_per_image']:.2f}" if row["knee_s_per_image"] else "below grid"
+        best = (f"{row['knee_s_per_image'] / row['host_limit_s_per_image']:.2f}" if row["knee_s_per_image"]
+                else "below grid")
+        passes = [p["knee_over_host"] for p in row.get("passes", [])]
+        return best + (" (per pass " + ", ".join("—" if p is None else f"{p:.2f}" for p in passes) + ")"
+                       if len(passes) > 1 else "")
+
+    def met(row: dict | None) -> bool:
+        """Within 1.10 × for the best of the passes and, where there were several, in each
+        (the issue's "steady across three passes")."""
+        return bool(row and row["knee_s_per_image"]
+                    and row["knee_s_per_image"] <= 1.10 * row["host_limit_s_per_image"]
+                    and row.get("goal", {}).get("every_pass_within_10pct", True))
 
     knees = ", ".join(f"{size}² {fmt}: {knee(helper.get((size, fmt)))}" for size, fmt in wanted)
     checks: list[tuple[str, bool | str, str]] = [
-        ("knee ≤ 1.10 × host limit, PNG, JPEG and WebP at 1024² and 512² (helper sink, one spare core)",
-         all(helper.get(key) and helper[key]["knee_s_per_image"]
-             and helper[key]["knee_s_per_image"] <= 1.10 * helper[key]["host_limit_s_per_image"] for key in wanted),
+        ("knee ≤ 1.10 × host limit, PNG, JPEG and WebP at 1024² and 512², steady across the passes "
+         "(helper sink, one spare core)",
+         all(met(helper.get(key)) for key in wanted),
          knees + (f"; load average {min(loads):.1f}–{max(loads):.1f} on 2 cores" if loads else ""))]
     breakdowns = (results.get("phases") or {}).get("breakdowns", [])
     checks.append(("every millisecond between two device calls accounted (per-batch breakdown)", bool(breakdowns),

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from bench.device import configs, host_at, knee, main_parser, render, summarise
+from bench.device import configs, host_at, knee, main_parser, monotone, render, summarise
 from bench.standin import StandInPipeline, image_pool, synth_image
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -65,6 +65,24 @@ def test_knee_interpolates_where_busy_crosses_the_goal():
     assert knee([(0.4, 1.0), (0.1, 0.99), (0.05, 0.5)]) == 0.05 + 0.05 * (0.97 - 0.5) / (0.99 - 0.5)
     assert knee([(0.4, 1.0), (0.1, 0.99)]) is None
     assert knee([(0.4, 0.9), (0.1, 0.5)]) == 0.4
+
+
+def test_a_dip_in_one_window_is_pooled_with_its_neighbours_not_read_as_the_knee():
+    # 512² WebP, pass 1 of 2026-12-03: one window at 3 × the host limit read 0.966, every
+    # window from there to the host limit 0.999; the points as measured put the knee there.
+    measured = [(0.1, 0.9998), (0.08, 0.9658), (0.065, 0.9994), (0.05, 0.9997), (0.035, 0.9995),
+                (0.02704, 0.9993), (0.02575, 0.9861), (0.025, 0.9575), (0.02318, 0.8659)]
+    fitted = monotone(measured)
+    assert [seconds for seconds, _ in fitted] == [seconds for seconds, _ in measured]
+    assert all(slow >= fast for (_, slow), (_, fast) in zip(fitted, fitted[1:]))
+    # The dip and the four faster points it broke the order with share their mean; the rest stand.
+    pooled = (0.9658 + 0.9994 + 0.9997 + 0.9995 + 0.9993) / 5
+    assert [round(f, 6) for _, f in fitted] == [0.9998] + [round(pooled, 6)] * 5 + [0.9861, 0.9575, 0.8659]
+    assert knee(measured, fit=False) == pytest.approx(0.08 + 0.02 * (0.97 - 0.9658) / (0.9998 - 0.9658))
+    assert knee(measured) == pytest.approx(0.025 + 0.00075 * (0.97 - 0.9575) / (0.9861 - 0.9575))
+    # A curve already in order is its own fit.
+    ordered = [(0.4, 1.0), (0.1, 0.99), (0.05, 0.5)]
+    assert monotone(ordered) == ordered
 
 
 def test_a_pass_is_set_against_its_bare_loop_where_it_read_the_knee():

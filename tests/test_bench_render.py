@@ -113,6 +113,14 @@ def test_the_device_feed_goals_judge_the_helper_rows_at_every_size_and_format():
     (goal, met, figure), breakdown, hand, warm, gpu = device_feed_goals(results)
     assert met and figure.startswith("1024² png: 1.05,") and figure.endswith("load average 1.5–1.5 on 2 cores")
     assert (breakdown[1], hand[1], warm[1], gpu[1]) == (False, False, "pending", "not measurable here")
+    # Steady means every pass: the best of three within 1.10 × is not enough.
+    rows[0].update(passes=[{"knee_over_host": ratio} for ratio in (1.05, 1.17, 0.98)],
+                   goal={"every_pass_within_10pct": False})
+    (_, met, figure), *_ = device_feed_goals(results)
+    assert not met and figure.startswith("1024² png: 1.05 (per pass 1.05, 1.17, 0.98),")
+    rows[0].update(passes=[{"knee_over_host": ratio} for ratio in (1.05, 1.07, 0.98)],
+                   goal={"every_pass_within_10pct": True})
+    assert device_feed_goals(results)[0][1]
     rows[-1]["knee_s_per_image"] = 0.012
     assert not device_feed_goals(results)[0][1]
     del rows[-1]
