@@ -429,13 +429,16 @@ def summarise(config: dict, repeats: list[dict]) -> dict:
     # every pass at 1.10 × or below.
     passes = []
     for r in repeats:
-        own_knee = knee([tuple(point) for point in r["busy"]])
-        own_host = (host_at(r, knee_moment(r, own_knee)) if own_knee is not None and "window_at" in r
+        def host_where(seconds: float | None) -> float:
+            """The bare loop's time per image when the pass measured `seconds`."""
+            return (host_at(r, knee_moment(r, seconds)) if seconds is not None and "window_at" in r
                     else min(r["host_limit_before_after"]))
+
+        own_knee = knee([tuple(point) for point in r["busy"]])
+        own_host = host_where(own_knee)
         # Beside it, the first crossing of the points as measured (before the fit).
         crossing = knee([tuple(point) for point in r["busy"]], fit=False)
-        crossing_host = (host_at(r, knee_moment(r, crossing)) if crossing is not None and "window_at" in r
-                         else own_host)
+        crossing_host = host_where(crossing)
         passes.append({"host_limit_s_per_image": round(own_host, 5), "knee_s_per_image": own_knee,
                        "knee_over_host": round(own_knee / own_host, 3) if own_knee is not None else None,
                        "first_crossing_over_host": (round(crossing / crossing_host, 3) if crossing is not None
