@@ -2,16 +2,18 @@
 
 Runs beside generation: the task hands over a batch and goes on to the next one.
 Batches are stored in order by one writer thread; within a batch, encoding and
-uploads run on a small pool (PIL's encoders and the storage clients release the
-GIL). Images are written only if absent, so a redelivered batch never overwrites
-what is stored; then the record, so a record always means its images exist; then
-the batch is credited in this process's progress segment (diffq/progress.py),
-which is what status reads. All of it happens before the ack, so a worker that
-dies in between leaves the batch to be delivered again, and the copy that finds
-the record stored credits it (`credit`). Where the store limits rewrites of one
-object (GCS: about one a second), credits that arrive within that interval are
-written together; the worker's back-pressure waits only for images + record
-(`Handed.stored`), the ack for the write holding the credit (`Handed.credited`).
+uploads run on a small pool (the storage clients release the GIL, and so do PIL's
+WebP encoder and, in part, its PNG one; its JPEG encoder holds it, so there the
+threads overlap file I/O and bookkeeping, not encoding). Images are written only
+if absent, so a redelivered batch never overwrites what is stored; then the
+record, so a record always means its images exist; then the batch is credited in
+this process's progress segment (diffq/progress.py), which is what status reads.
+All of it happens before the ack, so a worker that dies in between leaves the
+batch to be delivered again, and the copy that finds the record stored credits it
+(`credit`). Where the store limits rewrites of one object (GCS: about one a
+second), credits that arrive within that interval are written together; the
+worker's back-pressure waits only for images + record (`Handed.stored`), the ack
+for the write holding the credit (`Handed.credited`).
 """
 
 from __future__ import annotations
