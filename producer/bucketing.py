@@ -13,6 +13,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 from diffq.core.contract import AUTO_DTYPE, BatchParams, ShapeKey
+from diffq.core.options import DEFAULTS
 from diffq.producer.sources import Prompt, derive_seed
 
 
@@ -46,12 +47,13 @@ class RichItem(SizedItem):
 @dataclass(frozen=True)
 class RunOptions:
     model: str
-    batch_size: int = 4
-    max_sequence_length: int = 64
-    dtype: str = AUTO_DTYPE
-    format: str = "png"
-    fit: str = "none"  # none | resize | crop: what the sink does to a bucket's image
-    embed_metadata: bool = True
+    # Defaults from the generation options, declared once (core/options.py).
+    batch_size: int = DEFAULTS.batch_size
+    max_sequence_length: int = DEFAULTS.max_sequence_length
+    dtype: str = DEFAULTS.dtype
+    format: str = DEFAULTS.format
+    fit: str = DEFAULTS.fit  # none | resize | crop: what the sink does to a bucket's image
+    embed_metadata: bool = DEFAULTS.embed_metadata
 
 
 @dataclass

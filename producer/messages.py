@@ -21,6 +21,7 @@ from pydantic import BaseModel
 
 from diffq.core.broker import TASK_NAME
 from diffq.core.contract import MAX_MESSAGE_BYTES, SCHEMA_VERSION, BatchMessage, ShapeKey
+from diffq.core.signing import HEADER as SIGNATURE, Keys, canonical
 from diffq.producer.bucketing import Batch
 
 
@@ -31,12 +32,12 @@ class EncodedBatch(NamedTuple):
     run_id: str
     batch_id: str
     items: int
-    json: bytes  # a `BatchMessage`: one plan line, and the task's `batch` argument
+    json: bytes  # a `BatchMessage`, canonical (core/signing.py): one plan line, the task's `batch` argument
 
     @classmethod
     def of(cls, message: BatchMessage) -> EncodedBatch:
         return cls(message.shape.queue, message.run_id, message.batch_id, len(message.items),
-                   message.to_json().encode())
+                   canonical(message.model_dump(mode="json")))
 
 
 def batch_id_prefix(shape: ShapeKey) -> str:
@@ -74,8 +75,10 @@ class BatchEncoder:
             named = self._queues[id(shape)] = (shape.queue, batch_id_prefix(shape))
         queue, id_prefix = named
         bid = f"{id_prefix}{batch.index:07d}"
+        # Canonical (sorted keys): the form a signature covers (core/signing.py).
         data = orjson.dumps({**self._head, "batch_id": bid, "shape": self._dump(shape),
-                             "params": self._dump(batch.params), "items": batch.items})
+                             "params": self._dump(batch.params), "items": batch.items},
+                            option=orjson.OPT_SORT_KEYS)
         if len(data) > MAX_MESSAGE_BYTES:  # workers and the broker's memory count on it
             raise ValueError(f"batch {bid} would be a {len(data):,}-byte message, over the "
                              f"{MAX_MESSAGE_BYTES:,}-byte limit: use a smaller batch size or shorter prompts")
@@ -109,7 +112,8 @@ class TaskMessages:
     `kwargsrepr` and the `batch` argument. Everything else is what Celery builds.
     """
 
-    def __init__(self, app: Celery):
+    def __init__(self, app: Celery, keys: Keys | None = None):
+        self._keys = keys  # with keys, every message is signed (core/signing.py)
         headers, properties, body, _ = app.amqp.as_task_v2(
             _ID, TASK_NAME, args=(), kwargs={"batch": _SLOT},
             # Keep stored messages lean: by default Celery adds a repr of the arguments
@@ -131,6 +135,8 @@ class TaskMessages:
         for key in self._header_ids:
             headers[key] = task_id
         headers["kwargsrepr"] = f"{encoded.run_id}/{encoded.batch_id}"
+        if self._keys is not None:
+            headers[SIGNATURE] = self._keys.sign(encoded.queue, encoded.run_id, encoded.json)
         return headers
 
     def properties(self, task_id: str) -> dict:

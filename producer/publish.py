@@ -26,6 +26,7 @@ from kombu.transport import redis as kombu_redis
 from diffq.core.broker import make_celery
 from diffq.core.contract import BatchMessage
 from diffq.core.settings import get_settings
+from diffq.core.signing import Keys, keys_from_settings
 from diffq.core.transports import transport_for
 from diffq.producer.messages import EncodedBatch, TaskMessages, dashed, new_task_id
 
@@ -35,9 +36,11 @@ log = logging.getLogger(__name__)
 class CeleryPublisher:
     """Publishes batch messages, in groups of `batch_size`; `close` sends the rest."""
 
-    def __init__(self, broker_url: str, transport_options: dict | None = None, batch_size: int = 1000):
+    def __init__(self, broker_url: str, transport_options: dict | None = None, batch_size: int = 1000,
+                 keys: Keys | None = None):
         self.app = make_celery(broker_url, transport_options)
-        self._messages = TaskMessages(self.app)
+        # Signed where a key is set (DIFFQ_SIGNING_KEY): workers with a key refuse the rest.
+        self._messages = TaskMessages(self.app, keys if keys is not None else keys_from_settings())
         self._connection = self.app.connection_for_write()
         self._producer = self._connection.Producer(serializer="json")
         self._declared: set[str] = set()

@@ -25,6 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from diffq.core.contract import MAX_METADATA_BYTES, MAX_PROMPT_CHARS, metadata_size
 from diffq.core.families import Family, FamilyError, cfg_bit, family_of
+from diffq.core.options import DEFAULTS
 from diffq.producer.sizes import SizeBuckets
 
 FORMATS = ("jsonl", "csv", "txt", "parquet")
@@ -44,10 +45,11 @@ class InputError(ValueError):
 
 @dataclass(frozen=True)
 class Defaults:
-    height: int = 128
-    width: int = 128
-    num_inference_steps: int = 4
-    guidance_scale: float = 1.0
+    # Defaults from the generation options, declared once (core/options.py).
+    height: int = DEFAULTS.height
+    width: int = DEFAULTS.width
+    num_inference_steps: int = DEFAULTS.steps
+    guidance_scale: float = DEFAULTS.guidance_scale
     size_multiple: int = 16  # where the family is unknown; a known family has its own
     # With buckets, a row's size is what was asked for and the bucket is what is
     # generated: only the buckets must be multiples of `size_multiple`.

@@ -22,9 +22,12 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pydantic import ValidationError
+
 from diffq import __version__
 from diffq.core import layout
-from diffq.core.contract import AUTO_DTYPE, FITS, BatchMessage, ShapeKey
+from diffq.core.contract import BatchMessage, ShapeKey
+from diffq.core.options import GenerationOptions
 from diffq.core.records import RequestedSize, RunDefaults, RunManifest, ShapeSummary, parse_plan_part, plan_part
 from diffq.core.storage import Storage, open_storage
 from diffq.producer.bucketing import RunOptions, bucket, group_key, shape_for
@@ -97,6 +100,10 @@ class Plan:
                             "requested_sizes": s.requested_sizes} if s.requested else {})}
                        for s in self.shapes],
         }
+
+
+def new_run_id() -> str:
+    return uuid.uuid4().hex[:12]
 
 
 def padded_slots(shape: ShapeSummary) -> int:
@@ -212,26 +219,32 @@ def validate(path: str | Path, options: RunOptions, defaults: Defaults, keep_col
     return validation.plan()
 
 
-def make_options(*, model: str, batch_size: int = 4, steps: int = 4, guidance_scale: float = 1.0,
-                 max_sequence_length: int = 64, height: int = 128, width: int = 128,
-                 format: str = "png", dtype: str = AUTO_DTYPE,
-                 size_multiple: int = 16, size_buckets: str | None = None,
-                 fit: str = "none", embed_metadata: bool = True) -> tuple[RunOptions, Defaults]:
-    """The run-wide options (shape and output) and the per-row defaults.
+def generation_options(**generation) -> GenerationOptions:
+    """The generation options from keyword arguments, a bad one named as its option."""
+    try:
+        return GenerationOptions(**generation)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        name = "--" + str(first["loc"][0]).replace("_", "-") if first["loc"] else "options"
+        raise ValueError(f"{name}: {first['msg']}") from None
+
+
+def make_options(*, model: str, size_multiple: int = 16, **generation) -> tuple[RunOptions, Defaults]:
+    """The run-wide options (shape and output) and the per-row defaults, from the
+    generation options (core/options.py: every default and bound declared there).
 
     A bad `size_buckets` spec raises `BucketSpecError` before any row is read.
     """
-    if fit not in FITS:
-        raise ValueError(f"--fit: '{fit}' is not one of {', '.join(FITS)}")
-    if fit != "none" and not size_buckets:
-        raise ValueError(f"--fit {fit} needs --size-buckets: without buckets every image is "
+    o = generation_options(**generation)
+    if o.fit != "none" and not o.size_buckets:
+        raise ValueError(f"--fit {o.fit} needs --size-buckets: without buckets every image is "
                          "generated at the size its row asks for")
     return (
-        RunOptions(model=model, batch_size=batch_size, max_sequence_length=max_sequence_length,
-                   dtype=dtype, format=format, fit=fit, embed_metadata=embed_metadata),
-        Defaults(height=height, width=width, num_inference_steps=steps,
-                 guidance_scale=guidance_scale, size_multiple=size_multiple,
-                 size_buckets=parse_buckets(size_buckets, size_multiple) if size_buckets else None,
+        RunOptions(model=model, batch_size=o.batch_size, max_sequence_length=o.max_sequence_length,
+                   dtype=o.dtype, format=o.format, fit=o.fit, embed_metadata=o.embed_metadata),
+        Defaults(height=o.height, width=o.width, num_inference_steps=o.steps,
+                 guidance_scale=o.guidance_scale, size_multiple=size_multiple,
+                 size_buckets=parse_buckets(o.size_buckets, size_multiple) if o.size_buckets else None,
                  model=model),
     )
 
@@ -279,37 +292,24 @@ def submit(
     broker_url: str | None = None,
     transport_options: dict | None = None,
     publisher=None,
-    batch_size: int = 4,
-    steps: int = 4,
-    guidance_scale: float = 1.0,
-    max_sequence_length: int = 64,
-    height: int = 128,
-    width: int = 128,
-    format: str = "png",
-    dtype: str = AUTO_DTYPE,
     run_id: str | None = None,
     seed_base: str | None = None,
     size_multiple: int = 16,
-    size_buckets: str | None = None,
-    fit: str = "none",
-    keep_columns: tuple[str, ...] | list[str] = (),
-    embed_metadata: bool = True,
     on_published: Callable[[int], None] | None = None,
     plan: Plan | None = None,
+    **generation,
 ) -> SubmitResult:
     """Validate `prompts`, write the run folder's manifest and plan, publish batches.
+    `generation`: the generation options (core/options.py), their defaults where absent.
 
     Raises `InputError` (nothing written, nothing enqueued) on any bad row and
     `RunExists` if OUT already holds a run: nothing produced is ever overwritten.
     """
-    options, defaults = make_options(model=model, batch_size=batch_size, steps=steps,
-                                     guidance_scale=guidance_scale,
-                                     max_sequence_length=max_sequence_length, height=height,
-                                     width=width, format=format, dtype=dtype,
-                                     size_multiple=size_multiple, size_buckets=size_buckets, fit=fit,
-                                     embed_metadata=embed_metadata)
+    chosen = generation_options(**generation)
+    keep_columns = chosen.keep_columns
+    options, defaults = make_options(model=model, size_multiple=size_multiple, **chosen.kwargs())
     storage = open_storage(out)
-    run_id = run_id or uuid.uuid4().hex[:12]
+    run_id = run_id or new_run_id()
     seed_base = seed_base or run_id
 
     def encoded(prompts_in: Iterable[Prompt]) -> Iterator[EncodedBatch]:

@@ -290,7 +290,7 @@ def worker_plan(*args: str) -> list[dict]:
     result = CliRunner().invoke(app, ["worker", "--broker", "memory://", "--queues", QUEUE,
                                       "--model", "/models/klein", "--plan", *args])
     assert result.exit_code == 0, result.output
-    return json.loads(result.output)
+    return json.loads(result.stdout)
 
 
 def test_plan_neuron_cores():
@@ -471,7 +471,7 @@ def test_plan_without_queues():
     result = CliRunner().invoke(app, ["worker", "--broker", "memory://", "--device", "neuron", "--cores", "0-1",
                                       "--plan"])
     assert result.exit_code == 0, result.output
-    assert [p["queues"] for p in json.loads(result.output)] == ["discovered", "discovered"]
+    assert [p["queues"] for p in json.loads(result.stdout)] == ["discovered", "discovered"]
     # Without --plan, a worker still needs its queues.
     result = CliRunner().invoke(app, ["worker", "--broker", "memory://", "--device", "cpu"])
     assert result.exit_code == 2 and "no queues" in result.output
@@ -489,7 +489,7 @@ def auto_plan(*args: str, **env: str) -> list[dict]:
     result = CliRunner().invoke(app, ["worker", "--broker", "memory://", "--queues", QUEUE, "--plan", *args],
                                 env=environ)
     assert result.exit_code == 0, result.output
-    return json.loads(result.output)
+    return json.loads(result.stdout)
 
 
 def test_cores_auto_reads_the_device_plugins_cores():

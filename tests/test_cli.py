@@ -88,7 +88,7 @@ def test_plan_says_what_the_dtype_runs_as_on_each_device(dtype, cuda, tmp_path):
     prompts.write_text('{"prompt": "x"}\n')
     result = CliRunner().invoke(app, ["plan", str(prompts), "--model", "m", "--dtype", dtype, "--json"])
     assert result.exit_code == 0, result.output
-    plan = json.loads(result.output)
+    plan = json.loads(result.stdout)
     assert plan["dtype"]["queue"] == dtype and plan["dtype"]["runs_at"]["cuda"] == cuda
     assert plan["dtype"]["runs_at"]["cpu"] == "float32" and set(plan["dtype"]["runs_at"]) == set(BACKENDS)
     assert all(shape["queue"].endswith("." + {"auto": "auto", "float32": "fp32"}[dtype]) for shape in plan["shapes"])

@@ -210,7 +210,7 @@ def test_the_policy_reaches_every_worker_of_run_resume_and_worker(tmp_path):
     result = CliRunner().invoke(app, ["worker", "--plan", "--queues", "q", "--broker", "memory://",
                                       "--on-degenerate", "ignore"])
     assert result.exit_code == 0, result.output
-    assert [child["on_degenerate"] for child in json.loads(result.output)] == ["ignore"]
+    assert [child["on_degenerate"] for child in json.loads(result.stdout)] == ["ignore"]
 
 
 # --- end to end ----------------------------------------------------------------------

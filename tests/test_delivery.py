@@ -269,6 +269,9 @@ def make_runtime(tmp_path):
 
 
 def batch(tmp_path, n: int = 2) -> dict:
+    # A worker writes only into a run folder whose manifest names the batch's run.
+    (tmp_path / "run").mkdir(exist_ok=True)
+    (tmp_path / "run" / "manifest.json").write_text('{"run_id": "r"}')
     return BatchMessage(run_id="r", out=str(tmp_path / "run"), batch_id="b-1", shape=SHAPE,
                         params=BatchParams(num_inference_steps=1, guidance_scale=1.0),
                         items=[BatchItem(id=f"i{k}", prompt="p", seed=k) for k in range(n)]).model_dump(mode="json")
@@ -394,17 +397,27 @@ class Flaky:
             raise OSError("store down")
         return self.storage.exists(key)
 
+    def get_bytes(self, key):
+        if key == self.key:
+            raise OSError("store down")
+        return self.storage.get_bytes(key)
+
     def put_bytes(self, key, data, **options):
         raise OSError("store down")
 
+    @property
+    def url(self):
+        return self.storage.url
 
-@pytest.mark.parametrize("where", ["cancel marker", "redelivery lookup", "failure record"])
+
+@pytest.mark.parametrize("where", ["run manifest", "cancel marker", "redelivery lookup", "failure record"])
 def test_storage_trouble_retries_without_using_an_attempt(tmp_path, make_runtime, where):
     from diffq.core.settings import get_settings
 
     rt = make_runtime(StubHost(fail=RuntimeError("boom") if where == "failure record" else None))
     payload = batch(tmp_path, n=1)
-    key = {"cancel marker": layout.CANCEL, "redelivery lookup": layout.record_key("b-1")}.get(where)
+    key = {"run manifest": layout.MANIFEST, "cancel marker": layout.CANCEL,
+           "redelivery lookup": layout.record_key("b-1")}.get(where)
     rt.storages[payload["out"]] = Flaky(rt.storage_for(payload["out"]), key)
     task = StubTask(rt, retries=get_settings().task_max_retries, redelivered=True)
     with pytest.raises(Retried):

@@ -528,6 +528,16 @@ def test_every_documented_command_parses():
     assert not errors, f"{len(errors)} of {len(commands)} documented commands do not parse:\n" + "\n".join(errors)
 
 
+def test_documented_fleets_say_where_their_workers_write():
+    """`fleet manifests` refuses a fleet without a run-folder prefix when it runs (not
+    when it parses): every complete documented one names `--out-prefix` or `--any-out`."""
+    fleets = [c for c in documented_commands() if c.variants and c.variants[0][:2] == ("fleet", "manifests")]
+    assert any(not c.partial for c in fleets), "no complete `diffq fleet manifests` in the docs"
+    unsaid = [f"{c.where}: `{c.text}`" for c in fleets if not c.partial
+              and not any({"--out-prefix", "--any-out"} & set(argv) for argv in c.variants)]
+    assert not unsaid, "name --out-prefix PREFIX (or --any-out):\n" + "\n".join(unsaid)
+
+
 # --- the checker itself: it finds what it must, and tolerates placeholders -----------------
 
 def _doc(tmp_path, text: str) -> list[Documented]:
@@ -545,6 +555,7 @@ def _doc(tmp_path, text: str) -> list[Documented]:
     ("diffq run p.jsonl --model M --out OUT --workers 0", "greater than or equal to 1"),
     ("diffq status OUT extra", "unexpected extra argument(s) (extra)"),
     ("diffq fleet manifest --model M", "no command 'manifest' in `diffq fleet`"),
+    ("diffq fleet manifests --model M --shapes 64x64 --out-prefix", "'--out-prefix' requires an argument"),
     ("diffq fetch OUT", "Missing argument 'dest'"),
 ])
 def test_a_wrong_command_in_a_code_block_fails_with_file_and_line(tmp_path, command, error):

@@ -28,6 +28,7 @@ from diffq.app import fleet
 from diffq.app.cli import app
 from diffq.core.contract import ShapeKey, is_shape_queue, queue_name
 from diffq.producer.submit import make_options, validate
+from diffq.worker.backends import BACKENDS
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = Path(__file__).parent / "data"
@@ -40,8 +41,8 @@ DIFFQ_IMAGE_ENTRYPOINT = ["diffq", "worker"]
 
 # How the committed per-shape manifests were made; regenerated and compared below.
 COMMITTED = {
-    "trn2": ["--device", "neuron", "--storage-class", "efs-sc"],
-    "tpu": ["--device", "tpu", "--storage-class", "standard-rwx"],
+    "trn2": ["--device", "neuron", "--storage-class", "efs-sc", "--out-prefix", "s3://diffq-runs/runs"],
+    "tpu": ["--device", "tpu", "--storage-class", "standard-rwx", "--out-prefix", "gs://diffq-runs/runs"],
 }
 COMMITTED_SHAPES = ["--model", "black-forest-labs/FLUX.2-klein-4B", "--shapes", "1024x1024,768x1344",
                     "--batch-size", "4", "--max-sequence-length", "512"]
@@ -119,12 +120,22 @@ def test_compose_services_run_real_diffq_commands(compose):
     assert seen == {"tiny-pipeline", "worker", "submit"}
 
 
+def compose_env(service: dict) -> dict[str, str]:
+    """A service's environment as its container sees it, with nothing set in the shell
+    (`${VAR:-default}` is its default)."""
+    return {name: re.sub(r"\$\{\w+:-([^}]*)\}", r"\1", str(value))
+            for name, value in service.get("environment", {}).items()}
+
+
 def test_compose_worker_plan_runs(compose):
-    """The worker's exact arguments, run with --plan: the real command, nothing started."""
+    """The worker's exact arguments and environment, run with --plan: the real command,
+    nothing started."""
     argv = diffq_argv(compose["services"]["worker"])
-    result = runner.invoke(app, argv[1:] + ["--plan"], env={"DIFFQ_BROKER_URL": "redis://redis:6379/0"})
+    result = runner.invoke(app, argv[1:] + ["--plan"], env=compose_env(compose["services"]["worker"]))
     assert result.exit_code == 0, result.output
-    plan = json.loads(result.output)
+    plan = json.loads(result.stdout)
+    # Told where to write and what to load, it only warns that batches are unsigned.
+    assert "DIFFQ_ALLOWED_OUT_PREFIXES" not in result.stderr and "DIFFQ_ALLOWED_MODELS" not in result.stderr
     assert [child["device"] for child in plan] == ["cpu"]
 
 
@@ -165,6 +176,27 @@ def test_compose_fleet_wiring(compose):
     assert mounts["/cache/compile"] in compose["volumes"] and mounts["/cache/hf"] in compose["volumes"]
     assert worker["environment"]["HF_HOME"] == "/cache/hf"
     assert worker["environment"]["DIFFQ_BROKER_URL"].startswith("redis://redis:")
+
+
+def test_compose_workers_write_where_the_producer_runs_and_load_its_model(compose, monkeypatch):
+    """The worker env, read by the real settings: the producer's --out lies under an
+    allowed prefix (on a path boundary, as workers check it), its --model is allowed, and
+    producer and workers share the signing key."""
+    from diffq.core.settings import Settings
+    from diffq.core.storage import open_storage
+
+    services = compose["services"]
+    _, submit = parse_cli(diffq_argv(services["producer"]))
+    for name, value in compose_env(services["worker"]).items():
+        monkeypatch.setenv(name, value)
+    settings = Settings()
+    out = open_storage(submit["out_"]).url
+    assert settings.allowed_out_prefixes and any(out.startswith(p.rstrip("/") + "/")
+                                                 for p in settings.allowed_out_prefixes)
+    assert settings.allowed_models == [submit["model"]]
+    for key in ("DIFFQ_SIGNING_KEY", "DIFFQ_SIGNING_KEY_PREVIOUS"):
+        assert services["worker"]["environment"][key] == services["producer"]["environment"][key]
+        assert services["worker"]["environment"][key] == f"${{{key}:-}}"  # from the shell, empty by default
 
 
 # --- Dockerfiles --------------------------------------------------------------
@@ -268,10 +300,22 @@ def worker_deployments(docs: list[dict]) -> list[dict]:
             if d["metadata"]["labels"]["app.kubernetes.io/name"] == "diffq-worker"]
 
 
-def render_cli(*args: str) -> list[dict]:
-    result = runner.invoke(app, ["fleet", "manifests", *args])
+def plain_env(deployment: dict) -> dict[str, str]:
+    """A worker container's literal env values (not those from Secrets)."""
+    return {e["name"]: e["value"] for e in deployment["spec"]["template"]["spec"]["containers"][0]["env"]
+            if "value" in e}
+
+
+# Where the tests' fleets write (a fleet must name it: --out-prefix or --any-out).
+OUT_PREFIX = "s3://diffq-runs/runs"
+
+
+def render_cli(*args: str, env: dict | None = None) -> list[dict]:
+    prefix = [] if {"--out-prefix", "--any-out"} & set(args) else ["--out-prefix", OUT_PREFIX]
+    result = runner.invoke(app, ["fleet", "manifests", *args, *prefix],
+                           env={"DIFFQ_ALLOWED_OUT_PREFIXES": None, **(env or {})})
     assert result.exit_code == 0, result.output
-    return [d for d in yaml.safe_load_all(result.output) if d]
+    return [d for d in yaml.safe_load_all(result.stdout) if d]
 
 
 def flux2_queues(device: str) -> list[str]:
@@ -326,9 +370,10 @@ def test_rendered_model_pools_discover_every_shape(device):
     name, params = parse_cli(DIFFQ_IMAGE_ENTRYPOINT + args)
     assert (name, params["device"].value, params["queues"], params["serve_models"]) == \
         ("worker", device, None, "/models/flux2")
-    result = runner.invoke(app, ["worker", *args, "--plan"], env={"DIFFQ_BROKER_URL": "redis://redis:6379/0"})
+    result = runner.invoke(app, ["worker", *args, "--plan"],
+                           env={**plain_env(dep), "DIFFQ_BROKER_URL": "redis://redis:6379/0"})
     assert result.exit_code == 0, result.output
-    assert all(child["discover"] and child["serve_models"] == ["/models/flux2"] for child in json.loads(result.output))
+    assert all(child["discover"] and child["serve_models"] == ["/models/flux2"] for child in json.loads(result.stdout))
 
 
 def test_neuron_cores_match_request():
@@ -341,13 +386,14 @@ def test_neuron_cores_match_request():
     assert args[args.index("--cores") + 1] == "auto"
     name, params = parse_cli(DIFFQ_IMAGE_ENTRYPOINT + args)
     assert params["cores"] == "auto"
-    result = runner.invoke(app, ["worker", *args, "--plan"], env={"DIFFQ_BROKER_URL": "redis://r:6379/0",
-                                                        "NEURON_RT_VISIBLE_CORES": "16-31"})
+    result = runner.invoke(app, ["worker", *args, "--plan"],
+                           env={**plain_env(worker_deployments(docs)[0]), "DIFFQ_BROKER_URL": "redis://r:6379/0",
+                                "NEURON_RT_VISIBLE_CORES": "16-31"})
     assert result.exit_code == 0, result.output
-    assert [p["env"]["NEURON_RT_VISIBLE_CORES"] for p in json.loads(result.output)] == [str(c) for c in range(16, 32)]
+    assert [p["env"]["NEURON_RT_VISIBLE_CORES"] for p in json.loads(result.stdout)] == [str(c) for c in range(16, 32)]
     # The queue says auto, as submit publishes it; the plan says what it runs at here.
     assert args[args.index("--dtype") + 1] == "auto"
-    assert {(p["dtype"], p["runs_dtype"]) for p in json.loads(result.output)} == {("auto", "bfloat16")}
+    assert {(p["dtype"], p["runs_dtype"]) for p in json.loads(result.stdout)} == {("auto", "bfloat16")}
     assert container["resources"]["limits"]["aws.amazon.com/neuroncore"] == 16
     assert container["resources"]["requests"]["aws.amazon.com/neuroncore"] == 16
     assert pod["nodeSelector"]["node.kubernetes.io/instance-type"].startswith("trn2")
@@ -385,7 +431,7 @@ def test_every_backend_is_deployable_or_says_it_is_not(monkeypatch):
     for name, backend in backends.BACKENDS.items():
         assert backend.k8s is None or isinstance(backend.k8s, backends.K8sPod), name
         if backend.k8s is not None:
-            rendered = fleet.render(keys, fleet.FleetOptions(device=name))
+            rendered = fleet.render(keys, fleet.FleetOptions(device=name, out_prefixes=(OUT_PREFIX,)))
             [pool] = [stem for stem in rendered if stem != "common"]
             for doc in rendered[pool]:
                 validate_manifest(doc)
@@ -397,14 +443,15 @@ def test_every_backend_is_deployable_or_says_it_is_not(monkeypatch):
     # Explicitly not deployable: rendering says so instead of guessing a pod.
     monkeypatch.setitem(backends.BACKENDS, "cpu", dataclasses.replace(backends.BACKENDS["cpu"], k8s=None))
     with pytest.raises(ValueError, match="--device cpu is not deployable"):
-        fleet.render(keys, fleet.FleetOptions(device="cpu"))
+        fleet.render(keys, fleet.FleetOptions(device="cpu", out_prefixes=(OUT_PREFIX,)))
 
 
 def test_shared_objects_fit_together():
     docs = [doc for _, doc in committed_docs()]
     pvc = by_kind(docs, "PersistentVolumeClaim")[0]
     assert pvc["spec"]["accessModes"] == ["ReadWriteMany"]
-    secret = by_kind(docs, "Secret")[0]
+    secrets = {s["metadata"]["name"]: s for s in by_kind(docs, "Secret")}
+    secret = secrets[fleet.SECRET]
     auth = by_kind(docs, "TriggerAuthentication")[0]
     for ref in auth["spec"]["secretTargetRef"]:
         assert ref["name"] == secret["metadata"]["name"] and ref["key"] in secret["stringData"]
@@ -414,6 +461,10 @@ def test_shared_objects_fit_together():
         assert "replicas" not in dep["spec"], "KEDA owns the replica count"
         env = {e["name"]: e for e in pod["containers"][0]["env"]}
         assert env["DIFFQ_BROKER_URL"]["valueFrom"]["secretKeyRef"]["key"] in secret["stringData"]
+        # Every Secret a pod reads has its example, with the keys it needs.
+        for ref in (e["valueFrom"]["secretKeyRef"] for e in env.values() if "valueFrom" in e):
+            assert ref["key"] in secrets[ref["name"]]["stringData"] or ref.get("optional"), ref
+    assert set(secrets[fleet.SIGNING_SECRET]["stringData"]) == {key for _, key in fleet.SIGNING_ENV}
     for so in by_kind(docs, "ScaledObject"):
         assert so["spec"]["triggers"][0]["authenticationRef"]["name"] == auth["metadata"]["name"]
 
@@ -424,13 +475,14 @@ def test_long_queue_names_make_valid_object_names():
                      dtype="bfloat16")
     name = fleet.k8s_name(shape.queue)
     assert len(name) <= 52 and "1024x1344-b16-l512-cfg-bf16" in name
-    for doc in fleet.render([shape], fleet.FleetOptions(device="neuron"))[name]:
+    for doc in fleet.render([shape], fleet.FleetOptions(device="neuron", out_prefixes=(OUT_PREFIX,)))[name]:
         validate_manifest(doc)
 
 
 def test_validators_reject_mistakes():
     """The validators are live: a typo and a non-string KEDA value both fail."""
-    docs = fleet.render(fleet.shape_keys("m", [(64, 64)], batch_size=1), fleet.FleetOptions(device="cpu"))
+    docs = fleet.render(fleet.shape_keys("m", [(64, 64)], batch_size=1),
+                        fleet.FleetOptions(device="cpu", any_out=True))
     dep, so = next(docs[k] for k in docs if k != "common")
     bad = copy.deepcopy(dep)
     bad["spec"]["template"]["spec"]["terminationGracePeriodSecond"] = 5
@@ -443,8 +495,122 @@ def test_validators_reject_mistakes():
 
 
 def test_fleet_manifests_rejects_bad_shapes():
-    result = runner.invoke(app, ["fleet", "manifests", "--model", "m", "--shapes", "1024", "--batch-size", "1"])
+    result = runner.invoke(app, ["fleet", "manifests", "--model", "m", "--shapes", "1024", "--batch-size", "1",
+                                 "--out-prefix", OUT_PREFIX])
     assert result.exit_code == 2 and "HEIGHTxWIDTH" in result.output
+
+
+# --- what a rendered worker admits: run folders, models, signed batches ---------------
+
+DEPLOYABLE = sorted(name for name, backend in BACKENDS.items() if backend.k8s is not None)
+FLEET_BROKERS = ["redis://", "sqs://", "amqp://"]
+
+
+def container_env(deployment: dict) -> dict[str, dict]:
+    return {e["name"]: e for e in deployment["spec"]["template"]["spec"]["containers"][0]["env"]}
+
+
+@pytest.mark.parametrize("device", DEPLOYABLE)
+def test_a_fleet_without_a_run_folder_prefix_is_refused(device):
+    """No --out-prefix, no DIFFQ_ALLOWED_OUT_PREFIXES: nothing is rendered, and the
+    error names both ways out."""
+    args = ["fleet", "manifests", "--model", "m", "--shapes", "64x64", "--device", device]
+    result = runner.invoke(app, args, env={"DIFFQ_ALLOWED_OUT_PREFIXES": None})
+    assert result.exit_code == 2 and not result.stdout
+    assert "--out-prefix s3://BUCKET/runs" in result.output and "--any-out" in result.output
+    with pytest.raises(ValueError, match="--out-prefix"):
+        fleet.render(fleet.shape_keys("m", [(64, 64)], batch_size=1), fleet.FleetOptions(device=device))
+    contradiction = runner.invoke(app, [*args, "--any-out", "--out-prefix", OUT_PREFIX])
+    assert contradiction.exit_code == 2 and "contradict" in contradiction.output
+
+
+def test_the_prefix_defaults_to_the_setting():
+    docs = render_cli("--model", "m", "--shapes", "64x64", "--device", "cpu", "--any-out")
+    assert all("DIFFQ_ALLOWED_OUT_PREFIXES" not in container_env(d) for d in worker_deployments(docs))
+    result = runner.invoke(app, ["fleet", "manifests", "--model", "m", "--shapes", "64x64", "--device", "cpu"],
+                           env={"DIFFQ_ALLOWED_OUT_PREFIXES": '["gs://from-env/runs/"]'})
+    assert result.exit_code == 0, result.output
+    [dep] = worker_deployments([d for d in yaml.safe_load_all(result.stdout) if d])
+    assert json.loads(container_env(dep)["DIFFQ_ALLOWED_OUT_PREFIXES"]["value"]) == ["gs://from-env/runs"]
+    # --out-prefix beats the setting.
+    docs = render_cli("--model", "m", "--shapes", "64x64", "--device", "cpu", "--out-prefix", "/data/runs",
+                      env={"DIFFQ_ALLOWED_OUT_PREFIXES": '["gs://from-env/runs"]'})
+    [dep] = worker_deployments(docs)
+    assert json.loads(container_env(dep)["DIFFQ_ALLOWED_OUT_PREFIXES"]["value"]) == ["/data/runs"]
+
+
+def test_any_out_renders_no_prefix_and_says_so(tmp_path):
+    args = ["fleet", "manifests", "--model", "m", "--shapes", "64x64,128x128", "--device", "neuron", "--any-out"]
+    result = runner.invoke(app, args, env={"DIFFQ_ALLOWED_OUT_PREFIXES": '["s3://ignored/runs"]'})
+    assert result.exit_code == 0, result.output
+    assert result.stdout.startswith(fleet.header(fleet.FleetOptions(device="neuron", any_out=True)))
+    assert "# WARNING: rendered with --any-out" in result.stdout and "--any-out" in result.stderr
+    docs = [d for d in yaml.safe_load_all(result.stdout) if d]
+    deployments = worker_deployments(docs)
+    assert len(deployments) == 2
+    for dep in deployments:
+        validate_manifest(dep)
+        env = container_env(dep)
+        assert "DIFFQ_ALLOWED_OUT_PREFIXES" not in env
+        assert json.loads(env["DIFFQ_ALLOWED_MODELS"]["value"]) == ["m"]
+    # Every written file carries the warning.
+    result = runner.invoke(app, [*args, "--out", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    assert all("# WARNING: rendered with --any-out" in p.read_text() for p in tmp_path.glob("*.yaml"))
+
+
+@pytest.mark.parametrize("broker", FLEET_BROKERS)
+@pytest.mark.parametrize("device", DEPLOYABLE)
+def test_every_worker_pod_carries_the_prefix_models_and_signing_keys(device, broker):
+    """Every worker container of every device kind and broker: the fleet's prefixes
+    (JSON, as the settings read them), its pool's model, the optional signing Secret;
+    the backlog service gets none of them."""
+    from diffq.core.settings import Settings
+
+    docs = render_cli("--model", "/models/flux2", "--shapes", "1024x1024,768x1344", "--batch-size", "2",
+                      "--device", device, "--broker", broker,
+                      "--out-prefix", "s3://diffq-runs/runs/,gs://diffq-runs", "--out-prefix", "/data/runs/")
+    deployments = worker_deployments(docs)
+    assert deployments
+    for dep in deployments:
+        validate_manifest(dep)
+        env = container_env(dep)
+        values = {name: e["value"] for name, e in env.items() if "value" in e}
+        settings = Settings(**{k.removeprefix("DIFFQ_").lower(): json.loads(v) for k, v in values.items()
+                               if k in ("DIFFQ_ALLOWED_OUT_PREFIXES", "DIFFQ_ALLOWED_MODELS")})
+        assert settings.allowed_out_prefixes == ["s3://diffq-runs/runs", "gs://diffq-runs", "/data/runs"]
+        assert settings.allowed_models == ["/models/flux2"]
+        _, params = parse_cli(DIFFQ_IMAGE_ENTRYPOINT + dep["spec"]["template"]["spec"]["containers"][0]["args"])
+        assert settings.allowed_models == [params["model"]]
+        for name, key in fleet.SIGNING_ENV:
+            assert env[name]["valueFrom"]["secretKeyRef"] == {"name": fleet.SIGNING_SECRET, "key": key,
+                                                              "optional": True}
+    for dep in by_kind(docs, "Deployment"):
+        if dep not in deployments:  # the backlog service: reads queues, writes nothing
+            names = set(container_env(dep))
+            assert not names & {"DIFFQ_ALLOWED_OUT_PREFIXES", "DIFFQ_ALLOWED_MODELS", "DIFFQ_SIGNING_KEY"}
+
+
+@pytest.mark.parametrize("given, prefixes", [
+    (["s3://diffq-runs/runs/"], ("s3://diffq-runs/runs",)),
+    (["S3://diffq-runs//runs//", "s3://diffq-runs/runs"], ("s3://diffq-runs/runs",)),
+    (["gs://diffq-runs,/data/runs/", " /srv/x "], ("gs://diffq-runs", "/data/runs", "/srv/x")),
+    (["/data//runs/./a/", "//data/runs/a"], ("/data/runs/a",)),
+])
+def test_out_prefixes_are_normalised(given, prefixes):
+    assert fleet.parse_out_prefixes(given) == prefixes
+
+
+@pytest.mark.parametrize("bad, says", [
+    ("runs/r1", "absolute path"), ("http://host/runs", "s3://BUCKET"), ("file:///data", "s3://BUCKET"),
+    ("s3://", "bucket"), ("s3://a/runs", "bucket"), ("/", "--any-out"), ("/data/../etc", "'..'"),
+    ("s3://key:secret@bucket/runs", "credentials"),
+])
+def test_bad_out_prefixes_are_refused(bad, says):
+    with pytest.raises(ValueError, match=re.escape(says)):
+        fleet.parse_out_prefixes([bad])
+    result = runner.invoke(app, ["fleet", "manifests", "--model", "m", "--shapes", "64x64", "--out-prefix", bad])
+    assert result.exit_code == 2 and "--out-prefix" in result.output
 
 
 @pytest.mark.parametrize("device", ["neuron", "tpu", "cuda", "cpu"])

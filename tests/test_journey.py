@@ -1,9 +1,10 @@
 """The user's journey on defaults, device by device: `diffq submit` with no options →
-`diffq fleet manifests` with no options → the rendered worker command serves the
-queue the producer published and the KEDA trigger watches. For cpu the rendered
-command then really runs, against a private Redis and the S3 server, and finishes
-the run. Nothing is lined up by hand: every name below is read from what a command
-printed, published or rendered."""
+`diffq fleet manifests` with only the prefix runs live under (`--out-prefix`) → the
+rendered worker command serves the queue the producer published and the KEDA trigger
+watches, and its rendered env admits the submitted run folder. For cpu the rendered
+command and env then really run, against a private Redis and the S3 server, and
+finish the run (a run outside the prefix is refused). Nothing is lined up by hand:
+every name below is read from what a command printed, published or rendered."""
 
 from __future__ import annotations
 
@@ -24,11 +25,13 @@ import yaml
 from typer.testing import CliRunner
 
 from diffq.app.cli import app
-from diffq.app.fleet import BACKLOG_PORT, CACHE_MOUNT
+from diffq.app.fleet import BACKLOG_PORT, CACHE_MOUNT, SECRET
+from diffq.core.settings import Settings
 from diffq.core.runfolder import iter_records, read_manifest
 from diffq.core.storage import open_storage
 from diffq.results.status import status
 from diffq.worker.backends import BACKENDS, get_backend
+from diffq.worker.admission import under
 from diffq.worker.routing import startup_queues
 from tests.helpers import assert_run_complete
 from tests.test_brokers import amqp_url  # noqa: F401  (fixture: a private vhost on the local RabbitMQ)
@@ -43,10 +46,15 @@ def write_prompts(path: Path, n: int = 6) -> Path:
     return path
 
 
-def cli(*args: str, env: dict | None = None) -> str:
+def invoke(*args: str, env: dict | None = None):
     result = runner.invoke(app, list(args), env=env)
     assert result.exit_code == 0, f"diffq {' '.join(args)}:\n{result.output}"
-    return result.output
+    return result
+
+
+def cli(*args: str, env: dict | None = None) -> str:
+    """What the command printed on stdout (warnings go to stderr)."""
+    return invoke(*args, env=env).stdout
 
 
 def published_queues(url: str) -> dict[str, int]:
@@ -55,9 +63,10 @@ def published_queues(url: str) -> dict[str, int]:
     return {key.decode(): client.llen(key) for key in client.scan_iter(match="diffq.*", _type="list")}
 
 
-def render(tmp_path: Path, *args: str, env: dict | None = None) -> list[dict]:
+def render(tmp_path: Path, *args: str, out_prefix: str | None = None, env: dict | None = None) -> list[dict]:
+    """`fleet manifests` for a fleet whose runs live under `out_prefix` (default: tmp_path)."""
     folder = tmp_path / "manifests"
-    cli("fleet", "manifests", *args, "--out", str(folder), env=env)
+    cli("fleet", "manifests", *args, "--out-prefix", out_prefix or str(tmp_path), "--out", str(folder), env=env)
     return [doc for path in sorted(folder.glob("*.yaml")) for doc in yaml.safe_load_all(path.read_text()) if doc]
 
 
@@ -72,8 +81,23 @@ def worker_args(deployment: dict) -> list[str]:
     return deployment["spec"]["template"]["spec"]["containers"][0]["args"]
 
 
-def plan_env(device: str, broker: str) -> dict:
-    env = {"DIFFQ_BROKER_URL": broker}
+def rendered_env(deployment: dict) -> dict[str, str]:
+    """The worker container's literal env (not what it reads from Secrets)."""
+    return {e["name"]: e["value"] for e in deployment["spec"]["template"]["spec"]["containers"][0]["env"]
+            if "value" in e}
+
+
+def admits(deployment: dict, out: str) -> bool:
+    """The rendered env, read by the worker's own settings, lets it write into `out`
+    (the worker's rule: the run folder as its storage spells it, on a path boundary)."""
+    settings = Settings(**{k.removeprefix("DIFFQ_").lower(): json.loads(v) for k, v in rendered_env(deployment).items()
+                           if k == "DIFFQ_ALLOWED_OUT_PREFIXES"})
+    url = open_storage(out).url
+    return any(under(url, open_storage(prefix).url) for prefix in settings.allowed_out_prefixes)
+
+
+def plan_env(device: str, broker: str, deployment: dict) -> dict:
+    env = {**rendered_env(deployment), "DIFFQ_BROKER_URL": broker}
     if device == "neuron":  # what the Neuron device plugin sets for `--cores auto`
         env["NEURON_RT_VISIBLE_CORES"] = "0-7"
     return env
@@ -96,8 +120,16 @@ def test_defaults_meet_from_submit_to_the_rendered_workers(device, tmp_path, mak
     for deployment, scaled in pools(docs):
         triggers = [t for t in scaled["spec"]["triggers"] if t["type"] == "redis"]
         watched |= {t["metadata"]["listName"] for t in triggers}
+        # The prefix reaches the worker: its rendered env admits the run submit wrote, and
+        # not a folder beside the prefix; it may load the model submit named.
+        assert admits(deployment, out) and not admits(deployment, f"{tmp_path}-elsewhere/run")
+        assert json.loads(rendered_env(deployment)["DIFFQ_ALLOWED_MODELS"]) == \
+            (manifest.models or [manifest.defaults.model])
         args = worker_args(deployment)
-        plan = json.loads(cli("worker", *args, "--plan", env=plan_env(device, broker)))
+        result = invoke("worker", *args, "--plan", env=plan_env(device, broker, deployment))
+        # Told where to write and what to load, the worker does not warn about either.
+        assert "DIFFQ_ALLOWED_OUT_PREFIXES" not in result.stderr and "DIFFQ_ALLOWED_MODELS" not in result.stderr
+        plan = json.loads(result.stdout)
         # auto on the queue; the device's own dtype is what runs.
         assert {(child["dtype"], child["runs_dtype"]) for child in plan} == {("auto", backend.default_dtype)}
         if backend.k8s.pool == "shape":
@@ -145,15 +177,26 @@ def test_a_discovery_pool_scales_on_shapes_published_after_rendering(tmp_path, m
 
 
 def test_the_rendered_cpu_worker_completes_the_submitted_run(tmp_path, make_redis_server, tiny_model, s3_bucket):
-    """cpu end to end on defaults: the rendered container args, run as the image would
-    run them (only the pod's cache volume path is this machine's)."""
+    """cpu end to end on defaults: the rendered container args and env, run as the image
+    would run them (only the pod's cache volume path is this machine's). The fleet's
+    prefix is the bucket's `runs` folder: the run there completes; a run submitted
+    beside it, to the same queue, is refused unwritten."""
     broker = make_redis_server().url
     prompts = write_prompts(tmp_path / "prompts.jsonl", n=6)
+    prefix = s3_bucket.rsplit("/", 1)[0]  # s3://BUCKET/outputs: where this fleet's runs live
+    elsewhere = s3_bucket.split("/outputs/")[0] + "/elsewhere/run-1"
+    # Published first, so its batches come off the queue before the real run's.
+    cli("submit", str(prompts), "--model", tiny_model, "--out", elsewhere, "--broker", broker)
+    refused = read_manifest(open_storage(elsewhere)).batches
     cli("submit", str(prompts), "--model", tiny_model, "--out", s3_bucket, "--broker", broker)
-    docs = render(tmp_path, "--model", tiny_model, "--shapes", "128x128", "--device", "cpu")
+    docs = render(tmp_path, "--model", tiny_model, "--shapes", "128x128", "--device", "cpu", out_prefix=prefix)
     [(deployment, _)] = pools(docs)
+    assert admits(deployment, s3_bucket) and not admits(deployment, elsewhere)
     args = [a.replace(CACHE_MOUNT, str(tmp_path / "cache")) for a in worker_args(deployment)]
-    env = {**os.environ, "DIFFQ_BROKER_URL": broker}
+    pod_env = {name: value.replace(CACHE_MOUNT, str(tmp_path / "cache"))
+               for name, value in rendered_env(deployment).items()}
+    pod_env.pop("DIFFQ_METRICS_PORT")  # no fixed port on a shared test machine
+    env = {**os.environ, **pod_env, "DIFFQ_BROKER_URL": broker}
     worker = subprocess.Popen([sys.executable, "-m", "diffq", *ENTRYPOINT[1:], *args, "--loglevel", "ERROR"],
                               env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
     try:
@@ -173,7 +216,10 @@ def test_the_rendered_cpu_worker_completes_the_submitted_run(tmp_path, make_redi
 
     assert {name: d["dtypes"] for name, d in build_report(s3_bucket).per_device().items()} == \
         {r.device: ["float32"] for r in records}
-    assert [r.id for r in iter_records(open_storage(s3_bucket))] and published_queues(broker) == {}
+    assert [r.id for r in iter_records(open_storage(s3_bucket))]
+    # The run outside the prefix: every batch dead-lettered, nothing written to it.
+    assert published_queues(broker) == {"diffq.dead": refused}
+    assert status(elsewhere).done == 0 and not list(iter_records(open_storage(elsewhere)))
 
 
 def test_sqs_fleets_scale_on_the_sqs_queue_submit_filled(s3_server, tiny_model, tmp_path):
@@ -219,5 +265,6 @@ def test_amqp_fleets_scale_on_the_rabbitmq_queue_submit_filled(amqp_url, tiny_mo
     auth = next(d for d in docs if d["kind"] == "TriggerAuthentication")
     assert [(r["parameter"], r["key"]) for r in auth["spec"]["secretTargetRef"]] == [("host", "broker-url")]
     env = {e["name"]: e["valueFrom"]["secretKeyRef"]["key"]
-           for e in deployment["spec"]["template"]["spec"]["containers"][0]["env"] if "valueFrom" in e}
+           for e in deployment["spec"]["template"]["spec"]["containers"][0]["env"]
+           if e.get("valueFrom", {}).get("secretKeyRef", {}).get("name") == SECRET}
     assert env == {"DIFFQ_BROKER_URL": "broker-url", "DIFFQ_RABBITMQ_API": "rabbitmq-api"}

@@ -185,7 +185,7 @@ def test_fleet_manifests_size_their_pools_from_the_plan(qualified, tiny_model, t
     assert fleet["devices"] == 20 and {s["queue"] for s in fleet["shapes"]}
     out = tmp_path / "manifests"
     diffq("fleet", "manifests", "--model", tiny_model, "--shapes", "128x128,64x64,128x64", "--device", device,
-          "--fleet-plan", str(plan_json), "--out", str(out))
+          "--fleet-plan", str(plan_json), "--out", str(out), "--out-prefix", str(tmp_path))
     docs = [d for p in sorted(out.glob("*.yaml")) for d in yaml.safe_load_all(p.read_text()) if d]
     scaled = {d["metadata"]["name"]: d for d in docs if d["kind"] == "ScaledObject"}
     per_pod = get_backend(device).k8s.devices_per_pod

@@ -30,7 +30,7 @@ def plan(*args: str) -> list[dict]:
     result = CliRunner().invoke(app, ["worker", "--broker", "redis://127.0.0.1:1/0", "--queues", "q",
                                       "--plan", *args])
     assert result.exit_code == 0, result.output
-    return json.loads(result.output)
+    return json.loads(result.stdout)
 
 
 # --- planning: groups, ranks, environment -------------------------------------------
@@ -375,7 +375,7 @@ def test_fleet_manifests_run_one_group_per_pod():
     result = CliRunner().invoke(app, ["worker", "--broker", "redis://127.0.0.1:1/0", *args, "--plan"],
                                 env={"NEURON_RT_VISIBLE_CORES": "8-15"})
     assert result.exit_code == 0, result.output
-    (group,) = json.loads(result.output)
+    (group,) = json.loads(result.stdout)
     assert group["world_size"] == 8 and group["ranks"][0]["queues"] == [shape.queue]
     assert [r["env"]["NEURON_RT_VISIBLE_CORES"] for r in group["ranks"]] == [str(c) for c in range(8, 16)]
     with pytest.raises(ValueError, match="--tp 3 must divide"):

@@ -6,6 +6,7 @@ import io
 import json
 from collections.abc import Callable
 
+import pytest
 from rich.console import Console
 
 from diffq.core import layout
@@ -53,10 +54,17 @@ def test_snapshots_follow_a_run_while_workers_write(s3_bucket):
         now[0] += seconds
         land()
 
-    seen = list(snapshots(s3_bucket, interval=2.0, clock=lambda: now[0], sleep=sleep))
+    # The watch begins 2 s after the run's first pipeline call (its first record: 1.7e9 + 9.35).
+    first_call = 1.7e9 + 10 - 0.6 - 0.05
+    seen = list(snapshots(s3_bucket, interval=2.0, window_s=3.0, clock=lambda: now[0], sleep=sleep,
+                          wall=lambda: first_call + 2.0 + now[0]))
     assert [s.status.done for s in seen] == [8, 16, 24, 32, 40]
     assert all(s.status.failed == 8 and s.status.total == 48 for s in seen)
-    assert seen[0].eta_s is None and seen[2].images_per_s == 4.0 and seen[2].eta_s == 16 / 4.0
+    # Time is the run's: the first refresh already has its rate (8 images in its first 2 s)
+    # and its age; then the window slides over what the refreshes saw.
+    assert seen[0].images_per_s == 4.0 and seen[0].eta_s == 32 / 4.0
+    assert [s.elapsed_s for s in seen] == [2.0, 4.0, 6.0, 8.0, 10.0]
+    assert seen[2].images_per_s == 4.0 and seen[2].eta_s == 16 / 4.0
     assert seen[-1].status.finished and seen[-1].eta_s == 0.0
     assert sum(shape.done for shape in seen[-1].status.shapes.values()) == 40
     assert seen[-1].to_json()["pending"] == 0
@@ -70,10 +78,14 @@ def test_watch_renders_bars_and_per_shape_rows(tmp_path, capsys):
     text = console.file.getvalue()
     assert final.done == 16 and final.finished
     assert "16/16 done" in text and "32x32 b8" in text and "32x48 b8" in text and "ETA 0:00:00" in text
+    # A finished run: its records' span (first call 1.7e9+9.35, last stored 1.7e9+10.5), not the watcher's.
+    assert "13.91 images/s" in text and "elapsed 0:00:01" in text
 
     watch(url, as_json=True)
     line = json.loads(capsys.readouterr().out.splitlines()[-1])
     assert line["done"] == 16 and line["eta_s"] == 0.0
+    assert line["elapsed_s"] == pytest.approx(1.15, abs=0.051) and line["trouble"] is None
+    assert line["images_per_s"] == pytest.approx(16 / 1.15, abs=0.001)
 
 
 def test_each_refresh_counts_exactly_and_reads_only_what_changed(tmp_path, monkeypatch):

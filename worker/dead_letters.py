@@ -34,6 +34,7 @@ from celery import bootsteps
 from diffq.core.broker import TASK_NAME
 from diffq.core.contract import MAX_MESSAGE_BYTES
 from diffq.core.settings import get_settings
+from diffq.core.signing import HEADER as SIGNATURE
 from diffq.core.transports import DEAD_LETTERS, DEAD_QUEUE, transport_for
 from diffq.worker.delivery import Outcome
 
@@ -80,19 +81,25 @@ class DeadLetters:
             log.error("could not store the dead letter from %s (%s); it is dropped", queue, exc)
 
     def refuse(self, queue: str, reason: str, body, content_type: str | None = None,
-               headers: dict | None = None) -> Outcome:
+               headers: dict | None = None, *, letter: bool = False) -> Outcome:
         """A delivery the task refuses: the outcome to report for it. REFUSED (reject,
-        the broker routes it) or DEAD_LETTER (the letter is written: ack)."""
-        if self.by_broker:
+        the broker routes it) or DEAD_LETTER (the letter is written: ack). `letter`:
+        written even where the broker would route a reject (the reason is the point)."""
+        if self.by_broker and not letter:
             log.warning("dead letter from queue %s: %s (rejected to %s)", queue, reason, DEAD_LETTERS)
             return Outcome.REFUSED
         self.send(queue, reason, body, content_type, headers)
         return Outcome.DEAD_LETTER
 
-    def reject(self, message, reason: str) -> None:
-        """Dead-letter a delivery the consumer cannot turn into a task."""
-        queue = (message.delivery_info or {}).get("routing_key") or "?"
-        if self.refuse(queue, reason, message.body, message.content_type, message.headers) is Outcome.REFUSED:
+    def reject(self, message, reason: str, *, queue: str | None = None, letter: bool = False) -> None:
+        """Dead-letter a delivery the consumer cannot turn into a task. `letter`: write
+        the letter with its reason even where the broker would route a reject (an
+        admission refusal's reason is what its reader needs)."""
+        queue = queue or (message.delivery_info or {}).get("routing_key") or "?"
+        if letter:
+            self.send(queue, reason, message.body, message.content_type, message.headers)
+            message.ack()
+        elif self.refuse(queue, reason, message.body, message.content_type, message.headers) is Outcome.REFUSED:
             message.reject(requeue=False)
         else:
             message.ack()
@@ -156,12 +163,18 @@ class DeadLetterStep(bootsteps.StartStopStep):
         consumer.on_unknown_task = on_unknown_task
         if consumer.task_consumer is not None:
             consumer.task_consumer.on_decode_error = on_decode_error
-        guard = transport_for(consumer.app.conf.broker_url).guard_deliveries
-        if guard is not None and consumer.task_consumer is not None:
-            guard(consumer.task_consumer.channel, lambda queue, item, reason: dead.send(queue, reason, item))
+        transport = transport_for(consumer.app.conf.broker_url)
+        if transport.guard_deliveries is not None and consumer.task_consumer is not None:
+            transport.guard_deliveries(consumer.task_consumer.channel,
+                                       lambda queue, item, reason: dead.send(queue, reason, item))
+        if transport.stamp_arrivals is not None and consumer.task_consumer is not None:
+            transport.stamp_arrivals(consumer.task_consumer)
+        runtime = getattr(consumer.app.tasks.get(TASK_NAME), "runtime", None)
         strategy = consumer.strategies.get(TASK_NAME)
         if strategy is not None and not getattr(strategy, "checked_on_receipt", False):
-            consumer.strategies[TASK_NAME] = checked_on_receipt(strategy, dead)
+            consumer.strategies[TASK_NAME] = checked_on_receipt(
+                strategy, dead, getattr(runtime, "admission", None),
+                lambda message: transport.arrival(message, consumer.task_consumer))
 
 
 def _api(app) -> str | None:
@@ -171,10 +184,11 @@ def _api(app) -> str | None:
     return getattr(spec, "rabbitmq_api", None) or get_settings().rabbitmq_api
 
 
-def checked_on_receipt(strategy, dead: DeadLetters):
-    """The batch task's strategy behind two checks on receipt: the raw size, then the
-    call's shape (no positional args, one `batch` object), which would otherwise fail
-    inside Celery's tracer as a TypeError."""
+def checked_on_receipt(strategy, dead: DeadLetters, admission=None, arrival=None):
+    """The batch task's strategy behind the checks on receipt: the raw size, the call's
+    shape (no positional args, one `batch` object, which would otherwise fail inside
+    Celery's tracer as a TypeError), then the worker's admission (worker/admission.py:
+    signature, schema, queue, run, model) of the batch on the queue it arrived on."""
 
     def checked(message, *args, **kwargs):
         size = len(message.body or b"")
@@ -186,6 +200,12 @@ def checked_on_receipt(strategy, dead: DeadLetters):
             return strategy(message, *args, **kwargs)  # Celery's own handlers say why
         if not _is_batch_call(call):
             return dead.reject(message, "not a diffq batch call (expected no args and one 'batch' object)")
+        if admission is not None:
+            queue = arrival(message) if arrival is not None else None
+            _, refusal = admission.check(call[1]["batch"], queue, (message.headers or {}).get(SIGNATURE))
+            if refusal is not None:
+                return dead.reject(message, refusal.reason if refusal.malformed else f"refused: {refusal.reason}",
+                                   queue=queue, letter=not refusal.malformed)
         return strategy(message, *args, **kwargs)
 
     checked.checked_on_receipt = True

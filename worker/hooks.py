@@ -32,6 +32,7 @@ from diffq.core import layout
 from diffq.core.broker import TASK_NAME
 from diffq.core.contract import BatchMessage
 from diffq.core.settings import get_settings
+from diffq.core.signing import HEADER as SIGNATURE
 from diffq.core.storage import Storage
 from diffq.worker import faults, metrics
 from diffq.worker.delivery import Outcome
@@ -95,8 +96,13 @@ class Batch:
         uses up none of its attempts (`counted=False`)."""
         task = self.task
         limit = {} if counted else {"max_retries": None}
+        # Back to the batch's own queue (not the envelope's routing key, which the
+        # sender wrote), signed afresh with this worker's current key.
+        queue = self.message.shape.queue
+        batch = self.message.model_dump(mode="json")
+        again = {"kwargs": {"batch": batch}, "queue": queue, **signed(self.runtime, queue, batch)}
         return End(Outcome.RETRY, then=lambda: task.retry(exc=exc, countdown=backoff_s(task.request.retries),
-                                                          **limit))
+                                                          **limit, **again))
 
 
 class BatchHook:
@@ -199,10 +205,20 @@ def split(task, message: BatchMessage, apart: set[str] | None = None) -> list[Ba
         halves = [message.items[:middle], message.items[middle:]]
     children = [message.model_copy(update={"items": items, "batch_id": f"{message.batch_id}.s{i}"})
                 for i, items in enumerate(halves)]
+    queue = message.shape.queue
     for child in children:
-        task.app.send_task(TASK_NAME, kwargs={"batch": child.model_dump(mode="json")},
-                           queue=message.shape.queue, routing_key=message.shape.queue)
+        batch = child.model_dump(mode="json")
+        task.app.send_task(TASK_NAME, kwargs={"batch": batch}, queue=queue, routing_key=queue,
+                           **signed(getattr(task, "runtime", None), queue, batch))
     return children
+
+
+def signed(runtime: Runtime | None, queue: str, batch) -> dict:
+    """The options that sign a batch a worker re-publishes, where it holds a key."""
+    keys = runtime.admission.keys if runtime is not None and runtime.admission is not None else None
+    if keys is None or not isinstance(batch, dict):
+        return {}
+    return {"headers": {SIGNATURE: keys.sign_batch(queue, batch)}}
 
 
 def default_hooks() -> list[BatchHook]:

@@ -38,6 +38,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from diffq.core.options import DEFAULTS
 from diffq.worker.sink import as_image
 from diffq.worker.spec import QUIET_ENV, ChildSpec
 
@@ -56,9 +57,9 @@ class QualifySpec(BaseModel):
     # Parity shapes not among `shapes` (a reduced shape for a slow reference).
     extra_parity_shapes: list[tuple[int, int]] = Field(default_factory=list)
     batch_size: int = 1
-    steps: int = 4
-    guidance_scale: float = 1.0
-    max_sequence_length: int = 64
+    steps: int = DEFAULTS.steps
+    guidance_scale: float = DEFAULTS.guidance_scale
+    max_sequence_length: int = DEFAULTS.max_sequence_length
     prompts: list[str]
     seeds: list[int]
     repeats: int = 5

@@ -6,12 +6,17 @@ batch's life (worker/tasks.py) reads everything it needs of the process from her
 
 from __future__ import annotations
 
+import json
 import threading
 from dataclasses import dataclass, field
 
-from diffq.core.storage import Storage, open_storage
+from diffq.core.settings import get_settings
+from diffq.core import layout
+from diffq.core.storage import NotFound, Storage, open_storage
 from diffq.core.transports import transport_for
+from diffq.worker.admission import Admission
 from diffq.worker.batches import BatchLine
+from diffq.worker.failures import storage_trouble
 from diffq.worker.lease import LeaseKeeper
 from diffq.worker.pipeline_host import PipelineHost
 from diffq.worker.routing import Discovery, Router
@@ -40,10 +45,16 @@ class Runtime:
     hooks: list | None = None
     # Set once the consumer has stopped fetching and handed back what it held.
     consuming_stopped: threading.Event = field(default_factory=threading.Event)
+    # What a delivery must be to be taken (worker/admission.py); from the spec and
+    # settings when not given.
+    admission: Admission | None = None
+    run_ids: dict[str, str] = field(default_factory=dict)  # run folder -> the run id its manifest names
 
     def __post_init__(self):
         if self.line is None:
             self.line = BatchLine(self.sink)
+        if self.admission is None:
+            self.admission = Admission.of(self.spec, get_settings())
 
     @classmethod
     def start(cls, spec: ChildSpec, group=None) -> Runtime:
@@ -67,15 +78,31 @@ class Runtime:
     def worker(self) -> str:
         return f"{self.spec.name}@{hostname()}"
 
+    def run_problem(self, storage: Storage, run_id: str) -> str | None:
+        """Why a batch of run `run_id` may not write to `storage`, or None: only a run
+        folder whose manifest names that run takes its batches (read once per folder;
+        storage trouble reading it raises StorageTrouble: the batch waits, not refused)."""
+        if storage.url not in self.run_ids:
+            with storage_trouble():
+                try:
+                    raw = storage.get_bytes(layout.MANIFEST)
+                except NotFound:
+                    return f"{storage.url} holds no diffq run (no {layout.MANIFEST}): nothing is written there"
+            try:
+                self.run_ids[storage.url] = str(json.loads(raw)["run_id"])
+            except (ValueError, KeyError, TypeError):
+                return f"{storage.url}/{layout.MANIFEST} is not a diffq run manifest"
+        if self.run_ids[storage.url] != run_id:
+            return f"run id {run_id!r} is not the id of the run in {storage.url}"
+        return None
+
     def storage_for(self, out: str) -> Storage:
         if out not in self.storages:
-            # Check the normalised URL (resolved path, no '..'), on a path boundary:
-            # '/data/runs-evil' is not under '/data/runs'.
-            storage = open_storage(out)
-            allowed = [prefix.rstrip("/") for prefix in self.spec.allowed_out_prefixes]
-            if allowed and not any(storage.url == p or storage.url.startswith(p + "/") for p in allowed):
-                raise OutNotAllowed(f"run folder {storage.url} is outside this worker's allowed prefixes")
-            self.storages[out] = storage
+            # Admission refused anything outside the worker's runs or prefixes on
+            # receipt; asked again here, for deliveries that came another way.
+            if reason := self.admission.out_problem(out):
+                raise OutNotAllowed(reason)
+            self.storages[out] = open_storage(out)
         return self.storages[out]
 
 

@@ -34,7 +34,7 @@ from pydantic import ValidationError
 from diffq import __version__
 from diffq.core import layout
 from diffq.core.contract import BatchMessage
-from diffq.core.progress import ProgressLog
+from diffq.core.progress import ProgressLog, TroubleNote
 from diffq.core.records import BatchMeasures, ImageRecord, jsonl
 from diffq.core.settings import get_settings
 from diffq.core.storage import Storage
@@ -223,6 +223,9 @@ class Sink:
                                         initializer=_yield_to_generation)
         self.retry_for_s = retry_for_s
         self._credits: OrderedDict[str, _Credits] = OrderedDict()  # writer thread only
+        # Why storing fails, per run folder, told to status / watch / the runner (writer thread only).
+        self._notes: OrderedDict[str, TroubleNote] = OrderedDict()
+        self._notes_dir = get_settings().trouble_dir or None
 
     def submit(self, storage: Storage, message: BatchMessage, images: list, record_extra: dict) -> Handed:
         handed = Handed(stored=Future(), credited=Future())
@@ -238,7 +241,8 @@ class Sink:
     def _store_and_credit(self, storage: Storage, message: BatchMessage, images: list, record_extra: dict,
                           handed: Handed) -> None:
         try:
-            outcome = self._with_retry(message.batch_id, lambda: self._store(storage, message, images, record_extra))
+            outcome = self._with_retry(message.batch_id, lambda: self._store(storage, message, images, record_extra),
+                                       storage)
         except Exception as exc:
             handed.stored.set_exception(exc)
             handed.credited.set_exception(exc)
@@ -275,7 +279,7 @@ class Sink:
         if not waiting:
             return
         try:
-            self._with_retry("progress", credits.log.flush)
+            self._with_retry("progress", credits.log.flush, credits.log.storage)
         except Exception as exc:  # the acks turn into requeues; redelivered copies credit again
             for future in waiting:
                 future.set_exception(exc)
@@ -284,29 +288,53 @@ class Sink:
                 future.set_result(None)
         credits.next_write = time.monotonic() + max(credits.log.storage.min_rewrite_interval_s, CREDITS_EVERY_S)
 
-    def _with_retry(self, batch_id: str, write: Callable):
+    def _note(self, storage: Storage) -> TroubleNote:
+        note = self._notes.get(storage.url)
+        if note is None:
+            note = self._notes[storage.url] = TroubleNote(storage, local=self._notes_dir)
+            if len(self._notes) > MAX_LOGS:  # the oldest one, unless it is in trouble now
+                oldest = next(iter(self._notes))
+                if self._notes[oldest].trouble is None:
+                    del self._notes[oldest]
+        self._notes.move_to_end(storage.url)
+        return note
+
+    def trouble(self, storage: Storage):
+        """Storing into this run folder failing now: a `progress.Trouble`, or None."""
+        note = self._notes.get(storage.url)
+        return note.trouble if note is not None else None
+
+    def _with_retry(self, batch_id: str, write: Callable, storage: Storage | None = None):
         """Outlast a storage outage instead of regenerating the batch.
 
         The clients retry each request themselves; this outer loop covers outages
         longer than their budget (botocore's standard mode gives up quickly once many
         threads retry at once). Writes are idempotent (if_absent), so a retry after a
         partial attempt is safe. Past `retry_for_s` the error reaches the ack, which
-        hands the batch back to the broker.
+        hands the batch back to the broker. Meanwhile the run folder's trouble note
+        says why (diffq/core/progress.py), for status, watch and the runner.
         """
         deadline = time.monotonic() + self.retry_for_s
+        note = self._note(storage) if storage is not None else None
         attempt = 0
         while True:
             try:
-                return write()
+                result = write()
             except ValidationError:  # a record that breaks its schema will not heal
                 raise
             except Exception as exc:
                 attempt += 1
+                if note is not None:
+                    note.failed(exc)
                 if time.monotonic() >= deadline:
                     raise
                 delay = min(15.0, 0.5 * 2**attempt)
                 log.warning("storing batch %s failed (%r); retry %d in %.1fs", batch_id, exc, attempt, delay)
                 time.sleep(delay)
+            else:
+                if note is not None:
+                    note.stored()
+                return result
 
     def _store(self, storage: Storage, message: BatchMessage, images: list, record_extra: dict) -> BatchOutcome:
         started = time.perf_counter()

@@ -13,6 +13,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from diffq.core.contract import AUTO_DTYPE, ShapeKey, queue_dtype, shape_from_queue
+from diffq.worker.admission import RunScope
 from diffq.worker.backends import COMPILING_MODES, Backend, Placement, get_backend
 from diffq.worker.compile_cache import CachePlan, plan_cache
 
@@ -68,6 +69,9 @@ class ChildSpec(BaseModel):
     models: list[str] = Field(default_factory=list)
     dtype: str = AUTO_DTYPE
     allowed_out_prefixes: list[str] = Field(default_factory=list)
+    # `--run OUT` / `diffq run`: the runs whose batches this worker takes (admission.py);
+    # empty: any run under DIFFQ_ALLOWED_OUT_PREFIXES.
+    runs: list[RunScope] = Field(default_factory=list)
     loglevel: str = "WARNING"
     drain_timeout_s: float = Field(default=DRAIN_TIMEOUT_S, ge=0)
     # Tensor-parallel group membership (worker/tensor_parallel.py). world_size 1 is

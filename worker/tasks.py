@@ -22,11 +22,10 @@ from __future__ import annotations
 import json
 import logging
 
-from pydantic import ValidationError
-
 from diffq.core import layout
 from diffq.core.contract import BatchMessage
 from diffq.core.records import BatchMeasures
+from diffq.worker.admission import schema_reason
 from diffq.worker.dead_letters import dead_letters_of
 from diffq.worker.delivery import Outcome
 from diffq.worker.failures import StorageTrouble, set_aside_degenerate, storage_trouble, write_failure
@@ -51,9 +50,10 @@ def _generate_batch(task, payload: dict) -> dict | None:
     rt.line.received()
     try:
         message = BatchMessage.from_json_payload(payload)
-    except ValueError as exc:  # pydantic's ValidationError included: no retry can fix it
+        storage = rt.storage_for(message.out)
+    except (ValueError, OutNotAllowed) as exc:  # pydantic's ValidationError included: no retry can fix it
         return dead_letter(task, payload, exc)
-    batch = Batch(task, message, rt.storage_for(message.out))
+    batch = Batch(task, message, storage)
     try:
         end = live(batch, hooks_of(rt))
     except StorageTrouble as trouble:
@@ -64,6 +64,8 @@ def _generate_batch(task, payload: dict) -> dict | None:
 def live(batch: Batch, hooks: list[BatchHook]) -> End:
     """The batch from receipt to stored, calling the hooks at each step: how it ended."""
     rt, message, storage = batch.runtime, batch.message, batch.storage
+    if reason := rt.run_problem(storage, message.run_id):
+        return refused(batch, reason)
     for hook in hooks:
         if end := hook.on_received(batch):
             return end
@@ -140,19 +142,25 @@ def hand_back(batch: Batch, reason: str, exit_code: int) -> End:
     return batch.end(Outcome.HAND_BACK, handed_back=reason)
 
 
-def dead_letter(task, batch, exc: ValueError) -> dict:
-    """A message that is not a diffq batch: to the dead letters, never retried."""
-    if isinstance(exc, ValidationError):
-        first = exc.errors()[0]
-        where = ".".join(str(part) for part in first["loc"]) or "message"
-        reason = f"not a diffq batch: {exc.error_count()} schema errors, first {where}: {first['msg']}"
-    else:
-        reason = str(exc)
+def dead_letter(task, batch, exc: Exception) -> dict:
+    """A message that is not a diffq batch, or one this worker may not take: to the
+    dead letters, never retried."""
+    reason = schema_reason(exc)
     queue = (task.request.delivery_info or {}).get("routing_key") or "?"
     # Rejected for the broker to route where it dead-letters (RabbitMQ's policy), else a letter and an ack.
     outcome = dead_letters_of(task.app, task.runtime.worker).refuse(
         queue, reason, {"batch": batch}, "application/json", {"task": task.name, "id": task.request.id})
     return ended(task, outcome, {"dead_letter": reason})
+
+
+def refused(batch: Batch, reason: str) -> End:
+    """A batch this worker may not take (not its run's): to the dead letters with the
+    reason, never generated or retried."""
+    task, message = batch.task, batch.message
+    outcome = dead_letters_of(task.app, batch.runtime.worker).refuse(
+        message.shape.queue, f"refused: batch {message.batch_id}: {reason}", {"batch": message.model_dump(mode="json")},
+        "application/json", {"task": task.name, "id": task.request.id}, letter=True)
+    return batch.end(outcome, dead_letter=reason)
 
 
 def ended(task, outcome: Outcome, result: dict | None = None) -> dict | None:

@@ -167,7 +167,7 @@ def worker(
     broker = broker or settings.broker_url
     if not broker:
         fail("no broker: pass --broker URL or set DIFFQ_BROKER_URL")
-    names, models, discovery = _served_queues(broker, queues, run, model, serve_models,
+    names, models, discovery, runs = _served_queues(broker, queues, run, model, serve_models,
                                               rabbitmq_api or settings.rabbitmq_api,
                                               devices.backend.served_dtypes, discover=not plan)
     check_compile(models, compile.value)
@@ -182,7 +182,8 @@ def worker(
                               generation=tpu_generation.value if tpu_generation else None,
                               allowed_out_prefixes=settings.allowed_out_prefixes, loglevel=loglevel,
                               drain_timeout_s=drain_timeout, allow_fallback=allow_fallback,
-                              on_degenerate=on_degenerate.value, **discovery)
+                              on_degenerate=on_degenerate.value, runs=runs, **discovery)
+        _say_what_is_admitted(broker, specs)
     except ValueError as exc:
         fail(str(exc))
     if plan:
@@ -193,21 +194,26 @@ def worker(
 
 
 def _served_queues(broker: str, queues: str | None, run: str | None, model: str | None, serve_models: str | None,
-                   rabbitmq_api: str | None, dtypes, *, discover: bool) -> tuple[list[str], list[str], dict]:
-    """The queues a worker consumes and the models it loads: --queues, plus a run
-    folder's shapes with --run; with neither, the broker's queues of the served models
-    (discovery goes on while it runs). `discover=False` (--plan) lists nothing."""
+                   rabbitmq_api: str | None, dtypes, *, discover: bool) -> tuple[list[str], list[str], dict, list]:
+    """The queues a worker consumes, the models it loads and the runs it serves:
+    --queues, plus a run folder's shapes with --run (then only that run's batches are
+    taken); with neither, the broker's queues of the served models (discovery goes on
+    while it runs). `discover=False` (--plan) lists nothing."""
     names = [q for q in (queues or "").split(",") if q]
     models = [model] if model else []
+    runs = []
     if run:
         from diffq.core.runfolder import read_manifest
         from diffq.core.storage import open_storage
+        from diffq.worker.admission import RunScope
 
-        manifest = read_manifest(open_storage(run))
+        storage = open_storage(run)
+        manifest = read_manifest(storage)
         names += [s.queue for s in manifest.shapes if s.queue not in names]
         models = models or manifest.models or [manifest.defaults.model]
+        runs = [RunScope.of(storage.url, manifest.run_id)]
     if names:
-        return names, models, {}
+        return names, models, {}, runs
     from diffq.worker.routing import startup_queues
 
     serve = [m for m in (serve_models or "").split(",") if m] or models
@@ -216,7 +222,20 @@ def _served_queues(broker: str, queues: str | None, run: str | None, model: str 
             names = startup_queues(broker, serve, rabbitmq_api, dtypes=dtypes)
         except ValueError as exc:
             fail(str(exc))
-    return names, models, {"discover": True, "serve_models": serve, "rabbitmq_api": rabbitmq_api}
+    return names, models, {"discover": True, "serve_models": serve, "rabbitmq_api": rabbitmq_api}, runs
+
+
+def _say_what_is_admitted(broker: str, specs: list) -> None:
+    """On a broker others can publish to, say loudly what this worker lets through
+    that a publisher chooses (worker/admission.py)."""
+    from diffq.core.transports import transport_for
+    from diffq.worker.admission import Admission
+
+    admission = Admission.of(specs[0], get_settings()) if specs else None
+    if admission is None or transport_for(broker).keda is None:  # keda: a fleet's broker, reachable by others
+        return
+    for line in admission.warnings():
+        err.print(f"[bold red]warning:[/] {line}", highlight=False)
 
 
 def _child_plans(specs: list, tp: int) -> list[dict]:
@@ -273,6 +292,8 @@ def status(
     out.print(table)
     out.print(f"{st.done}/{st.total} done, {st.failed} failed, "
               + (f"{st.cancelled} cancelled, " if st.cancelled else "") + f"{st.pending} pending")
+    if st.trouble:
+        out.print(st.trouble, style="bold yellow", markup=False, highlight=False)
 
 
 @app.command()

@@ -9,12 +9,17 @@ names come from `ShapeKey.queue` built by the producer's own `shape_of`, so the
 lists KEDA watches are the names `diffq submit` publishes to.
 A device kind's pod facts (resource, selectors, sizes, pool) are its backend table row's
 `k8s` field: a backend cannot be added without saying whether and how it deploys.
+Every worker pod also says what it admits (`admission_env`): the run-folder prefixes
+it may write under (a fleet names them, or says `--any-out`), its pool's models, and
+the signing keys from an optional Secret.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import math
+import posixpath
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,6 +28,8 @@ import yaml
 from diffq.app.backlog import PORT as BACKLOG_PORT
 from diffq.core.contract import AUTO_DTYPE, ShapeKey, model_slug
 from diffq.core.families import cfg_bit, family_of
+from diffq.core.options import DEFAULTS
+from diffq.core.storage import StorageError, redact_url, split_bucket_url
 from diffq.core.transports import KedaFacts, Transport, transport_for
 from diffq.producer.bucketing import RunOptions, shape_of
 from diffq.worker.backends import Backend, K8sPod, get_backend
@@ -34,6 +41,17 @@ NAMESPACE = "diffq"
 # worker env (the transport table: redis-address/redis-password, aws-*, rabbitmq-api).
 SECRET = "diffq-broker"
 TRIGGER_AUTH = "diffq-broker"
+# The batches' HMAC keys (diffq/core/settings.py `signing_key`, `signing_key_previous`):
+# Secret key -> worker env. Optional, so a fleet without signing still starts; with a
+# key set, workers dead-letter unsigned batches (`diffq submit` signs with the same).
+SIGNING_SECRET = "diffq-signing"
+SIGNING_ENV = (("DIFFQ_SIGNING_KEY", "key"), ("DIFFQ_SIGNING_KEY_PREVIOUS", "previous"))
+# What a worker without --run admits (the settings it reads, JSON lists).
+OUT_PREFIXES_ENV = "DIFFQ_ALLOWED_OUT_PREFIXES"
+MODELS_ENV = "DIFFQ_ALLOWED_MODELS"
+NO_PREFIX = ("no run-folder prefix: pass --out-prefix s3://BUCKET/runs (the prefix your `diffq submit --out` "
+             "folders live under; workers write only there) or --any-out (workers write wherever a batch says), "
+             "or set DIFFQ_ALLOWED_OUT_PREFIXES")
 # The per-model backlog service (diffq/app/backlog.py) that discovery pools scale on.
 BACKLOG = "diffq-backlog"
 CACHE_PVC = "diffq-cache"
@@ -57,6 +75,39 @@ def planned_devices(plan_json: dict) -> dict[str, int]:
     return {queue: max(1, math.ceil(fleet["devices"] * seconds / total)) for queue, seconds in work.items()}
 
 
+def parse_out_prefixes(values: list[str] | tuple[str, ...]) -> tuple[str, ...]:
+    """`--out-prefix` values (repeated or comma-separated) -> normalised prefixes:
+    s3://BUCKET[/path] and gs://BUCKET[/path] as their storage spells them, an absolute
+    path without '..'; no trailing '/'. Raises ValueError naming the bad one."""
+    prefixes: list[str] = []
+    for value in (v.strip() for item in values for v in item.split(",")):
+        if not value:
+            continue
+        prefix = normalise_out_prefix(value)
+        if prefix not in prefixes:
+            prefixes.append(prefix)
+    return tuple(prefixes)
+
+
+def normalise_out_prefix(value: str) -> str:
+    scheme = value.partition("://")[0].lower() if "://" in value else ""
+    if scheme in ("s3", "gs"):
+        try:
+            bucket, path = split_bucket_url(value)
+        except StorageError as exc:
+            raise ValueError(f"--out-prefix: {exc}") from None  # the URL redacted
+        return f"{scheme}://{bucket}" + (f"/{path}" if path else "")
+    if scheme or not value.startswith("/"):
+        raise ValueError(f"--out-prefix {redact_url(value)}: expected s3://BUCKET[/path], gs://BUCKET[/path] "
+                         f"or an absolute path")
+    if ".." in value.split("/"):
+        raise ValueError(f"--out-prefix {value}: no '..' in a prefix")
+    path = "/" + posixpath.normpath(value).lstrip("/")
+    if path == "/":
+        raise ValueError(f"--out-prefix {value}: '/' is every folder; use --any-out to say so")
+    return path
+
+
 def parse_shapes(spec: str) -> list[tuple[int, int]]:
     """'1024x1024,768x1344' -> [(1024, 1024), (768, 1344)] (height x width)."""
     shapes = []
@@ -73,9 +124,9 @@ def parse_shapes(spec: str) -> list[tuple[int, int]]:
     return shapes
 
 
-def shape_keys(model: str, shapes: list[tuple[int, int]], *, batch_size: int,
-               max_sequence_length: int = 64, guidance_scale: float = 1.0,
-               dtype: str = AUTO_DTYPE) -> list[ShapeKey]:
+def shape_keys(model: str, shapes: list[tuple[int, int]], *, batch_size: int = DEFAULTS.batch_size,
+               max_sequence_length: int = DEFAULTS.max_sequence_length,
+               guidance_scale: float = DEFAULTS.guidance_scale, dtype: str = DEFAULTS.dtype) -> list[ShapeKey]:
     """The producer's own shape rule (`shape_of`) applied to one prompt per size."""
     options = RunOptions(model=model, batch_size=batch_size,
                          max_sequence_length=max_sequence_length, dtype=dtype)
@@ -121,6 +172,10 @@ class FleetOptions:
     # says which KEDA scaler watches its queues and which credentials pods read.
     broker: str = "redis://"
     aws_region: str = "us-east-1"
+    # Run folders workers may write to (DIFFQ_ALLOWED_OUT_PREFIXES, from
+    # `parse_out_prefixes`); none is refused unless `any_out` says so by name.
+    out_prefixes: tuple[str, ...] = ()
+    any_out: bool = False
     # From a fleet plan (`diffq plan --json --rates … --deadline …`): the devices each
     # queue needs to meet the deadline; a pool's maxReplicaCount is then its pods.
     planned_devices: dict[str, int] | None = None
@@ -131,6 +186,13 @@ class FleetOptions:
             return self.max_replicas  # the plan does not cover this pool's shapes
         n = self.devices_per_pod or self.profile.devices_per_pod
         return max(1, math.ceil(sum(self.planned_devices.get(q, 0) for q in queues) / n))
+
+    def check_out(self) -> None:
+        """A fleet names where its workers write, or says by name that it is anywhere."""
+        if self.any_out and self.out_prefixes:
+            raise ValueError("--any-out and --out-prefix contradict each other: pass one")
+        if not self.any_out and not self.out_prefixes:
+            raise ValueError(NO_PREFIX)
 
     @property
     def transport(self) -> Transport:
@@ -189,7 +251,8 @@ def grace_seconds(options: FleetOptions) -> int:
     return options.grace_seconds or options.profile.grace_seconds
 
 
-def deployment(name: str, args: list[str], annotations: dict[str, str], options: FleetOptions) -> dict:
+def deployment(name: str, args: list[str], models: list[str], annotations: dict[str, str],
+               options: FleetOptions) -> dict:
     profile = options.profile
     n = options.devices_per_pod or profile.devices_per_pod
     labels = {"app.kubernetes.io/name": "diffq-worker", "app.kubernetes.io/instance": name,
@@ -199,7 +262,7 @@ def deployment(name: str, args: list[str], annotations: dict[str, str], options:
     if profile.resource:
         resources["requests"][profile.resource] = n
         resources["limits"][profile.resource] = n
-    env = broker_env(options) + [
+    env = broker_env(options) + admission_env(models, options) + [
         {"name": "HF_HOME", "value": f"{CACHE_MOUNT}/hf"},
         {"name": "DIFFQ_METRICS_PORT", "value": str(METRICS_PORT)},
         {"name": "DIFFQ_LOG_JSON", "value": "true"},
@@ -250,6 +313,28 @@ def broker_env(options: FleetOptions) -> list[dict]:
     return [{"name": "DIFFQ_BROKER_URL", "valueFrom": {"secretKeyRef": {"name": SECRET, "key": "broker-url"}}}] + [
         {"name": name, "valueFrom": {"secretKeyRef": {"name": SECRET, "key": key, "optional": True}}}
         for name, key in options.transport.secret_env]
+
+
+def admission_env(models: list[str], options: FleetOptions) -> list[dict]:
+    """What a worker admits (worker settings, diffq/core/settings.py): run folders under
+    the fleet's prefixes (none rendered with --any-out), the pool's models, and batches
+    signed with a key of the optional signing Secret."""
+    options.check_out()
+    env = [{"name": OUT_PREFIXES_ENV, "value": json.dumps(list(options.out_prefixes))}] if options.out_prefixes \
+        else []
+    env.append({"name": MODELS_ENV, "value": json.dumps(list(models))})
+    return env + [{"name": name, "valueFrom": {"secretKeyRef": {"name": SIGNING_SECRET, "key": key,
+                                                                 "optional": True}}}
+                  for name, key in SIGNING_ENV]
+
+
+def header(options: FleetOptions) -> str:
+    """The comment each rendered file starts with; loud where workers write anywhere."""
+    text = "# Generated by `diffq fleet manifests`; regenerate rather than edit.\n"
+    if options.any_out:
+        text += ("# WARNING: rendered with --any-out: no DIFFQ_ALLOWED_OUT_PREFIXES, so these workers write\n"
+                 "# into whatever run folder a batch names. Re-render with --out-prefix s3://BUCKET/runs.\n")
+    return text
 
 
 def queue_triggers(queues: list[str], options: FleetOptions) -> list[dict]:
@@ -334,6 +419,7 @@ def backlog_service(options: FleetOptions) -> list[dict]:
 def render(shapes: list[ShapeKey], options: FleetOptions) -> dict[str, list[dict]]:
     """File stem -> documents: `common`, then a Deployment + ScaledObject per pool
     (per model where the profile's workers serve every shape, else per shape queue)."""
+    options.check_out()
     rendered = {"common": common(options)}
     if options.profile.pool == "model":
         rendered["common"] += backlog_service(options)
@@ -345,13 +431,13 @@ def render(shapes: list[ShapeKey], options: FleetOptions) -> dict[str, list[dict
             annotations = {"diffq/model": model, "diffq/queues": ",".join(queues)}
             # The render-time queues directly, and every queue of the model through the backlog.
             triggers = queue_triggers(queues, options) + [backlog_trigger(model, options)]
-            rendered[name] = [deployment(name, pool_args(model, dtype, options), annotations, options),
+            rendered[name] = [deployment(name, pool_args(model, dtype, options), [model], annotations, options),
                               scaled_object(name, queues, triggers, annotations, options)]
         return rendered
     for shape in shapes:
         name = k8s_name(shape.queue)
         annotations = {"diffq/queue": shape.queue}
-        rendered[name] = [deployment(name, worker_args(shape, options), annotations, options),
+        rendered[name] = [deployment(name, worker_args(shape, options), [shape.model], annotations, options),
                           scaled_object(name, [shape.queue], queue_triggers([shape.queue], options), annotations,
                                         options)]
     return rendered

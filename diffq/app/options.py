@@ -7,17 +7,17 @@ from __future__ import annotations
 
 import functools
 import inspect
+import typing
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Literal, Optional
 
 import typer
 from rich.console import Console
 
 from diffq.app.choices import CompileMode, Device, Dtype
-from diffq.core.contract import FITS, BatchParams, ShapeKey
-from diffq.core.layout import IMAGE_FORMATS
+from diffq.core.options import GenerationOptions
 from diffq.worker import backends
 from diffq.worker.spec import DEFAULT_DEGENERATE_POLICY, DEGENERATE_POLICIES
 
@@ -25,15 +25,11 @@ err = Console(stderr=True, soft_wrap=True)
 out = Console()
 
 
-ImageFormat = Enum("ImageFormat", {name: name for name in IMAGE_FORMATS}, type=str)
-
-
 class Routing(str, Enum):
     compile_aware = "compile-aware"
     round_robin = "round-robin"
 
 
-Fit = Enum("Fit", {name: name for name in FITS}, type=str)  # the contract's list
 DegeneratePolicy = Enum("DegeneratePolicy", {name: name for name in DEGENERATE_POLICIES}, type=str)
 DEFAULT_ON_DEGENERATE = DegeneratePolicy(DEFAULT_DEGENERATE_POLICY)
 
@@ -43,49 +39,34 @@ def contract_range(model, name: str) -> dict:
     is refused naming the option and its range, before any schema error."""
     import annotated_types as at
 
-    bounds = {}
+    lows, highs = [], []
     for item in model.model_fields[name].metadata:
         if isinstance(item, at.Gt):
-            bounds["min"] = item.gt + 1 if isinstance(item.gt, int) else item.gt
+            lows.append(item.gt + 1 if isinstance(item.gt, int) else item.gt)
         elif isinstance(item, at.Ge):
-            bounds["min"] = item.ge
+            lows.append(item.ge)
         elif isinstance(item, at.Le):
-            bounds["max"] = item.le
+            highs.append(item.le)
         elif isinstance(item, at.Lt):
-            bounds["max"] = item.lt - 1
-    return bounds
+            highs.append(item.lt - 1)
+    return ({"min": max(lows)} if lows else {}) | ({"max": min(highs)} if highs else {})
 
 
 Prompts = Annotated[Path, typer.Argument(help="Prompt file: .jsonl, .csv, .txt or .parquet")]
 Out = Annotated[str, typer.Option("--out", "-o", help="Run folder: path, file://, s3://bucket/prefix or gs://bucket/prefix")]
 Model = Annotated[str, typer.Option("--model", "-m", help="Pipeline folder or Hugging Face model id")]
-BatchSize = Annotated[int, typer.Option("--batch-size", "-b", **contract_range(ShapeKey, "batch_size"), help="Images per compiled batch")]
-Steps = Annotated[int, typer.Option("--steps", **contract_range(BatchParams, "num_inference_steps"), help="Default num_inference_steps")]
-Guidance = Annotated[float, typer.Option("--guidance-scale", **contract_range(BatchParams, "guidance_scale"), help="Default guidance scale (> 1 turns CFG on)")]
-SeqLen = Annotated[int, typer.Option("--max-sequence-length", **contract_range(ShapeKey, "max_sequence_length"), help="Text tokens per prompt (padded)")]
-Height = Annotated[int, typer.Option("--height", **{**contract_range(ShapeKey, "height"), "min": 16}, help="Default image height (multiple of 16, any with --size-buckets)")]
-Width = Annotated[int, typer.Option("--width", **{**contract_range(ShapeKey, "width"), "min": 16}, help="Default image width (multiple of 16, any with --size-buckets)")]
-Format = Annotated[ImageFormat, typer.Option("--format", help="Image file format")]
 DtypeOpt = Annotated[Dtype, typer.Option("--dtype", help="Pipeline dtype, part of the shape key: auto (each worker runs its device's default: bfloat16 on neuron, tpu, cuda; float32 on cpu) or a pinned dtype")]
 DeviceOpt = Annotated[Device, typer.Option("--device", help="Device kind, from the backend table")]
 Compile = Annotated[CompileMode, typer.Option("--compile", help="none | full (whole transformer) | regional (repeated blocks) | defer-fuse (TPU only); checked against the device")]
 CompileCache = Annotated[Optional[str], typer.Option("--compile-cache", help="Compile cache: a shared directory used in place, or s3://… / gs://… / file://… mirrored locally (pull before warmup, push after compiling)")]
 Offload = Annotated[Optional[str], typer.Option("--offload", help="'model': enable_model_cpu_offload()")]
 RunId = Annotated[Optional[str], typer.Option("--run-id", help="Run id (default: random)")]
-SizeBucketsOpt = Annotated[Optional[str], typer.Option("--size-buckets", help="HxW[,HxW…] and/or a preset (aspect-1024, aspect-512, aspect-256): each row is generated at the bucket of nearest aspect ratio; requested sizes need not be multiples of 16")]
-FitOpt = Annotated[Fit, typer.Option("--fit", help="With --size-buckets: store the bucket's image as is (none), resized to the requested size (resize), or scaled and centre-cropped to it (crop)")]
-KeepColumns = Annotated[Optional[str], typer.Option("--keep-columns", help="CSV/Parquet columns a,b moved into each row's metadata (other unknown columns stay errors)")]
-EmbedMetadata = Annotated[bool, typer.Option("--embed-metadata/--no-embed-metadata", help="Write prompt, seed, steps, ... into each image file (PNG text, EXIF UserComment)")]
 SeedBase = Annotated[Optional[str], typer.Option("--seed-base", help="Derive item seeds from this instead of the run id (reproducible reruns)")]
 
 
 def fail(message: str, code: int = 2) -> None:
     err.print(f"[red]error:[/red] {message}", highlight=False)
     raise typer.Exit(code)
-
-
-def columns(value: str | None) -> tuple[str, ...]:
-    return tuple(name.strip() for name in (value or "").split(",") if name.strip())
 
 
 def check_compile(models: list[str], compile: str) -> None:
@@ -168,36 +149,44 @@ def device_options(what: str = ", one process each", workers_help: str | None = 
 Broker = Annotated[Optional[str], typer.Option("--broker", help="Broker URL (or DIFFQ_BROKER_URL)")]
 
 
-@dataclass
-class Generation:
-    """The generation options `run`, `submit` and `plan` share, as their functions take them."""
-
-    batch_size: int
-    steps: int
-    guidance_scale: float
-    max_sequence_length: int
-    height: int
-    width: int
-    format: ImageFormat
-    dtype: Dtype
-    size_buckets: str | None
-    fit: Fit
-    keep_columns: str | None
-    embed_metadata: bool = True
-
-    def kwargs(self) -> dict:
-        return dict(batch_size=self.batch_size, steps=self.steps, guidance_scale=self.guidance_scale,
-                    max_sequence_length=self.max_sequence_length, height=self.height, width=self.width,
-                    format=self.format.value, dtype=self.dtype.value,
-                    size_buckets=self.size_buckets, fit=self.fit.value, embed_metadata=self.embed_metadata,
-                    keep_columns=columns(self.keep_columns))
+# The generation options `run`, `submit` and `plan` share: the core model, declared
+# once (diffq/core/options.py); a command receives one as `generation`.
+Generation = GenerationOptions
+# Short forms, the one thing the command line adds to a generation option.
+SHORT_FLAGS = {"batch_size": "-b"}
 
 
-# The generation defaults, shared by run, submit, plan and `fleet manifests`: a fleet
-# rendered without options watches the queues a submit without options fills.
-DEFAULT_BATCH_SIZE = 4
-DEFAULT_SEQ_LEN = 64
-DEFAULT_GUIDANCE = 1.0
+def generation_params(fields=None) -> list[inspect.Parameter]:
+    """One typer option per generation option (or those of `fields`), from the model:
+    `--name-with-dashes`, its default, its help, its bounds, its choices."""
+    params = []
+    for name, info in GenerationOptions.model_fields.items():
+        if fields is not None and name not in fields:
+            continue
+        flag = "--" + name.replace("_", "-")
+        annotation, default = info.annotation, info.default
+        choices = typing.get_args(annotation) if typing.get_origin(annotation) is Literal else ()
+        if choices:
+            annotation = Enum(name.title().replace("_", ""), {c: c for c in choices}, type=str)
+            default = annotation(default)
+            option = typer.Option(flag, help=info.description)
+        elif annotation is bool:
+            option = typer.Option(f"{flag}/--no-{flag[2:]}", help=info.description)
+        elif name == "keep_columns":  # a,b on the command line
+            annotation, default = Optional[str], None
+            option = typer.Option(flag, help=info.description)
+        else:
+            if typing.get_origin(annotation) is typing.Union or type(annotation).__name__ == "UnionType":
+                annotation = Optional[str]
+            option = typer.Option(flag, *([SHORT_FLAGS[name]] if name in SHORT_FLAGS else []),
+                                  **contract_range(GenerationOptions, name), help=info.description)
+        params.append(_option(name, Annotated[annotation, option], default))
+    return params
+
+
+def _generation(**values) -> GenerationOptions:
+    return GenerationOptions(**{name: value.value if isinstance(value, Enum) else value
+                                for name, value in values.items()})
 
 
 def _option(name: str, annotation, default) -> inspect.Parameter:
@@ -278,13 +267,5 @@ def local_worker_options():
 
 def generation_options(*, embed_metadata: bool = True):
     """Add the shared generation options to a command; it receives them as `generation`."""
-    shared = [
-        _option("batch_size", BatchSize, DEFAULT_BATCH_SIZE), _option("steps", Steps, 4),
-        _option("guidance_scale", Guidance, DEFAULT_GUIDANCE), _option("max_sequence_length", SeqLen, DEFAULT_SEQ_LEN), _option("height", Height, 128), _option("width", Width, 128),
-        _option("format", Format, ImageFormat.png),
-        _option("dtype", DtypeOpt, Dtype("auto")),
-        _option("size_buckets", SizeBucketsOpt, None), _option("fit", FitOpt, Fit.none),
-        _option("keep_columns", KeepColumns, None),
-    ] + ([_option("embed_metadata", EmbedMetadata, True)] if embed_metadata else [])
-
-    return option_group("generation", shared, Generation)
+    fields = [name for name in GenerationOptions.model_fields if embed_metadata or name != "embed_metadata"]
+    return option_group("generation", generation_params(fields), _generation)

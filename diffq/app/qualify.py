@@ -38,6 +38,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from diffq.core.options import DEFAULTS
 from diffq.core.records import DEGENERATE_CHECKS
 from diffq.worker.backends import REFERENCE, RunConfig, get_backend
 
@@ -45,7 +46,9 @@ REFERENCE_FILE = "reference.json"
 PSNR_CAP = 100.0
 DEFAULT_SHAPE = (1024, 1024)
 # What is generated when neither an option nor a saved reference says otherwise.
-GENERATION_DEFAULTS = {"batch_size": 1, "steps": 4, "guidance_scale": 1.0, "max_sequence_length": 64}
+# The run's defaults (core/options.py), but one image per call: qualify measures a call.
+GENERATION_DEFAULTS = {"batch_size": 1, "steps": DEFAULTS.steps, "guidance_scale": DEFAULTS.guidance_scale,
+                       "max_sequence_length": DEFAULTS.max_sequence_length}
 DEFAULT_REPEATS = 5
 # Above this many pixels the CPU reference (and parity) runs at a reduced shape.
 REFERENCE_MAX_PIXELS = 512 * 512

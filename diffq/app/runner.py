@@ -12,6 +12,15 @@ A run killed part-way (Ctrl-C, OOM, a reboot) is finished the same way: `run` ag
 with the same file and options on the same OUT, or `resume` (`diffq resume OUT`
 without a broker), publishes the plan minus the records to a fresh embedded broker
 under the run's own run id and seeds; nothing stored is generated again.
+
+What the user sees is the progress bar: when storing has been failing for longer
+than a minute it says why ("storage full: No space left on device — waiting, 3 min"),
+from the notes the workers' sinks leave in the broker's own folder (a local disk, so
+it works when OUT takes nothing), OUT's trouble notes and the runner's own look at a
+local OUT's disk (diffq/core/progress.py). The workers' stdout, where Celery says
+"worker: Warm shutdown (MainProcess)" at every stop, goes to a file in the broker
+folder; every other line there is passed on to the runner's stdout, and their stderr
+(errors, warnings) is the runner's own.
 """
 
 from __future__ import annotations
@@ -19,7 +28,9 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import re
 import shutil
+import sys
 import tempfile
 import threading
 import time
@@ -33,13 +44,15 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from diffq.core import layout
 from diffq.core.broker import embedded_broker
 from diffq.core.families import compile_refusal
-from diffq.core.progress import ProgressSummary
+from diffq.core.progress import (TROUBLE_DIR_ENV, ProgressSummary, local_troubles, observed_trouble,
+                                 recorded_troubles, trouble_message)
 from diffq.core.records import RunManifest
 from diffq.core.runfolder import iter_records, read_cancel, read_manifest
 from diffq.core.storage import Storage, open_storage
 from diffq.core.transports import transport_for
 from diffq.producer.resume import check_plan, continuation, missing_batches, scan, uncancel
-from diffq.producer.submit import CeleryPublisher, make_options, submit, validate
+from diffq.producer.submit import CeleryPublisher, make_options, new_run_id, submit, validate
+from diffq.worker.admission import RunScope
 from diffq.worker.backends import get_backend
 from diffq.worker.models import resolve_model
 from diffq.worker.spec import DEFAULT_DEGENERATE_POLICY
@@ -153,14 +166,15 @@ class LocalWorkers:
         if reason := compile_refusal(models, self.compile):
             raise ValueError(reason)
 
-    def specs(self, broker_url: str, transport_options: dict, queues: list[str], models: list[str], dtype: str):
+    def specs(self, broker_url: str, transport_options: dict, queues: list[str], models: list[str], dtype: str,
+              runs: list[RunScope] = ()):
         return plan_children(
             device=get_backend(self.device).name,
             devices=self.devices if self.devices is not None else list(range(self.workers)),
             broker_url=broker_url, transport_options=transport_options, queues=queues, threads=self.threads,
             compile=self.compile, compile_cache=self.compile_cache, offload=self.offload,
             warmup=self.warmup or [], models=models, dtype=dtype, allow_fallback=self.allow_fallback,
-            on_degenerate=self.on_degenerate)
+            on_degenerate=self.on_degenerate, runs=list(runs))
 
 
 def run(
@@ -199,9 +213,10 @@ def run(
             resolve_model(name)
     local.check(plan.models)
     storage = open_storage(out)
+    new_id = run_id or new_run_id()  # known before submitting: the workers serve this run only
 
     def publish_all(publisher) -> str:
-        return submit(prompts, out, model=model, publisher=publisher, plan=plan, run_id=run_id,
+        return submit(prompts, out, model=model, publisher=publisher, plan=plan, run_id=new_id,
                       seed_base=seed_base, keep_columns=keep_columns, **generation).run_id
 
     with _sole_runner(storage):
@@ -211,7 +226,7 @@ def run(
                          run_id=run_id, seed_base=seed_base, keep_columns=keep_columns)
             return _finish(storage, manifest, local, progress=progress, console=console, started=started)
         return _serve(storage, local, queues=[shape.queue for shape in plan.shapes], models=plan.models,
-                      dtype=options.dtype, total=plan.total, publish_all=publish_all,
+                      run_id=new_id, dtype=options.dtype, total=plan.total, publish_all=publish_all,
                       tracker=ProgressSummary(storage), progress=progress, console=console, started=started)
 
 
@@ -277,11 +292,12 @@ def _finish(storage: Storage, manifest: RunManifest, local: LocalWorkers, *, pro
         return manifest.run_id
 
     return _serve(storage, local, queues=[shape.queue for shape in manifest.shapes], models=manifest.models,
-                  dtype=manifest.defaults.dtype, total=manifest.total, publish_all=publish_all,
+                  run_id=manifest.run_id, dtype=manifest.defaults.dtype, total=manifest.total, publish_all=publish_all,
                   tracker=tracker, progress=progress, console=console, started=started)
 
 
-def _serve(storage: Storage, local: LocalWorkers, *, queues: list[str], models: list[str], dtype: str, total: int,
+def _serve(storage: Storage, local: LocalWorkers, *, queues: list[str], models: list[str], run_id: str,
+           dtype: str, total: int,
            publish_all, tracker: ProgressSummary, progress: bool, console: Console | None,
            started: float) -> RunResult:
     """Embedded broker, local workers and `publish_all(publisher)` (it returns the run
@@ -289,8 +305,10 @@ def _serve(storage: Storage, local: LocalWorkers, *, queues: list[str], models: 
     already_done, already_failed = tracker.done, tracker.failed
     broker_dir = Path(tempfile.mkdtemp(prefix="diffq-broker-"))
     broker_url, transport_options = embedded_broker(broker_dir)
-    specs = local.specs(broker_url, transport_options, queues, models, dtype)
-    supervisor = Supervisor(specs)
+    specs = local.specs(broker_url, transport_options, queues, models, dtype, [RunScope.of(storage.url, run_id)])
+    output = _WorkerOutput(broker_dir / "workers.out")
+    supervisor = _QuietSupervisor(specs, output)
+    troubles = _TroubleView(storage, broker_dir / "trouble")
     stop = threading.Event()
     publisher = BoundedPublisher(CeleryPublisher(broker_url, transport_options),
                                  broker_dir / "queue", max(16, 4 * len(specs)), stop)
@@ -298,23 +316,28 @@ def _serve(storage: Storage, local: LocalWorkers, *, queues: list[str], models: 
     # This transport loses a batch in flight when its worker dies (the table says
     # so): the runner re-enqueues from the run folder instead.
     lost = _LostBatches(storage, supervisor, submission) if transport_for(broker_url).loses_inflight_on_kill else None
-    supervisor.start()
-    submission.start()
-    bar = Progress(TextColumn("[bold]diffq run"), BarColumn(), MofNCompleteColumn(),
-                   TextColumn("{task.fields[rate]:.1f} img/s · failed {task.fields[failed]}"),
-                   TimeElapsedColumn(), console=console or Console(stderr=True), disable=not progress,
-                   transient=False)
+    # The workers and their sink helpers inherit where to leave their trouble notes.
+    previous_notes_dir = os.environ.get(TROUBLE_DIR_ENV)
+    os.environ[TROUBLE_DIR_ENV] = str(troubles.folder)
+    bar = progress_bar(console or Console(stderr=True), enabled=progress)
     try:
+        supervisor.start()
+        submission.start()
         with bar:
-            task = bar.add_task("run", total=total, completed=already_done, rate=0.0, failed=already_failed)
+            task = bar.add_task("run", total=total, completed=already_done, rate=0.0, failed=already_failed,
+                                trouble="")
             next_cancel_check = 0.0
             while True:
                 before = tracker.done + tracker.failed
                 moved = tracker.refresh().done + tracker.failed != before
                 now = time.monotonic()
                 elapsed = now - started
+                trouble = troubles.look(now, pending=total - tracker.done - tracker.failed)
                 bar.update(task, completed=tracker.done, failed=tracker.failed,
-                           rate=(tracker.done - already_done) / elapsed if elapsed else 0.0)
+                           rate=(tracker.done - already_done) / elapsed if elapsed else 0.0, trouble=trouble or "")
+                if not progress:
+                    troubles.say(bar.console, trouble, now)
+                output.forward()
                 if tracker.done + tracker.failed >= total:
                     break
                 # `diffq cancel` from elsewhere: the workers drop what is queued.
@@ -334,11 +357,136 @@ def _serve(storage: Storage, local: LocalWorkers, *, queues: list[str], models: 
         supervisor.stop()
         submission.join(timeout=5)
         publisher.close()
+        output.close()  # what the workers said last, but Celery's shutdown lines
+        if previous_notes_dir is None:
+            os.environ.pop(TROUBLE_DIR_ENV, None)
+        else:
+            os.environ[TROUBLE_DIR_ENV] = previous_notes_dir
         shutil.rmtree(broker_dir, ignore_errors=True)
     return RunResult(out=storage.url, run_id=submission.run_id, total=total, done=tracker.done,
                      failed=tracker.failed, seconds=time.monotonic() - started,
                      reenqueued=lost.reenqueued if lost else 0,
                      already_done=already_done, already_failed=already_failed)
+
+
+def progress_bar(console: Console, *, enabled: bool = True) -> Progress:
+    """`diffq run`'s bar: done of total, images/s, failed, elapsed, and why storing fails
+    when it has for a while (the task's `trouble` field, empty otherwise)."""
+    return Progress(TextColumn("[bold]diffq run"), BarColumn(), MofNCompleteColumn(),
+                    TextColumn("{task.fields[rate]:.1f} img/s · failed {task.fields[failed]}"),
+                    TimeElapsedColumn(), TextColumn("{task.fields[trouble]}", style="bold yellow", markup=False),
+                    console=console, disable=not enabled, transient=False)
+
+
+class _TroubleView:
+    """Why storing fails, for the bar: the notes the workers' sinks leave in `folder`
+    (the broker's, on a local disk), OUT's own trouble notes, and a look at a local
+    OUT's disk (diffq/core/progress.py). Looked at every LOOK_S, OUT's notes (a
+    listing) every NOTES_S; None until storing has failed for longer than a minute."""
+
+    LOOK_S = 2.0
+    NOTES_S = 10.0
+    SAY_AGAIN_S = 300.0  # without a bar: the message again this often while it lasts
+
+    def __init__(self, storage: Storage, folder: Path):
+        self.storage, self.folder = storage, folder
+        folder.mkdir(parents=True, exist_ok=True)
+        self._next_look = self._next_notes = 0.0
+        self._in_out: list = []
+        self._message: str | None = None
+        self._said: tuple[str, float] | None = None  # (reason, when) last said without a bar
+
+    def look(self, now: float, pending: int) -> str | None:
+        if now >= self._next_look:
+            self._next_look = now + self.LOOK_S
+            if now >= self._next_notes:
+                self._next_notes = now + self.NOTES_S
+                self._in_out = recorded_troubles(self.storage) if pending > 0 else []
+            troubles = [*local_troubles(self.folder), *self._in_out, observed_trouble(self.storage, pending)]
+            self._message = trouble_message(troubles) if pending > 0 else None
+        return self._message
+
+    def say(self, console: Console, message: str | None, now: float) -> None:
+        """Without a bar: say it once, and again every SAY_AGAIN_S or when the reason changes."""
+        if message is None:
+            self._said = None
+            return
+        reason = message.partition(" — ")[0]
+        if self._said is None or self._said[0] != reason or now - self._said[1] >= self.SAY_AGAIN_S:
+            self._said = (reason, now)
+            console.print(f"diffq run: {message}", markup=False, highlight=False)
+
+
+# What Celery writes to a worker's stdout on its own at every stop (celery/apps/worker.py,
+# `safe_say(..., sys.__stdout__)` in the shutdown handlers): not for `diffq run`'s user.
+CELERY_CHATTER = re.compile(
+    r"worker: (Warm|Cold) shutdown \(MainProcess\)"
+    r"|worker: Hitting Ctrl\+C again will (initiate cold shutdown, )?terminate(,)? all running tasks!"
+    r"|Waiting gracefully for cold shutdown to complete\.\.\.")
+
+
+class _WorkerOutput:
+    """The workers' stdout, in a file of the broker folder: each child is spawned with
+    it as its fd 1 (`spawning`), and `forward` passes on every complete line that is
+    not CELERY_CHATTER to the runner's stdout (under a bar, rich prints it above the
+    bar). Their stderr stays the runner's: errors are never held back."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        self._read = 0
+        self._partial = b""
+
+    @contextlib.contextmanager
+    def spawning(self) -> Iterator[None]:
+        """fd 1 is the file while a child is spawned (it inherits fd 1 as it is then).
+        Whatever another thread of this process writes to its stdout meanwhile lands in
+        the file too, and is passed on like the workers' lines."""
+        with contextlib.suppress(ValueError, OSError):
+            sys.stdout.flush()
+        try:
+            saved = os.dup(1)
+        except OSError:  # no stdout at all: nothing to keep clean
+            yield
+            return
+        try:
+            os.dup2(self._fd, 1)
+            yield
+        finally:
+            os.dup2(saved, 1)
+            os.close(saved)
+
+    def forward(self, final: bool = False) -> None:
+        try:
+            with open(self.path, "rb") as file:
+                file.seek(self._read)
+                data = file.read()
+        except OSError:
+            return
+        self._read += len(data)
+        lines = (self._partial + data).split(b"\n")
+        self._partial = b"" if final else lines.pop()
+        text = "".join(f"{line}\n" for line in (raw.decode(errors="replace").rstrip("\r") for raw in lines)
+                       if line.strip() and not CELERY_CHATTER.fullmatch(line.strip()))
+        if text:
+            sys.stdout.write(text)
+            sys.stdout.flush()
+
+    def close(self) -> None:
+        self.forward(final=True)
+        os.close(self._fd)
+
+
+class _QuietSupervisor(Supervisor):
+    """The supervisor of `diffq run`'s workers: each child's stdout is `output`."""
+
+    def __init__(self, specs, output: _WorkerOutput):
+        super().__init__(specs)
+        self.output = output
+
+    def _start(self, child) -> None:
+        with self.output.spawning():
+            super()._start(child)
 
 
 class _Submission:

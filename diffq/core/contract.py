@@ -13,7 +13,7 @@ import hashlib
 import json
 import re
 import string
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -39,6 +39,15 @@ SHAPE_DTYPE_TAGS = {AUTO_DTYPE: AUTO_DTYPE, **DTYPE_TAGS}
 Dtype = Literal[tuple(SHAPE_DTYPE_TAGS)]
 
 
+# The bounds of the values a batch carries, declared once: the shape key and batch
+# parameters below, and the generation options (core/options.py) take them.
+ImageSide = Annotated[int, Field(gt=0, le=16384)]
+BatchSize = Annotated[int, Field(gt=0, le=1024)]
+SequenceLength = Annotated[int, Field(gt=0, le=4096)]
+InferenceSteps = Annotated[int, Field(gt=0, le=1000)]
+GuidanceScale = Annotated[float, Field(ge=0, le=100)]
+
+
 def effective_dtype(dtype: str, device_default: str) -> str:
     """The dtype a worker runs a shape at: the pinned one, or its device's default."""
     return device_default if dtype == AUTO_DTYPE else dtype
@@ -54,10 +63,10 @@ class ShapeKey(Strict):
     """Everything that forces a recompile. Steps and prompt text do not belong here."""
 
     model: str = Field(min_length=1, max_length=1024)
-    height: int = Field(gt=0, le=16384)
-    width: int = Field(gt=0, le=16384)
-    batch_size: int = Field(gt=0, le=1024)
-    max_sequence_length: int = Field(gt=0, le=4096)
+    height: ImageSide
+    width: ImageSide
+    batch_size: BatchSize
+    max_sequence_length: SequenceLength
     # CFG doubles the effective batch inside the pipeline; decided as guidance_scale
     # > 1. For distilled models that ignore it this only splits queues, never mixes
     # graphs, so the conservative rule is safe.
@@ -190,8 +199,8 @@ FITS = ("none", "resize", "crop")
 class BatchParams(Strict):
     """Per-call arguments that do not change the graph but must be uniform in a call."""
 
-    num_inference_steps: int = Field(gt=0, le=1000)
-    guidance_scale: float = Field(ge=0, le=100)
+    num_inference_steps: InferenceSteps
+    guidance_scale: GuidanceScale
     format: Literal[tuple(IMAGE_FORMATS)] = "png"  # type: ignore[valid-type]
     # What the sink stores for an item whose requested size differs from the shape's:
     # the bucket's image as generated, resized, or scaled and centre-cropped to it.

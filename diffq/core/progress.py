@@ -11,7 +11,8 @@ segment, `progress/<writer>-<n>.json` (schema: records.ProgressSegmentV2):
 
 One writer (ProgressLog, in the sink) and one reader (ProgressSummary: status,
 watch, the embedded runner); `reconcile` credits what records show but no
-segment does.
+segment does. Beside them, why storing fails, for the same readers: the sink's
+trouble notes (`TroubleNote`) and what a reader sees itself (`storage_trouble`).
 
 Plan batch ids end in a number, dense within their queue (`<prefix><index>`, see
 producer/messages.py), so a plan batch's credit is its index: a segment packs a
@@ -39,15 +40,21 @@ from __future__ import annotations
 
 import base64
 import binascii
+import contextlib
+import errno
 import json
 import logging
 import os
 import secrets
+import shutil
 import socket
+import time
 import zlib
 from collections import deque
-from collections.abc import Container, Iterator
+from collections.abc import Container, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 from pydantic import TypeAdapter
@@ -400,3 +407,245 @@ def reconcile(storage: Storage, recorded: dict[str, tuple[str, list[str]]]) -> i
         writer.flush()
         log.warning("credited %d recorded batches missing from the progress summary", len(missing))
     return len(missing)
+
+
+# Storage trouble: why storing fails, told to whoever watches -----------------------
+#
+# The sink retries a failing store for minutes (worker/sink.py `_with_retry`); while it
+# does, the user should see why, through a channel that still works when the store is
+# what fails:
+#   - a trouble note in OUT, `trouble/<writer>.json` (`TroubleNote`): written while a
+#     writer's storing fails, deleted once it stores again. A store that refuses images
+#     but takes a small file (a quota, a flaky object store) still gets it.
+#   - a note in a local folder the embedded runner names (`LocalTroubleNote`, the
+#     runner's broker folder): `diffq run` reads it even when OUT takes nothing.
+#   - what a reader sees itself (`observed_trouble`): a local OUT whose disk has no
+#     room left while items are pending is full, note or not.
+# Shown only once storing has failed for longer than TROUBLE_AFTER_S: a blip is not news.
+
+TROUBLE_AFTER_S = 60.0
+TROUBLE_PREFIX = "trouble/"  # not under progress/: segment readers never see a note
+# A writer in trouble rewrites its note at most this often (its `at`), on a retry.
+TROUBLE_REFRESH_S = 30.0
+# A note not rewritten for this long is from a writer that is gone (or whose notes fail
+# too): not shown, `observed_trouble` covers what a reader can see for itself.
+TROUBLE_STALE_S = 3 * TROUBLE_REFRESH_S
+# A note is first written once storing has failed this long (a blip writes nothing).
+TROUBLE_NOTE_AFTER_S = TROUBLE_AFTER_S / 2
+# The local folder for notes, where a parent sets it (the embedded runner, for its
+# workers and their sink helpers, which inherit it).
+TROUBLE_DIR_ENV = "DIFFQ_TROUBLE_DIR"
+# A local OUT's disk with less room than this, items pending: storage full.
+FULL_BELOW_BYTES = 1 << 20
+_FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
+_REFUSED_ERRNOS = {errno.EACCES, errno.EPERM, errno.EROFS}
+
+
+@dataclass(frozen=True)
+class Trouble:
+    """Storing failing: why (`trouble_reason`), since when and last seen (wall clock)."""
+
+    reason: str
+    since: float
+    at: float
+
+    def failing_s(self, now: float) -> float:
+        return max(0.0, now - self.since)
+
+    def shown(self, now: float) -> bool:
+        """Failing long enough to tell the user, and not a note left by a writer long gone."""
+        return self.failing_s(now) > TROUBLE_AFTER_S and now - self.at < TROUBLE_STALE_S
+
+    def message(self, now: float) -> str:
+        return f"{self.reason} — waiting, {int(self.failing_s(now) // 60)} min"
+
+    def to_json(self) -> bytes:
+        return json.dumps({"reason": self.reason, "since": self.since, "at": self.at}).encode()
+
+    @classmethod
+    def from_json(cls, body: bytes) -> Trouble | None:
+        try:
+            data = json.loads(body)
+            return cls(reason=str(data["reason"]), since=float(data["since"]), at=float(data["at"]))
+        except (ValueError, KeyError, TypeError):
+            return None
+
+
+def trouble_reason(exc: BaseException) -> str:
+    """What a store failure means to a user: "storage full: No space left on device",
+    from the errno where the error (or one it was raised from) carries one."""
+    seen: set[int] = set()
+    cause: BaseException | None = exc
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        code = getattr(cause, "errno", None)
+        if isinstance(cause, OSError) and isinstance(code, int) and code > 0:
+            text = os.strerror(code)
+            if code in _FULL_ERRNOS:
+                return f"storage full: {text}"
+            if code in _REFUSED_ERRNOS:
+                return f"storage refused: {text}"
+            if isinstance(cause, (ConnectionError, TimeoutError)):
+                return f"storage unreachable: {text}"
+            return f"storage failing: {text}"
+        if isinstance(cause, (ConnectionError, TimeoutError)) or any(
+                word in type(cause).__name__ for word in ("Connect", "Timeout", "Endpoint")):
+            return f"storage unreachable: {_short(cause)}"
+        cause = cause.__cause__ or cause.__context__
+    return f"storage failing: {_short(exc)}"
+
+
+def _short(exc: BaseException, most: int = 120) -> str:
+    text = (str(exc).strip().splitlines() or [""])[0]
+    text = f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+    return text if len(text) <= most else text[:most - 1] + "…"
+
+
+class _Streak:
+    """One run folder's failing stores in a row (the sink's writer thread only)."""
+
+    def __init__(self) -> None:
+        self.since: float | None = None
+        self.reason = ""
+
+    def fail(self, exc: BaseException, now: float) -> Trouble:
+        if self.since is None:
+            self.since = now
+        self.reason = trouble_reason(exc)
+        return Trouble(reason=self.reason, since=self.since, at=now)
+
+    def clear(self) -> bool:
+        """Whether there was trouble to clear."""
+        was, self.since = self.since is not None, None
+        return was
+
+
+class TroubleNote:
+    """The writer's side, one run folder: `failed(exc)` on every failed store,
+    `stored()` on every one that succeeds. Notes are best effort: a note that cannot be
+    written (the store takes nothing) is simply not there, and never raises.
+
+    Notes go to OUT and, where `local` names a folder (the embedded runner's), there too."""
+
+    def __init__(self, storage: Storage, writer: str | None = None, local: Path | str | None = None,
+                 clock=time.time):
+        self.storage = storage
+        self.writer = writer or default_writer()
+        self.key = f"{TROUBLE_PREFIX}{self.writer}.json"
+        self.local = Path(local) / f"{self.writer}.json" if local else None
+        self.clock = clock
+        self._streak = _Streak()
+        self._written_at: float | None = None  # when the note in OUT was last written
+        self._in_out = False  # a note in OUT that has not been deleted yet
+        self._reason = ""
+
+    @property
+    def trouble(self) -> Trouble | None:
+        """The current streak, if storing is failing now."""
+        if self._streak.since is None:
+            return None
+        return Trouble(reason=self._streak.reason, since=self._streak.since, at=self.clock())
+
+    def failed(self, exc: BaseException) -> None:
+        now = self.clock()
+        trouble = self._streak.fail(exc, now)
+        if trouble.failing_s(now) < TROUBLE_NOTE_AFTER_S:
+            return
+        if self.local is not None:
+            _write_local(self.local, trouble.to_json())
+        due = (self._written_at is None or now - self._written_at >= TROUBLE_REFRESH_S
+               or trouble.reason != self._reason)
+        if due:
+            self._written_at, self._reason = now, trouble.reason  # tried: not again before the refresh
+            try:
+                self.storage.put_bytes(self.key, trouble.to_json(), content_type="application/json")
+                self._in_out = True
+            except Exception as note_exc:  # the store takes nothing: the local note and readers' eyes remain
+                log.debug("trouble note not written to %s: %r", self.storage.url, note_exc)
+
+    def stored(self) -> None:
+        if not self._streak.clear() and not self._in_out:
+            return
+        self._written_at, self._reason = None, ""
+        if self.local is not None:
+            with contextlib.suppress(OSError):
+                self.local.unlink(missing_ok=True)
+        if self._in_out:
+            try:
+                self.storage.delete(self.key)
+                self._in_out = False
+            except Exception as note_exc:  # tried again on the next stored write
+                log.debug("trouble note not deleted from %s: %r", self.storage.url, note_exc)
+
+
+def _write_local(path: Path, body: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        tmp.write_bytes(body)
+        os.replace(tmp, path)
+    except OSError:  # that disk is full too: readers look at it themselves
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+
+
+def recorded_troubles(storage: Storage) -> list[Trouble]:
+    """The trouble notes in OUT (none when OUT cannot be listed: that is the reader's own trouble)."""
+    try:
+        keys = [key for key in storage.list(TROUBLE_PREFIX) if key.endswith(".json")]
+        return [trouble for _, body in storage.get_many(keys) if (trouble := Trouble.from_json(body))]
+    except Exception as exc:
+        log.debug("trouble notes of %s not read: %r", storage.url, exc)
+        return []
+
+
+def local_troubles(folder: Path | str) -> list[Trouble]:
+    """The trouble notes in a local folder (`TroubleNote`'s `local`)."""
+    troubles = []
+    with contextlib.suppress(OSError):
+        for path in Path(folder).glob("*.json"):
+            with contextlib.suppress(OSError):
+                if trouble := Trouble.from_json(path.read_bytes()):
+                    troubles.append(trouble)
+    return troubles
+
+
+def observed_trouble(storage: Storage, pending: int, now: float | None = None) -> Trouble | None:
+    """What a reader sees for itself: a local OUT on a disk with no room left while items
+    are pending is full. Since when: the newest progress segment's time (the last batch
+    stored), else the manifest's."""
+    if pending <= 0:
+        return None
+    manifest = storage.local_path(layout.MANIFEST)
+    if manifest is None:
+        return None
+    folder = manifest.parent
+    try:
+        if shutil.disk_usage(folder).free >= FULL_BELOW_BYTES:
+            return None
+    except OSError:
+        return None
+    now = time.time() if now is None else now
+    times = []
+    with contextlib.suppress(OSError):
+        with os.scandir(folder / layout.PROGRESS_PREFIX) as entries:
+            times = [entry.stat().st_mtime for entry in entries if entry.name.endswith(".json")]
+    if not times:
+        with contextlib.suppress(OSError):
+            times = [manifest.stat().st_mtime]
+    return Trouble(reason=f"storage full: {os.strerror(errno.ENOSPC)}", since=max(times, default=now), at=now)
+
+
+def trouble_message(troubles: Iterable[Trouble | None], now: float | None = None) -> str | None:
+    """What to tell the user: the longest-failing trouble shown now (`Trouble.shown`), or None."""
+    now = time.time() if now is None else now
+    shown = [trouble for trouble in troubles if trouble is not None and trouble.shown(now)]
+    return min(shown, key=lambda trouble: trouble.since).message(now) if shown else None
+
+
+def storage_trouble(storage: Storage, pending: int, now: float | None = None) -> str | None:
+    """`status` and `watch`: why storing into OUT has been failing, from its notes and the
+    reader's own look at a local OUT's disk; None when nothing is to be said."""
+    if pending <= 0:
+        return None
+    now = time.time() if now is None else now
+    return trouble_message([*recorded_troubles(storage), observed_trouble(storage, pending, now)], now)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -24,8 +24,22 @@ class Settings(BaseSettings):
     # The outer bound: a batch held longer than this (a hung holder that still
     # renews) stops being renewed; also RabbitMQ's per-consumer ack timeout.
     max_hold_s: int = Field(default=4 * 3600, gt=0)
-    # A worker only writes into run folders under these prefixes (empty = any).
+    # A worker only writes into run folders under these prefixes (empty = any, said
+    # loudly at start on a network broker; `worker --run OUT` narrows it to that run).
     allowed_out_prefixes: list[str] = Field(default_factory=list)
+    # The models a worker may load besides those it is told (--model, --models, a
+    # --run manifest's); a batch naming another is refused unread (worker/admission.py).
+    allowed_models: list[str] = Field(default_factory=list)
+    # HMAC keys batches are signed with where diffq publishes and checked with by
+    # workers (worker/admission.py): with a key set, an unsigned or wrongly signed batch
+    # is dead-lettered. `signing_key_previous` is still accepted, so keys rotate
+    # without a stop: add the new key as current, the old as previous, then drop it.
+    signing_key: SecretStr | None = None
+    signing_key_previous: SecretStr | None = None
+    # Where a worker's sink also notes that storing keeps failing, beside the run
+    # folder (which may be what is failing): `diffq run` sets it to its broker folder
+    # and shows the notes on its progress bar (core/progress.py TroubleNote).
+    trouble_dir: str | None = None
     compile_cache: str | None = None
     metrics_port: int | None = None
     log_json: bool = False

@@ -246,6 +246,59 @@ def _envelope_problem(item: bytes | str) -> str | None:
     return None
 
 
+# Where a worker finds the queue a delivery was taken from, as the transport saw it.
+# On Redis, SQS and the filesystem the envelope's delivery_info is the publisher's
+# to write, so its routing key is only what the sender claims.
+ARRIVAL = "diffq_arrival"
+
+
+class _StampingCallbacks(dict):
+    """kombu's virtual transports hand each fetched message to the callback of the
+    queue they took it from (kombu/transport/virtual/base.py `Transport._deliver`:
+    `self._callbacks[queue](message)`; kombu/transport/SQS/__init__.py
+    `_on_messages_ready`: `self.connection._callbacks.get(qname)`); each callback set
+    here first writes that queue into the message's delivery_info."""
+
+    def __init__(self, callbacks: dict):
+        super().__init__()
+        for queue, callback in callbacks.items():
+            self[queue] = callback
+
+    def __setitem__(self, queue, callback):
+        def stamped(raw, _queue=queue, _callback=callback):
+            properties = raw.get("properties") if isinstance(raw, dict) else None
+            if isinstance(properties, dict):
+                info = properties.get("delivery_info")
+                if not isinstance(info, dict):
+                    info = properties["delivery_info"] = {}
+                info[ARRIVAL] = _queue
+            return _callback(raw)
+
+        super().__setitem__(queue, stamped)
+
+
+def stamp_virtual_arrivals(consumer) -> None:
+    """Make every delivery to this kombu Consumer's connection carry its queue (once)."""
+    transport = consumer.channel.connection
+    callbacks = getattr(transport, "_callbacks", None)
+    if isinstance(callbacks, dict) and not isinstance(callbacks, _StampingCallbacks):
+        transport._callbacks = _StampingCallbacks(callbacks)
+
+
+def virtual_arrival(message, consumer) -> str | None:
+    return (message.delivery_info or {}).get(ARRIVAL)
+
+
+def amqp_arrival(message, consumer) -> str | None:
+    """The broker names the consumer a delivery is for (basic.deliver's consumer tag,
+    set by RabbitMQ, not by the publisher); kombu's Consumer maps each of its queues
+    to its tag (kombu/messaging.py `Consumer._active_tags`)."""
+    tag = (message.delivery_info or {}).get("consumer_tag")
+    if tag is None or consumer is None:
+        return None
+    return next((queue for queue, known in consumer._active_tags.items() if known == tag), None)
+
+
 def renew_redis(channel, messages: list) -> int:
     """Move each held delivery's `unacked_index` score to now (XX: never re-adds one
     that was acked or restored meanwhile). Returns how many entries were renewed."""
@@ -654,6 +707,10 @@ class Transport:
     secret_env: tuple[tuple[str, str], ...] = ()
     # Where refused messages end and how (see DeadLetterWay above).
     dead_letters: DeadLetterWay = HAND_DEAD_LETTERS
+    # The queue a delivery arrived on, as the broker or transport saw it (message,
+    # kombu Consumer) -> name; and what the consumer needs installed for it to know.
+    arrival: Callable = virtual_arrival
+    stamp_arrivals: Callable | None = stamp_virtual_arrivals
 
 
 TRANSPORTS = (
@@ -669,7 +726,7 @@ TRANSPORTS = (
               list_queues=rabbitmq_list_queues, list_needs_api=NEEDS_RABBITMQ_API,
               discovery="management API only (--rabbitmq-api URL); AMQP itself cannot list queues",
               keda=RABBITMQ_SCALER, secret_env=(("DIFFQ_RABBITMQ_API", "rabbitmq-api"),),
-              dead_letters=RABBITMQ_DEAD_LETTERS),
+              dead_letters=RABBITMQ_DEAD_LETTERS, arrival=amqp_arrival, stamp_arrivals=None),
     Transport("sqs", ("sqs",), event_loop=True, loses_inflight_on_kill=False,
               renew=renew_sqs, hand_back=hand_back_sqs,
               list_queues=sqs_list_queues, discovery="ListQueues by name prefix", keda=SQS_SCALER,

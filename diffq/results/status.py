@@ -4,13 +4,18 @@ Counts come from the workers' progress summary (diffq/core/progress.py). A
 cancelled run (`diffq cancel`) has nothing pending: what is neither done nor
 failed is cancelled (a batch in hand at the cancel still finishes, and moves from
 cancelled to done).
+
+While items are pending and storing into OUT has been failing for longer than a
+minute, `trouble` says why ("storage full: No space left on device — waiting, 3
+min"): from the trouble notes the workers' sinks leave in OUT, and from a look at a
+local OUT's disk (diffq/core/progress.py `storage_trouble`).
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from diffq.core.progress import ProgressSummary
+from diffq.core.progress import ProgressSummary, storage_trouble
 from diffq.core.records import RunManifest
 from diffq.core.runfolder import NotARun, read_cancel, read_manifest
 from diffq.core.storage import open_storage
@@ -33,6 +38,7 @@ class Status:
     failed: int
     shapes: dict[str, ShapeStatus] = field(default_factory=dict)
     cancelled: int = 0
+    trouble: str | None = None  # why storing fails, once it has for over a minute
 
     @property
     def pending(self) -> int:
@@ -48,14 +54,17 @@ class Status:
         return data
 
 
-def make_status(url: str, manifest: RunManifest, progress: ProgressSummary) -> Status:
+def make_status(url: str, manifest: RunManifest, progress: ProgressSummary, *, now: float | None = None) -> Status:
+    """`now` (wall clock): the time the trouble's minutes count to (default: now)."""
     shapes = {s.queue: ShapeStatus(total=s.items, done=progress.done_per_queue.get(s.queue, 0))
               for s in manifest.shapes}
     cancelled = 0
     if read_cancel(progress.storage) is not None:
         cancelled = max(0, manifest.total - progress.done - progress.failed)
+    pending = manifest.total - progress.done - progress.failed - cancelled
     return Status(out=url, run_id=manifest.run_id, total=manifest.total,
-                  done=progress.done, failed=progress.failed, shapes=shapes, cancelled=cancelled)
+                  done=progress.done, failed=progress.failed, shapes=shapes, cancelled=cancelled,
+                  trouble=storage_trouble(progress.storage, pending, now))
 
 
 def status(out: str) -> Status:

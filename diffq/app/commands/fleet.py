@@ -12,7 +12,7 @@ import typer
 
 from diffq.core.settings import get_settings
 from diffq.app.choices import CompileMode, Device, Dtype
-from diffq.app.options import DEFAULT_BATCH_SIZE, DEFAULT_GUIDANCE, DEFAULT_SEQ_LEN
+from diffq.core.options import DEFAULTS
 
 fleet_app = typer.Typer(no_args_is_help=True, help="Render Kubernetes manifests for a worker fleet.")
 
@@ -20,10 +20,10 @@ fleet_app = typer.Typer(no_args_is_help=True, help="Render Kubernetes manifests 
 def manifests(
     model: Annotated[str, typer.Option("--model", "-m", help="Model the workers load (the producer's --model)")],
     shapes: Annotated[str, typer.Option("--shapes", help="HEIGHTxWIDTH list: 1024x1024,768x1344")],
-    batch_size: Annotated[int, typer.Option("--batch-size", "-b", min=1, help="Images per compiled batch (as given to submit)")] = DEFAULT_BATCH_SIZE,
+    batch_size: Annotated[int, typer.Option("--batch-size", "-b", min=1, help="Images per compiled batch (as given to submit)")] = DEFAULTS.batch_size,
     device: Annotated[Device, typer.Option("--device", help="Device kind, from the backend table")] = Device("neuron"),
-    max_sequence_length: Annotated[int, typer.Option("--max-sequence-length", min=1)] = DEFAULT_SEQ_LEN,
-    guidance_scale: Annotated[float, typer.Option("--guidance-scale", min=0.0, help="> 1 means CFG queues")] = DEFAULT_GUIDANCE,
+    max_sequence_length: Annotated[int, typer.Option("--max-sequence-length", min=1)] = DEFAULTS.max_sequence_length,
+    guidance_scale: Annotated[float, typer.Option("--guidance-scale", min=0.0, help="> 1 means CFG queues")] = DEFAULTS.guidance_scale,
     dtype: Annotated[Dtype, typer.Option("--dtype", help="Pipeline dtype, as `diffq submit` was given it: auto (each worker runs its device's default) or a pinned dtype")] = Dtype("auto"),
     image: Annotated[Optional[str], typer.Option("--image", help="Worker image (default ghcr.io/diffq/diffq-<device>)")] = None,
     namespace: Annotated[str, typer.Option("--namespace")] = "diffq",
@@ -38,20 +38,28 @@ def manifests(
     broker: Annotated[Optional[str], typer.Option("--broker", help="The fleet's broker URL (or DIFFQ_BROKER_URL; default redis://): picks KEDA's scaler and the credentials pods read")] = None,
     aws_region: Annotated[Optional[str], typer.Option("--aws-region", help="SQS brokers: the queues' region (default AWS_REGION, else us-east-1)")] = None,
     fleet_plan: Annotated[Optional[Path], typer.Option("--fleet-plan", help="`diffq plan … --rates FILE --deadline 6h --json` output: each pool's maxReplicaCount is the pods the plan needs for its queues (instead of --max-replicas)")] = None,
+    out_prefix: Annotated[Optional[list[str]], typer.Option("--out-prefix", help="Run folders the workers may write to: the prefix `diffq submit --out` folders live under (s3://BUCKET/runs, gs://BUCKET/runs or an absolute path; repeat or comma-separate). Default: DIFFQ_ALLOWED_OUT_PREFIXES; with neither, refused unless --any-out")] = None,
+    any_out: Annotated[bool, typer.Option("--any-out", help="Render no prefix: the workers write into whatever run folder a batch names")] = False,
     out: Annotated[Optional[str], typer.Option("--out", help="Write <name>.yaml per shape here instead of stdout")] = None,
 ) -> None:
     """Worker Deployments + KEDA ScaledObjects from the producer's shape keys (per shape,
     or per model where workers discover their queues), the shared cache PVC, KEDA's
-    broker TriggerAuthentication, and for discovery pools the backlog service."""
+    broker TriggerAuthentication, and for discovery pools the backlog service. Each worker
+    writes only under --out-prefix and loads only --model; batches are signed with the
+    optional diffq-signing Secret's key."""
     from diffq.app import fleet
 
     try:
+        settings = get_settings()
+        # An explicit --any-out is not overridden by the setting's default.
+        prefixes = out_prefix if out_prefix or any_out else settings.allowed_out_prefixes
         options = fleet.FleetOptions(device=device.value, image=image, namespace=namespace,
                                      devices_per_pod=devices_per_pod, max_replicas=max_replicas,
                                      batches_per_replica=batches_per_replica, redis_db=redis_db,
                                      grace_seconds=grace_seconds, compile=compile.value if compile else None,
                                      storage_class=storage_class, tp=tp,
-                                     broker=broker or get_settings().broker_url or "redis://",
+                                     broker=broker or settings.broker_url or "redis://",
+                                     out_prefixes=fleet.parse_out_prefixes(prefixes or []), any_out=any_out,
                                      aws_region=aws_region or os.environ.get("AWS_REGION")
                                      or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1")
         if fleet_plan is not None:
@@ -66,7 +74,9 @@ def manifests(
     except ValueError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2)
-    header = "# Generated by `diffq fleet manifests`; regenerate rather than edit.\n"
+    header = fleet.header(options)
+    if any_out:
+        typer.echo("warning: --any-out: the workers write into whatever run folder a batch names", err=True)
     if out:
         for path in fleet.write(rendered, out, header):
             typer.echo(str(path))

@@ -52,7 +52,7 @@ def register(app: typer.Typer) -> None:
             fleet = _fleet(result, rates, deadline, devices, price_per_device_hour, warm_cache) if rates else None
         except (InputError, ValueError) as exc:
             fail(str(exc))
-        dtype = _dtype_runs(generation.dtype.value)
+        dtype = _dtype_runs(generation.dtype)
         if as_json:
             sys.stdout.write(json.dumps({**result.to_json(), "dtype": dtype,
                                          **({"fleet": fleet.to_json()} if fleet else {})}) + "\n")

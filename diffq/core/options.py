@@ -1,0 +1,72 @@
+"""The generation options, each declared once: its type, default, bounds and help.
+
+`run`, `submit`, `plan` and `qualify` take them on the command line (diffq/app/options.py
+builds the options from this model), the producer turns them into shape keys and
+batch parameters (producer/submit.py `make_options`), the manifest records them
+(core/records.py `RunDefaults`), `fleet manifests` renders the queues a submit with
+the same options fills, and qualify measures with them. The bounds are the queue
+contract's own (core/contract.py): an option the contract would refuse is refused
+where it is typed, naming the option.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from diffq.core.contract import (AUTO_DTYPE, FITS, SHAPE_DTYPE_TAGS, BatchSize, GuidanceScale, ImageSide,
+                                 InferenceSteps, SequenceLength)
+from diffq.core.layout import IMAGE_FORMATS
+
+# The smallest side a run may ask for: the families' size multiple.
+MIN_SIDE = 16
+
+
+class GenerationOptions(BaseModel):
+    """A run's generation options (the per-row defaults among them: a row may name its
+    own size, steps and guidance scale)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    batch_size: BatchSize = Field(4, description="Images per compiled batch")
+    steps: InferenceSteps = Field(4, description="Default num_inference_steps")
+    guidance_scale: GuidanceScale = Field(1.0, description="Default guidance scale (> 1 turns CFG on)")
+    max_sequence_length: SequenceLength = Field(64, description="Text tokens per prompt (padded)")
+    height: ImageSide = Field(128, ge=MIN_SIDE,
+                              description="Default image height (multiple of 16, any with --size-buckets)")
+    width: ImageSide = Field(128, ge=MIN_SIDE,
+                             description="Default image width (multiple of 16, any with --size-buckets)")
+    format: Literal[tuple(IMAGE_FORMATS)] = Field("png", description="Image file format")  # type: ignore[valid-type]
+    dtype: Literal[tuple(SHAPE_DTYPE_TAGS)] = Field(  # type: ignore[valid-type]
+        AUTO_DTYPE, description="Pipeline dtype, part of the shape key: auto (each worker runs its device's default: "
+                                "bfloat16 on neuron, tpu, cuda; float32 on cpu) or a pinned dtype")
+    size_buckets: str | None = Field(
+        None, description="HxW[,HxW…] and/or a preset (aspect-1024, aspect-512, aspect-256): each row is generated "
+                          "at the bucket of nearest aspect ratio; requested sizes need not be multiples of 16")
+    fit: Literal[FITS] = Field(  # type: ignore[valid-type]
+        "none", description="With --size-buckets: store the bucket's image as is (none), resized to the requested "
+                            "size (resize), or scaled and centre-cropped to it (crop)")
+    keep_columns: tuple[str, ...] = Field(
+        (), description="CSV/Parquet columns a,b moved into each row's metadata (other unknown columns stay errors)")
+    embed_metadata: bool = Field(
+        True, description="Write prompt, seed, steps, ... into each image file (PNG text, EXIF UserComment)")
+
+    @field_validator("keep_columns", mode="before")
+    @classmethod
+    def _columns(cls, value):
+        """'a, b' as typed on the command line, or a list."""
+        if value is None:
+            return ()
+        if isinstance(value, str):
+            return tuple(name.strip() for name in value.split(",") if name.strip())
+        return tuple(value)
+
+    def kwargs(self) -> dict:
+        """As the producer's functions take them (`submit(..., **options.kwargs())`)."""
+        return {name: getattr(self, name) for name in type(self).model_fields}
+
+
+# The defaults, for whoever needs one value (a fleet rendered without options watches
+# the queues a submit without options fills).
+DEFAULTS = GenerationOptions()
