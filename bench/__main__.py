@@ -73,7 +73,7 @@ def plot(e2e: list[dict], path: Path) -> None:
 
 
 SECTIONS = ("e2e", "whole", "device", "handoff", "phases", "sink", "ray_data", "producer", "status", "routing", "compile_cache", "warm",
-            "figures", "fleet", "degenerate")
+            "figures", "fleet", "degenerate", "speedups")
 
 
 def run_section(name: str, quick: bool) -> list[dict] | dict:
@@ -124,6 +124,10 @@ def run_section(name: str, quick: bool) -> list[dict] | dict:
         from bench import warm
 
         return warm.main(["--repeats", "1" if quick else "3", "--json"])
+    if name == "speedups":
+        from bench import speedups
+
+        return speedups.main(["--repeats", "1" if quick else "3", "--items", "16" if quick else "32", "--json"])
     if name == "degenerate":
         from bench import degenerate
 
@@ -296,10 +300,18 @@ def render(results: dict) -> str:
     for row in cache_rows:
         lines += [f"`{row['command']}`", "", "```", row["output"], "```", ""]
     lines += warm_section(results.get("warm"), results.get("notes", {}).get("warm"))
+    lines += speedups_section(results.get("speedups"), results.get("notes", {}).get("speedups"))
     lines += figures_section(results.get("figures", []))
     lines += degenerate_section(results.get("degenerate"))
     lines += goals(results) + ["", LIMITS]
     return "\n".join(lines)
+
+
+def speedups_section(result: dict | None, text: str | None) -> list[str]:
+    """bench/speedups.py: `diffq run --speedup` against the bare pipeline with the same cache."""
+    from bench.speedups import render as render_speedups
+
+    return render_speedups(result or {}) + (note(text) if result else [])
 
 
 def warm_section(warm: dict | None, text: str | None) -> list[str]:

@@ -54,6 +54,19 @@ class RunOptions:
     format: str = DEFAULTS.format
     fit: str = DEFAULTS.fit  # none | resize | crop: what the sink does to a bucket's image
     embed_metadata: bool = DEFAULTS.embed_metadata
+    speedup: str | None = DEFAULTS.speedup  # canonical (core/speedups.py)
+    unreproducible_speedup: bool = DEFAULTS.unreproducible_speedup
+    # A speed-up profile's choice per size (core/profile.py): (height, width, speedup,
+    # batch size); with it, each shape's speed-up is its own, and its batch size too
+    # where batch_size is 0 (`--batch-size auto`).
+    per_size: tuple[tuple[int, int, str | None, int], ...] = ()
+
+    def choice(self, height: int, width: int) -> tuple[str | None, int]:
+        """(speed-up, batch size) of a shape of this size."""
+        for h, w, speedup, batch_size in self.per_size:
+            if (h, w) == (height, width):
+                return speedup, batch_size if self.batch_size == 0 else self.batch_size
+        return self.speedup, self.batch_size
 
 
 @dataclass
@@ -66,7 +79,8 @@ class Batch:
 
 @functools.lru_cache(maxsize=4096)
 def shape_for(options: RunOptions, model: str | None, height: int, width: int, cfg: bool) -> ShapeKey:
-    return ShapeKey(model=model or options.model, height=height, width=width, batch_size=options.batch_size,
+    return ShapeKey(model=model or options.model, height=height, width=width,
+                    batch_size=options.choice(height, width)[1],
                     max_sequence_length=options.max_sequence_length, cfg=cfg, dtype=options.dtype)
 
 
@@ -81,9 +95,10 @@ def shape_of(prompt: Prompt, options: RunOptions) -> ShapeKey:
 
 
 @functools.lru_cache(maxsize=4096)
-def _params(steps: int, guidance_scale: float, fmt: str, fit: str, embed_metadata: bool) -> BatchParams:
+def _params(steps: int, guidance_scale: float, fmt: str, fit: str, embed_metadata: bool, speedup: str | None,
+            unreproducible: bool) -> BatchParams:
     return BatchParams(num_inference_steps=steps, guidance_scale=guidance_scale, format=fmt, fit=fit,
-                       embed_metadata=embed_metadata)
+                       embed_metadata=embed_metadata, speedup=speedup, unreproducible=unreproducible)
 
 
 def group_key(prompt: Prompt) -> tuple:
@@ -111,7 +126,8 @@ class Bucketer:
             index = self._counts.get(shape_key, 0)
             self._counts[shape_key] = index + 1
             params = _params(prompt.num_inference_steps, prompt.guidance_scale, self.options.format,
-                             self.options.fit, self.options.embed_metadata)
+                             self.options.fit, self.options.embed_metadata,
+                             self.options.choice(prompt.height, prompt.width)[0], self.options.unreproducible_speedup)
             batch = self._open[group] = Batch(shape_of(prompt, self.options), params, index=index)
         return group, batch
 
@@ -127,7 +143,7 @@ class Bucketer:
         else:
             batch.items.append(SizedItem(prompt.id, prompt.prompt, seed,
                                          prompt.requested_height, prompt.requested_width))
-        if len(batch.items) == self.options.batch_size:
+        if len(batch.items) == batch.shape.batch_size:
             del self._open[group]
             return batch
         return None

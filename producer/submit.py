@@ -22,12 +22,11 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pydantic import ValidationError
-
 from diffq import __version__
 from diffq.core import layout
 from diffq.core.contract import BatchMessage, ShapeKey
-from diffq.core.options import GenerationOptions
+from diffq.core.options import AUTO, GenerationOptions
+from diffq.core.profile import SpeedupProfile
 from diffq.core.records import RequestedSize, RunDefaults, RunManifest, ShapeSummary, parse_plan_part, plan_part
 from diffq.core.storage import Storage, open_storage
 from diffq.producer.bucketing import RunOptions, bucket, group_key, shape_for
@@ -126,9 +125,15 @@ class Validation:
     def check(self, prompts: Iterable[Prompt]) -> Iterator[Prompt]:
         """Passes each prompt on once it is counted and its id is known unique."""
         check, per_group, requested = self._ids.check, self._per_group, self._requested
+        profiled = {(h, w) for h, w, _, _ in self.options.per_size} if self.options.per_size else None
         try:
             for prompt in prompts:
                 check(prompt)
+                if profiled is not None and (prompt.height, prompt.width) not in profiled:
+                    raise InputError(self.path, prompt.line, "height", (
+                        f"the speed-up profile has no choice for {prompt.height}x{prompt.width} (it has "
+                        f"{', '.join(f'{h}x{w}' for h, w in sorted(profiled))}): run `diffq qualify --speedups` "
+                        "for that shape too"))
                 group = group_key(prompt)
                 per_group[group] += 1
                 if prompt.requested_height is not None:
@@ -154,9 +159,9 @@ class Validation:
             shape = shape_for(self.options, model, height, width, cfg)
             shapes[shape.queue] = shape
             items[shape.queue] += count
-            batches[shape.queue] += math.ceil(count / self.options.batch_size)
+            batches[shape.queue] += math.ceil(count / shape.batch_size)
             seen = per_steps.setdefault(shape.queue, {}).get(steps, (0, 0))
-            per_steps[shape.queue][steps] = (seen[0] + count, seen[1] + math.ceil(count / self.options.batch_size))
+            per_steps[shape.queue][steps] = (seen[0] + count, seen[1] + math.ceil(count / shape.batch_size))
         asked = {shape_for(self.options, *key).queue: sizes for key, sizes in self._requested.items()}
         mask = (1 << _SIDE_BITS) - 1
         summaries = [ShapeSummary(shape=shapes[q], queue=q, items=items[q], batches=batches[q],
@@ -219,29 +224,26 @@ def validate(path: str | Path, options: RunOptions, defaults: Defaults, keep_col
     return validation.plan()
 
 
-def generation_options(**generation) -> GenerationOptions:
-    """The generation options from keyword arguments, a bad one named as its option."""
-    try:
-        return GenerationOptions(**generation)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        name = "--" + str(first["loc"][0]).replace("_", "-") if first["loc"] else "options"
-        raise ValueError(f"{name}: {first['msg']}") from None
-
-
 def make_options(*, model: str, size_multiple: int = 16, **generation) -> tuple[RunOptions, Defaults]:
     """The run-wide options (shape and output) and the per-row defaults, from the
     generation options (core/options.py: every default and bound declared there).
 
     A bad `size_buckets` spec raises `BucketSpecError` before any row is read.
     """
-    o = generation_options(**generation)
+    o = GenerationOptions.of(**generation)
+    per_size = ()
+    if o.speedup_profile is not None:  # each shape's choice (core/profile.py)
+        profile = SpeedupProfile.load(o.speedup_profile)
+        per_size = tuple((s.height, s.width, s.chosen.speedup, s.chosen.batch_size) for s in profile.shapes)
     if o.fit != "none" and not o.size_buckets:
         raise ValueError(f"--fit {o.fit} needs --size-buckets: without buckets every image is "
                          "generated at the size its row asks for")
     return (
-        RunOptions(model=model, batch_size=o.batch_size, max_sequence_length=o.max_sequence_length,
-                   dtype=o.dtype, format=o.format, fit=o.fit, embed_metadata=o.embed_metadata),
+        RunOptions(model=model, batch_size=0 if o.batch_size == AUTO else o.batch_size,
+                   max_sequence_length=o.max_sequence_length,
+                   dtype=o.dtype, format=o.format, fit=o.fit, embed_metadata=o.embed_metadata,
+                   speedup=None if per_size else o.speedup, unreproducible_speedup=o.unreproducible_speedup,
+                   per_size=per_size),
         Defaults(height=o.height, width=o.width, num_inference_steps=o.steps,
                  guidance_scale=o.guidance_scale, size_multiple=size_multiple,
                  size_buckets=parse_buckets(o.size_buckets, size_multiple) if o.size_buckets else None,
@@ -259,13 +261,17 @@ def plan(prompts: str | Path, *, model: str, keep_columns=(), **generation) -> P
 def manifest_defaults(options: RunOptions, defaults: Defaults, seed_base: str, keep_columns=()) -> RunDefaults:
     """The run's options as its manifest records them (a continued run must match them)."""
     return RunDefaults(
-        model=options.model, batch_size=options.batch_size, steps=defaults.num_inference_steps,
+        model=options.model, batch_size=options.batch_size or AUTO, steps=defaults.num_inference_steps,
         guidance_scale=defaults.guidance_scale, max_sequence_length=options.max_sequence_length,
         height=defaults.height, width=defaults.width, format=options.format, dtype=options.dtype,
         seed_base=seed_base, fit=options.fit,
         # Resolved (a preset's sizes, not its name): the run folder says what was used.
         size_buckets=[f"{h}x{w}" for h, w in defaults.size_buckets.sizes] if defaults.size_buckets else None,
-        keep_columns=list(keep_columns), embed_metadata=options.embed_metadata)
+        keep_columns=list(keep_columns), embed_metadata=options.embed_metadata,
+        # A profile's choices, each shape's own (its batches and records carry them).
+        speedup=options.speedup or ("; ".join(f"{h}x{w} b{b}: {spec or 'none'}" for h, w, spec, b in options.per_size)
+                                    if options.per_size else None),
+        unreproducible_speedup=options.unreproducible_speedup)
 
 
 def encode_plan(prompts: Iterable[Prompt], options: RunOptions, seed_base: str, run_id: str,
@@ -305,7 +311,7 @@ def submit(
     Raises `InputError` (nothing written, nothing enqueued) on any bad row and
     `RunExists` if OUT already holds a run: nothing produced is ever overwritten.
     """
-    chosen = generation_options(**generation)
+    chosen = GenerationOptions.of(**generation)
     keep_columns = chosen.keep_columns
     options, defaults = make_options(model=model, size_multiple=size_multiple, **chosen.kwargs())
     storage = open_storage(out)

@@ -141,7 +141,7 @@ def test_a_folder_holding_a_run_keeps_the_plan_it_has(qualified, tiny_model, tmp
 
 def test_rates_files_are_checked(tmp_path, qualified):
     (tmp_path / "other.json").write_text('{"hello": 1}')
-    with pytest.raises(RatesError, match="neither `diffq qualify --json` nor `diffq report --json`"):
+    with pytest.raises(RatesError, match="neither `diffq qualify --json`, a `qualify --speedups --profile` file nor `diffq report --json`"):
         read_rates([tmp_path / "other.json"])
     cuda = json.loads(qualified.read_text())
     cuda["device"]["kind"] = "cuda"

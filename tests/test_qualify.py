@@ -296,7 +296,8 @@ def test_command_options_are_the_issue_contract():
     assert result.exit_code == 0
     for option in ("--model", "--device", "--cores", "--chips", "--gpus", "--compile", "--dtype", "--offload",
                    "--shapes", "--batch-size", "--steps", "--prompts", "--reference", "--save-reference",
-                   "--report", "--json", "--price-per-device-hour"):
+                   "--report", "--json", "--price-per-device-hour", "--speedups", "--profile", "--budget-psnr",
+                   "--budget-ssim", "--max-candidates", "--max-batch-size"):
         assert option in result.output
 
 

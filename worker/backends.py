@@ -26,6 +26,12 @@ DISTRIBUTED_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MAST
 
 # Compile modes that call torch.compile; the others are call-time modes (env only).
 COMPILING_MODES = ("full", "regional")
+# What speed-ups each compile mode runs (docs/speedups.md, measured on diffusers 0.42.1):
+# every cache decides in a torch.compiler.disable'd hook, so one inside a compiled
+# graph breaks it; regional compiles each repeated block's own forward (PipelineHost),
+# which leaves hooks around whole blocks outside every graph; switching the attention
+# backend recompiles every block.
+SPEEDUPS_BY_MODE = {"none": "all", "defer-fuse": "all", "regional": "whole-blocks", "full": "none"}
 # --offload values: "model" is diffusers' enable_model_cpu_offload().
 OFFLOAD_MODES = ("model",)
 
@@ -363,6 +369,18 @@ class Backend:
     # import) first, on the main thread, so the two threads never import at once.
     warm_in_background: tuple[tuple[str, str], ...] = ()
     warm_imports: tuple[str, ...] = ()
+    # What step caches and attention backends (core/speedups.py) each compile mode
+    # runs (SPEEDUPS_BY_MODE): "all"; "whole-blocks" (regional compiles each block's
+    # own forward, so only hooks around whole blocks stay outside the graphs); "none"
+    # (full compiles the transformer around every hook).
+    speedups: dict[str, str] = field(default_factory=lambda: dict(SPEEDUPS_BY_MODE))
+    # A cache whose skip is decided from the batch's data each step (`.item()`) runs:
+    # a host sync the eager CPU and CUDA paths absorb; on Neuron and XLA, a graph
+    # break every step.
+    host_decisions: bool = True
+
+    def speedups_offered(self, compile_mode: str) -> str:
+        return self.speedups.get(compile_mode, "none")
 
     @property
     def compile_options(self) -> dict:
@@ -480,6 +498,7 @@ BACKENDS: dict[str, Backend] = {
     ),
     "neuron": Backend(
         name="neuron",
+        host_decisions=False,
         torch_device="neuron",
         compile_backend="neuron",
         cache_env="TORCH_NEURONX_NEFF_CACHE_DIR",
@@ -523,6 +542,7 @@ BACKENDS: dict[str, Backend] = {
     ),
     "tpu": Backend(
         name="tpu",
+        host_decisions=False,
         torch_device="tpu",
         compile_backend="tpu",
         cache_env="TORCH_TPU_TIER3_COMPILATION_CACHE_ROOT",

@@ -38,13 +38,13 @@ from diffq.worker import faults, metrics
 from diffq.worker.delivery import Outcome
 from diffq.worker.failures import storage_trouble, write_failure
 from diffq.worker.models import ModelUnavailable
-from diffq.worker.pipeline_host import CompileUnsupported, FamilyUnsupported
+from diffq.worker.pipeline_host import CompileUnsupported, FamilyUnsupported, SpeedupUnsupported
 from diffq.worker.runtime import OutNotAllowed, Runtime
 
 log = logging.getLogger("diffq.worker")
 
 # Errors no retry can fix: fail the batch's items at once.
-PERMANENT_ERRORS = (ModelUnavailable, CompileUnsupported, OutNotAllowed, FamilyUnsupported)
+PERMANENT_ERRORS = (ModelUnavailable, CompileUnsupported, OutNotAllowed, FamilyUnsupported, SpeedupUnsupported)
 
 # A retried batch waits base * 2**attempt seconds, capped: a device never idles long
 # on a batch whose store or model is recovering.

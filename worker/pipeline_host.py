@@ -23,6 +23,8 @@ from diffq.core.records import DEGENERATE_CHECKS, FLAT_MAX_LEVELS
 from diffq.worker import dynamo_quirks, faults
 from diffq.worker.backends import COMPILING_MODES, DTYPES, Backend, GraphFallback, resolve
 from diffq.worker.models import resolve_model
+from diffq.worker.speedups import Speedups, SpeedupUnsupported  # noqa: F401 (hooks: a permanent error)
+
 
 log = logging.getLogger(__name__)
 
@@ -141,6 +143,8 @@ class PipelineHost:
     # threads were bound to it since (Backend.thread_device).
     _device_index: int | None = field(default=None, repr=False, compare=False)
     _threads: threading.local = field(default_factory=threading.local, repr=False, compare=False)
+    # Each pipeline set to its batch's speed-up before the call (worker/speedups.py).
+    speedups: Speedups = field(default_factory=Speedups, repr=False, compare=False)
 
     @property
     def compiles(self) -> bool:
@@ -213,7 +217,15 @@ class PipelineHost:
             pipe.transformer.compile(**options)
         elif self.compile_mode == "regional":
             check_compile_mode(family, self.compile_mode)
-            pipe.transformer.compile_repeated_blocks(**options)
+            # Each repeated block's own forward, not the module (diffusers'
+            # compile_repeated_blocks compiles `_call_impl`, around the hooks a cache
+            # puts on `forward`): a cache's hooks then wrap the compiled blocks, its
+            # torch.compiler.disable'd decision outside every graph. The same graphs
+            # as compile_repeated_blocks (one per block class; docs/speedups.md).
+            blocks = set(pipe.transformer._repeated_blocks)
+            for module in pipe.transformer.modules():
+                if type(module).__name__ in blocks:
+                    module.forward = torch.compile(module.forward, **options)
         else:
             raise CompileUnsupported(f"unknown compile mode '{self.compile_mode}'")
 
@@ -245,6 +257,7 @@ class PipelineHost:
             raise FamilyUnsupported("; ".join(f"item {item_id}: field '{name}': {why}"
                                               for item_id, (name, why) in refused[:5]),
                                     item_ids=tuple(item_id for item_id, _ in refused))
+        speedup = self.speedups.prepare(params.speedup, self.backend, self.compile_mode, family)
         generators = [torch.Generator("cpu").manual_seed(item.seed) for item in padded]
         kwargs = family.call_kwargs(
             prompts=[item.prompt for item in padded],
@@ -267,6 +280,7 @@ class PipelineHost:
                 self.group.announce(shape, params, items)
             graphs_before = graphs_compiled()
             fallbacks_before = fallback_count(self.backend.graph_fallback)
+            self.speedups.apply(pipe, speedup, params.num_inference_steps)
             started = time.perf_counter()
             try:
                 with torch.inference_mode():

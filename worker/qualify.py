@@ -17,6 +17,14 @@ the backend's extension, then drives the same `PipelineHost` a worker uses:
 - under torch.compile, compiled graphs that failed on the device and re-ran
   uncompiled: the child runs as a worker does by default, with that fallback
   disabled (the batch fails), and counts any that happen anyway.
+- `--speedups`: after the above, per shape, each candidate the parent planned (a
+  speed-up spec and a batch size, `speedups`) on the same host: a shape key with the
+  candidate's batch size and `BatchParams.speedup`, exactly as a worker applies them.
+  Per batch size, full compute first (the fidelity reference), then each speed-up:
+  one call whose images are saved, then `speedup_repeats` rounds over all of them,
+  interleaved so a drift of the machine's speed is shared. An out-of-memory error in
+  full compute stops the shape's larger batch sizes; any other failure is that
+  candidate's, reported, never the run's.
 
 The result is one JSON file; a failure writes an `error` there instead of a traceback.
 """
@@ -47,6 +55,16 @@ PACKAGES = ("torch", "diffusers", "transformers")
 RESULT = "result.json"
 
 
+class SpeedupCall(BaseModel):
+    """One speed-up candidate: its images are saved under its index."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    index: int
+    speedup: str | None  # canonical spec; None: full compute
+    batch_size: int
+
+
 class QualifySpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -66,10 +84,20 @@ class QualifySpec(BaseModel):
     # False: a reference run, one call per shape, images only.
     measure: bool = True
     out_dir: str
+    # --speedups: the candidates measured on every timed shape, in order (full compute
+    # first at each batch size), on these prompts and seeds (as many as the largest batch).
+    speedups: list[SpeedupCall] = Field(default_factory=list)
+    speedup_prompts: list[str] = Field(default_factory=list)
+    speedup_seeds: list[int] = Field(default_factory=list)
+    speedup_repeats: int = 0
 
 
 def image_path(out_dir: str | Path, height: int, width: int, index: int) -> Path:
     return Path(out_dir, "images", f"{height}x{width}", f"{index}.png")
+
+
+def speedup_image_path(out_dir: str | Path, height: int, width: int, candidate: int, index: int) -> Path:
+    return Path(out_dir, "speedups", f"{height}x{width}", f"c{candidate}", f"{index}.png")
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -119,9 +147,10 @@ def _call_or_none(dotted: str | None):
         return None
 
 
-def _save(images, spec: QualifySpec, height: int, width: int) -> None:
+def _save(images, spec: QualifySpec, height: int, width: int, candidate: int | None = None) -> None:
     for index, image in enumerate(images):
-        path = image_path(spec.out_dir, height, width, index)
+        path = (image_path(spec.out_dir, height, width, index) if candidate is None
+                else speedup_image_path(spec.out_dir, height, width, candidate, index))
         path.parent.mkdir(parents=True, exist_ok=True)
         as_image(image).save(path, format="PNG")
 
@@ -150,27 +179,42 @@ class _Session:
         self.host.pipeline(self.spec.model, self.spec.dtype)
         return time.perf_counter() - started
 
-    def key(self, height: int, width: int):
+    def key(self, height: int, width: int, batch_size: int | None = None):
         from diffq.core.contract import ShapeKey
 
         spec = self.spec
-        return ShapeKey(model=spec.model, height=height, width=width, batch_size=spec.batch_size,
+        return ShapeKey(model=spec.model, height=height, width=width, batch_size=batch_size or spec.batch_size,
                         max_sequence_length=spec.max_sequence_length, cfg=spec.guidance_scale > 1,
                         dtype=spec.dtype)
 
     def call(self, height: int, width: int, steps: int):
         """One batch at HxW; returns it and the graphs compiled during the call."""
-        from diffq.core.contract import BatchParams
         from diffq.core.records import DEGENERATE_CHECKS
-        from diffq.worker.pipeline_host import graphs_compiled
 
-        before = graphs_compiled()
-        generated = self.host.generate(self.key(height, width), BatchParams(
-            num_inference_steps=steps, guidance_scale=self.spec.guidance_scale), self.items)
+        generated, graphs = self.speedup_call(height, width, steps, self.spec.batch_size, None, self.items)
         counts = self.degenerate.setdefault(f"{height}x{width}", dict.fromkeys(DEGENERATE_CHECKS, 0))
         for kind in filter(None, generated.degenerate):
             counts[kind] += 1
+        return generated, graphs
+
+    def speedup_call(self, height: int, width: int, steps: int, batch_size: int, speedup: str | None, items):
+        """One batch of `items` at HxW and `batch_size` with `speedup` (BatchParams.speedup,
+        as a worker applies it); returns it and the graphs compiled during the call."""
+        from diffq.core.contract import BatchParams
+        from diffq.worker.pipeline_host import graphs_compiled
+
+        before = graphs_compiled()
+        generated = self.host.generate(self.key(height, width, batch_size), BatchParams(
+            num_inference_steps=steps, guidance_scale=self.spec.guidance_scale, speedup=speedup), items)
         return generated, graphs_compiled() - before
+
+    def speedup_items(self, batch_size: int):
+        from diffq.core.contract import BatchItem
+
+        spec = self.spec
+        return [BatchItem(id=f"s{i}", prompt=prompt, seed=seed)
+                for i, (prompt, seed) in enumerate(zip(spec.speedup_prompts[:batch_size],
+                                                       spec.speedup_seeds[:batch_size]))]
 
 
 def measure(spec: QualifySpec) -> dict:
@@ -188,7 +232,110 @@ def measure(spec: QualifySpec) -> dict:
         for height, width in images_only:
             generated, _ = session.call(height, width, spec.steps)
             _save(generated.images, spec, height, width)
-    return _report(session, load_s, shapes, revisit, compile_cache.report(cache, sync))
+        # The main measurement's memory, before larger speed-up batches raise the peak.
+        memory = _memory(session.backend)
+        tuned = ([{"shape": f"{h}x{w}", "height": h, "width": w, "candidates": measure_speedups(session, h, w)}
+                  for h, w in timed] if spec.speedups else None)
+    result = _report(session, load_s, shapes, revisit, compile_cache.report(cache, sync), memory)
+    if tuned is not None:
+        result["speedups"] = tuned
+    return result
+
+
+def out_of_memory(exc: BaseException) -> bool:
+    """An allocation the device could not serve: torch's own error, or a vendor runtime's
+    message (XLA's RESOURCE_EXHAUSTED)."""
+    import torch
+
+    text = str(exc).lower()
+    return isinstance(exc, torch.OutOfMemoryError) or "out of memory" in text or "resource_exhausted" in text
+
+
+def _free_memory() -> None:
+    import gc
+
+    import torch
+
+    gc.collect()
+    try:
+        torch.accelerator.empty_cache()
+    except Exception:  # noqa: BLE001 - no accelerator (CPU), or one without a cache to empty
+        pass
+
+
+def measure_speedups(session, height: int, width: int, *, oom=out_of_memory) -> list[dict]:
+    """Every planned candidate at HxW, in the spec's order; one entry each (by index).
+
+    Per batch size: full compute, then each speed-up, one call each (images saved), then
+    `speedup_repeats` interleaved rounds of timed calls. Full compute out of memory at a
+    batch size: it and every larger batch size are not measured (`out_of_memory`)."""
+    spec = session.spec
+    groups: dict[int, list] = {}
+    for call in spec.speedups:
+        groups.setdefault(call.batch_size, []).append(call)
+    found: dict[int, dict] = {}
+    oom_at = None
+    for batch_size, calls in groups.items():
+        entries = [found.setdefault(call.index, {"index": call.index, "speedup": call.speedup,
+                                                 "batch_size": batch_size, "steady": []}) for call in calls]
+        if oom_at is not None:
+            for entry in entries:
+                entry["out_of_memory"] = oom_at
+            continue
+        items = session.speedup_items(batch_size)
+        active = []
+        for call, entry in zip(calls, entries):
+            if "error" in entry or "out_of_memory" in entry:
+                continue
+            try:
+                generated, graphs = session.speedup_call(height, width, spec.steps, batch_size, call.speedup, items)
+            except Exception as exc:  # noqa: BLE001 - the candidate's failure, not the run's
+                _failed(entry, exc, batch_size, oom)
+                if call.speedup is None:  # no reference at this batch size: nothing to compare against
+                    if "out_of_memory" in entry:
+                        oom_at = batch_size  # and every larger batch size
+                        for other in entries[1:]:
+                            other["out_of_memory"] = batch_size
+                    else:
+                        for other in entries[1:]:
+                            other["error"] = f"full compute failed at batch size {batch_size}"
+                    break
+                continue
+            _save(generated.images, spec, height, width, call.index)
+            entry.update(first_call_s=round(generated.generate_s, 6), first_call_graphs=graphs,
+                         degenerate=sum(1 for kind in generated.degenerate if kind))
+            active.append((call, entry))
+        for _ in range(spec.speedup_repeats):
+            for call, entry in active:
+                if "error" in entry or "out_of_memory" in entry:
+                    continue
+                try:
+                    generated, graphs = session.speedup_call(height, width, spec.steps, batch_size, call.speedup,
+                                                             items)
+                except Exception as exc:  # noqa: BLE001
+                    _failed(entry, exc, batch_size, oom)
+                    continue
+                entry["steady"].append(generated.generate_s)
+                entry["steady_graphs"] = entry.get("steady_graphs", 0) + graphs
+    results = []
+    for call in spec.speedups:
+        entry = found[call.index]
+        steady = entry.pop("steady")
+        if steady and "error" not in entry and "out_of_memory" not in entry:
+            median = statistics.median(steady)
+            entry["steady_s"] = {"median": round(median, 6), "p90": round(percentile(steady, 90), 6),
+                                 "calls": len(steady)}
+            entry["seconds_per_image"] = round(median / call.batch_size, 6)
+        results.append(entry)
+    return results
+
+
+def _failed(entry: dict, exc: BaseException, batch_size: int, oom) -> None:
+    if oom(exc):
+        entry["out_of_memory"] = batch_size
+        _free_memory()
+    else:
+        entry["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:500]
 
 
 def _timed_shape(session: _Session, height: int, width: int) -> dict:
@@ -222,13 +369,19 @@ def _revisit(session: _Session, shapes: list[dict]) -> int:
     return sum(entry["recompiles"]["revisit"] for entry in shapes)
 
 
-def _report(session: _Session, load_s: float, shapes: list[dict], revisit: int | None, cache: dict) -> dict:
+def _memory(backend) -> dict:
+    peak = _call_or_none(backend.peak_memory)
+    return {"device_peak_bytes": int(peak) if peak is not None else None,
+            "host_peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+
+
+def _report(session: _Session, load_s: float, shapes: list[dict], revisit: int | None, cache: dict,
+            memory: dict) -> dict:
     from diffq.worker.backends import device_count
 
     spec, host, backend = session.spec, session.host, session.backend
     for entry in shapes:
         entry["degenerate"] = session.degenerate[entry["shape"]]
-    peak = _call_or_none(backend.peak_memory)
     stats = host.compile_stats()
     return {
         "device": {"kind": backend.name, "torch_device": backend.torch_device, "count": device_count(backend),
@@ -256,8 +409,7 @@ def _report(session: _Session, load_s: float, shapes: list[dict], revisit: int |
         "graph_fallback": ({"env": row.env, "value": os.environ.get(row.env),
                             "calls": sum(host.graph_fallbacks.values()), "per_shape": dict(host.graph_fallbacks)}
                            if (row := backend.graph_fallback) and stats["backend"] else None),
-        "memory": {"device_peak_bytes": int(peak) if peak is not None else None,
-                   "host_peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024},
+        "memory": memory,
     }
 
 

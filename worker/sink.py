@@ -136,6 +136,7 @@ def provenance(message: BatchMessage, item, size: tuple[int, int]) -> dict[str, 
         "guidance_scale": f"{message.params.guidance_scale:g}",
         "size": f"{size[0]}x{size[1]}",  # width x height, as stored
         "model": message.shape.model,
+        "speedup": message.params.speedup,
         "diffq_version": __version__,
     }
     return {key: value for key, value in fields.items() if value is not None}

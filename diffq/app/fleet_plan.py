@@ -80,6 +80,25 @@ def _report_rates(data: dict, source: str) -> list[Rate]:
             for r in data["rates"]]
 
 
+def _profile_rates(data: dict, source: str) -> list[Rate]:
+    """A speed-up profile's chosen candidates (core/profile.py): each shape's tuned rate,
+    as fast as its speed-up and batch size make it. Its compile time is not measured
+    per candidate: the first call is taken as the steady one."""
+    from diffq.core.profile import SpeedupProfile
+
+    profile = SpeedupProfile.model_validate(data)
+    if profile.dtype is None:
+        raise KeyError("dtype")
+    cfg = profile.guidance_scale > 1 if profile.guidance_scale is not None else None
+    rates = []
+    for shape in profile.shapes:
+        call = shape.chosen.seconds_per_image * shape.chosen.batch_size
+        rates.append(Rate(height=shape.height, width=shape.width, batch_size=shape.chosen.batch_size,
+                          steps=profile.steps, dtype=profile.dtype, cfg=cfg, model=profile.model, steady_s=call,
+                          first_call_s=call, device_kind=profile.device, source=source, startup_s=profile.load_s))
+    return rates
+
+
 def read_rates(paths: Iterable[str | Path]) -> list[Rate]:
     """The rates of `diffq qualify --json` and `diffq report --json` files, in the order given."""
     rates: list[Rate] = []
@@ -91,12 +110,15 @@ def read_rates(paths: Iterable[str | Path]) -> list[Rate]:
         try:
             if isinstance(data, dict) and "rates" in data and "run_id" in data:
                 found = _report_rates(data, str(path))
+            elif isinstance(data, dict) and "budget" in data and "shapes" in data:
+                found = _profile_rates(data, str(path))
             elif isinstance(data, dict) and "checks" in data and "shapes" in data:
                 if data.get("error"):
                     raise RatesError(f"--rates {path}: that qualify run failed ({data['error']}): nothing measured")
                 found = _qualify_rates(data, str(path))
             else:
-                raise RatesError(f"--rates {path}: neither `diffq qualify --json` nor `diffq report --json` output")
+                raise RatesError(f"--rates {path}: neither `diffq qualify --json`, a `qualify --speedups --profile` "
+                                 "file nor `diffq report --json` output")
         except (KeyError, TypeError) as exc:
             raise RatesError(f"--rates {path}: missing field {exc}") from None
         rates += found

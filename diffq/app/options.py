@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import types
 import typing
 from dataclasses import dataclass
 from enum import Enum
@@ -34,13 +35,13 @@ DegeneratePolicy = Enum("DegeneratePolicy", {name: name for name in DEGENERATE_P
 DEFAULT_ON_DEGENERATE = DegeneratePolicy(DEFAULT_DEGENERATE_POLICY)
 
 
-def contract_range(model, name: str) -> dict:
+def contract_range(model, name: str, metadata=None) -> dict:
     """typer's min/max for an option from the contract field it fills, so `--steps 1200`
     is refused naming the option and its range, before any schema error."""
     import annotated_types as at
 
     lows, highs = [], []
-    for item in model.model_fields[name].metadata:
+    for item in model.model_fields[name].metadata if metadata is None else metadata:
         if isinstance(item, at.Gt):
             lows.append(item.gt + 1 if isinstance(item.gt, int) else item.gt)
         elif isinstance(item, at.Ge):
@@ -175,6 +176,11 @@ def generation_params(fields=None) -> list[inspect.Parameter]:
         elif name == "keep_columns":  # a,b on the command line
             annotation, default = Optional[str], None
             option = typer.Option(flag, help=info.description)
+        elif words := _words_beside_int(annotation):  # e.g. --batch-size 4 | auto
+            bounded, words = words
+            annotation, default = str, str(default)
+            option = typer.Option(flag, *([SHORT_FLAGS[name]] if name in SHORT_FLAGS else []), help=info.description,
+                                  metavar="INTEGER|" + "|".join(words), parser=_int_or_words(bounded, words))
         else:
             if typing.get_origin(annotation) is typing.Union or type(annotation).__name__ == "UnionType":
                 annotation = Optional[str]
@@ -184,9 +190,41 @@ def generation_params(fields=None) -> list[inspect.Parameter]:
     return params
 
 
+def _words_beside_int(annotation):
+    """(the int's bounds, the words) of a `BoundedInt | Literal[words]` field, else None."""
+    if typing.get_origin(annotation) not in (typing.Union, types.UnionType):
+        return None
+    members = typing.get_args(annotation)
+    words = [w for m in members if typing.get_origin(m) is Literal for w in typing.get_args(m)]
+    ints = [m for m in members if m is int or typing.get_origin(m) is Annotated and typing.get_args(m)[0] is int]
+    if not words or len(ints) != 1:
+        return None
+    metadata = [item for info in typing.get_args(ints[0])[1:] for item in getattr(info, "metadata", [info])]
+    return contract_range(None, "", metadata), tuple(words)
+
+
+def _int_or_words(bounds: dict, words: tuple[str, ...]):
+    def parse(value):
+        if isinstance(value, int) or value in words:
+            return value
+        try:
+            number = int(value)
+        except ValueError:
+            raise typer.BadParameter(f"{value!r} is neither an integer nor {' or '.join(words)}") from None
+        low, high = bounds.get("min"), bounds.get("max")
+        if (low is not None and number < low) or (high is not None and number > high):
+            raise typer.BadParameter(f"{number} is not in the range {low}<=x<={high}")
+        return number
+
+    return parse
+
+
 def _generation(**values) -> GenerationOptions:
-    return GenerationOptions(**{name: value.value if isinstance(value, Enum) else value
-                                for name, value in values.items()})
+    try:
+        return GenerationOptions.of(**{name: value.value if isinstance(value, Enum) else value
+                                       for name, value in values.items()})
+    except ValueError as exc:
+        fail(str(exc))
 
 
 def _option(name: str, annotation, default) -> inspect.Parameter:

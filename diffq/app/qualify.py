@@ -20,6 +20,15 @@ Every image the device makes goes through the worker's degenerate-image checks
 (records.py DEGENERATE_CHECKS), counted per shape: one with non-finite values fails
 the run check (a worker would fail that item under any policy but `ignore`), a
 flat one warns.
+
+`--speedups`: per shape, the candidates planned from the tables (core/speedups.py
+CACHES, each offered cache at two or three settings; the attention backends worth
+trying on the device; batch sizes 1, 2, 4, ... up to --max-batch-size), each filtered
+by worker/speedups.py `refusal` for this device, compile mode and family, capped at
+--max-candidates and said (with the compiles they cost) before the child starts. The
+same child measures them; here each is compared with full compute at its batch size
+on the same prompts and seeds (PSNR and SSIM per image), judged against the budget,
+and the fastest within it is each shape's choice in the profile (core/profile.py).
 """
 
 from __future__ import annotations
@@ -35,12 +44,13 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from diffq.core.options import DEFAULTS
 from diffq.core.records import DEGENERATE_CHECKS
-from diffq.worker.backends import REFERENCE, RunConfig, get_backend
+from diffq.worker.backends import COMPILING_MODES, REFERENCE, RunConfig, get_backend
 
 REFERENCE_FILE = "reference.json"
 PSNR_CAP = 100.0
@@ -180,7 +190,7 @@ def _run_child(name: str, spec, workdir: Path, timeout: float | None) -> dict:
 
 
 def _child_spec(config: RunConfig, *, slot: int, threads: int, compile_cache: str | None, settings: Settings,
-                measure: bool, extra: list[tuple[int, int]], repeats: int, out_dir: Path):
+                measure: bool, extra: list[tuple[int, int]], repeats: int, out_dir: Path, tuning: dict | None = None):
     from diffq.worker.qualify import QualifySpec
     from diffq.worker.supervisor import plan_children
 
@@ -194,7 +204,9 @@ def _child_spec(config: RunConfig, *, slot: int, threads: int, compile_cache: st
                        extra_parity_shapes=extra, batch_size=settings.batch_size, steps=settings.steps,
                        guidance_scale=settings.guidance_scale,
                        max_sequence_length=settings.max_sequence_length, prompts=settings.prompts,
-                       seeds=settings.seeds, repeats=repeats, measure=measure, out_dir=str(out_dir))
+                       seeds=settings.seeds, repeats=repeats, measure=measure, out_dir=str(out_dir),
+                       **({"speedups": tuning["measure"], "speedup_prompts": tuning["prompts"],
+                           "speedup_seeds": tuning["seeds"], "speedup_repeats": repeats} if tuning else {}))
 
 
 # --- parity -------------------------------------------------------------------------
@@ -239,6 +251,319 @@ def parity(settings: Settings, device_dir: Path, reference_dir: Path | None, ref
     return result
 
 
+# --- speed-ups (--speedups) ----------------------------------------------------------
+
+# Each offered cache at two or three settings of its own diffusers fields (core/
+# speedups.py CACHES). What is never tuned is listed with the reason instead: a cache
+# the table refuses, one that decides from the whole batch (it runs only behind
+# --unreproducible-speedup), one whose required calibration has no preset for this
+# family (MagCache's `mag_ratios`: the one preset, `flux`, is diffusers' FLUX_MAG_RATIOS,
+# calibrated on FLUX.1, so mag is offered for the flux family only). Under
+# --compile regional only whole-block settings run (`refusal` says which): hence
+# TaylorSeer's lite mode at two intervals besides its default mode.
+CACHE_SETTINGS: dict[str, tuple[str, ...]] = {
+    "taylorseer": ("cache_interval=2", "cache_interval=3", "cache_interval=2,use_lite_mode=true",
+                   "cache_interval=3,use_lite_mode=true"),
+    "mag": ("threshold=0.06", "threshold=0.12"),
+    "pyramidattentionbroadcast": ("spatial_attention_block_skip_range=2", "spatial_attention_block_skip_range=3"),
+}
+# Attention backends worth measuring per device kind, besides diffusers' default
+# `native`, which is what full compute runs. A short list of what is worth trying, not
+# a fact of the device (the backend table holds those): one that fails on the device
+# is shown failed, never hidden. CPU (docs/speedups.md, measured): `_native_flash` is
+# the kernel `native` already picks, `flex` ran 1.6-2.5x slower, `_native_efficient`
+# and `_native_cudnn` have no CPU kernel. Compiling modes refuse a switch (`refusal`).
+ATTENTION_CANDIDATES: dict[str, tuple[str, ...]] = {
+    "cpu": ("_native_math",),
+    "cuda": ("_native_flash", "_native_efficient", "_native_cudnn", "_native_math"),
+}
+# Defaults of --budget-psnr / --budget-ssim: the level where qualify's parity stops
+# warning (--min-psnr 25 plus its 10 dB margin), and an SSIM commonly taken as visually
+# near-lossless. Both judge a candidate against full compute on the same prompts and
+# seeds, not the device against the reference (that is --min-psnr).
+BUDGET_PSNR = 35.0
+BUDGET_SSIM = 0.97
+MAX_CANDIDATES = 12
+PERCEPTUAL = ("LPIPS and CLIP score not computed: their networks' weights are not available locally and qualify "
+              "downloads nothing; fidelity is PSNR and SSIM per image")
+
+
+@dataclass(frozen=True)
+class SpeedupOptions:
+    budget_psnr: float = BUDGET_PSNR
+    budget_ssim: float = BUDGET_SSIM
+    max_candidates: int = MAX_CANDIDATES  # measured per shape, full compute included
+    max_batch_size: int | None = None  # default: the run's --batch-size
+    profile: Path | None = None
+
+
+def model_family(model: str):
+    """The model's family (the table's speed-up facts), read torch-free."""
+    from diffq.core.families import FamilyError, family_for_class, family_of
+
+    try:
+        family = family_of(model)
+        if family is None:  # a hub id: its cached model_index.json
+            from huggingface_hub import try_to_load_from_cache
+
+            index = try_to_load_from_cache(model, "model_index.json")
+            if isinstance(index, str):
+                family = family_for_class(json.loads(Path(index).read_text())["_class_name"])
+    except (FamilyError, OSError, ValueError, KeyError) as exc:
+        raise QualifyError(f"--speedups: {exc}") from None
+    if family is None:
+        raise QualifyError(f"--speedups: the family of {model} cannot be read here (no model_index.json); "
+                           "download the model first")
+    return family
+
+
+def batch_sizes(largest: int) -> list[int]:
+    """1, 2, 4, ... below `largest`, then `largest`."""
+    sizes, size = [], 1
+    while size < largest:
+        sizes.append(size)
+        size *= 2
+    return sizes + [largest]
+
+
+def offered_speedups(backend, compile_mode: str, family) -> tuple[list[str], list[dict], list[dict]]:
+    """(specs to measure, [{speedup, reason}] refused on this device / mode / family,
+    [{speedup, reason}] never tuned), all read from the tables."""
+    from diffq.core.speedups import ATTENTION, BATCH, CACHES, UNREPRODUCIBLE_OPTION, canonical, parse
+    from diffq.worker.speedups import DEFAULT_ATTENTION, refusal
+
+    specs, not_offered = [], []
+    for name, row in CACHES.items():
+        if row.refused:
+            not_offered.append({"speedup": name, "reason": row.refused})
+            continue
+        if row.decides == BATCH:
+            not_offered.append({"speedup": name, "reason": f"decides from the whole batch ({row.source}): an image "
+                                f"would depend on its neighbours; it runs only with {UNREPRODUCIBLE_OPTION} and is "
+                                "never tuned"})
+            continue
+        if name not in CACHE_SETTINGS:
+            not_offered.append({"speedup": name, "reason": "no settings to tune in qualify (CACHE_SETTINGS)"})
+            continue
+        missing = [f for f in row.required if family.name not in row.presets.get(f, ())]
+        if missing:
+            presets = ", ".join(p for f in missing for p in row.presets.get(f, ())) or "none"
+            not_offered.append({"speedup": name, "reason": f"needs {', '.join(missing)} calibrated for the model: "
+                                f"diffq's presets ({presets}) are for those families, not {family.name}"})
+            continue
+        given = [f"{f}={family.name}" for f in row.required]
+        specs += [canonical(f"{name}:{','.join([*given, setting])}") for setting in CACHE_SETTINGS[name]]
+    specs += [canonical(f"{ATTENTION}:{name}") for name in ATTENTION_CANDIDATES.get(backend.name, ())
+              if name != DEFAULT_ATTENTION]
+    kept, refused = [], []
+    for spec in specs:
+        if reason := refusal(parse(spec), backend, compile_mode, family):
+            refused.append({"speedup": spec, "reason": reason})
+        else:
+            kept.append(spec)
+    return kept, refused, not_offered
+
+
+def plan_speedups(backend, compile_mode: str, family, settings: Settings, options: SpeedupOptions,
+                  repeats: int, prompts_file: Path | None = None) -> dict:
+    """What --speedups measures per shape, in order, capped, and what it costs: said
+    before the child starts."""
+    largest = options.max_batch_size or settings.batch_size
+    sizes = batch_sizes(largest)
+    specs, refused, not_offered = offered_speedups(backend, compile_mode, family)
+    # Kept under the cap in this order: full compute at every batch size (each the
+    # fidelity reference of its batch size), then the speed-ups at the largest batch size
+    # (the run's own by default), then at each smaller one.
+    ranked = [(size, None) for size in sizes] + [(size, spec) for size in reversed(sizes) for spec in specs]
+    kept = set(ranked[:options.max_candidates])
+    order = [(size, spec) for size in sizes for spec in (None, *specs)]  # measured: smallest batch size first
+    measure = [{"speedup": spec, "batch_size": size} for size, spec in order if (size, spec) in kept]
+    skipped = [{"speedup": spec, "batch_size": size} for size, spec in order if (size, spec) not in kept]
+    for index, call in enumerate(measure):
+        call["index"] = index
+    measured_sizes = sorted({call["batch_size"] for call in measure})
+    compiling = compile_mode in COMPILING_MODES or backend.eager_compiles
+    # Each new batch size is a new graph per shape; the run's own batch size is compiled
+    # by the measurement already; a cache adds none (measured under regional), and an
+    # attention switch is refused where it would.
+    new_sizes = [size for size in measured_sizes if size != settings.batch_size] if compiling else []
+    compiles = len(settings.shapes) * len(new_sizes)
+    if compiling:
+        how = (f"{len(settings.shapes)} shape(s) x new batch size(s) {', '.join(map(str, new_sizes))}: each batch "
+               f"size is a new graph, a cache adds none" if new_sizes else
+               f"batch size {settings.batch_size} is compiled by the measurement itself, a cache adds none")
+    else:
+        how = f"--compile {compile_mode} on {backend.name} compiles nothing"
+    if prompts_file is not None:
+        prompts, seeds = read_prompt_file(prompts_file, largest)
+    else:
+        prompts, seeds = list(settings.prompts[:largest]), list(settings.seeds[:largest])
+        for i in range(len(prompts), largest):
+            prompts.append(DEFAULT_PROMPTS[i % len(DEFAULT_PROMPTS)])
+            seeds.append(i)
+    announce = (f"speedups: {len(measure)} candidate(s) per shape to measure on {len(settings.shapes)} shape(s), "
+                f"{1 + repeats} call(s) each (batch sizes {', '.join(map(str, measured_sizes))}; "
+                f"{len(skipped)} over --max-candidates {options.max_candidates}, {len(refused)} refused on "
+                f"{backend.name} --compile {compile_mode}); compiles: {compiles} ({how})")
+    return {"measure": measure, "skipped": skipped, "refused": refused, "not_offered": not_offered,
+            "batch_sizes": sizes, "largest_batch_size": largest, "prompts": prompts, "seeds": seeds,
+            "compiles": compiles, "compiles_detail": how, "announce": announce,
+            "shapes": [label(shape) for shape in settings.shapes]}
+
+
+def _gaussian_blur(x, sigma: float = 1.5, radius: int = 5):
+    """A separable Gaussian (window 11, sigma 1.5), 'valid' at the borders, vectorised."""
+    import numpy as np
+
+    k = np.exp(-0.5 * (np.arange(-radius, radius + 1) / sigma) ** 2)
+    k /= k.sum()
+    n = 2 * radius
+    rows = sum(w * x[i:x.shape[0] - n + i] for i, w in enumerate(k))
+    return sum(w * rows[:, i:rows.shape[1] - n + i] for i, w in enumerate(k))
+
+
+def ssim(a, b) -> float:
+    """SSIM (Wang et al. 2004) of two HxWx3 images in [0, 255]: Gaussian window sigma
+    1.5, per channel, the mean over the map and channels (as skimage's
+    gaussian_weights=True, data_range=255). 1.0 means identical."""
+    import numpy as np
+
+    c1, c2 = (0.01 * 255) ** 2, (0.03 * 255) ** 2
+    if min(a.shape[:2]) < 11:
+        return 1.0 if np.array_equal(a, b) else 0.0
+    values = []
+    for channel in range(a.shape[2]):
+        x, y = a[..., channel].astype(np.float64), b[..., channel].astype(np.float64)
+        mx, my = _gaussian_blur(x), _gaussian_blur(y)
+        sxx = _gaussian_blur(x * x) - mx * mx
+        syy = _gaussian_blur(y * y) - my * my
+        sxy = _gaussian_blur(x * y) - mx * my
+        values.append(float((((2 * mx * my + c1) * (2 * sxy + c2))
+                             / ((mx * mx + my * my + c1) * (sxx + syy + c2))).mean()))
+    return float(np.mean(values))
+
+
+def fidelity(full_paths: list[Path], paths: list[Path]) -> list[dict]:
+    """Per image against full compute: PSNR (100 dB: identical) and SSIM."""
+    found = []
+    for full, path in zip(full_paths, paths):
+        measured = compare(path, full)
+        a, b = _pixels(path), _pixels(full)
+        measured["ssim"] = round(ssim(a, b), 6) if a.shape == b.shape else 0.0
+        found.append(measured)
+    return found
+
+
+def speedup_results(plan: dict, tuned: list[dict] | None, device_dir: Path, options: SpeedupOptions) -> dict:
+    """The table per shape: every candidate (measured, below budget, refused, over the
+    cap), and the fastest within the budget."""
+    from diffq.core.profile import SpeedupProfile
+    from diffq.worker.qualify import speedup_image_path
+
+    result = {"budget": {"min_psnr": options.budget_psnr, "min_ssim": options.budget_ssim},
+              "max_candidates": options.max_candidates, "batch_sizes": plan["batch_sizes"],
+              "compiles": plan["compiles"], "compiles_detail": plan["compiles_detail"], "announced": plan["announce"],
+              "seeds": plan["seeds"], "perceptual": PERCEPTUAL,
+              "note": SpeedupProfile.model_fields["note"].default, "not_offered": plan["not_offered"],
+              "shapes": [], "profile": None}
+    for shape in tuned or []:
+        height, width = shape["height"], shape["width"]
+        found = {entry["index"]: entry for entry in shape["candidates"]}
+
+        def images(entry):
+            return [speedup_image_path(device_dir, height, width, entry["index"], i)
+                    for i in range(entry["batch_size"])]
+
+        full = {e["batch_size"]: e for e in found.values() if e["speedup"] is None and "seconds_per_image" in e}
+        candidates = []
+        for call in plan["measure"]:
+            entry = found[call["index"]]
+            row = {"speedup": call["speedup"], "batch_size": call["batch_size"], "seconds_per_image": 0.0,
+                   "psnr": None, "ssim": None, "within_budget": False, "refused": None, "skipped": None,
+                   "index": call["index"], "failed": False}
+            if "out_of_memory" in entry:
+                at = entry["out_of_memory"]
+                row["refused"] = ("out of memory" if at == call["batch_size"] and call["speedup"] is not None else
+                                  f"full compute ran out of memory at batch size {at}")
+            elif "error" in entry or "seconds_per_image" not in entry:
+                row.update(refused=f"failed: {entry.get('error', 'not measured')}", failed=True)
+            else:
+                reference = full.get(call["batch_size"])
+                row.update(seconds_per_image=entry["seconds_per_image"], steady_s=entry["steady_s"],
+                           first_call_s=entry["first_call_s"], first_call_graphs=entry["first_call_graphs"],
+                           steady_graphs=entry.get("steady_graphs", 0),
+                           degenerate=entry.get("degenerate", 0),
+                           images_per_s=round(1 / entry["seconds_per_image"], 4) if entry["seconds_per_image"] else None)
+                if reference is not None and reference["seconds_per_image"]:
+                    row["time_vs_full"] = round(entry["seconds_per_image"] / reference["seconds_per_image"], 4)
+                if call["speedup"] is None:
+                    row["within_budget"] = True
+                else:
+                    per_image = fidelity(images(reference), images(entry))
+                    row.update(psnr=min(i["psnr_db"] for i in per_image), ssim=min(i["ssim"] for i in per_image),
+                               images=per_image)
+                    row["within_budget"] = row["psnr"] >= options.budget_psnr and row["ssim"] >= options.budget_ssim
+            candidates.append(row)
+        candidates += [{"speedup": r["speedup"], "batch_size": plan["largest_batch_size"], "seconds_per_image": 0.0,
+                        "psnr": None, "ssim": None, "within_budget": False, "refused": r["reason"], "skipped": None}
+                       for r in plan["refused"]]
+        candidates += [{"speedup": c["speedup"], "batch_size": c["batch_size"], "seconds_per_image": 0.0,
+                        "psnr": None, "ssim": None, "within_budget": False, "refused": None,
+                        "skipped": f"over --max-candidates {options.max_candidates}"} for c in plan["skipped"]]
+        measured = [c for c in candidates if c["refused"] is None and c["skipped"] is None]
+        within = [c for c in measured if c["within_budget"]]
+        # The fastest within the budget; on a tie the earlier (full compute, then the smaller batch).
+        chosen = min(within, key=lambda c: c["seconds_per_image"]) if within else None
+        for c in measured:
+            c["verdict"] = ("chosen" if c is chosen else "within budget" if c["within_budget"] else "below budget")
+        result["shapes"].append({"shape": shape["shape"], "height": height, "width": width,
+                                 "chosen": None if chosen is None else {k: v for k, v in chosen.items()
+                                                                        if k != "images"},
+                                 "candidates": candidates})
+    return result
+
+
+def speedups_check(found: dict) -> dict:
+    if not found["shapes"]:
+        return {"status": "fail", "detail": "nothing measured"}
+    parts, troubles = [], []
+    for shape in found["shapes"]:
+        chosen = shape["chosen"]
+        if chosen is None:
+            troubles.append(f"{shape['shape']}: full compute was not measured, nothing chosen")
+            continue
+        below = sum(1 for c in shape["candidates"] if c.get("verdict") == "below budget")
+        parts.append(f"{shape['shape']}: {chosen['speedup'] or 'full compute'} at batch size {chosen['batch_size']}, "
+                     f"{chosen['seconds_per_image']:.4g} s/image ({below} below budget)")
+        troubles += [f"{shape['shape']} {c['speedup'] or 'full compute'} b{c['batch_size']} {c['refused']}"
+                     for c in shape["candidates"] if c.get("failed")]
+    detail = "; ".join(parts + troubles)
+    return {"status": "warn" if troubles else "pass", "detail": detail}
+
+
+def write_profile(path: Path, report: dict, compile_mode: str) -> str | None:
+    """The profile file (core/profile.py): per shape the choice and every candidate."""
+    from diffq.core.profile import Budget, Candidate, ShapeChoice, SpeedupProfile
+
+    found = report["speedups"]
+    if report.get("error") or not any(s["chosen"] for s in found["shapes"]):
+        return None
+
+    def candidate(row: dict) -> Candidate:
+        return Candidate(**{name: row[name] for name in Candidate.model_fields})
+
+    profile = SpeedupProfile(
+        model=report["model"], device=report["device"]["kind"], compile=compile_mode, steps=report["steps"],
+        dtype=report.get("dtype"), guidance_scale=report.get("guidance_scale"), load_s=report.get("load_s"),
+        budget=Budget(**found["budget"]),
+        shapes=[ShapeChoice(height=s["height"], width=s["width"], chosen=candidate(s["chosen"]),
+                            candidates=[candidate(c) for c in s["candidates"]])
+                for s in found["shapes"] if s["chosen"]])
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    profile.dump(path)
+    return str(path)
+
+
 # --- verdict ------------------------------------------------------------------------
 
 
@@ -281,6 +606,8 @@ def checks(report: dict, thresholds: Thresholds) -> dict[str, dict]:
         status = ("fail" if not p["passed"] else
                   "warn" if p["psnr_db_min"] < thresholds.min_psnr + thresholds.warn_margin_db else "pass")
         found["parity"] = {"status": status, "detail": detail}
+    if report.get("speedups") is not None:
+        found["speedups"] = speedups_check(report["speedups"])
     return found
 
 
@@ -315,8 +642,12 @@ def qualify(model: str, *, device: str = "cpu", slot: int = 0, compile: str = "n
             reference: str = "cpu", save_reference: Path | None = None, report_dir: Path | None = None,
             price_per_device_hour: float | None = None, thresholds: Thresholds = Thresholds(),
             threads: int = 1, compile_cache: str | None = None, repeats: int = DEFAULT_REPEATS,
-            reference_max_pixels: int = REFERENCE_MAX_PIXELS, timeout: float | None = None) -> dict:
-    """Run the qualification and return the report (the `--json` object)."""
+            reference_max_pixels: int = REFERENCE_MAX_PIXELS, timeout: float | None = None,
+            speedups: SpeedupOptions | None = None, announce: Callable[[str], None] | None = None) -> dict:
+    """Run the qualification and return the report (the `--json` object).
+
+    `speedups`: tune them too (`--speedups`); `announce` hears, before any child
+    starts, how many candidates and compiles that costs."""
     from diffq.worker.models import ModelUnavailable, resolve_model
 
     backend = get_backend(device)
@@ -334,13 +665,18 @@ def qualify(model: str, *, device: str = "cpu", slot: int = 0, compile: str = "n
                          prompts_file, reference_max_pixels)
     config = RunConfig(device=device, dtype=dtype, compile=compile, offload=offload)
     self_reference = reference == "cpu" and config == REFERENCE
+    tuning = None
+    if speedups is not None:
+        tuning = plan_speedups(backend, compile, model_family(model), settings, speedups, repeats, prompts_file)
+        if announce:
+            announce(tuning["announce"])
     started = time.time()
     with tempfile.TemporaryDirectory(prefix="diffq-qualify-") as tmp:
         work = Path(tmp)
         device_dir, reference_dir = work / "device", work / "reference"
         extra = [s for s in settings.parity_shapes if s not in settings.shapes]
         spec = _child_spec(config, slot=slot, threads=threads, compile_cache=compile_cache, settings=settings,
-                           measure=True, extra=extra, repeats=repeats, out_dir=device_dir)
+                           measure=True, extra=extra, repeats=repeats, out_dir=device_dir, tuning=tuning)
         result = _run_child("device", spec, work, timeout)
         ref_error = None
         if result.get("error"):
@@ -360,7 +696,11 @@ def qualify(model: str, *, device: str = "cpu", slot: int = 0, compile: str = "n
                 ref_error = f"the CPU reference failed: {ref_result['error']}"
         report = _report(result, settings, device, dtype, price_per_device_hour)
         report["parity"] = parity(settings, device_dir, ref_dir, reference, thresholds, ref_error)
+        if tuning is not None:
+            report["speedups"] = speedup_results(tuning, result.get("speedups"), device_dir, speedups)
         report["checks"] = checks(report, thresholds)
+        if tuning is not None and speedups.profile is not None:
+            report["speedups"]["profile"] = write_profile(speedups.profile, report, compile)
         report["passed"] = all(c["status"] != "fail" for c in report["checks"].values())
         report["wall_s"] = round(time.time() - started, 3)
         if save_reference and not result.get("error"):
@@ -468,10 +808,54 @@ def render_text(report: dict) -> str:
     p = report["parity"]
     for s in p["shapes"]:
         lines.append(f"parity {s['shape']}: PSNR min {s['psnr_db_min']:.1f} dB, max abs diff {s['max_abs_diff']}")
+    if report.get("speedups") is not None:
+        lines += speedup_lines(report["speedups"])
     for name, check in report["checks"].items():
         lines.append(f"{check['status'].upper():5} {name}: {check['detail']}")
     lines.append("PASSED" if report["passed"] else "FAILED")
     return "\n".join(lines)
+
+
+def _fmt(value, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def _speedup_status(c: dict) -> str:
+    if c.get("skipped"):
+        return f"skipped: {c['skipped']}"
+    if c.get("refused"):
+        return f"refused: {c['refused']}"
+    return c.get("verdict", "")
+
+
+def speedup_rows(shape: dict) -> list[list[str]]:
+    """One row per candidate: speed-up, batch, s/image, time vs full compute, PSNR, SSIM, verdict."""
+    return [[c["speedup"] or "none (full compute)", str(c["batch_size"]),
+             _fmt(c["seconds_per_image"] if c["refused"] is None and c["skipped"] is None else None, ".4g"),
+             _fmt(c.get("time_vs_full"), ".2f"), _fmt(c["psnr"], ".1f"), _fmt(c["ssim"], ".4f"),
+             _speedup_status(c)] for c in shape["candidates"]]
+
+
+SPEEDUP_COLUMNS = ["speed-up", "batch", "s/image", "time vs full", "PSNR min dB", "SSIM min", "verdict"]
+
+
+def speedup_lines(found: dict) -> list[str]:
+    b = found["budget"]
+    lines = [f"speedups: budget PSNR >= {b['min_psnr']:g} dB and SSIM >= {b['min_ssim']:g} against full compute at "
+             f"the same batch size on the same prompts and seeds; {found['perceptual']}",
+             f"speedups: compiles {found['compiles']} ({found['compiles_detail']}); {found['note']}"]
+    for item in found["not_offered"]:
+        lines.append(f"speedups: {item['speedup']} not tuned: {item['reason']}")
+    for shape in found["shapes"]:
+        rows = [SPEEDUP_COLUMNS] + speedup_rows(shape)
+        widths = [max(len(row[i]) for row in rows) for i in range(len(SPEEDUP_COLUMNS) - 1)]
+        lines.append(f"speedups {shape['shape']}:")
+        lines += ["  " + "  ".join(cell.ljust(w) if i == 0 else cell.rjust(w)
+                                   for i, (cell, w) in enumerate(zip(row, widths))) + "  " + row[-1]
+                  for row in rows]
+    if found.get("profile"):
+        lines.append(f"profile: {found['profile']}")
+    return lines
 
 
 def _degenerate_found(counts: dict | None) -> str:
@@ -552,6 +936,7 @@ def render_html(report: dict, settings: Settings, device_dir: Path, reference_di
                                          (ref.read_bytes(), "reference"),
                                          (diff, f"|difference|, black 0 to yellow {peak}"))) + "</div>")
             galleries.append(f"<h3>{label(shape)}</h3>" + "".join(cells))
+    speedups = _speedups_html(report.get("speedups"), device_dir) if report.get("speedups") is not None else ""
     verdict = "passed" if report["passed"] else "FAILED"
     title = html.escape(f"diffq qualify {report['device']['kind']}: {verdict}")
     return f"""<!doctype html>
@@ -572,8 +957,46 @@ th {{ background: #f3f3f3; }} img {{ max-width: 100%; }}
 <h2>Warnings</h2>{warns}
 <h2>Parity against {html.escape(str(p['reference']))}</h2>{parity_rows}
 {''.join(galleries)}
+{speedups}
 </body></html>
 """
+
+
+def _speedups_html(found: dict, device_dir: Path) -> str:
+    """The candidates' table per shape, and for each measured speed-up its first image
+    beside full compute's (same prompt, seed and batch size) and their difference."""
+    from diffq.results.report import _table
+    from diffq.worker.qualify import speedup_image_path
+
+    b = found["budget"]
+    parts = [f"<h2>Speed-ups</h2><p>Budget: PSNR &ge; {b['min_psnr']:g} dB and SSIM &ge; {b['min_ssim']:g} against "
+             f"full compute at the same batch size on the same prompts and seeds; the fastest candidate within it "
+             f"is chosen, one below it is shown and never chosen. {html.escape(found['perceptual'])}. "
+             f"Compiles: {found['compiles']} ({html.escape(found['compiles_detail'])}).</p>"
+             f"<p><b>{html.escape(found['note'])}.</b></p>"]
+    if found["not_offered"]:
+        parts.append("<h3>Not tuned</h3>" + _table(["speed-up", "why"], [[i["speedup"], i["reason"]]
+                                                                           for i in found["not_offered"]]))
+    for shape in found["shapes"]:
+        height, width = shape["height"], shape["width"]
+        parts.append(f"<h3>{html.escape(shape['shape'])}</h3>" + _table(SPEEDUP_COLUMNS, speedup_rows(shape)))
+        full = {c["batch_size"]: c for c in shape["candidates"]
+                if c["speedup"] is None and c.get("index") is not None and c["refused"] is None}
+        for c in shape["candidates"]:
+            reference = full.get(c["batch_size"])
+            if c["speedup"] is None or c.get("images") is None or reference is None:
+                continue
+            sped = speedup_image_path(device_dir, height, width, c["index"], 0)
+            whole = speedup_image_path(device_dir, height, width, reference["index"], 0)
+            diff, peak = heatmap(sped, whole)
+            first = c["images"][0]
+            parts.append("<div class=row>" + "".join(
+                f"<figure>{_img(png, caption)}<figcaption>{html.escape(caption)}</figcaption></figure>"
+                for png, caption in ((whole.read_bytes(), f"full compute, batch size {c['batch_size']}, item 0"),
+                                     (sped.read_bytes(), f"{c['speedup']} ({c['verdict']}): PSNR "
+                                                         f"{first['psnr_db']:.1f} dB, SSIM {first['ssim']:.4f}"),
+                                     (diff, f"|difference|, black 0 to yellow {peak}"))) + "</div>")
+    return "".join(parts)
 
 
 def write_report(directory: Path, report: dict, settings: Settings, device_dir: Path,

@@ -53,6 +53,7 @@ from diffq.core.transports import transport_for
 from diffq.producer.resume import check_plan, continuation, missing_batches, scan, uncancel
 from diffq.producer.submit import CeleryPublisher, make_options, new_run_id, submit, validate
 from diffq.worker.admission import RunScope
+from diffq.worker.speedups import local_refusal
 from diffq.worker.backends import get_backend
 from diffq.worker.models import resolve_model
 from diffq.worker.spec import DEFAULT_DEGENERATE_POLICY
@@ -161,9 +162,10 @@ class LocalWorkers:
     allow_fallback: bool = False
     on_degenerate: str = DEFAULT_DEGENERATE_POLICY
 
-    def check(self, models: list[str]) -> None:
-        # A compile mode a family cannot take fails here, not in every worker.
-        if reason := compile_refusal(models, self.compile):
+    def check(self, models: list[str], speedups=()) -> None:
+        # A compile mode or speed-up a family cannot take fails here, not in every worker.
+        if reason := compile_refusal(models, self.compile) or local_refusal(models, speedups, self.device,
+                                                                               self.compile):
             raise ValueError(reason)
 
     def specs(self, broker_url: str, transport_options: dict, queues: list[str], models: list[str], dtype: str,
@@ -211,7 +213,7 @@ def run(
     for name in plan.models:
         if name != model:
             resolve_model(name)
-    local.check(plan.models)
+    local.check(plan.models, speedups_of(options))
     storage = open_storage(out)
     new_id = run_id or new_run_id()  # known before submitting: the workers serve this run only
 
@@ -549,3 +551,10 @@ class _LostBatches:
                 self.submission.publisher.publish(message)
                 self.reenqueued += len(message.items)
             self._last_progress = now
+
+
+def speedups_of(options) -> list[str]:
+    """The specs a run's batches will carry (a profile's, one per shape)."""
+    if options.per_size:
+        return sorted({spec for _, _, spec, _ in options.per_size if spec})
+    return [options.speedup] if options.speedup else []

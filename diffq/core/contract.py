@@ -208,6 +208,21 @@ class BatchParams(Strict):
     # Provenance (prompt, seed, steps, ...) inside each image file: PNG text chunks,
     # EXIF UserComment for JPEG and WebP.
     embed_metadata: bool = True
+    # The run's speed-up, canonical (core/speedups.py): a step cache and/or attention
+    # backend the worker applies for this call. Not part of the shape key: a cache
+    # changes no compiled graph (measured: docs/speedups.md), and each call sets it.
+    speedup: str | None = Field(default=None, max_length=1024)
+    # The user gave up reproducibility by name (--unreproducible-speedup): a cache that
+    # decides from the whole batch may run, and its records say so.
+    unreproducible: bool = False
+
+    @model_validator(mode="after")
+    def _speedup_canonical(self) -> BatchParams:
+        from diffq.core.speedups import canonical
+
+        if self.speedup is not None and canonical(self.speedup, unreproducible=self.unreproducible) != self.speedup:
+            raise ValueError(f"speedup '{self.speedup}' is not in canonical form")
+        return self
 
 
 class BatchMessage(Strict):

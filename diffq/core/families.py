@@ -52,6 +52,12 @@ class Family:
     # Text-encoder components a tensor-parallel group loads sharded (their
     # transformers config declares a TP plan); every other encoder is replicated.
     tp_text_encoders: ClassVar[tuple[str, ...]] = ()
+    # Step caches (core/speedups.py) run: the transformer mixes in CacheMixin and the
+    # pipeline opens a cache context around each transformer call. Where not, why.
+    step_caches: ClassVar[bool] = True
+    step_caches_missing: ClassVar[str] = ""
+    # Caches that fail on this family, and how (measured).
+    cache_refusals: ClassVar[dict[str, str]] = {}
 
     @classmethod
     def takes(cls, argument: str) -> bool:
@@ -124,6 +130,8 @@ class Flux2Klein(_Flux2Pipelines):
     # do_classifier_free_guidance = guidance_scale > 1 and not is_distilled: a second
     # transformer call with the embeddings of "" (no negative_prompt argument).
     guidance = "cfg-pass"
+    cache_refusals = {"firstblock": "its hook fails inside Flux2TransformerBlock (TypeError, measured on "
+                                    "diffusers 0.42.1)"}
 
 
 class Flux2(_Flux2Pipelines):
@@ -131,6 +139,8 @@ class Flux2(_Flux2Pipelines):
     pipeline_class = "Flux2Pipeline"
     source = "diffusers/pipelines/flux2/pipeline_flux2.py"
     guidance = "embedded"  # always fed as `guidance` to the transformer
+    step_caches = False
+    step_caches_missing = "Flux2Pipeline opens no cache context around its transformer calls"
 
 
 class StableDiffusion3(Family):
@@ -142,6 +152,9 @@ class StableDiffusion3(Family):
     guidance = "cfg-batch"
     repeated_blocks = False  # SD3Transformer2DModel declares none
     tp_text_encoders = ()  # CLIP-L, CLIP-G and T5 declare no TP plan
+    step_caches = False
+    step_caches_missing = ("SD3Transformer2DModel does not mix in CacheMixin and StableDiffusion3Pipeline "
+                           "opens no cache context (TaylorSeer applied by hand raises 'No cache context is set')")
 
 
 FAMILIES: dict[str, type[Family]] = {f.pipeline_class: f for f in (Flux2Klein, Flux, StableDiffusion3, Flux2)}

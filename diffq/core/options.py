@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from diffq.core.contract import (AUTO_DTYPE, FITS, SHAPE_DTYPE_TAGS, BatchSize, GuidanceScale, ImageSide,
                                  InferenceSteps, SequenceLength)
@@ -21,6 +21,8 @@ from diffq.core.layout import IMAGE_FORMATS
 
 # The smallest side a run may ask for: the families' size multiple.
 MIN_SIDE = 16
+# --batch-size auto: each shape's batch size from the --speedup profile.
+AUTO = "auto"
 
 
 class GenerationOptions(BaseModel):
@@ -29,7 +31,8 @@ class GenerationOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    batch_size: BatchSize = Field(4, description="Images per compiled batch")
+    batch_size: BatchSize | Literal[AUTO] = Field(  # type: ignore[valid-type]
+        4, description="Images per compiled batch, or auto: each shape's from the --speedup profile")
     steps: InferenceSteps = Field(4, description="Default num_inference_steps")
     guidance_scale: GuidanceScale = Field(1.0, description="Default guidance scale (> 1 turns CFG on)")
     max_sequence_length: SequenceLength = Field(64, description="Text tokens per prompt (padded)")
@@ -51,6 +54,42 @@ class GenerationOptions(BaseModel):
         (), description="CSV/Parquet columns a,b moved into each row's metadata (other unknown columns stay errors)")
     embed_metadata: bool = Field(
         True, description="Write prompt, seed, steps, ... into each image file (PNG text, EXIF UserComment)")
+    speedup: str | None = Field(
+        None, description="Step cache and/or attention backend, e.g. taylorseer:cache_interval=3 or "
+                          "mag:mag_ratios=flux+attention:_native_math (docs/speedups.md): applied by each worker "
+                          "through diffusers, recorded with every image; or a profile FILE.json from "
+                          "`diffq qualify --speedups --profile`: each shape's own choice")
+    unreproducible_speedup: bool = Field(
+        False, description="Let a cache that decides from the whole batch run (firstblock): an image then depends "
+                           "on its batch neighbours, and its record says so")
+
+    @model_validator(mode="after")
+    def _speedup(self) -> GenerationOptions:
+        """The spec in canonical form, refused here (before any row is read) where diffq
+        does not offer it at all."""
+        from diffq.core.profile import SpeedupProfile, is_profile
+        from diffq.core.speedups import SpeedupError, canonical
+
+        if is_profile(self.speedup):
+            for shape in SpeedupProfile.load(self.speedup).shapes:  # a bad file fails here, not per row
+                canonical(shape.chosen.speedup, unreproducible=self.unreproducible_speedup)
+        else:
+            try:
+                spec = canonical(self.speedup, unreproducible=self.unreproducible_speedup)
+            except SpeedupError as exc:
+                raise ValueError(f"--speedup: {exc}") from None
+            object.__setattr__(self, "speedup", spec)
+        if self.batch_size == AUTO and self.speedup_profile is None:
+            raise ValueError("--batch-size auto takes each shape's batch size from a --speedup profile FILE.json "
+                             "(`diffq qualify --speedups --profile FILE.json`)")
+        return self
+
+    @property
+    def speedup_profile(self) -> str | None:
+        """The profile file --speedup names, or None for a spec."""
+        from diffq.core.profile import is_profile
+
+        return self.speedup if is_profile(self.speedup) else None
 
     @field_validator("keep_columns", mode="before")
     @classmethod
@@ -61,6 +100,17 @@ class GenerationOptions(BaseModel):
         if isinstance(value, str):
             return tuple(name.strip() for name in value.split(",") if name.strip())
         return tuple(value)
+
+    @classmethod
+    def of(cls, **values) -> GenerationOptions:
+        """The options from keyword arguments; a bad one raises ValueError naming its option."""
+        try:
+            return cls(**values)
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            name = "--" + str(first["loc"][0]).replace("_", "-") if first["loc"] else "options"
+            message = first["msg"].removeprefix("Value error, ")
+            raise ValueError(message if message.startswith("--") else f"{name}: {message}") from None
 
     def kwargs(self) -> dict:
         """As the producer's functions take them (`submit(..., **options.kwargs())`)."""

@@ -72,7 +72,7 @@ class RunDefaults(Strict):
     never stated."""
 
     model: str
-    batch_size: int
+    batch_size: int | str  # "auto": each shape's from the speed-up profile (core/profile.py)
     steps: int
     guidance_scale: float
     max_sequence_length: int
@@ -85,6 +85,8 @@ class RunDefaults(Strict):
     size_buckets: list[str] | None = None  # resolved sizes, "HxW" (a preset's, not its name)
     keep_columns: list[str] = Field(default_factory=list)
     embed_metadata: bool = True
+    speedup: str | None = None  # canonical (core/speedups.py)
+    unreproducible_speedup: bool = False
 
     def recorded(self) -> dict[str, Any]:
         """The options the manifest states, as JSON values."""
@@ -191,6 +193,11 @@ class ImageRecord(Strict):
     # Stored although a check found it degenerate (a DEGENERATE_CHECKS key, "flat"), per
     # --on-degenerate; null for an image no check flagged.
     degenerate: Annotated[str | None, Dtype("string")] = None
+    # The speed-up the call ran with (core/speedups.py, canonical), null for full compute;
+    # False where the user let a cache that decides from the whole batch run: this
+    # image may then depend on its batch neighbours.
+    speedup: Annotated[str | None, Dtype("string")] = None
+    reproducible: bool = True
 
     @model_validator(mode="before")
     @classmethod
@@ -213,7 +220,9 @@ class ImageRecord(Strict):
             fit=params.fit, steps=params.num_inference_steps, guidance_scale=params.guidance_scale, model=shape.model,
             run_id=message.run_id, batch_id=message.batch_id, queue=shape.queue, finished_at=finished_at,
             store_s=store_s, negative_prompt=item.negative_prompt, metadata=item.metadata,
-            degenerate=measures.degenerate.get(item.id), **measures.model_dump(exclude={"degenerate"}))
+            degenerate=measures.degenerate.get(item.id), speedup=params.speedup,
+            reproducible=not (params.unreproducible and _batch_dependent(params.speedup)),
+            **measures.model_dump(exclude={"degenerate"}))
 
     @classmethod
     def fields(cls) -> list[str]:
@@ -376,3 +385,10 @@ class FleetPlanFigures(Strict):
         if budget <= 0 or budget < self.floor_s:
             return None
         return max(1, math.ceil(self.device_s / budget))
+
+
+def _batch_dependent(spec: str | None) -> bool:
+    from diffq.core.speedups import parse
+
+    speedup = parse(spec)
+    return speedup is not None and speedup.batch_dependent

@@ -142,6 +142,11 @@ class ShapeFigures:
     # Size buckets: (height, width, items) of the sizes asked for; empty without.
     requested: list[tuple[int, int, int]] = field(default_factory=list)
     requested_sizes: int = 0  # distinct sizes asked for (the manifest keeps the commonest)
+    # The speed-ups its batches ran with (core/speedups.py, canonical; None: full compute).
+    speedups: set = field(default_factory=set)
+
+    def speedups_text(self) -> str:
+        return ", ".join(sorted(spec or "none (full compute)" for spec in self.speedups))
 
     def requested_text(self, limit: int = 8) -> str:
         shown = ", ".join(f"{h}x{w} ({n})" for h, w, n in self.requested[:limit])
@@ -533,6 +538,7 @@ def build_report(out: str, *, price_per_device_hour: float | None = None, sample
                              writer=writers.get(head.batch_id)))
         if head.queue in shapes:
             shapes[head.queue].done += len(new)
+            shapes[head.queue].speedups.add(head.speedup)
         for record in new:
             if record.degenerate:
                 flagged_kinds[record.degenerate] += 1
@@ -591,6 +597,8 @@ def render_text(report: Report) -> str:
         lines.append(f"  {s.label:>11}  {s.done:>7}/{s.total:<7} {s.queue}")
         if s.requested:  # size buckets: generated at s.label, asked for at these sizes
             lines.append(f"  {'':>11}  requested {s.requested_text()}")
+        if s.speedups - {None}:
+            lines.append(f"  {'':>11}  speed-up {s.speedups_text()}")
     lines += ["", "worker lives          progress writer      device   images  batches  img/s  compile_s  "
                   "generate_s  waiting_s  storing/idle_s"]
     lines += [f"  {w.label:<20} {w.process[:20]:<20} {w.device:<7} {w.images:>6} {w.batches:>8} "
@@ -811,8 +819,9 @@ def render_html(report: Report, thumbs: list[tuple[ImageRecord, bytes]] | None =
     devices = _table(["device", "dtype", "processes", "images", "device-hours"],
                      [[name, ", ".join(d["dtypes"]), d["workers"], d["images"], f"{d['active_s'] / 3600:.4f}"]
                       for name, d in report.per_device().items()])
-    shapes = _table(["shape", "done", "total", "queue", "requested sizes (items)"],
-                    [[s.label, s.done, s.total, s.queue, s.requested_text() or "as generated"] for s in report.shapes])
+    shapes = _table(["shape", "done", "total", "queue", "requested sizes (items)", "speed-up"],
+                    [[s.label, s.done, s.total, s.queue, s.requested_text() or "as generated",
+                      s.speedups_text() or "–"] for s in report.shapes])
     failures = (_table(["batch", "items", "attempts", "worker", "error"],
                        [[f.batch_id, len(f.item_ids), f.attempts, f.worker, f.error[:200]]
                         for f in report.failures[:50]]) if report.failures else "<p>none</p>")

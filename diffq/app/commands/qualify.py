@@ -12,8 +12,9 @@ from diffq.app.options import Devices, Model, device_options, fail, out
 
 
 def register(app: typer.Typer) -> None:
-    from diffq.app.qualify import (DEFAULT_REPEATS, DEFAULT_SHAPE, GENERATION_DEFAULTS as GEN, REFERENCE,
-                                   REFERENCE_MAX_PIXELS, Thresholds)
+    from diffq.app.qualify import (BUDGET_PSNR, BUDGET_SSIM, DEFAULT_REPEATS, DEFAULT_SHAPE,
+                                   GENERATION_DEFAULTS as GEN, MAX_CANDIDATES, REFERENCE, REFERENCE_MAX_PIXELS,
+                                   Thresholds)
 
     limits = Thresholds()
 
@@ -41,15 +42,32 @@ def register(app: typer.Typer) -> None:
         reference_max_pixels: Annotated[int, typer.Option("--reference-max-pixels", min=256, help="Larger shapes are compared at a reduced shape of the same aspect")] = REFERENCE_MAX_PIXELS,
         threads: Annotated[int, typer.Option("--threads", min=1, help="Torch threads of the device process (as --threads of diffq worker)")] = 1,
         compile_cache: Annotated[Optional[str], typer.Option("--compile-cache", help="Compile cache, as for diffq worker")] = None,
+        speedups: Annotated[bool, typer.Option("--speedups", help="Also measure each speed-up and batch size the device offers, per shape, for speed and fidelity against full compute (docs/qualify.md)")] = False,
+        profile: Annotated[Optional[Path], typer.Option("--profile", help="With --speedups: write FILE.json, per shape the fastest candidate within the budget (for --speedup FILE.json)")] = None,
+        budget_psnr: Annotated[float, typer.Option("--budget-psnr", min=0.0, help="With --speedups: a candidate below this PSNR (dB) against full compute is never chosen")] = BUDGET_PSNR,
+        budget_ssim: Annotated[float, typer.Option("--budget-ssim", min=0.0, max=1.0, help="With --speedups: a candidate below this SSIM against full compute is never chosen")] = BUDGET_SSIM,
+        max_candidates: Annotated[int, typer.Option("--max-candidates", min=1, help="With --speedups: candidates measured per shape, full compute included (the rest are listed, not measured)")] = MAX_CANDIDATES,
+        max_batch_size: Annotated[Optional[int], typer.Option("--max-batch-size", min=1, help="With --speedups: batch sizes 1, 2, 4, ... up to this (default --batch-size); an out-of-memory stops there")] = None,
         devices: Devices = None,
     ) -> None:
         """Qualify a device before you scale: compile vs steady state, recompiles, fallback ops, parity, memory.
 
+        --speedups tunes the speed-ups too and says what that costs before it starts.
         Exit code 1 when a check fails, 2 on bad input.
         """
-        from diffq.app.qualify import QualifyError, parse_shapes, qualify as run_qualify, render_text
+        from diffq.app.options import err
+        from diffq.app.qualify import QualifyError, SpeedupOptions, parse_shapes, qualify as run_qualify, render_text
         from diffq.core.settings import get_settings
 
+        if not speedups:
+            given = [name for name, value in (("--profile", profile), ("--max-batch-size", max_batch_size))
+                     if value is not None]
+            if given:
+                fail(f"{', '.join(given)} tune(s) speed-ups: add --speedups")
+        elif profile is not None and profile.suffix != ".json":
+            fail(f"--profile {profile}: name it FILE.json (that is how --speedup tells a profile from a spec)")
+        tuning = (SpeedupOptions(budget_psnr=budget_psnr, budget_ssim=budget_ssim, max_candidates=max_candidates,
+                                 max_batch_size=max_batch_size, profile=profile) if speedups else None)
         try:
             result = run_qualify(
                 model, device=devices.device.value, slot=devices.slots()[0], compile=compile.value,
@@ -61,7 +79,8 @@ def register(app: typer.Typer) -> None:
                 thresholds=Thresholds(min_psnr=min_psnr, max_abs_diff=max_abs_diff,
                                       warn_margin_db=limits.warn_margin_db), threads=threads,
                 compile_cache=compile_cache or get_settings().compile_cache, repeats=repeats,
-                reference_max_pixels=reference_max_pixels)
+                reference_max_pixels=reference_max_pixels, speedups=tuning,
+                announce=lambda line: err.print(line, highlight=False, markup=False, soft_wrap=True))
         except (QualifyError, ValueError) as exc:
             fail(str(exc))
         if as_json:

@@ -1,0 +1,192 @@
+"""Speed-ups through diffq: does `diffq run --speedup SPEC` pass diffusers' own
+speed-up through undiminished?
+
+On one tiny pipeline (the many-step Flux family, 28 steps), the same prompts, seeds
+and batches two ways, interleaved:
+
+- diffq: `diffq run` with and without `--speedup SPEC`, one worker; the median
+  `generate_s` its records show per batch (the first batch of each run, the load and
+  first call, left out), and the whole process's wall time;
+- bare: the pipeline called in this process on the same padded batches, one generator
+  per item as diffq makes them, with `transformer.enable_cache(config)` for the cached
+  calls; the median call time.
+
+The figure that matters is each ratio, cached over uncached, and the gap between
+diffq's and the bare pipeline's (goal: within 0.05). The tiny transformer is a small
+part of a step (text encoders and the VAE are the rest), so the ratio here is far
+from what a real model shows; on a real model the transformer is nearly all of it.
+
+    python -m bench.speedups [--family flux] [--items 32] [--size 128] [--steps 28] [--repeats 3] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from diffq.app.tiny import build_tiny_pipeline
+
+GOAL = 0.05
+SPECS = ("taylorseer:cache_interval=3", "taylorseer:cache_interval=3,use_lite_mode=true",
+         "mag:mag_ratios=flux,threshold=0.06")
+
+
+def prompts(count: int) -> list[dict]:
+    return [{"id": f"p{i:04d}", "prompt": f"a small red house by a lake, study {i}", "seed": 1000 + i}
+            for i in range(count)]
+
+
+def diffq_run(model: str, rows: list[dict], root: Path, spec: str | None, args) -> dict:
+    """One `diffq run`: wall seconds and the median generate_s of its batches (the first left out)."""
+    from diffq.core.runfolder import iter_records
+
+    from diffq.core.storage import open_storage
+
+    source = root / "prompts.jsonl"
+    source.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    out = root / f"run-{time.monotonic_ns()}"
+    command = [sys.executable, "-m", "diffq", "run", str(source), "--model", model, "--out", str(out),
+               "--workers", "1", "--batch-size", str(args.batch), "--steps", str(args.steps), "--height",
+               str(args.size), "--width", str(args.size), "--no-progress"] + (["--speedup", spec] if spec else [])
+    started = time.perf_counter()
+    subprocess.run(command, check=True, capture_output=True, text=True)
+    wall = time.perf_counter() - started
+    batches = {}
+    for record in iter_records(open_storage(str(out))):
+        batches[record.batch_id] = (record.generate_started_at, record.generate_s, record.speedup)
+    calls = [seconds for _, seconds, _ in sorted(batches.values())][1:]
+    assert all(recorded == spec for *_, recorded in batches.values()), "the records say another speed-up"
+    return {"process_s": round(wall, 2), "generate_s": round(statistics.median(calls), 4), "batches": len(calls)}
+
+
+class Bare:
+    """The pipeline in this process: each batch uncached and with each cache, interleaved."""
+
+    def __init__(self, model: str, rows: list[dict], specs: tuple[str, ...], args):
+        import torch
+        from diffusers import DiffusionPipeline
+
+        from diffq.core.speedups import parse
+
+        torch.set_num_threads(1)  # as a diffq worker's default --threads 1
+        self.pipe = DiffusionPipeline.from_pretrained(model, local_files_only=True)
+        self.pipe.set_progress_bar_config(disable=True)
+        self.args, self.specs = args, specs
+        self.configs = {spec: parse(spec) for spec in specs}
+        self.times: dict[str | None, list[float]] = {None: [], **{spec: [] for spec in specs}}
+        self.batches = [rows[i:i + args.batch] for i in range(0, len(rows), args.batch)]
+        self.call(self.batches[0])  # warm
+
+    def call(self, batch: list[dict]) -> float:
+        import torch
+
+        args = self.args
+        padded = batch + [batch[-1]] * (args.batch - len(batch))
+        generators = [torch.Generator("cpu").manual_seed(row["seed"]) for row in padded]
+        started = time.perf_counter()
+        with torch.inference_mode():
+            self.pipe(prompt=[row["prompt"] for row in padded], height=args.size, width=args.size,
+                      num_inference_steps=args.steps, guidance_scale=1.0, max_sequence_length=64,
+                      generator=generators, output_type="pt")
+        return time.perf_counter() - started
+
+    def round(self) -> None:
+        from diffq.worker.speedups import cache_config
+
+        transformer = self.pipe.transformer
+        for batch in self.batches:
+            for spec in (None, *self.specs):
+                if spec is not None:
+                    transformer.enable_cache(cache_config(self.configs[spec], self.pipe, self.args.steps))
+                self.times[spec].append(self.call(batch))
+                if spec is not None:
+                    transformer.disable_cache()
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--family", default="flux")
+    parser.add_argument("--items", type=int, default=32)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--size", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=28)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--specs", default=";".join(SPECS), help="';'-separated specs")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    specs = tuple(s for s in args.specs.split(";") if s)
+    rows = prompts(args.items)
+    with tempfile.TemporaryDirectory(prefix="diffq-speedups-") as tmp:
+        root = Path(tmp)
+        model = str(build_tiny_pipeline(root / "model", family=args.family))
+        runs: dict[str | None, list[dict]] = {None: [], **{spec: [] for spec in specs}}
+        load = os.getloadavg()[0]
+        bare_pipe = Bare(model, rows, specs, args)
+        for _ in range(args.repeats):  # interleaved: a drifting machine drifts for both
+            for spec in (None, *specs):
+                runs[spec].append(diffq_run(model, rows, root, spec, args))
+            bare_pipe.round()
+        bare = bare_pipe.times
+    base_diffq = statistics.median(r["generate_s"] for r in runs[None])
+    base_bare = statistics.median(bare[None])
+    rows_out = []
+    for spec in specs:
+        diffq_ratio = statistics.median(r["generate_s"] for r in runs[spec]) / base_diffq
+        bare_ratio = statistics.median(bare[spec]) / base_bare
+        rows_out.append({
+            "spec": spec, "diffq_ratio": round(diffq_ratio, 3), "bare_ratio": round(bare_ratio, 3),
+            "gap": round(diffq_ratio - bare_ratio, 3), "within_goal": abs(diffq_ratio - bare_ratio) <= GOAL,
+            "diffq_generate_s": round(statistics.median(r["generate_s"] for r in runs[spec]), 4),
+            "bare_call_s": round(statistics.median(bare[spec]), 4),
+            "process_s": round(statistics.median(r["process_s"] for r in runs[spec]), 2),
+        })
+    result = {"family": args.family, "size": args.size, "batch": args.batch, "steps": args.steps,
+              "items": args.items, "repeats": args.repeats, "goal": GOAL,
+              "load_average": [round(load, 2), round(os.getloadavg()[0], 2)],
+              "uncached": {"diffq_generate_s": round(base_diffq, 4), "bare_call_s": round(base_bare, 4),
+                           "process_s": round(statistics.median(r["process_s"] for r in runs[None]), 2)},
+              "rows": rows_out}
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print("\n".join(render(result)))
+    return result
+
+
+def render(result: dict) -> list[str]:
+    if not result:
+        return []
+    base = result["uncached"]
+    lines = ["## Speed-ups through diffq", "",
+             f"`python -m bench.speedups --repeats {result['repeats']}`: tiny {result['family']}, "
+             f"{result['size']}², batch {result['batch']}, {result['steps']} steps, {result['items']} items, one "
+             "worker; `diffq run --speedup SPEC` against `diffq run` (median `generate_s` of the records, the "
+             "first batch of each run left out) beside the bare pipeline called in one process on the same "
+             "padded batches with `enable_cache` (median call), interleaved. Load average "
+             f"{result['load_average'][0]} → {result['load_average'][1]} (2 cores).", "",
+             f"Uncached: diffq {base['diffq_generate_s']:.3f} s a batch, bare {base['bare_call_s']:.3f} s a call, "
+             f"whole `diffq run` {base['process_s']:.1f} s.", "",
+             "| speed-up | diffq cached / uncached | bare cached / uncached | gap | within 0.05 | "
+             "diffq s a batch | bare s a call | whole `diffq run` s |",
+             "|---|---|---|---|---|---|---|---|"]
+    for row in result["rows"]:
+        lines.append(f"| `{row['spec']}` | {row['diffq_ratio']:.3f} | {row['bare_ratio']:.3f} | {row['gap']:+.3f} | "
+                     f"{'yes' if row['within_goal'] else 'no'} | {row['diffq_generate_s']:.3f} | "
+                     f"{row['bare_call_s']:.3f} | {row['process_s']:.1f} |")
+    lines += ["", "The tiny transformer is a small part of a step here (text encoders and the VAE are most of "
+              "a call), so the ratios are far from a real model's, where the transformer is nearly all of it; "
+              "what this shows is how much of diffusers' own speed-up a diffq run keeps. "
+              "Fidelity on random weights shows the mechanism, not a model's real quality loss "
+              "(docs/speedups.md).", ""]
+    return lines
+
+
+if __name__ == "__main__":
+    main()
