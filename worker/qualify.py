@@ -17,6 +17,8 @@ the backend's extension, then drives the same `PipelineHost` a worker uses:
 - under torch.compile, compiled graphs that failed on the device and re-ran
   uncompiled: the child runs as a worker does by default, with that fallback
   disabled (the batch fails), and counts any that happen anyway.
+- eager ops that failed on the device and re-ran on the CPU: disabled the same way in
+  every mode; the switch's value beside the fallback ops (the only count there is).
 
 The result is one JSON file; a failure writes an `error` there instead of a traceback.
 """
@@ -256,6 +258,10 @@ def _report(session: _Session, load_s: float, shapes: list[dict], revisit: int |
         "graph_fallback": ({"env": row.env, "value": os.environ.get(row.env),
                             "calls": sum(host.graph_fallbacks.values()), "per_shape": dict(host.graph_fallbacks)}
                            if (row := backend.graph_fallback) and stats["backend"] else None),
+        # Eager ops re-run on the CPU: disabled as a worker's default; any that fell back
+        # anyway are in fallback_ops (counted per op: backends.py, EagerFallback).
+        "eager_fallback": ({"env": row.env, "value": os.environ.get(row.env)}
+                           if (row := backend.eager_fallback) else None),
         "memory": {"device_peak_bytes": int(peak) if peak is not None else None,
                    "host_peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024},
     }
