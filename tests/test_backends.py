@@ -162,11 +162,45 @@ def test_neuron_compiled_graphs_fail_fast_unless_fallback_is_allowed():
     assert entry["env"]["TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION"] == "0" and entry["allow_fallback"] is True
 
 
+def test_neuron_eager_ops_fail_fast_unless_fallback_is_allowed():
+    # torch-neuronx (parmoham-aws/test-repo-parmoham, a torch-neuronx source mirror):
+    # torch_neuronx/_build_config.py @ de1a39ee, release build DEFAULT_FALLBACK_ONLY_FOR_UNIMPLEMENTED
+    # = "0", put in the env by torch_neuronx/__init__.py's os.environ.setdefault (ours, set
+    # before `import torch`, wins); python_ops/base.py @ 5577a2d8 (Operation.__call__) then
+    # re-runs an op whose Neuron implementation failed on the CPU with only a root-logger
+    # logging.debug line, and raises "CPU fallback disabled because
+    # TORCH_NEURONX_FALLBACK_ONLY_FOR_UNIMPLEMENTED_OPS=1" under "1"; docs/environment_variables.md
+    # @ 98154b86: "When `1`, only falls back to CPU for unimplemented ops, not execution errors".
+    from diffq.worker.backends import EagerFallback
+
+    switch = "TORCH_NEURONX_FALLBACK_ONLY_FOR_UNIMPLEMENTED_OPS"
+    assert get_backend("neuron").eager_fallback == EagerFallback(env=switch)
+    assert {k for k, b in BACKENDS.items() if b.eager_fallback} == {"neuron"}
+    # Counted per op: NeuronOpTracking.cpp keeps a set of names, and NeuronLogging.h
+    # prints no OPERATOR_FALLBACK record, so the set is all there is to count.
+    assert get_backend("neuron").fallback_report == "torch_neuronx.get_fallback_ops"
+
+    def env(compile: str, **fields) -> dict:
+        return ChildSpec(name="n", device="neuron", broker_url="memory://", queues=["q"], compile=compile,
+                         **fields).env()
+
+    for mode in get_backend("neuron").compile_modes:  # eager ops run in every mode (regional: all but the blocks)
+        assert env(mode)[switch] == "1"  # the op raises: the batch fails, is retried, reported
+        assert env(mode, allow_fallback=True)[switch] == "0"  # set either way: the build's default never decides
+    for device in ("cpu", "cuda", "tpu"):
+        assert switch not in get_backend(device).compile_env("none")
+    (entry,) = worker_plan("--device", "neuron", "--cores", "0")
+    assert entry["env"][switch] == "1" and "allow_fallback" not in entry
+    (entry,) = worker_plan("--device", "neuron", "--cores", "0", "--allow-fallback")  # eager: now accepted
+    assert entry["env"][switch] == "0" and entry["allow_fallback"] is True
+    assert "TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION" not in entry["env"]  # no compiled graph to re-run
+
+
 @pytest.mark.parametrize("args", [["--device", "cpu", "--compile", "full"], ["--device", "cuda", "--compile", "full"],
-                                  ["--device", "neuron", "--cores", "0", "--compile", "none"]])
+                                  ["--device", "tpu", "--chips", "0", "--compile", "none"]])
 def test_allow_fallback_is_refused_where_nothing_falls_back(args):
-    assert "--allow-fallback applies to --compile full|regional on --device neuron" in plan_fails(
-        *args, "--allow-fallback")
+    assert ("--allow-fallback applies to --device neuron (eager ops re-run on the CPU) and to --compile "
+            "full|regional on --device neuron") in plan_fails(*args, "--allow-fallback")
 
 
 def test_pin_neuron():
@@ -190,12 +224,18 @@ def test_pin_tpu_bounds_and_distinct_ports():
 
 
 def test_one_chip_tpu_processes_skip_libtpus_host_lock():
-    # openxla xla/stream_executor/tpu/tpu_initialize_util.cc (TryAcquireTpuLock): the
-    # multi-process lock is one lockf'd /tmp/libtpu_lockfile for the whole host ("TODO:
-    # make per-chip lock files"), skipped when ALLOW_MULTIPLE_LIBTPU_LOAD is true or
-    # TPU_CHIPS_PER_PROCESS_BOUNDS is set and not "2,2,1". torch_tpu csrc/common/environment.cc
-    # sets ALLOW_MULTIPLE_LIBTPU_LOAD=1 for its one-chip ranks ("Avoid multi-process libtpu
-    # lock in GCP init"); diffq's one-chip processes are laid out the same.
+    # What libtpu's locks need. openxla xla/stream_executor/tpu/tpu_initialize_util.cc @ 98d015bb
+    # (TryAcquireTpuLock): one lockf'd /tmp/libtpu_lockfile for the whole host, skipped when
+    # ALLOW_MULTIPLE_LIBTPU_LOAD is true or TPU_CHIPS_PER_PROCESS_BOUNDS is set and not "2,2,1":
+    # the one-chip bounds alone skip it. ALLOW_MULTIPLE_LIBTPU_LOAD is kept for the other lock,
+    # in libtpu's GCP init: torch_tpu sets it *beside* the same one-chip bounds ("Avoid
+    # multi-process libtpu lock in GCP init, see b/487769788", jonathan1920/torch_tpu
+    # csrc/common/environment.cc @ df046ee0, InitializeDistributedEnvironment).
+    import inspect
+
+    from diffq.worker import backends
+
+    assert "GCP init" in inspect.getsource(backends._tpu_pin)  # the comment says which source needs it
     for generation in (None, "v6e", "v7"):
         env = get_backend("tpu").pin(Placement(slot=2, generation=generation))
         assert env["ALLOW_MULTIPLE_LIBTPU_LOAD"] == "1"
@@ -549,11 +589,35 @@ def test_auto_without_an_allocation_names_every_variable(args, message):
     assert result.exit_code == 2 and message in result.output and "Traceback" not in result.output
 
 
-def test_bad_allocation_values_name_the_variable():
+@pytest.mark.parametrize("lnc, per_device", [(None, 4), ("1", 8)])
+def test_cores_auto_counts_the_devices_the_container_sees_under_all(tmp_path, monkeypatch, lnc, per_device):
+    # aws-neuron-sdk containers/tutorials/tutorial-oci-hook.rst and containers/faq.rst:
+    # AWS_NEURON_VISIBLE_DEVICES=ALL (AWS's container examples) exposes every Neuron device,
+    # each a /dev/neuron<N> in the container ("--device /dev/neuron#" per device); each
+    # device is _neuron_cores_per_device's cores.
+    from diffq.worker import backends
+
+    for name in ("neuron0", "neuron1", "neuron_fake", "neuronx", "null"):
+        (tmp_path / name).touch()
+    monkeypatch.setattr(backends, "NEURON_DEV", tmp_path)
+    assert [s.everything for s in get_backend("neuron").allocation] == [None, "ALL"]
+    for value in ("ALL", "all"):
+        plan = auto_plan("--device", "neuron", "--cores", "auto", AWS_NEURON_VISIBLE_DEVICES=value,
+                         **({"NEURON_LOGICAL_NC_CONFIG": lnc} if lnc else {}))
+        assert [int(p["env"]["NEURON_RT_VISIBLE_CORES"]) for p in plan] == list(range(2 * per_device))
+        assert plan[0]["allocation"]["value"] == value
+        assert plan[0]["allocation"]["seen"] == f"2 Neuron device(s) seen in {tmp_path}: 0,1"
+
+
+def test_bad_allocation_values_name_the_variable(tmp_path, monkeypatch):
+    from diffq.worker import backends
     from diffq.worker.backends import allocated_devices
 
-    with pytest.raises(ValueError, match="AWS_NEURON_VISIBLE_DEVICES=ALL"):
+    monkeypatch.setattr(backends, "NEURON_DEV", tmp_path)  # ALL, and the container sees no device
+    with pytest.raises(ValueError, match=r"AWS_NEURON_VISIBLE_DEVICES=ALL: no .*/neuron<N> device files"):
         allocated_devices(get_backend("neuron"), {"AWS_NEURON_VISIBLE_DEVICES": "ALL"})
+    with pytest.raises(ValueError, match="AWS_NEURON_VISIBLE_DEVICES=some"):
+        allocated_devices(get_backend("neuron"), {"AWS_NEURON_VISIBLE_DEVICES": "some"})
     with pytest.raises(ValueError, match="NEURON_LOGICAL_NC_CONFIG=3"):
         allocated_devices(get_backend("neuron"), {"AWS_NEURON_VISIBLE_DEVICES": "0", "NEURON_LOGICAL_NC_CONFIG": "3"})
 

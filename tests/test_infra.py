@@ -503,7 +503,8 @@ def test_fleet_manifests_rejects_bad_shapes():
 # --- what a rendered worker admits: run folders, models, signed batches ---------------
 
 DEPLOYABLE = sorted(name for name, backend in BACKENDS.items() if backend.k8s is not None)
-FLEET_BROKERS = ["redis://", "sqs://", "amqp://"]
+FLEET_BROKERS = ["redis://", "rediss://r:6380/0", "sqs://", "amqp://rabbit:5672//", "pyamqp://rabbit//",
+                 "amqps://rabbit:5671//"]
 
 
 def container_env(deployment: dict) -> dict[str, dict]:

@@ -15,6 +15,8 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
+import urllib.parse
 import urllib.request
 import uuid
 from pathlib import Path
@@ -176,6 +178,56 @@ def test_a_discovery_pool_scales_on_shapes_published_after_rendering(tmp_path, m
     assert body["queues"] == published
 
 
+def test_the_backlog_answers_its_last_good_listing_when_the_broker_goes_away(tmp_path, make_redis_server,
+                                                                             tiny_model):
+    """KEDA's metrics-api scaler takes any status but 200 as an error and keeps no value
+    (kedacore/keda pkg/scalers/metrics_api_scaler.go): the service answers its last good
+    listing with its age and the error instead; 503 only before any good listing."""
+    from diffq.app.backlog import Backlog, model_backlogs, serve
+
+    server_process = make_redis_server()
+    broker = server_process.url
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"p{i}", "prompt": "x", "height": 64, "width": 64}) + "\n"
+                               for i in range(5)))
+    cli("submit", str(prompts), "--model", tiny_model, "--out", str(tmp_path / "run"), "--broker", broker)
+    published = published_queues(broker)
+
+    def get(server, path: str) -> tuple[int, dict]:
+        url = f"http://127.0.0.1:{server.server_address[1]}{path}"
+        try:
+            with urllib.request.urlopen(url, timeout=10) as response:
+                return response.status, json.loads(response.read())
+        except urllib.error.HTTPError as exc:
+            return exc.code, json.loads(exc.read())
+
+    slug = next(iter(published)).split(".")[1]
+    live = serve(Backlog(lambda: model_backlogs(broker), refresh_s=0), "127.0.0.1", 0)
+    threading.Thread(target=live.serve_forever, daemon=True).start()
+    try:
+        code, body = get(live, f"/backlog?model={slug}")
+        assert code == 200 and body["backlog"] == sum(published.values()) == 2 and "error" not in body
+        assert body["age_s"] == 0
+        server_process.stop()  # the broker goes away
+        time.sleep(0.3)
+        code, body = get(live, f"/backlog?model={slug}")
+        assert code == 200 and body["backlog"] == 2 and body["queues"] == published
+        assert body["age_s"] >= 0.3 and body["error"]
+        code, body = get(live, "/backlog")
+        assert code == 200 and body["backlog"] == 2 and body["error"]
+    finally:
+        live.shutdown()
+    # Never read: nothing to answer but a 503 (KEDA logs the trigger's error).
+    cold = serve(Backlog(lambda: model_backlogs(broker), refresh_s=0), "127.0.0.1", 0)
+    threading.Thread(target=cold.serve_forever, daemon=True).start()
+    try:
+        code, body = get(cold, f"/backlog?model={slug}")
+        assert code == 503 and "no listing yet" in body["error"]
+        assert get(cold, "/healthz")[0] == 200
+    finally:
+        cold.shutdown()
+
+
 def test_the_rendered_cpu_worker_completes_the_submitted_run(tmp_path, make_redis_server, tiny_model, s3_bucket):
     """cpu end to end on defaults: the rendered container args and env, run as the image
     would run them (only the pod's cache volume path is this machine's). The fleet's
@@ -261,9 +313,17 @@ def test_amqp_fleets_scale_on_the_rabbitmq_queue_submit_filled(amqp_url, tiny_mo
     depths = {q.queue: q.depth for q in queue_report(amqp_url, [t["metadata"]["queueName"] for t in rabbit],
                                                      timeout=0)}
     assert {t["metadata"]["queueName"]: depths[t["metadata"]["queueName"]] for t in rabbit} == result.queues
-    # KEDA's `host` is the broker URL; the discovery pool reads the management API from the Secret.
+    # KEDA's `host` is the broker's host with the scheme KEDA parses, no credentials: KEDA
+    # puts the Secret's username and password into it (rabbitmq_scaler.go) and dials that.
     auth = next(d for d in docs if d["kind"] == "TriggerAuthentication")
-    assert [(r["parameter"], r["key"]) for r in auth["spec"]["secretTargetRef"]] == [("host", "broker-url")]
+    assert [(r["parameter"], r["key"]) for r in auth["spec"]["secretTargetRef"]] == \
+        [("username", "rabbitmq-username"), ("password", "rabbitmq-password")]
+    url = urllib.parse.urlsplit(amqp_url)
+    [host] = {t["metadata"]["host"] for t in rabbit}
+    assert host == f"amqp://{url.hostname}:{url.port}{url.path}" and url.password not in host
+    dialled = host.replace("amqp://", f"amqp://{url.username}:{url.password}@")
+    assert {q.queue: q.depth for q in queue_report(dialled, list(result.queues), timeout=0)
+            if q.queue in result.queues} == result.queues
     env = {e["name"]: e["valueFrom"]["secretKeyRef"]["key"]
            for e in deployment["spec"]["template"]["spec"]["containers"][0]["env"]
            if e.get("valueFrom", {}).get("secretKeyRef", {}).get("name") == SECRET}

@@ -178,3 +178,23 @@ def test_several_workers_sweeping_at_once_restore_each_lapsed_lease_exactly_once
         assert sorted(bodies, key=int) == [str(i) for i in range(held)]
         assert channel.client.hlen(channel.unacked_key) == 0
         channel.close()
+
+
+def test_keda_scaler_per_scheme():
+    """The KEDA rows of the table (facts from kedacore/keda at transports.KEDA_SOURCE;
+    every name checked against the scaler source in tests/test_keda_scalers.py)."""
+    from diffq.core.transports import keda_facts, keda_scaler
+
+    assert {url: keda_scaler(url).type for url in ("redis://", "rediss://", "sentinel://", "amqp://", "pyamqp://",
+                                                   "amqps://", "sqs://")} == {
+        "redis://": "redis", "rediss://": "redis", "sentinel://": "redis-sentinel", "amqp://": "rabbitmq",
+        "pyamqp://": "rabbitmq", "amqps://": "rabbitmq", "sqs://": "aws-sqs-queue"}
+    assert keda_scaler("filesystem://") is None and keda_scaler("memory://") is None
+    # TLS: a TLS scheme or kombu's `ssl` option; the sentinels' master: kombu's master_name.
+    assert keda_facts("rediss://r", per_replica=1).tls and not keda_facts("redis://r", per_replica=1).tls
+    assert keda_facts("sentinel://s", {"master_name": "m", "ssl": True}, per_replica=1).tls
+    assert keda_facts("sentinel://s", {"master_name": "m"}, per_replica=1).sentinel_master == "m"
+    # The AMQP host KEDA dials: amqp:// or amqps:// (amqp091-go), no credentials.
+    assert keda_facts("pyamqp://u:p@h:5672//", per_replica=1).amqp_host == "amqp://h:5672/%2F"
+    assert keda_facts("amqps://u:p@h/v", per_replica=1).amqp_host == "amqps://h/v"
+    assert keda_facts("amqp://u:p@h", {"ssl": True}, per_replica=1).amqp_host == "amqps://h/%2F"

@@ -10,6 +10,7 @@ import torch: the supervisor uses it to pin child processes before they import t
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -57,6 +58,43 @@ class GraphFallback:
 
 
 @dataclass(frozen=True)
+class EagerFallback:
+    """A backend that re-runs an eager op failing on the device on the CPU unless told not
+    to: the batch runs slower and, in a release build, nothing but a debug line says so.
+
+    torch-neuronx (read at parmoham-aws/test-repo-parmoham, a torch-neuronx source mirror):
+    torch_neuronx/_build_config.py @ de1a39ee has DEFAULT_FALLBACK_ONLY_FOR_UNIMPLEMENTED = "0"
+    for BUILD_TYPE == "RELEASE" ("1" only in dev builds); torch_neuronx/__init__.py @ 67d8dc4a
+    does os.environ.setdefault(env, that default), so a value set before `import torch` wins.
+    With "0", python_ops/base.py @ 5577a2d8 (Operation.__call__) tries each Neuron
+    implementation, then runs the op on the CPU (_unhandled_cpu_fallback), announcing it only
+    with logging.debug("No implementation could handle operation ... Falling back on CPU")
+    on the root logger, once per distinct message; csrc/core/utils/CPUFallbackExecutor.cpp
+    @ 5577a2d8 (LoadConfiguration) disables the async pipeline's CPU re-run only for "1".
+    With "1" both raise ("CPU fallback disabled because
+    TORCH_NEURONX_FALLBACK_ONLY_FOR_UNIMPLEMENTED_OPS=1", "CPU fallback is disabled for operation=").
+    docs/environment_variables.md @ 98154b86: "When `1`, only falls back to CPU for
+    unimplemented ops, not execution errors" (default False there: the release default).
+    Note "1" also raises for a registered op none of whose implementations takes the given
+    inputs (base.py's second raise), not only for a device failure. Ops with no Neuron
+    implementation are not routed through Operation.__call__ at all (python_ops/
+    auto_registration.py registers only ops with implementations); their path was not read.
+
+    Counting: the only trace a release build keeps is the set of op names that fell back
+    (csrc/core/NeuronOpTracking.cpp @ 98154b86: an unordered_set, read by
+    `torch_neuronx.get_fallback_ops()`, the backend's `fallback_report`):
+    csrc/core/NeuronLogging.h @ 98154b86 returns before printing any OPERATOR_FALLBACK
+    record ("Operator '...' fell back to CPU"), and the root-logger debug line is
+    deduplicated per message. So eager fallbacks are counted per op, not per call."""
+
+    env: str  # the switch; "1" makes a failing op raise
+
+    def env_for(self, allowed: bool) -> dict[str, str]:
+        # Set either way, so neither the build's default nor a value inherited from the pod decides.
+        return {self.env: "0" if allowed else "1"}
+
+
+@dataclass(frozen=True)
 class AllocationSource:
     """A variable in which a device plugin names the devices it gave a container (`--<option> auto`)."""
 
@@ -64,6 +102,10 @@ class AllocationSource:
     # Listed ids -> the option's own units (a Neuron device holds several cores), with a
     # note for `--plan`; None: the ids are the units.
     per_id: Callable[[Mapping[str, str]], tuple[int, str]] | None = None
+    # A value meaning "every device" (compared case-insensitively), and how to list the
+    # devices the container then sees, with a note for `--plan`.
+    everything: str | None = None
+    seen: Callable[[], tuple[list[int], str]] | None = None
 
 
 class Allocation(list):
@@ -82,6 +124,22 @@ class Allocation(list):
 NEURON_PHYSICAL_CORES_PER_DEVICE = 8
 NEURON_LNC_ENV = "NEURON_LOGICAL_NC_CONFIG"
 NEURON_DEFAULT_LNC = "2"
+
+
+# AWS_NEURON_VISIBLE_DEVICES=ALL (aws-neuron-sdk containers/tutorials/tutorial-oci-hook.rst,
+# containers/faq.rst: "docker run -e AWS_NEURON_VISIBLE_DEVICES=ALL", the OCI neuron hook
+# then exposes every Neuron device) names no device: the container's /dev/neuron<N> files
+# are the devices it sees (containers/faq.rst, "Container Devices": --device /dev/neuron#
+# per device).
+NEURON_DEV = Path("/dev")
+
+
+def _neuron_devices_seen(dev: Path | None = None) -> tuple[list[int], str]:
+    root = dev or NEURON_DEV
+    found = sorted(int(m.group(1)) for f in root.glob("neuron*") if (m := re.fullmatch(r"neuron(\d+)", f.name)))
+    if not found:
+        raise ValueError(f"no {root}/neuron<N> device files: the container sees no Neuron device")
+    return found, f"{len(found)} Neuron device(s) seen in {root}: {','.join(map(str, found))}"
 
 
 def _neuron_cores_per_device(environ: Mapping[str, str]) -> tuple[int, str]:
@@ -206,12 +264,15 @@ def _tpu_pin(p: Placement) -> dict[str, str]:
         "TPU_CHIPS_PER_PROCESS_BOUNDS": bounds,
         "TPU_PROCESS_BOUNDS": bounds,
         "TPU_PROCESS_PORT": str(TPU_BASE_PORT + p.slot),
-        # Several one-chip processes share the host. libtpu's multi-process lock is one
-        # lockf'd /tmp/libtpu_lockfile for the whole host, skipped when this is true or the
-        # chip bounds are a subset of the host (openxla xla/stream_executor/tpu/
-        # tpu_initialize_util.cc, TryAcquireTpuLock); torch_tpu sets it anyway for its own
-        # one-chip ranks, against the lock in libtpu's GCP init (csrc/common/environment.cc).
-        # Ours are laid out the same, one chip each, so they set it too.
+        # What libtpu's locks need, said once. openxla's lock (xla/stream_executor/tpu/
+        # tpu_initialize_util.cc @ 98d015bb, TryAcquireTpuLock: one lockf'd
+        # /tmp/libtpu_lockfile per host) is skipped by the chip bounds above alone: any
+        # TPU_CHIPS_PER_PROCESS_BOUNDS other than "" or "2,2,1" is "a subset of host's TPU
+        # devices". A second lock, in libtpu's GCP init (closed source), is not: torch_tpu
+        # sets ALLOW_MULTIPLE_LIBTPU_LOAD=1 *beside* the same one-chip bounds for each of its
+        # ranks, "Avoid multi-process libtpu lock in GCP init, see b/487769788"
+        # (jonathan1920/torch_tpu csrc/common/environment.cc @ df046ee0,
+        # InitializeDistributedEnvironment). That is the one source that needs it; kept.
         "ALLOW_MULTIPLE_LIBTPU_LOAD": "1",
         **_threads(p),
     }
@@ -307,6 +368,9 @@ class Backend:
     # Compiled graphs failing at run time re-run uncompiled unless disabled: disabled
     # under --compile full|regional unless --allow-fallback, and counted either way.
     graph_fallback: GraphFallback | None = None
+    # Eager ops failing on the device re-run on the CPU unless disabled: disabled in every
+    # compile mode (regional compiles leave the rest eager) unless --allow-fallback.
+    eager_fallback: EagerFallback | None = None
     # Dotted function: peak device memory in bytes since start (None: none to report).
     # torch.accelerator's is device-generic (torch/accelerator/memory.py).
     peak_memory: str | None = "torch.accelerator.max_memory_allocated"
@@ -399,9 +463,12 @@ class Backend:
         return (self.cache_env, *self.cache_env_aliases)
 
     def compile_env(self, compile: str, allow_fallback: bool = False) -> dict[str, str]:
-        """Env of a compile mode (before `import torch`): the mode's own, and under
-        torch.compile whether a graph failing at run time may re-run uncompiled."""
+        """Env of a compile mode (before `import torch`): the mode's own, whether an eager
+        op failing on the device may re-run on the CPU, and under torch.compile whether a
+        graph failing at run time may re-run uncompiled."""
         env = dict(self.mode_env.get(compile, {}))
+        if self.eager_fallback:
+            env.update(self.eager_fallback.env_for(allow_fallback))
         if self.graph_fallback and compile in COMPILING_MODES:
             env.update(self.graph_fallback.env_for(allow_fallback))
         return env
@@ -437,11 +504,12 @@ class Backend:
         if generation is not None and generation not in self.generations:
             raise ValueError(f"generation '{generation}' is not one of --device {self.name}'s: "
                              f"{', '.join(self.generations) or 'none'}")
-        if allow_fallback and not (self.graph_fallback and compile in COMPILING_MODES):
-            owners = [b.name for b in BACKENDS.values() if b.graph_fallback]
-            raise ValueError(f"--allow-fallback applies to --compile {'|'.join(COMPILING_MODES)} on --device "
-                             f"{'|'.join(owners)} (compiled graphs re-run uncompiled), not to --device {self.name} "
-                             f"--compile {compile}")
+        if allow_fallback and not (self.eager_fallback or (self.graph_fallback and compile in COMPILING_MODES)):
+            eager = [b.name for b in BACKENDS.values() if b.eager_fallback]
+            graph = [b.name for b in BACKENDS.values() if b.graph_fallback]
+            raise ValueError(f"--allow-fallback applies to --device {'|'.join(eager)} (eager ops re-run on the "
+                             f"CPU) and to --compile {'|'.join(COMPILING_MODES)} on --device {'|'.join(graph)} "
+                             f"(compiled graphs re-run uncompiled), not to --device {self.name} --compile {compile}")
         if tp > 1:
             if self.rank_pin is None:
                 raise ValueError(f"--device {self.name} has no --tp groups")
@@ -520,6 +588,8 @@ BACKENDS: dict[str, Backend] = {
         graph_fallback=GraphFallback(env="TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION",
                                      logger="torch_neuronx.neuron_dynamo_backend.backend",
                                      message="Falling back to original GraphModule execution"),
+        # Release builds re-run a failing eager op on the CPU by default (EagerFallback).
+        eager_fallback=EagerFallback(env="TORCH_NEURONX_FALLBACK_ONLY_FOR_UNIMPLEMENTED_OPS"),
         default_cache="/tmp/neff_cache",
         cache_packages=("torch-neuronx", "neuronx-cc"),
         allocation=(
@@ -528,8 +598,10 @@ BACKENDS: dict[str, Backend] = {
             AllocationSource("NEURON_RT_VISIBLE_CORES"),
             # An aws.amazon.com/neuron allocation, older plugins: devices, every core of
             # each (neuron-deploy/tutorials/k8s-neuron-scheduler.rst, "AWS_NEURON_VISIBLE_DEVICES: 2,3";
-            # containers/tutorials/k8s-neuron-device-plugin.rst).
-            AllocationSource("AWS_NEURON_VISIBLE_DEVICES", per_id=_neuron_cores_per_device),
+            # containers/tutorials/k8s-neuron-device-plugin.rst); ALL in AWS's container
+            # examples: the /dev/neuron<N> the container sees (_neuron_devices_seen).
+            AllocationSource("AWS_NEURON_VISIBLE_DEVICES", per_id=_neuron_cores_per_device,
+                             everything="ALL", seen=_neuron_devices_seen),
         ),
         k8s=K8sPod(
             # trn2.48xlarge: 16 chips, 4 logical NeuronCores each at the default LNC=2.
@@ -652,12 +724,16 @@ def allocated_devices(backend: Backend, environ: Mapping[str, str] = os.environ)
         if not value:
             continue
         try:
-            ids = parse_devices(value)
+            if source.everything and value.upper() == source.everything.upper():
+                ids, seen = source.seen()
+            else:
+                ids, seen = parse_devices(value), None
         except ValueError as exc:
             raise ValueError(f"{backend.device_option} auto: {source.env}={value}: {exc}") from None
         per_id, note = source.per_id(environ) if source.per_id else (1, None)
         devices = [i * per_id + unit for i in ids for unit in range(per_id)]
-        return Allocation(devices, {"variable": source.env, "value": value, **({"per_id": note} if note else {})})
+        return Allocation(devices, {"variable": source.env, "value": value, **({"seen": seen} if seen else {}),
+                                    **({"per_id": note} if note else {})})
     names = ", ".join(source.env for source in backend.allocation)
     raise ValueError(f"{backend.device_option} auto: none of {names} is set (a device plugin sets one for the "
                      f"devices it gave the container); list the devices instead")

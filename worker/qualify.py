@@ -17,6 +17,8 @@ the backend's extension, then drives the same `PipelineHost` a worker uses:
 - under torch.compile, compiled graphs that failed on the device and re-ran
   uncompiled: the child runs as a worker does by default, with that fallback
   disabled (the batch fails), and counts any that happen anyway.
+- eager ops that failed on the device and re-ran on the CPU: disabled the same way in
+  every mode; the switch's value beside the fallback ops (the only count there is).
 - `--speedups`: after the above, per shape, each candidate the parent planned (a
   speed-up spec and a batch size, `speedups`) on the same host: a shape key with the
   candidate's batch size and `BatchParams.speedup`, exactly as a worker applies them.
@@ -409,6 +411,10 @@ def _report(session: _Session, load_s: float, shapes: list[dict], revisit: int |
         "graph_fallback": ({"env": row.env, "value": os.environ.get(row.env),
                             "calls": sum(host.graph_fallbacks.values()), "per_shape": dict(host.graph_fallbacks)}
                            if (row := backend.graph_fallback) and stats["backend"] else None),
+        # Eager ops re-run on the CPU: disabled as a worker's default; any that fell back
+        # anyway are in fallback_ops (counted per op: backends.py, EagerFallback).
+        "eager_fallback": ({"env": row.env, "value": os.environ.get(row.env)}
+                           if (row := backend.eager_fallback) else None),
         "memory": memory,
     }
 

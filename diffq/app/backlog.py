@@ -9,6 +9,15 @@ the broker's diffq queues the way discovery does (the transport table's listing 
 depths) and sums them per model, so one trigger per pool covers every shape, present
 and future, on every broker diffq supports. It reads only depths: it never consumes,
 and KEDA's own per-queue triggers stay beside it.
+
+When the broker cannot be read, the service answers the last listing it did read,
+with its age (`age_s`) and the error. KEDA's metrics-api scaler takes any answer but
+a 200 as an error (kedacore/keda pkg/scalers/metrics_api_scaler.go
+`getMetricValueFromURL`: "api returned %d") and keeps no value of its own: the trigger
+is then missing from that poll (the HPA scales up on the other triggers but skips a
+scale-down), and a ScaledObject `fallback` would pin the pool at its fallback replicas
+whatever the other triggers say, so none is rendered. Only before any good listing
+does the service answer 503.
 """
 
 from __future__ import annotations
@@ -39,35 +48,52 @@ def model_backlogs(broker_url: str, rabbitmq_api: str | None = None) -> dict[str
     return by_model
 
 
+class NoListing(RuntimeError):
+    """The broker has not been read once yet: nothing to answer (a 503)."""
+
+
 class Backlog:
     """The latest listing, refreshed at most every `refresh_s` (one broker listing for
-    every pool's poll)."""
+    every pool's poll); when a refresh fails, the last good listing and its age."""
 
     def __init__(self, list_backlogs, refresh_s: float = REFRESH_S, clock=time.monotonic):
         self._list = list_backlogs
         self.refresh_s = refresh_s
         self._clock = clock
         self._lock = threading.Lock()
-        self._at = float("-inf")
+        self._tried = float("-inf")  # the last listing attempt
+        self._good: float | None = None  # when the last good listing was read
+        self._error: str | None = None  # why the last attempt failed, None if it did not
         self._value: dict[str, dict[str, int]] = {}
 
-    def current(self) -> dict[str, dict[str, int]]:
+    def current(self) -> tuple[dict[str, dict[str, int]], float, str | None]:
+        """(listing, its age in seconds, the error of the latest attempt or None).
+        Raises NoListing while no listing has ever been read."""
         with self._lock:
-            if self._clock() - self._at >= self.refresh_s:
-                self._value = self._list()
-                self._at = self._clock()
-            return self._value
+            now = self._clock()
+            if now - self._tried >= self.refresh_s:
+                self._tried = now
+                try:
+                    self._value, self._good, self._error = self._list(), now, None
+                except Exception as exc:  # the broker is away: keep the last good listing
+                    self._error = f"{type(exc).__name__}: {exc}"
+            if self._good is None:
+                raise NoListing(self._error or "no listing yet")
+            return self._value, now - self._good, self._error
 
     def answer(self, model: str | None) -> dict:
-        """The JSON a `GET /backlog[?model=M]` answers: `backlog` is what KEDA reads."""
-        backlogs = self.current()
+        """The JSON a `GET /backlog[?model=M]` answers: `backlog` is what KEDA reads,
+        `age_s` how old the listing is (more than `refresh_s` only while the broker
+        cannot be read: `error` says why)."""
+        backlogs, age, error = self.current()
+        fresh = {"age_s": round(age, 1)} | ({"error": error} if error else {})
         if model is None:
             totals = Counter({slug: sum(queues.values()) for slug, queues in backlogs.items()})
-            return {"backlog": sum(totals.values()), "models": dict(totals)}
+            return {"backlog": sum(totals.values()), "models": dict(totals), **fresh}
         # A model reference or its slug (what the rendered trigger URL carries).
         slug = model if model in backlogs else model_slug(model)
         queues = backlogs.get(slug, {})
-        return {"model": slug, "backlog": sum(queues.values()), "queues": queues}
+        return {"model": slug, "backlog": sum(queues.values()), "queues": queues, **fresh}
 
 
 def serve(backlog: Backlog, host: str = "0.0.0.0", port: int = PORT) -> ThreadingHTTPServer:
@@ -83,8 +109,8 @@ def serve(backlog: Backlog, host: str = "0.0.0.0", port: int = PORT) -> Threadin
             model = urllib.parse.parse_qs(url.query).get("model", [None])[0]
             try:
                 return self._send(200, backlog.answer(model))
-            except Exception as exc:  # the broker is down: KEDA keeps its last value
-                return self._send(503, {"error": f"{type(exc).__name__}: {exc}"})
+            except NoListing as exc:  # never read the broker: KEDA logs the trigger's error
+                return self._send(503, {"error": f"no listing yet: {exc}"})
 
         def _send(self, code: int, body: dict) -> None:
             data = json.dumps(body).encode()

@@ -20,7 +20,7 @@ import hashlib
 import json
 import math
 import posixpath
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
@@ -30,7 +30,7 @@ from diffq.core.contract import AUTO_DTYPE, ShapeKey, model_slug
 from diffq.core.families import cfg_bit, family_of
 from diffq.core.options import DEFAULTS
 from diffq.core.storage import StorageError, redact_url, split_bucket_url
-from diffq.core.transports import KedaFacts, Transport, transport_for
+from diffq.core.transports import KedaFacts, KedaScaler, Transport, keda_facts, keda_scaler, transport_for
 from diffq.producer.bucketing import RunOptions, shape_of
 from diffq.worker.backends import Backend, K8sPod, get_backend
 from diffq.worker.spec import DRAIN_MARGIN_S
@@ -38,7 +38,8 @@ from diffq.producer.sources import Prompt
 
 NAMESPACE = "diffq"
 # keys: broker-url (DIFFQ_BROKER_URL) and those of the broker's KEDA scaler and
-# worker env (the transport table: redis-address/redis-password, aws-*, rabbitmq-api).
+# worker env (the transport table: redis-address/redis-password, aws-*,
+# rabbitmq-username/rabbitmq-password, rabbitmq-api).
 SECRET = "diffq-broker"
 TRIGGER_AUTH = "diffq-broker"
 # The batches' HMAC keys (diffq/core/settings.py `signing_key`, `signing_key_previous`):
@@ -108,6 +109,21 @@ def normalise_out_prefix(value: str) -> str:
     return path
 
 
+def parse_broker_options(values: list[str] | tuple[str, ...]) -> dict:
+    """`--broker-option KEY=VALUE` values -> kombu transport options (a JSON value where
+    one parses: `ssl=true` is True, `master_name=mymaster` stays a string)."""
+    options: dict = {}
+    for item in values:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"--broker-option {item!r}: expected KEY=VALUE (master_name=mymaster)")
+        try:
+            options[key.strip()] = json.loads(value)
+        except ValueError:
+            options[key.strip()] = value
+    return options
+
+
 def parse_shapes(spec: str) -> list[tuple[int, int]]:
     """'1024x1024,768x1344' -> [(1024, 1024), (768, 1344)] (height x width)."""
     shapes = []
@@ -168,9 +184,14 @@ class FleetOptions:
     cache_size: str = "500Gi"
     # Tensor-parallel degree: a pod's devices form groups of `tp` ranks (one consumer each).
     tp: int = 1
-    # The fleet's broker (a URL; only its scheme matters here): the transport table
-    # says which KEDA scaler watches its queues and which credentials pods read.
+    # The fleet's broker (a URL; its credentials are never rendered): the transport
+    # table says which KEDA scaler watches its queues (by scheme: redis, rediss,
+    # sentinel, amqp, pyamqp, amqps, sqs) and which credentials pods read; an AMQP
+    # broker's host is KEDA's `host` too.
     broker: str = "redis://"
+    # kombu's broker transport options, as the workers are given them: `master_name`
+    # (sentinel:// brokers: KEDA's sentinelMaster), `ssl` (TLS without a TLS scheme).
+    broker_options: dict = field(default_factory=dict)
     aws_region: str = "us-east-1"
     # Run folders workers may write to (DIFFQ_ALLOWED_OUT_PREFIXES, from
     # `parse_out_prefixes`); none is refused unless `any_out` says so by name.
@@ -203,8 +224,15 @@ class FleetOptions:
         return transport
 
     @property
+    def scaler(self) -> KedaScaler:
+        """KEDA's scaler for the broker's scheme (the transport table's)."""
+        self.transport  # refuses a broker no fleet runs on
+        return keda_scaler(self.broker)
+
+    @property
     def keda_facts(self) -> KedaFacts:
-        return KedaFacts(per_replica=self.batches_per_replica, redis_db=self.redis_db, aws_region=self.aws_region)
+        return keda_facts(self.broker, self.broker_options, per_replica=self.batches_per_replica,
+                          redis_db=self.redis_db, aws_region=self.aws_region)
 
     @property
     def backend(self) -> Backend:
@@ -310,9 +338,13 @@ def broker_env(options: FleetOptions) -> list[dict]:
     """DIFFQ_BROKER_URL and what else the broker's row says a pod reads from the Secret."""
     # The broker's extras are optional: pods on EKS may get AWS credentials from their
     # service account instead, and only discovery pools need the RabbitMQ API.
+    # Transport options the URL cannot carry (Sentinel's master_name): the workers'
+    # kombu needs them as much as KEDA's scaler does.
+    extra = ([{"name": "DIFFQ_BROKER_TRANSPORT_OPTIONS", "value": json.dumps(options.broker_options, sort_keys=True)}]
+             if options.broker_options else [])
     return [{"name": "DIFFQ_BROKER_URL", "valueFrom": {"secretKeyRef": {"name": SECRET, "key": "broker-url"}}}] + [
         {"name": name, "valueFrom": {"secretKeyRef": {"name": SECRET, "key": key, "optional": True}}}
-        for name, key in options.transport.secret_env]
+        for name, key in options.transport.secret_env] + extra
 
 
 def admission_env(models: list[str], options: FleetOptions) -> list[dict]:
@@ -339,8 +371,8 @@ def header(options: FleetOptions) -> str:
 
 def queue_triggers(queues: list[str], options: FleetOptions) -> list[dict]:
     """One trigger per queue, of the scaler the transport table names for the broker."""
-    scaler = options.transport.keda
-    return [{"type": scaler.type, "metadata": scaler.metadata(queue, options.keda_facts),
+    scaler, facts = options.scaler, options.keda_facts
+    return [{"type": scaler.type, "metadata": scaler.metadata(queue, facts),
              "authenticationRef": {"name": TRIGGER_AUTH}} for queue in queues]
 
 
@@ -384,7 +416,7 @@ def common(options: FleetOptions) -> list[dict]:
         {"apiVersion": "keda.sh/v1alpha1", "kind": "TriggerAuthentication",
          "metadata": {"name": TRIGGER_AUTH, "namespace": options.namespace},
          "spec": {"secretTargetRef": [{"parameter": parameter, "name": SECRET, "key": key}
-                                      for parameter, key in options.transport.keda.auth]}},
+                                      for parameter, key in options.scaler.auth]}},
     ]
 
 

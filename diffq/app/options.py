@@ -283,7 +283,7 @@ class LocalWorkers:
 Warmup = Annotated[Optional[str], typer.Option("--warmup", help="Compile before consuming: 'auto' (every shape served) or HxW[,HxW…]")]
 Threads = Annotated[int, typer.Option("--threads", min=1, help="Torch threads per worker process")]
 OnDegenerate = Annotated[DegeneratePolicy, typer.Option("--on-degenerate", help="What becomes of a degenerate image: flag (default: non-finite values fail the item, a flat image is stored flagged in its record), fail (both fail the item, not stored), ignore (no checks)")]
-AllowFallback = Annotated[bool, typer.Option("--allow-fallback", help="--compile full|regional on neuron: let a compiled graph that fails at run time re-run uncompiled, op by op (many times slower; counted in metrics, records and the warm-up report) instead of failing the batch")]
+AllowFallback = Annotated[bool, typer.Option("--allow-fallback", help="neuron: let a compiled graph that fails at run time re-run uncompiled, op by op (--compile full|regional; counted in metrics, records and the warm-up report), and an eager op that fails on the device re-run on the CPU (any mode; listed in the fallback ops), instead of failing the batch (many times slower)")]
 
 
 def local_worker_options():

@@ -151,7 +151,7 @@ def make_celery(broker_url: str, transport_options: dict | None = None) -> Celer
     reject on a lost worker) is the worker's own policy: worker/celery_adapter.py."""
     settings = get_settings()
     transport = transport_for(broker_url)
-    options = {**transport.broker_options(settings), **(transport_options or {})}
+    options = {**transport.broker_options(settings), **settings.broker_transport_options, **(transport_options or {})}
 
     app = Celery("diffq", broker=broker_url, set_as_current=False)
     if transport.kombu_transport:

@@ -15,6 +15,9 @@ class Settings(BaseSettings):
     # RabbitMQ's management API (http://USER:PASS@HOST:15672), where workers without
     # --queues list an AMQP broker's queues; --rabbitmq-api overrides it.
     rabbitmq_api: str | None = None
+    # kombu transport options a broker URL cannot carry (JSON): Sentinel's
+    # `master_name`, `ssl`; `fleet manifests --broker-option` renders them for pods.
+    broker_transport_options: dict = Field(default_factory=dict)
     # The lease on a held batch: a broker hands a batch back once its holder has not
     # renewed it for this long (Redis's visibility timeout, SQS's message visibility).
     # Live holders renew every `lease_renew_s`, so a batch that compiles for an hour

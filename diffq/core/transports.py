@@ -584,18 +584,38 @@ SQS_DEAD_LETTERS = DeadLetterWay(
 
 
 # --- KEDA: how a fleet scales on this broker's queues ---------------------------------
-# Scaler metadata names as KEDA's scalers read them (kedacore/keda pkg/scalers:
-# redis_scaler.go, aws_sqs_queue_scaler.go, rabbitmq_scaler.go; keda-docs
-# content/docs/2.18/scalers/). Every value is a string, as the CRD requires.
+# Scaler types, metadata and TriggerAuthentication parameters as KEDA's scalers parse
+# them (the `keda:"name=…, order=…"` field tags), read at KEDA_SOURCE: pkg/scalers/
+# redis_scaler.go (redisMetadata, redisConnectionInfo), rabbitmq_scaler.go
+# (rabbitMQMetadata), aws_sqs_queue_scaler.go, metrics_api_scaler.go; the trigger
+# types from pkg/scaling/scalers_builder.go. tests/data/keda/ keeps those structs and
+# tests/test_keda_scalers.py checks every rendered name against them. Every value is a
+# string, as the CRD requires.
+KEDA_SOURCE = "kedacore/keda@8b4f083ca8c8c2baf8477e322bd4d16ac4dfa09a"
+# Schemes whose broker speaks TLS. KEDA's redis scalers dial in plain text unless
+# `enableTLS` says otherwise (redis_scaler.go SetEnableTLS, defaultEnableTLS false):
+# a rediss:// pool left without it never scales from zero. AMQP: amqp091-go turns
+# TLS on for an amqps:// host by itself (rabbitmq/amqp091-go connection.go DialConfig).
+KEDA_TLS_SCHEMES = frozenset({"rediss", "amqps"})
+# The scheme of the `host` KEDA dials for a RabbitMQ broker: amqp091-go's ParseURI
+# takes amqp:// and amqps:// only (uri.go errURIScheme), and rabbitmq_scaler.go's
+# Validate maps only those to the AMQP protocol; kombu's pyamqp:// is plain AMQP.
+KEDA_AMQP_SCHEMES = {"amqp": "amqp", "pyamqp": "amqp", "amqps": "amqps"}
 
 
 @dataclass(frozen=True)
 class KedaFacts:
-    """What a rendered trigger needs besides the queue: the fleet's own settings."""
+    """What a rendered trigger needs besides the queue: the fleet's own settings and
+    what its broker URL and transport options say (`keda_facts`)."""
 
     per_replica: int  # queued batches per replica before KEDA adds one
     redis_db: int = 0
     aws_region: str = "us-east-1"  # kombu's SQS default region too
+    tls: bool = False  # the broker speaks TLS
+    sentinel_master: str | None = None  # kombu's `master_name` transport option
+    # The AMQP URL KEDA dials: the scheme KEDA parses, host, port and vhost, no
+    # credentials (those come from the Secret through the TriggerAuthentication).
+    amqp_host: str | None = None
 
 
 def sqs_entity_name(queue: str) -> str:
@@ -610,8 +630,19 @@ def sqs_entity_name(queue: str) -> str:
 
 def _redis_trigger(queue: str, facts: KedaFacts) -> dict[str, str]:
     # The Celery queue is one Redis list of exactly this name (priority_steps [0]).
-    return {"listName": queue, "listLength": str(facts.per_replica), "activationListLength": "0",
-            "databaseIndex": str(facts.redis_db)}
+    metadata = {"listName": queue, "listLength": str(facts.per_replica), "activationListLength": "0",
+                "databaseIndex": str(facts.redis_db)}
+    if facts.tls:
+        metadata["enableTLS"] = "true"
+    return metadata
+
+
+def _redis_sentinel_trigger(queue: str, facts: KedaFacts) -> dict[str, str]:
+    # `address` (the TriggerAuthentication's) lists the sentinels; they name the master.
+    if not facts.sentinel_master:
+        raise ValueError("a sentinel:// broker needs kombu's master_name transport option "
+                         "(the master the sentinels name): pass --broker-option master_name=NAME")
+    return {**_redis_trigger(queue, facts), "sentinelMaster": facts.sentinel_master}
 
 
 def _sqs_trigger(queue: str, facts: KedaFacts) -> dict[str, str]:
@@ -622,7 +653,9 @@ def _sqs_trigger(queue: str, facts: KedaFacts) -> dict[str, str]:
 
 def _rabbitmq_trigger(queue: str, facts: KedaFacts) -> dict[str, str]:
     # AMQP protocol: the ready messages of the queue (a passive declare), like LLEN.
-    return {"protocol": "amqp", "queueName": queue, "mode": "QueueLength",
+    if not facts.amqp_host:
+        raise ValueError("an AMQP fleet's --broker names its host (amqp://HOST:5672/VHOST): KEDA dials it")
+    return {"protocol": "amqp", "host": facts.amqp_host, "queueName": queue, "mode": "QueueLength",
             "value": str(facts.per_replica), "activationValue": "0"}
 
 
@@ -630,18 +663,58 @@ def _rabbitmq_trigger(queue: str, facts: KedaFacts) -> dict[str, str]:
 class KedaScaler:
     """KEDA's scaler for one queue of this broker and the credentials it reads."""
 
-    type: str
+    type: str  # the trigger type (pkg/scaling/scalers_builder.go)
     metadata: Callable[[str, KedaFacts], dict[str, str]]
     # TriggerAuthentication secretTargetRef: (scaler parameter, key of the broker Secret).
     auth: tuple[tuple[str, str], ...]
+    source: str = ""  # the scaler's file under KEDA_SOURCE
 
 
-REDIS_SCALER = KedaScaler("redis", _redis_trigger,
-                          auth=(("address", "redis-address"), ("password", "redis-password")))
+_REDIS_AUTH = (("address", "redis-address"), ("password", "redis-password"))
+REDIS_SCALER = KedaScaler("redis", _redis_trigger, auth=_REDIS_AUTH, source="pkg/scalers/redis_scaler.go")
+# `address` here is the sentinels' host:port list (comma-separated); `password` the
+# master's, as kombu sends it (no sentinelPassword: kombu's sentinel_kwargs carry none).
+REDIS_SENTINEL_SCALER = KedaScaler("redis-sentinel", _redis_sentinel_trigger, auth=_REDIS_AUTH,
+                                   source="pkg/scalers/redis_scaler.go")
 SQS_SCALER = KedaScaler("aws-sqs-queue", _sqs_trigger,
-                        auth=(("awsAccessKeyID", "aws-access-key-id"), ("awsSecretAccessKey", "aws-secret-access-key")))
-# `host` is an AMQP URL: the very URL the workers use.
-RABBITMQ_SCALER = KedaScaler("rabbitmq", _rabbitmq_trigger, auth=(("host", "broker-url"),))
+                        auth=(("awsAccessKeyID", "aws-access-key-id"), ("awsSecretAccessKey", "aws-secret-access-key")),
+                        source="pkg/scalers/aws_sqs_queue_scaler.go")
+# `host` is rendered (KedaFacts.amqp_host); KEDA puts these credentials into it.
+RABBITMQ_SCALER = KedaScaler("rabbitmq", _rabbitmq_trigger,
+                             auth=(("username", "rabbitmq-username"), ("password", "rabbitmq-password")),
+                             source="pkg/scalers/rabbitmq_scaler.go")
+
+
+def _scheme(broker_url: str) -> str:
+    return broker_url.split("://", 1)[0].split("+", 1)[0].lower()
+
+
+def keda_scaler(broker_url: str) -> KedaScaler | None:
+    """KEDA's scaler for this broker URL's scheme; None: no fleet runs on it."""
+    keda = transport_for(broker_url).keda
+    return dict(keda).get(_scheme(broker_url)) if keda else None
+
+
+def keda_facts(broker_url: str, transport_options: dict | None = None, *, per_replica: int, redis_db: int = 0,
+               aws_region: str = "us-east-1") -> KedaFacts:
+    """The facts a trigger reads from the broker: TLS (a TLS scheme, or kombu's `ssl`
+    option), the sentinels' master (kombu's `master_name`), the AMQP host KEDA dials."""
+    from urllib.parse import quote, unquote, urlsplit
+
+    options = transport_options or {}
+    scheme = _scheme(broker_url)
+    tls = scheme in KEDA_TLS_SCHEMES or bool(options.get("ssl"))
+    amqp_host = None
+    if scheme in KEDA_AMQP_SCHEMES:
+        url = urlsplit(broker_url)
+        if url.hostname:
+            host = f"[{url.hostname}]" if ":" in url.hostname else url.hostname
+            port = f":{url.port}" if url.port else ""
+            # kombu's vhost: the path after its first '/', '/' where there is none.
+            vhost = unquote(url.path[1:]) or "/"
+            amqp_host = f"{'amqps' if tls else KEDA_AMQP_SCHEMES[scheme]}://{host}{port}/{quote(vhost, safe='')}"
+    return KedaFacts(per_replica=per_replica, redis_db=redis_db, aws_region=aws_region, tls=tls,
+                     sentinel_master=options.get("master_name"), amqp_host=amqp_host)
 
 
 @dataclass(frozen=True)
@@ -700,8 +773,8 @@ class Transport:
     # thread between two device calls. Off where no monitor can attach (the embedded
     # run's folder, the in-process memory broker); DIFFQ_TASK_EVENTS overrides events.
     monitored: bool = True
-    # KEDA's scaler for this broker's queues; None: no fleet runs on it (embedded, memory).
-    keda: KedaScaler | None = None
+    # KEDA's scaler per URL scheme of this broker; None: no fleet runs on it (embedded, memory).
+    keda: tuple[tuple[str, KedaScaler], ...] | None = None
     # Env a worker pod (and the backlog service) reads from the broker Secret, besides
     # DIFFQ_BROKER_URL: (variable, Secret key). AMQP lists queues only over its HTTP API.
     secret_env: tuple[tuple[str, str], ...] = ()
@@ -719,17 +792,20 @@ TRANSPORTS = (
               list_depths=redis_list_depths, queue_depths=redis_queue_depths, shared_depths=redis_shared_depths,
               broker_options=_redis_options,
               list_queues=redis_list_queues, discovery="SCAN for diffq.* lists (queues holding work)",
-              guard_deliveries=guard_redis_deliveries, consumer_channel=redis_consumer_channel, keda=REDIS_SCALER, dead_letters=REDIS_DEAD_LETTERS),
+              guard_deliveries=guard_redis_deliveries, consumer_channel=redis_consumer_channel,
+              dead_letters=REDIS_DEAD_LETTERS,
+              keda=(("redis", REDIS_SCALER), ("rediss", REDIS_SCALER), ("sentinel", REDIS_SENTINEL_SCALER))),
     # The connection is the lease: the broker redelivers when it closes.
     Transport("amqp", ("amqp", "amqps", "pyamqp"), event_loop=True, loses_inflight_on_kill=False,
               renew=None, broker_options=_no_options, consumer_arguments=_amqp_consumer_arguments,
               list_queues=rabbitmq_list_queues, list_needs_api=NEEDS_RABBITMQ_API,
               discovery="management API only (--rabbitmq-api URL); AMQP itself cannot list queues",
-              keda=RABBITMQ_SCALER, secret_env=(("DIFFQ_RABBITMQ_API", "rabbitmq-api"),),
+              keda=(("amqp", RABBITMQ_SCALER), ("amqps", RABBITMQ_SCALER), ("pyamqp", RABBITMQ_SCALER)),
+              secret_env=(("DIFFQ_RABBITMQ_API", "rabbitmq-api"),),
               dead_letters=RABBITMQ_DEAD_LETTERS, arrival=amqp_arrival, stamp_arrivals=None),
     Transport("sqs", ("sqs",), event_loop=True, loses_inflight_on_kill=False,
               renew=renew_sqs, hand_back=hand_back_sqs,
-              list_queues=sqs_list_queues, discovery="ListQueues by name prefix", keda=SQS_SCALER,
+              list_queues=sqs_list_queues, discovery="ListQueues by name prefix", keda=(("sqs", SQS_SCALER),),
               secret_env=(("AWS_ACCESS_KEY_ID", "aws-access-key-id"), ("AWS_SECRET_ACCESS_KEY", "aws-secret-access-key")),
               dead_letters=SQS_DEAD_LETTERS),
     # No lease: the embedded runner re-enqueues from the run folder.
@@ -748,7 +824,7 @@ class UnknownTransport(ValueError):
 
 
 def transport_for(broker_url: str) -> Transport:
-    scheme = broker_url.split("://", 1)[0].split("+", 1)[0].lower()
+    scheme = _scheme(broker_url)
     try:
         return _BY_SCHEME[scheme]
     except KeyError:

@@ -36,6 +36,7 @@ def manifests(
     compile: Annotated[Optional[CompileMode], typer.Option("--compile", help="As the device offers it (default: the device's pod default)")] = None,
     storage_class: Annotated[str, typer.Option("--storage-class", help="ReadWriteMany class for the cache PVC (efs-sc on EKS, standard-rwx on GKE)")] = "efs-sc",
     broker: Annotated[Optional[str], typer.Option("--broker", help="The fleet's broker URL (or DIFFQ_BROKER_URL; default redis://): picks KEDA's scaler and the credentials pods read")] = None,
+    broker_option: Annotated[Optional[list[str]], typer.Option("--broker-option", help="A kombu transport option of the broker, KEY=VALUE (repeat): master_name=NAME for sentinel:// brokers (KEDA's sentinelMaster), ssl=true for TLS without a TLS scheme")] = None,
     aws_region: Annotated[Optional[str], typer.Option("--aws-region", help="SQS brokers: the queues' region (default AWS_REGION, else us-east-1)")] = None,
     fleet_plan: Annotated[Optional[Path], typer.Option("--fleet-plan", help="`diffq plan … --rates FILE --deadline 6h --json` output: each pool's maxReplicaCount is the pods the plan needs for its queues (instead of --max-replicas)")] = None,
     out_prefix: Annotated[Optional[list[str]], typer.Option("--out-prefix", help="Run folders the workers may write to: the prefix `diffq submit --out` folders live under (s3://BUCKET/runs, gs://BUCKET/runs or an absolute path; repeat or comma-separate). Default: DIFFQ_ALLOWED_OUT_PREFIXES; with neither, refused unless --any-out")] = None,
@@ -59,6 +60,7 @@ def manifests(
                                      grace_seconds=grace_seconds, compile=compile.value if compile else None,
                                      storage_class=storage_class, tp=tp,
                                      broker=broker or settings.broker_url or "redis://",
+                                     broker_options=fleet.parse_broker_options(broker_option or []),
                                      out_prefixes=fleet.parse_out_prefixes(prefixes or []), any_out=any_out,
                                      aws_region=aws_region or os.environ.get("AWS_REGION")
                                      or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1")
