@@ -127,7 +127,10 @@ def run_section(name: str, quick: bool) -> list[dict] | dict:
     if name == "speedups":
         from bench import speedups
 
-        return speedups.main(["--repeats", "1" if quick else "3", "--items", "16" if quick else "32", "--json"])
+        # Each family's best allowed caches: FLUX.1 (all three), FLUX.2-klein (no mag preset).
+        common = ["--repeats", "1" if quick else "3", "--items", "16" if quick else "32", "--json"]
+        return [speedups.main(common),
+                speedups.main([*common, "--family", "flux2-klein", "--specs", ";".join(speedups.SPECS[:2])])]
     if name == "degenerate":
         from bench import degenerate
 
@@ -311,7 +314,9 @@ def speedups_section(result: dict | None, text: str | None) -> list[str]:
     """bench/speedups.py: `diffq run --speedup` against the bare pipeline with the same cache."""
     from bench.speedups import render as render_speedups
 
-    return render_speedups(result or {}) + (note(text) if result else [])
+    results = result if isinstance(result, list) else [result] if result else []
+    lines = [line for index, one in enumerate(results) for line in render_speedups(one, heading=index == 0)]
+    return lines + (note(text) if results else [])
 
 
 def warm_section(warm: dict | None, text: str | None) -> list[str]:

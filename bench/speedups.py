@@ -160,12 +160,12 @@ def main(argv: list[str] | None = None) -> dict:
     return result
 
 
-def render(result: dict) -> list[str]:
+def render(result: dict, heading: bool = True) -> list[str]:
     if not result:
         return []
     base = result["uncached"]
-    lines = ["## Speed-ups through diffq", "",
-             f"`python -m bench.speedups --repeats {result['repeats']}`: tiny {result['family']}, "
+    lines = (["## Speed-ups through diffq", ""] if heading else []) + [
+             f"`python -m bench.speedups --family {result['family']} --repeats {result['repeats']}`: tiny {result['family']}, "
              f"{result['size']}², batch {result['batch']}, {result['steps']} steps, {result['items']} items, one "
              "worker; `diffq run --speedup SPEC` against `diffq run` (median `generate_s` of the records, the "
              "first batch of each run left out) beside the bare pipeline called in one process on the same "
