@@ -191,11 +191,14 @@ class CpuSampler:
         self._thread = threading.Thread(target=self._run, name="bench-cpu", daemon=True)
 
     def _run(self) -> None:
-        while True:
+        def sample() -> None:
             # Less this thread's own CPU: scanning /proc is the sampler's, not diffq's.
             self.samples.append((time.time(), tree_cpu_seconds(os.getpid()) - time.thread_time()))
-            if self._stop.wait(self.interval):
-                return
+
+        sample()
+        while not self._stop.wait(self.interval):
+            sample()
+        sample()  # at the run's end too, or its last window (shorter than an interval) has no reading
 
     def __enter__(self) -> CpuSampler:
         self._thread.start()
@@ -423,8 +426,10 @@ def summarise(config: dict, repeats: list[dict]) -> dict:
     host_cpu = min(r["host_cpu_s_per_image"] for r in repeats)
     # Where the host sets the pace (T below the bare loop's time), per image: the
     # slower T also carry the run's fixed per-second costs (polls, timers).
-    run_cpu = min(statistics.median([v for t, v in r["run_cpu_s_per_image"] if t < host_cpu]
-                                    or [r["run_cpu_s_per_image"][-1][1]]) for r in repeats)
+    # A window shorter than the sampler's interval has no CPU reading (None when none has).
+    run_cpu = min((statistics.median([v for t, v in r["run_cpu_s_per_image"] if t < host_cpu]
+                                     or [r["run_cpu_s_per_image"][-1][1]])
+                   for r in repeats if r["run_cpu_s_per_image"]), default=None)
     # Each pass on its own, against its own bare loop where it read the knee: "steady" is
     # every pass at 1.10 × or below.
     passes = []
@@ -605,6 +610,8 @@ def findings(documents: dict[str, dict]) -> list[str]:
         return "below the grid" if value is None else f"{1000 * value:.1f} ms"
 
     def cpu(row: dict) -> str:
+        if row.get("run_cpu_s_per_image") is None:
+            return "no CPU reading (windows shorter than the sampler's interval)"
         return (f"{1000 * row['run_cpu_s_per_image']:.1f} ms of CPU per image against the bare loop's "
                 f"{1000 * row['host_cpu_s_per_image']:.1f} ms "
                 f"({row['run_cpu_s_per_image'] / row['host_cpu_s_per_image']:.2f}×)")
