@@ -75,10 +75,9 @@ class BatchEncoder:
             named = self._queues[id(shape)] = (shape.queue, batch_id_prefix(shape))
         queue, id_prefix = named
         bid = f"{id_prefix}{batch.index:07d}"
-        # Canonical (sorted keys): the form a signature covers (core/signing.py).
-        data = orjson.dumps({**self._head, "batch_id": bid, "shape": self._dump(shape),
-                             "params": self._dump(batch.params), "items": batch.items},
-                            option=orjson.OPT_SORT_KEYS)
+        # Canonical: the form a signature covers.
+        data = canonical({**self._head, "batch_id": bid, "shape": self._dump(shape),
+                          "params": self._dump(batch.params), "items": batch.items})
         if len(data) > MAX_MESSAGE_BYTES:  # workers and the broker's memory count on it
             raise ValueError(f"batch {bid} would be a {len(data):,}-byte message, over the "
                              f"{MAX_MESSAGE_BYTES:,}-byte limit: use a smaller batch size or shorter prompts")

@@ -26,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from diffq.core.contract import MAX_METADATA_BYTES, MAX_PROMPT_CHARS, metadata_size
 from diffq.core.families import Family, FamilyError, cfg_bit, family_of
 from diffq.core.options import DEFAULTS
+from diffq.core.validation import first_error
 from diffq.producer.sizes import SizeBuckets
 
 FORMATS = ("jsonl", "csv", "txt", "parquet")
@@ -360,9 +361,7 @@ def read_prompts(path: str | Path, defaults: Defaults = Defaults(),
             try:
                 row = PromptRow.model_validate(raw).model_dump()
             except ValidationError as exc:
-                error = exc.errors()[0]
-                field = ".".join(str(part) for part in error["loc"]) or None
-                raise InputError(path, line, field, error["msg"]) from None
+                raise InputError(path, line, *first_error(exc)) from None
         get = row.get
         model = get("model")
         fam = family(model, line, "model") if model is not None else families[defaults.model]

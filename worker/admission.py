@@ -34,6 +34,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from diffq.core.contract import BatchMessage
 from diffq.core.signing import Keys
 from diffq.core.storage import StorageError, open_storage
+from diffq.core.validation import first_error
 
 log = logging.getLogger("diffq.worker")
 
@@ -53,9 +54,8 @@ class RunScope(BaseModel):
 
 def schema_reason(exc: Exception) -> str:
     if isinstance(exc, ValidationError):
-        first = exc.errors()[0]
-        where = ".".join(str(part) for part in first["loc"]) or "message"
-        return f"not a diffq batch: {exc.error_count()} schema errors, first {where}: {first['msg']}"
+        where, message = first_error(exc)
+        return f"not a diffq batch: {exc.error_count()} schema errors, first {where or 'message'}: {message}"
     return str(exc)
 
 

@@ -38,7 +38,18 @@ OFFLOAD_MODES = ("model",)
 
 
 @dataclass(frozen=True)
-class GraphFallback:
+class Fallback:
+    """A backend's switch for re-running what fails on the device some slower way."""
+
+    env: str  # the switch; "1" makes the failing call raise
+
+    def env_for(self, allowed: bool) -> dict[str, str]:
+        # Set either way, so neither the build's default nor a value inherited from the pod decides.
+        return {self.env: "0" if allowed else "1"}
+
+
+@dataclass(frozen=True)
+class GraphFallback(Fallback):
     """A backend that re-runs a compiled graph failing at run time as the original graph,
     op by op, unless told not to: the batch then runs many times slower and only a log
     line says so.
@@ -48,17 +59,12 @@ class GraphFallback:
     execution" and returns gm.forward(*inputs), unless TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION
     is true (default False, docs/environment_variables.md)."""
 
-    env: str  # the switch; "1" makes the failing call raise
-    logger: str  # the logger that announces each fallback...
-    message: str  # ...with a message starting with this
-
-    def env_for(self, allowed: bool) -> dict[str, str]:
-        # Set either way, so a value inherited from the pod never decides.
-        return {self.env: "0" if allowed else "1"}
+    logger: str = ""  # the logger that announces each fallback...
+    message: str = ""  # ...with a message starting with this
 
 
 @dataclass(frozen=True)
-class EagerFallback:
+class EagerFallback(Fallback):
     """A backend that re-runs an eager op failing on the device on the CPU unless told not
     to: the batch runs slower and, in a release build, nothing but a debug line says so.
 
@@ -86,12 +92,6 @@ class EagerFallback:
     csrc/core/NeuronLogging.h @ 98154b86 returns before printing any OPERATOR_FALLBACK
     record ("Operator '...' fell back to CPU"), and the root-logger debug line is
     deduplicated per message. So eager fallbacks are counted per op, not per call."""
-
-    env: str  # the switch; "1" makes a failing op raise
-
-    def env_for(self, allowed: bool) -> dict[str, str]:
-        # Set either way, so neither the build's default nor a value inherited from the pod decides.
-        return {self.env: "0" if allowed else "1"}
 
 
 @dataclass(frozen=True)
@@ -434,9 +434,7 @@ class Backend:
     warm_in_background: tuple[tuple[str, str], ...] = ()
     warm_imports: tuple[str, ...] = ()
     # What step caches and attention backends (core/speedups.py) each compile mode
-    # runs (SPEEDUPS_BY_MODE): "all"; "whole-blocks" (regional compiles each block's
-    # own forward, so only hooks around whole blocks stay outside the graphs); "none"
-    # (full compiles the transformer around every hook).
+    # runs: SPEEDUPS_BY_MODE unless a device differs.
     speedups: dict[str, str] = field(default_factory=lambda: dict(SPEEDUPS_BY_MODE))
     # A cache whose skip is decided from the batch's data each step (`.item()`) runs:
     # a host sync the eager CPU and CUDA paths absorb; on Neuron and XLA, a graph

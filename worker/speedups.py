@@ -4,8 +4,7 @@ The batch carries its canonical spec (core/speedups.py); before each call, on th
 device's turn, the pipeline is set to it: `CacheMixin.enable_cache(config)` when the
 cache differs from the last call's (`disable_cache` first: diffusers takes one), the
 cache's state reset before every call (diffusers resets it only at the end of a call
-that succeeded: after one that raised, the next image was off by 1–2 levels,
-measured), and `set_attention_backend`. Nothing here caches or skips by hand.
+that succeeded: after one that raised, the next image was off), and `set_attention_backend`. Nothing here caches or skips by hand.
 
 A spec a device, compile mode or family cannot run is refused with the reason
 (`refusal`): the backend table says what each compile mode offers, the family table
@@ -17,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 
-from diffq.core.speedups import BATCH, CACHES, Speedup, parse
+from diffq.core.speedups import CACHES, Speedup, parse
 
 log = logging.getLogger(__name__)
 
@@ -32,17 +31,16 @@ def refusal(speedup: Speedup | None, backend, compile_mode: str, family) -> str 
     """Why this worker cannot run `speedup`, or None."""
     if speedup is None:
         return None
+    offered = backend.speedups_offered(compile_mode)
     if speedup.cache is not None:
         if not family.step_caches:
             return (f"{family.pipeline_class} ({family.name}) cannot run a step cache: "
                     f"{family.step_caches_missing}")
         if reason := family.cache_refusals.get(speedup.cache):
             return f"{speedup.cache} on {family.pipeline_class}: {reason}"
-        if CACHES[speedup.cache].decides == BATCH and not backend.host_decisions:
+        if speedup.batch_dependent and not backend.host_decisions:
             return (f"{speedup.cache} decides from the batch's data each step (a host sync and a data-dependent "
                     f"branch): on {backend.name} that is a graph break per step")
-    offered = backend.speedups_offered(compile_mode)
-    if speedup.cache is not None:
         if offered == "none":
             return (f"--compile {compile_mode} compiles the whole transformer: a cache's decision runs in a "
                     "torch.compiler.disable'd hook inside it (graph break); use --compile regional or none")
@@ -52,7 +50,7 @@ def refusal(speedup: Speedup | None, backend, compile_mode: str, family) -> str 
                     "--compile none")
     if speedup.attention is not None and offered != "all":
         return (f"attention:{speedup.attention} under --compile {compile_mode}: switching the attention backend "
-                "recompiles every block (3 graphs a switch, the recompile limit after 4: measured); "
+                "recompiles every block (docs/speedups.md), until dynamo's recompile limit; "
                 "run it with --compile none")
     return None
 

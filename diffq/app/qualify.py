@@ -270,9 +270,9 @@ CACHE_SETTINGS: dict[str, tuple[str, ...]] = {
 # Attention backends worth measuring per device kind, besides diffusers' default
 # `native`, which is what full compute runs. A short list of what is worth trying, not
 # a fact of the device (the backend table holds those): one that fails on the device
-# is shown failed, never hidden. CPU (docs/speedups.md, measured): `_native_flash` is
-# the kernel `native` already picks, `flex` ran 1.6-2.5x slower, `_native_efficient`
-# and `_native_cudnn` have no CPU kernel. Compiling modes refuse a switch (`refusal`).
+# is shown failed, never hidden. CPU: `_native_flash` is the kernel `native` already
+# picks, `flex` is slower (docs/speedups.md), `_native_efficient` and `_native_cudnn`
+# have no CPU kernel. Compiling modes refuse a switch (`refusal`).
 ATTENTION_CANDIDATES: dict[str, tuple[str, ...]] = {
     "cpu": ("_native_math",),
     "cuda": ("_native_flash", "_native_efficient", "_native_cudnn", "_native_math"),
@@ -295,6 +295,15 @@ class SpeedupOptions:
     max_candidates: int = MAX_CANDIDATES  # measured per shape, full compute included
     max_batch_size: int | None = None  # default: the run's --batch-size
     profile: Path | None = None
+
+
+def filled_prompts(count: int, prompts=(), seeds=()) -> tuple[list[str], list[int]]:
+    """`count` prompts and seeds: those given, then the default prompts (each seeded by its position)."""
+    prompts, seeds = list(prompts[:count]), list(seeds[:count])
+    for i in range(len(prompts), count):
+        prompts.append(DEFAULT_PROMPTS[i % len(DEFAULT_PROMPTS)])
+        seeds.append(i)
+    return prompts, seeds
 
 
 def model_family(model: str):
@@ -397,10 +406,7 @@ def plan_speedups(backend, compile_mode: str, family, settings: Settings, option
     if prompts_file is not None:
         prompts, seeds = read_prompt_file(prompts_file, largest)
     else:
-        prompts, seeds = list(settings.prompts[:largest]), list(settings.seeds[:largest])
-        for i in range(len(prompts), largest):
-            prompts.append(DEFAULT_PROMPTS[i % len(DEFAULT_PROMPTS)])
-            seeds.append(i)
+        prompts, seeds = filled_prompts(largest, settings.prompts, settings.seeds)
     announce = (f"speedups: {len(measure)} candidate(s) per shape to measure on {len(settings.shapes)} shape(s), "
                 f"{1 + repeats} call(s) each (batch sizes {', '.join(map(str, measured_sizes))}; "
                 f"{len(skipped)} over --max-candidates {options.max_candidates}, {len(refused)} refused on "
@@ -734,8 +740,7 @@ def _settings(model, reference, shapes, batch_size, steps, guidance_scale, max_s
     if prompts_file is not None:
         prompts, seeds = read_prompt_file(prompts_file, batch_size)
     else:
-        prompts = [DEFAULT_PROMPTS[i % len(DEFAULT_PROMPTS)] for i in range(batch_size)]
-        seeds = list(range(batch_size))
+        prompts, seeds = filled_prompts(batch_size)
     parity_shapes = []
     for shape in shapes:
         small = reduced(shape, reference_max_pixels)

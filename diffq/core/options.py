@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from diffq.core.contract import (AUTO_DTYPE, FITS, SHAPE_DTYPE_TAGS, BatchSize, GuidanceScale, ImageSide,
                                  InferenceSteps, SequenceLength)
 from diffq.core.layout import IMAGE_FORMATS
+from diffq.core.validation import first_error
 
 # The smallest side a run may ask for: the families' size multiple.
 MIN_SIDE = 16
@@ -107,9 +108,8 @@ class GenerationOptions(BaseModel):
         try:
             return cls(**values)
         except ValidationError as exc:
-            first = exc.errors()[0]
-            name = "--" + str(first["loc"][0]).replace("_", "-") if first["loc"] else "options"
-            message = first["msg"].removeprefix("Value error, ")
+            field, message = first_error(exc)
+            name = "--" + field.split(".")[0].replace("_", "-") if field else "options"
             raise ValueError(message if message.startswith("--") else f"{name}: {message}") from None
 
     def kwargs(self) -> dict:

@@ -15,6 +15,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from diffq.core.contract import BatchSize
+from diffq.core.validation import first_error
 
 
 class Candidate(BaseModel):
@@ -74,7 +75,10 @@ class SpeedupProfile(BaseModel):
     def load(cls, path: str | Path) -> SpeedupProfile:
         try:
             return cls.model_validate_json(Path(path).read_bytes())
-        except (OSError, ValidationError, ValueError) as exc:
+        except ValidationError as exc:
+            field, message = first_error(exc)
+            raise ValueError(f"{path}: not a diffq speed-up profile ({field or 'profile'}: {message})") from None
+        except (OSError, ValueError) as exc:
             raise ValueError(f"{path}: not a diffq speed-up profile ({str(exc).splitlines()[0]})") from None
 
     def dump(self, path: str | Path) -> None:
