@@ -440,6 +440,10 @@ class Backend:
     # a host sync the eager CPU and CUDA paths absorb; on Neuron and XLA, a graph
     # break every step.
     host_decisions: bool = True
+    # Attention backends `qualify --speedups` measures besides diffusers' default
+    # `native` (what full compute runs): kernels this device has. One that fails on the
+    # device is shown failed, never hidden; compiling modes refuse a switch.
+    attention_candidates: tuple[str, ...] = ()
 
     def speedups_offered(self, compile_mode: str) -> str:
         return self.speedups.get(compile_mode, "none")
@@ -518,6 +522,9 @@ class Backend:
 BACKENDS: dict[str, Backend] = {
     "cpu": Backend(
         name="cpu",
+        # `_native_flash` is the kernel `native` already picks on CPU, `flex` is slower
+        # (docs/speedups.md), `_native_efficient` and `_native_cudnn` have no CPU kernel.
+        attention_candidates=("_native_math",),
         torch_device="cpu",
         compile_backend="inductor",
         cache_env="TORCHINDUCTOR_CACHE_DIR",
@@ -544,6 +551,7 @@ BACKENDS: dict[str, Backend] = {
     ),
     "cuda": Backend(
         name="cuda",
+        attention_candidates=("_native_flash", "_native_efficient", "_native_cudnn", "_native_math"),
         torch_device="cuda",
         compile_backend="inductor",
         cache_env="TORCHINDUCTOR_CACHE_DIR",

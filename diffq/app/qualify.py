@@ -267,16 +267,6 @@ CACHE_SETTINGS: dict[str, tuple[str, ...]] = {
     "mag": ("threshold=0.06", "threshold=0.12"),
     "pyramidattentionbroadcast": ("spatial_attention_block_skip_range=2", "spatial_attention_block_skip_range=3"),
 }
-# Attention backends worth measuring per device kind, besides diffusers' default
-# `native`, which is what full compute runs. A short list of what is worth trying, not
-# a fact of the device (the backend table holds those): one that fails on the device
-# is shown failed, never hidden. CPU: `_native_flash` is the kernel `native` already
-# picks, `flex` is slower (docs/speedups.md), `_native_efficient` and `_native_cudnn`
-# have no CPU kernel. Compiling modes refuse a switch (`refusal`).
-ATTENTION_CANDIDATES: dict[str, tuple[str, ...]] = {
-    "cpu": ("_native_math",),
-    "cuda": ("_native_flash", "_native_efficient", "_native_cudnn", "_native_math"),
-}
 # Defaults of --budget-psnr / --budget-ssim: the level where qualify's parity stops
 # warning (--min-psnr 25 plus its 10 dB margin), and an SSIM commonly taken as visually
 # near-lossless. Both judge a candidate against full compute on the same prompts and
@@ -362,7 +352,7 @@ def offered_speedups(backend, compile_mode: str, family) -> tuple[list[str], lis
             continue
         given = [f"{f}={family.name}" for f in row.required]
         specs += [canonical(f"{name}:{','.join([*given, setting])}") for setting in CACHE_SETTINGS[name]]
-    specs += [canonical(f"{ATTENTION}:{name}") for name in ATTENTION_CANDIDATES.get(backend.name, ())
+    specs += [canonical(f"{ATTENTION}:{name}") for name in backend.attention_candidates
               if name != DEFAULT_ATTENTION]
     kept, refused = [], []
     for spec in specs:
