@@ -118,6 +118,18 @@ def run_feeder(out: str, broker: str, poll: float = 0.2) -> subprocess.Popen:
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
 
+def finished(out: str, workers, feeder: subprocess.Popen, total: int, timeout: float) -> None:
+    """Until every item is done or failed and the feeder has ended; then both stopped."""
+    try:
+        final = wait_until(out, workers, lambda s: s.done + s.failed >= total, timeout=timeout)
+        assert feeder.wait(timeout=120) == 0, feeder.stderr.read()
+    finally:
+        if feeder.poll() is None:
+            feeder.kill()
+        workers.stop(timeout=60)
+    assert (final.done, final.failed) == (total, 0)
+
+
 @pytest.mark.slow
 def test_a_windowed_run_completes_exactly_once_with_its_feeder_killed_twice(make_redis_server, tmp_path):
     """20,000 items, a window of 100 batches, the feeder SIGKILLed twice mid-run
@@ -151,13 +163,11 @@ def test_a_windowed_run_completes_exactly_once_with_its_feeder_killed_twice(make
             feeder.send_signal(signal.SIGKILL)
             feeder.wait()
             feeder = run_feeder(out, url)
-        final = wait_until(out, workers, lambda s: s.done + s.failed >= total, timeout=900)
-        assert feeder.wait(timeout=120) == 0, feeder.stderr.read()
-    finally:
-        if feeder.poll() is None:
-            feeder.kill()
+    except BaseException:
+        feeder.kill()
         workers.stop(timeout=60)
-    assert (final.done, final.failed) == (total, 0)
+        raise
+    finished(out, workers, feeder, total, timeout=900)
     storage = open_storage(out)
     records = list(iter_records(storage))
     ids = sorted(record.id for record in records)
@@ -251,13 +261,80 @@ def test_resume_goes_through_the_feeder(make_redis_server, tiny_model, tmp_path)
     assert (requeued.items, requeued.batches, requeued.unpublished) == (total, total // batch, total // batch - window)
     assert client.llen(queue) == window
     feeder = run_feeder(out, url)
-    workers = start_workers(url, [queue], tiny_model, n=1)
-    try:
-        final = wait_until(out, workers, lambda s: s.done + s.failed >= total, timeout=300)
-        assert feeder.wait(timeout=120) == 0, feeder.stderr.read()
-    finally:
-        if feeder.poll() is None:
-            feeder.kill()
-        workers.stop(timeout=60)
-    assert (final.done, final.failed) == (total, 0)
+    finished(out, start_workers(url, [queue], tiny_model, n=1), feeder, total, timeout=300)
     assert_run_complete(out, prompts, steps=1, model=tiny_model)
+
+
+def test_the_feeder_signs_what_it_publishes_and_refills_as_batches_settle(make_redis_server, tmp_path, monkeypatch):
+    """Credits (the sink's own progress log) make room; the batches that fill it are
+    signed with DIFFQ_SIGNING_KEY, as submit's are; `diffq queues --feeds` counts the rest."""
+    import base64
+
+    from typer.testing import CliRunner
+
+    from diffq.app.cli import app
+    from diffq.core.progress import ProgressLog
+    from diffq.core.signing import HEADER, keys_from_settings
+
+    monkeypatch.setenv("DIFFQ_SIGNING_KEY", "k1")
+    url = make_redis_server().url
+    client = redis.Redis.from_url(url)
+    out, feeds = str(tmp_path / "out"), str(tmp_path / "feeds")
+    result = submit(write_prompts(tmp_path / "p.jsonl", 40), out, model="/models/m", broker_url=url,
+                    batch_size=4, window=3, feeds=feeds)
+    [queue] = result.queues
+    assert waiting(feeds) == {queue: 7}
+    shown = CliRunner().invoke(app, ["queues", "--broker", url, "--feeds", feeds, "--timeout", "0"])
+    assert shown.exit_code == 0, shown.output
+    assert "in OUT" in shown.output and any(line.split()[:4] == [queue, "3", "0", "7"]
+                                            for line in shown.output.splitlines())
+
+    def taken() -> list[dict]:
+        batches = []
+        while (raw := client.rpop(queue)) is not None:  # kombu LPUSHes: the oldest at the tail
+            envelope = json.loads(raw)
+            body = json.loads(base64.b64decode(envelope["body"]))
+            batches.append((body[1]["batch"], envelope["headers"][HEADER]))
+        return batches
+
+    keys = keys_from_settings()
+    first = taken()
+    assert len(first) == 3 and all(keys.problem(queue, batch, signature) is None for batch, signature in first)
+    log = ProgressLog(open_storage(out), writer="test")
+    for batch, _ in first[:2]:
+        log.add(batch["batch_id"], queue, [item["id"] for item in batch["items"]])
+    log.flush()
+    publisher = CeleryPublisher(url)
+    try:
+        feeder = Feeder(publisher, feeds)
+        assert feeder.pass_once() == 2 and feeder.unpublished() == {queue: 5}
+    finally:
+        publisher.close()
+    second = taken()
+    assert [b["batch_id"] for b, _ in second] == [f"{first[0][0]['batch_id'][:-7]}{i:07d}" for i in (3, 4)]
+    assert all(keys.problem(queue, batch, signature) is None for batch, signature in second)
+    assert published(out) == 5 and waiting(feeds) == {queue: 5}
+
+
+@pytest.mark.parametrize("device", ["neuron", "cuda"])
+def test_fleet_manifests_with_a_feeds_folder_scale_every_pool_on_the_whole_backlog(device):
+    """Per-shape pools (Neuron, TPU) get a metrics-api trigger on their queue's backlog;
+    the backlog service runs the feeder with the signing keys; all still valid."""
+    from tests.test_infra import by_kind, render_cli, validate_manifest, worker_deployments
+
+    docs = render_cli("--model", "m", "--shapes", "1024x1024,768x1344", "--batch-size", "1", "--device", device,
+                      "--feeds", "s3://diffq-runs/feeds")
+    for doc in docs:
+        validate_manifest(doc)
+    [service] = [d for d in by_kind(docs, "Deployment") if d["metadata"]["name"] == "diffq-backlog"]
+    container = service["spec"]["template"]["spec"]["containers"][0]
+    assert container["command"][-2:] == ["--feeds", "s3://diffq-runs/feeds"]
+    assert {"DIFFQ_SIGNING_KEY", "DIFFQ_SIGNING_KEY_PREVIOUS"} <= {e["name"] for e in container["env"]}
+    scaled = by_kind(docs, "ScaledObject")
+    assert len(scaled) == len(worker_deployments(docs)) == (2 if device == "neuron" else 1)
+    for so in scaled:
+        backlog = [t for t in so["spec"]["triggers"] if t["type"] == "metrics-api"]
+        assert len(backlog) == 1 and backlog[0]["metadata"]["valueLocation"] == "backlog"
+        if device == "neuron":
+            [queue] = so["metadata"]["annotations"]["diffq/queue"].split(",")
+            assert backlog[0]["metadata"]["url"].endswith(f"/backlog?queue={queue}")
