@@ -48,10 +48,10 @@ log = logging.getLogger(__name__)
 
 # Batches of one run each shape queue holds at once (queued or in a worker's hand).
 # KEDA adds a replica per `batches_per_replica` (4) queued batches, so a window of
-# 4096 lets a pool's native trigger alone ask for 1024 pods, and at the 8 devices a
-# pod of the largest rows runs, 512 batches a device: minutes of work for the slowest
-# shapes, enough that no device waits between two feeder passes (POLL_S). The broker
-# holds ~2.1 KB a batch of 4 short prompts: ~9 MB a run and queue (docs/BENCHMARKS.md).
+# 4096 lets a pool's broker trigger alone ask for 1024 pods; a thousand devices (two
+# batches in hand each with run-ahead) still find hundreds queued, minutes of work,
+# so none waits between two feeder passes (POLL_S). What the broker then holds per
+# run and queue: docs/BENCHMARKS.md, "Broker memory".
 DEFAULT_WINDOW = 4096
 POLL_S = 2.0  # between two looks at a run's progress: a window drains in minutes, not seconds
 _HEAD = b'{"batch_id":"'  # a canonical batch line starts so (sorted keys: core/signing.py)
@@ -150,7 +150,8 @@ class RunFeed:
 
     def _queue(self, queue: str) -> Iterator[tuple[EncodedBatch, list[str]]]:
         """The queue's batches after those published; the published ones not yet
-        settled are outstanding (a restarted feeder learns them in this one pass)."""
+        settled are outstanding (a restarted feeder learns them in this one pass,
+        against the summary just refreshed)."""
         batches = self._batches.get(queue)
         if batches is None:
             fed = self.state.queues[queue]
@@ -160,7 +161,8 @@ class RunFeed:
                 taken = next(batches, None)
                 if taken is None:
                     break
-                outstanding[taken[0].batch_id] = taken[1]
+                if not self.summary.settled(taken[0].batch_id, taken[1]):
+                    outstanding[taken[0].batch_id] = taken[1]
         return batches
 
     def feed_once(self) -> int:

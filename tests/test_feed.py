@@ -4,12 +4,13 @@ in Redis, RabbitMQ and SQS, the backlog signal, and the feeder killed mid-run.""
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
 import threading
 import time
+import urllib.parse
+import urllib.request
 import uuid
 from pathlib import Path
 from unittest import mock
@@ -17,7 +18,7 @@ from unittest import mock
 import pytest
 import redis
 
-from diffq.app.backlog import Backlog, model_backlogs
+from diffq.app.backlog import Backlog, model_backlogs, serve
 from diffq.app.queues import queue_report
 from diffq.core import layout
 from diffq.core.contract import queue_slug
@@ -130,55 +131,6 @@ def finished(out: str, workers, feeder: subprocess.Popen, total: int, timeout: f
     assert (final.done, final.failed) == (total, 0)
 
 
-@pytest.mark.slow
-def test_a_windowed_run_completes_exactly_once_with_its_feeder_killed_twice(make_redis_server, tmp_path):
-    """20,000 items, a window of 100 batches, the feeder SIGKILLed twice mid-run
-    (anywhere: between publishing and marking too), stand-in devices (bench/standin.py)."""
-    from bench.standin import device_child_main, write_standin
-    from diffq.worker import supervisor as supervisor_module
-
-    url = make_redis_server().url
-    total, batch, window = 20_000, 4, 100
-    model = str(write_standin(tmp_path / "standin"))
-    prompts = write_prompts(tmp_path / "p.jsonl", total, "item {i} device_s=0.0")
-    out = str(tmp_path / "out")
-    result = submit(prompts, out, model=model, broker_url=url, batch_size=batch, height=64, width=64,
-                    steps=1, format="jpeg", window=window)
-    assert (result.batches, result.unpublished) == (window, total // batch - window)
-    [queue] = result.queues
-    client = redis.Redis.from_url(url)
-    with mock.patch.object(supervisor_module, "child_main", device_child_main):
-        workers = start_workers(url, [queue], model, n=2)
-    feeder = run_feeder(out, url)
-    try:
-        for kill_after in (1500, 3000):  # batches published
-            deadline = time.monotonic() + 600
-            while published(out) < kill_after:
-                assert feeder.poll() is None, feeder.stderr.read()
-                assert time.monotonic() < deadline, f"feeder stuck at {published(out)}"
-                workers.poll()
-                # The broker never holds more than the window of this run.
-                assert client.llen(queue) <= window
-                time.sleep(0.05)
-            feeder.send_signal(signal.SIGKILL)
-            feeder.wait()
-            feeder = run_feeder(out, url)
-    except BaseException:
-        feeder.kill()
-        workers.stop(timeout=60)
-        raise
-    finished(out, workers, feeder, total, timeout=900)
-    storage = open_storage(out)
-    records = list(iter_records(storage))
-    ids = sorted(record.id for record in records)
-    assert ids == [f"i{i:08d}" for i in range(total)]  # each item recorded once
-    images = list(Path(out, layout.IMAGES_PREFIX).iterdir())
-    assert len(images) == total
-    assert {record.file_name for record in records} == {f"{layout.IMAGES_PREFIX}{p.name}" for p in images}
-    assert published(out) == total // batch
-    assert status(out).done == total
-
-
 BROKERS = ["redis", "amqp", "sqs"]
 
 
@@ -199,6 +151,61 @@ def broker(request, make_redis_server, tmp_path):
         yield (f"sqs://testing:testing@127.0.0.1:{s3.port}",
                {"region": "us-east-1", "queue_name_prefix": f"t{uuid.uuid4().hex[:8]}-", "wait_time_seconds": 1,
                 "polling_interval": 0.2}, None)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("broker, total, window", [("redis", 20_000, 100), ("amqp", 400, 10), ("sqs", 400, 10)],
+                         indirect=["broker"], ids=["redis", "amqp", "sqs"])
+def test_a_windowed_run_completes_exactly_once_with_its_feeder_killed_twice(broker, total, window, tmp_path,
+                                                                            monkeypatch):
+    """20,000 items (400 on RabbitMQ and SQS), a small window, the feeder SIGKILLed
+    twice mid-run (anywhere: between publishing and marking too), stand-in devices
+    (bench/standin.py)."""
+    from bench.standin import device_child_main, write_standin
+    from diffq.worker import supervisor as supervisor_module
+
+    url, options, _ = broker
+    if options:  # the feeder process reads them as every diffq process does
+        monkeypatch.setenv("DIFFQ_BROKER_TRANSPORT_OPTIONS", json.dumps(options))
+    batch = 4
+    model = str(write_standin(tmp_path / "standin"))
+    prompts = write_prompts(tmp_path / "p.jsonl", total, "item {i} device_s=0.0")
+    out = str(tmp_path / "out")
+    result = submit(prompts, out, model=model, broker_url=url, batch_size=batch, height=64, width=64,
+                    steps=1, format="jpeg", window=window)
+    assert (result.batches, result.unpublished) == (window, total // batch - window)
+    [queue] = result.queues
+    client = redis.Redis.from_url(url) if url.startswith("redis") else None
+    with mock.patch.object(supervisor_module, "child_main", device_child_main):
+        workers = start_workers(url, [queue], model, n=2)
+    feeder = run_feeder(out, url)
+    try:
+        for kill_after in (total // batch * 3 // 10, total // batch * 6 // 10):  # batches published
+            deadline = time.monotonic() + 600
+            while published(out) < kill_after:
+                assert feeder.poll() is None, feeder.stderr.read()
+                assert time.monotonic() < deadline, f"feeder stuck at {published(out)}"
+                workers.poll()
+                # The broker never holds more than the window of this run.
+                assert client is None or client.llen(queue) <= window
+                time.sleep(0.05)
+            feeder.send_signal(signal.SIGKILL)
+            feeder.wait()
+            feeder = run_feeder(out, url)
+    except BaseException:
+        feeder.kill()
+        workers.stop(timeout=60)
+        raise
+    finished(out, workers, feeder, total, timeout=900)
+    storage = open_storage(out)
+    records = list(iter_records(storage))
+    ids = sorted(record.id for record in records)
+    assert ids == [f"i{i:08d}" for i in range(total)]  # each item recorded once
+    images = list(Path(out, layout.IMAGES_PREFIX).iterdir())
+    assert len(images) == total
+    assert {record.file_name for record in records} == {f"{layout.IMAGES_PREFIX}{p.name}" for p in images}
+    assert published(out) == total // batch
+    assert status(out).done == total
 
 
 @pytest.mark.slow
@@ -288,6 +295,16 @@ def test_the_feeder_signs_what_it_publishes_and_refills_as_batches_settle(make_r
     assert shown.exit_code == 0, shown.output
     assert "in OUT" in shown.output and any(line.split()[:4] == [queue, "3", "0", "7"]
                                             for line in shown.output.splitlines())
+    # A per-shape pool's trigger URL (app/fleet.py): queued + in OUT, over HTTP.
+    server = serve(Backlog(lambda: model_backlogs(url, None, waiting(feeds))), "127.0.0.1", 0)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        query = urllib.parse.urlencode({"queue": queue})
+        with urllib.request.urlopen(f"http://127.0.0.1:{server.server_address[1]}/backlog?{query}") as answer:
+            assert json.loads(answer.read())["backlog"] == 10
+    finally:
+        server.shutdown()
+        server.server_close()
 
     def taken() -> list[dict]:
         batches = []

@@ -173,7 +173,7 @@ def feed(
         pass
     finally:
         publisher.close()
-    out.print(f"fed {len(out_dirs)} runs: every batch is published")
+    out.print(f"{len(out_dirs)} runs: nothing left to feed (every batch published, or the run cancelled)")
 
 
 @app.command()
