@@ -3,6 +3,7 @@ in Redis, RabbitMQ and SQS, the backlog signal, and the feeder killed mid-run.""
 
 from __future__ import annotations
 
+import base64
 import json
 import signal
 import subprocess
@@ -112,6 +113,47 @@ def test_the_feeder_keeps_the_window_and_marks_only_what_it_published(make_redis
     finally:
         publisher.close()
     assert published(out) == 5
+
+
+def test_a_feeder_dying_between_publishing_and_marking_loses_nothing(make_redis_server, tmp_path):
+    """The broker took the batches, the mark was never written: the next feeder
+    publishes them again (the stored-batch guard makes the copies harmless), never skips."""
+    from diffq.core.progress import ProgressLog
+
+    url = make_redis_server().url
+    client = redis.Redis.from_url(url)
+    out = str(tmp_path / "out")
+    result = submit(write_prompts(tmp_path / "p.jsonl", 40), out, model="/models/m", broker_url=url,
+                    batch_size=4, window=2)
+    [queue] = result.queues
+    storage = open_storage(out)
+    first = [json.loads(raw) for raw in client.lrange(queue, 0, -1)]
+    log = ProgressLog(storage, writer="test")
+    for envelope in first:  # both settle: room for two more
+        batch = json.loads(base64.b64decode(envelope["body"]))[1]["batch"]
+        log.add(batch["batch_id"], queue, [item["id"] for item in batch["items"]])
+    log.flush()
+    client.delete(queue)
+
+    class DiesAfterPublishing(CeleryPublisher):
+        def flush(self) -> None:
+            super().flush()
+            raise KeyboardInterrupt("killed before marking")
+
+    dying = DiesAfterPublishing(url)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            RunFeed(storage, dying).feed_once()
+    finally:
+        dying.close()
+    assert client.llen(queue) == 2 and published(out) == 2  # in the broker, not marked
+    publisher = CeleryPublisher(url)
+    try:
+        assert RunFeed(storage, publisher).feed_once() == 2  # the same two again
+    finally:
+        publisher.close()
+    ids = [json.loads(raw)["headers"]["kwargsrepr"] for raw in client.lrange(queue, 0, -1)]  # run/batch
+    assert len(ids) == 4 and len(set(ids)) == 2 and published(out) == 4
 
 
 def run_feeder(out: str, broker: str, poll: float = 0.2) -> subprocess.Popen:
@@ -275,8 +317,6 @@ def test_resume_goes_through_the_feeder(make_redis_server, tiny_model, tmp_path)
 def test_the_feeder_signs_what_it_publishes_and_refills_as_batches_settle(make_redis_server, tmp_path, monkeypatch):
     """Credits (the sink's own progress log) make room; the batches that fill it are
     signed with DIFFQ_SIGNING_KEY, as submit's are; `diffq queues --feeds` counts the rest."""
-    import base64
-
     from typer.testing import CliRunner
 
     from diffq.app.cli import app
