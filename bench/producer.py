@@ -82,7 +82,8 @@ def one(prompts: str, broker: str, out: str, batch_size: int) -> dict:
     from diffq.producer.submit import submit
 
     started = time.perf_counter()
-    result = submit(prompts, out, model=MODEL, broker_url=broker, batch_size=batch_size)
+    # Every batch to the broker, as these figures were taken (bench/window.py: the window).
+    result = submit(prompts, out, model=MODEL, broker_url=broker, batch_size=batch_size, window=None)
     seconds = time.perf_counter() - started
     import redis
 
@@ -128,7 +129,7 @@ def one_discard(prompts: str, out: str, batch_size: int) -> dict:
 
     sources.IdChecker.finish = timed_finish
     publisher = Discard()
-    result = submit(prompts, out, model=MODEL, publisher=publisher, batch_size=batch_size)
+    result = submit(prompts, out, model=MODEL, publisher=publisher, batch_size=batch_size, window=None)
     plan_bytes = sum(path.stat().st_size for path in (Path(out) / "plan").rglob("*") if path.is_file())
     return {"rows": result.total, "batches": result.batches, "published": publisher.messages,
             "message_mb": round(publisher.bytes / 2**20), "plan_mb": round(plan_bytes / 2**20), **timed}
@@ -220,7 +221,7 @@ def redis_row(prompts: Path, workdir: Path, n: int, batch_size: int) -> dict:
     with redis_server(workdir) as broker:
         out = workdir / f"redis-run{n}"
         figures = measured([diffq(), "submit", str(prompts), "--out", str(out), "--model", MODEL,
-                            "--broker", broker, "--batch-size", str(batch_size)])
+                            "--broker", broker, "--batch-size", str(batch_size), "--window", "all"])
         client = redis.Redis.from_url(broker)
         queued = sum(client.llen(key) for key in client.scan_iter("diffq.*", _type="list"))
         redis_mb = round(client.info("memory")["used_memory"] / 2**20)
@@ -229,7 +230,8 @@ def redis_row(prompts: Path, workdir: Path, n: int, batch_size: int) -> dict:
         client.flushall()
     shutil.rmtree(out)
     return _row("submit (Redis)", "jsonl", n, figures,
-                f"diffq submit {prompts.name} --out OUT --model {MODEL} --broker redis://… --batch-size {batch_size}",
+                f"diffq submit {prompts.name} --out OUT --model {MODEL} --broker redis://… --batch-size {batch_size} "
+                "--window all",
                 queued=queued, redis_mb=redis_mb)
 
 

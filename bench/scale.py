@@ -4,6 +4,7 @@ bench`), then the control plane from docs/benchmarks.json; and their goals.
 
     python -m bench.status --scale … --json docs/scale_status.json --plot docs/scale_status.png
     python -m bench.producer --scale … --json docs/scale_producer.json
+    python -m bench.window --json docs/scale_window.json
     python -m bench.export … --json docs/scale_export.json --plot docs/scale_export.png
 """
 
@@ -19,9 +20,10 @@ def goal_table(checks: list[Goal]) -> list[str]:
 
 def section(fleet_rows: list[dict]) -> list[str]:
     """The subsections (###), each from its own figures."""
-    from bench import export, fleet, producer, status
+    from bench import export, fleet, producer, status, window
 
-    parts = [*status.scale_section(), *producer.scale_section(), *export.scale_section(), *fleet.render(fleet_rows)]
+    parts = [*status.scale_section(), *producer.scale_section(), *window.scale_section(), *export.scale_section(),
+             *fleet.render(fleet_rows)]
     while parts and not parts[-1]:
         parts.pop()
     return parts
@@ -29,6 +31,6 @@ def section(fleet_rows: list[dict]) -> list[str]:
 
 def goals() -> list[Goal]:
     """Issue 27's read side, producer and export goals (the control plane's come with its rows)."""
-    from bench import export, producer, status
+    from bench import export, producer, status, window
 
-    return [*status.scale_goals(), *producer.scale_goals(), *export.scale_goals()]
+    return [*status.scale_goals(), *producer.scale_goals(), *window.scale_goals(), *export.scale_goals()]

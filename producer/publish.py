@@ -59,6 +59,10 @@ class CeleryPublisher:
         self._sink.put(encoded.queue, self._messages.body(encoded),
                        self._messages.headers(encoded, task_id), self._messages.properties(task_id))
 
+    def flush(self) -> None:
+        """Sends what is buffered: the feeder marks batches published only after this."""
+        self._sink.flush()
+
     def close(self) -> None:
         try:
             self._sink.close()  # sends what is still buffered
@@ -157,6 +161,9 @@ class KombuBatch:
         self._producer.publish(body, exchange="", routing_key=queue, headers=headers,
                                content_type="application/json", content_encoding="utf-8",
                                retry=True, **properties)
+
+    def flush(self) -> None:
+        self._batch.flush()
 
     def close(self) -> None:
         self._batch.__exit__(None, None, None)

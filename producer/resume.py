@@ -29,8 +29,11 @@ from diffq.core.contract import BatchMessage
 from diffq.core.progress import reconcile
 from diffq.core.records import CancelMarker, RunDefaults, RunManifest, parse_plan_part, plan_part
 from diffq.core.runfolder import failed_items, read_cancel, read_failures, read_manifest, recorded_batches
+from diffq.core.settings import get_settings
 from diffq.core.storage import NotFound, Storage, open_storage
 from diffq.producer.bucketing import RunOptions
+from diffq.producer.feed import DEFAULT_WINDOW, RunFeed, register, start_feed
+from diffq.producer.messages import EncodedBatch, batch_id_prefix
 from diffq.producer.sources import Defaults, read_prompts
 from diffq.producer.submit import (CeleryPublisher, Plan, RunExists, encode_plan, manifest_defaults, plan_parts,
                                    read_plan, write_plan_part)
@@ -59,20 +62,45 @@ class Requeued:
     out: str
     items: int
     batches: int
+    unpublished: int = 0  # batches the feeder publishes as the window drains
 
 
 def _publish(storage: Storage, messages: Iterator[BatchMessage], broker_url: str,
-             transport_options: dict | None) -> Requeued:
-    publisher = CeleryPublisher(broker_url, transport_options)
+             transport_options: dict | None, tag: str, window: int | None = DEFAULT_WINDOW,
+             feeds: str | None = None) -> Requeued:
+    """Through the feeder: what is re-planned is stored as a feed source of its own,
+    then a window of it published (`window` None: all of it); the rest waits for the
+    feeder, the run listed in the `feeds` folder (DIFFQ_FEEDS) as `submit` lists it."""
+    manifest = read_manifest(storage)
+    source = f"{tag}-{time.time_ns()}"
+    prefix = layout.feed_parts_prefix(source)
+    id_prefixes: dict[str, str] = {}  # queue -> its batches' id prefix (derived ids keep it)
+
+    def encoded(message: BatchMessage) -> EncodedBatch:
+        id_prefixes.setdefault(message.shape.queue, batch_id_prefix(message.shape))
+        return EncodedBatch.of(message)
+
+    per_queue: dict[str, int] = {}
     items = batches = 0
-    try:
-        for message in messages:
-            publisher.publish(message)
-            items += len(message.items)
+    for index, part in enumerate(plan_parts(map(encoded, messages))):
+        write_plan_part(storage, index, part, prefix)
+        for batch in part:
+            per_queue[batch.queue] = per_queue.get(batch.queue, 0) + 1
+            items += batch.items
             batches += 1
+    queues = {queue: (id_prefixes[queue], n) for queue, n in per_queue.items()}
+    if not batches:
+        return Requeued(out=storage.url, items=0, batches=0)
+    start_feed(storage, manifest.run_id, source, queues, window or batches)
+    publisher = CeleryPublisher(broker_url, transport_options)
+    try:
+        feed = RunFeed(storage, publisher)
+        feed.feed_once()
     finally:
         publisher.close()
-    return Requeued(out=storage.url, items=items, batches=batches)
+    if not feed.finished and (feeds := feeds or get_settings().feeds):
+        register(feeds, storage.url, manifest.run_id)
+    return Requeued(out=storage.url, items=items, batches=batches, unpublished=sum(feed.unpublished.values()))
 
 
 @dataclass
@@ -132,29 +160,32 @@ def check_plan(storage: Storage, manifest: RunManifest) -> None:
             f"them and finishes it")
 
 
-def resume(out: str, broker_url: str, transport_options: dict | None = None) -> Requeued:
+def resume(out: str, broker_url: str, transport_options: dict | None = None, *,
+           window: int | None = DEFAULT_WINDOW, feeds: str | None = None) -> Requeued:
     """Re-enqueue exactly the items that are neither done nor failed (a cancelled run
-    is un-cancelled first)."""
+    is un-cancelled first), through the feeder."""
     storage = open_storage(out)
     check_plan(storage, read_manifest(storage))
     settled = scan(storage).settled
     uncancel(storage)
-    return _publish(storage, missing_batches(storage, settled), broker_url, transport_options)
+    return _publish(storage, missing_batches(storage, settled), broker_url, transport_options, "resume",
+                    window, feeds)
 
 
 class RunCancelled(RuntimeError):
     pass
 
 
-def retry_failed(out: str, broker_url: str, transport_options: dict | None = None) -> Requeued:
-    """Re-enqueue the items that failed (and are not done since)."""
+def retry_failed(out: str, broker_url: str, transport_options: dict | None = None, *,
+                 window: int | None = DEFAULT_WINDOW, feeds: str | None = None) -> Requeued:
+    """Re-enqueue the items that failed (and are not done since), through the feeder."""
     storage = open_storage(out)
     recorded = scan(storage)
     if read_cancel(storage) is not None:
         # Workers would drop what this publishes; resume un-cancels and redoes it all.
         raise RunCancelled(f"{storage.url} is cancelled: `diffq resume` re-enqueues everything missing")
     return _publish(storage, select_batches(storage, recorded.failed.__contains__, "f"), broker_url,
-                    transport_options)
+                    transport_options, "retry", window, feeds)
 
 
 class RunDiffers(RunExists):

@@ -5,6 +5,11 @@ buckets and encodes the batches into a local spill file; only once the last row
 passed (nothing is written or enqueued if any row is bad) are the manifest, the
 plan and the messages sent. Each plan part is stored before its batches are
 published, so the run folder always knows every batch the broker might hold.
+
+By default only a window of the run goes to the broker, per shape queue
+(`window`, producer/feed.py): the whole plan is stored first, then the feeder's
+first pass publishes the window; the feeder publishes the rest as it drains.
+`window=None` (`--window all`) publishes every batch as the plan is written.
 """
 
 from __future__ import annotations
@@ -30,7 +35,8 @@ from diffq.core.profile import SpeedupProfile
 from diffq.core.records import RequestedSize, RunDefaults, RunManifest, ShapeSummary, parse_plan_part, plan_part
 from diffq.core.storage import Storage, open_storage
 from diffq.producer.bucketing import RunOptions, bucket, group_key, shape_for
-from diffq.producer.messages import BatchEncoder, EncodedBatch
+from diffq.producer.feed import DEFAULT_WINDOW, RunFeed, register, start_feed
+from diffq.producer.messages import BatchEncoder, EncodedBatch, batch_id_prefix
 from diffq.producer.publish import CeleryPublisher
 from diffq.producer.sizes import parse_buckets
 from diffq.producer.sources import Defaults, IdChecker, InputError, Prompt, read_prompts
@@ -53,14 +59,19 @@ class SubmitResult:
     run_id: str
     total: int
     batches: int
-    queues: dict[str, int] = field(default_factory=dict)  # queue -> batches
+    queues: dict[str, int] = field(default_factory=dict)  # queue -> batches published
+    # Batches stored in OUT's plan that the feeder publishes as the window drains.
+    unpublished: int = 0
 
     @property
     def shapes(self) -> int:
         return len(self.queues)
 
     def summary(self) -> str:
-        return f"{self.total} items, {self.shapes} shapes, {self.batches} batches"
+        text = f"{self.total} items, {self.shapes} shapes, {self.batches} batches"
+        if self.unpublished:
+            text += f" published, {self.unpublished} more in OUT for the feeder"
+        return text
 
 
 @dataclass
@@ -280,8 +291,9 @@ def encode_plan(prompts: Iterable[Prompt], options: RunOptions, seed_base: str, 
     return map(BatchEncoder(run_id, out).encode, bucket(prompts, options, seed_base))
 
 
-def write_plan_part(storage: Storage, part: int, messages: list[EncodedBatch]) -> None:
-    storage.put_bytes(layout.plan_key(part), plan_part(message.json for message in messages),
+def write_plan_part(storage: Storage, part: int, messages: list[EncodedBatch],
+                    prefix: str = layout.PLAN_PREFIX) -> None:
+    storage.put_bytes(layout.plan_key(part, prefix), plan_part(message.json for message in messages),
                       content_type="application/jsonl")
 
 
@@ -303,9 +315,13 @@ def submit(
     size_multiple: int = 16,
     on_published: Callable[[int], None] | None = None,
     plan: Plan | None = None,
+    window: int | None = DEFAULT_WINDOW,
+    feeds: str | None = None,
     **generation,
 ) -> SubmitResult:
-    """Validate `prompts`, write the run folder's manifest and plan, publish batches.
+    """Validate `prompts`, write the run folder's manifest and plan, publish batches:
+    a `window` of batches per shape queue (None: all of them); a run with more is
+    listed in the `feeds` folder (DIFFQ_FEEDS) for the fleet's feeder.
     `generation`: the generation options (core/options.py), their defaults where absent.
 
     Raises `InputError` (nothing written, nothing enqueued) on any bad row and
@@ -334,8 +350,49 @@ def submit(
             publisher = CeleryPublisher(broker_url, transport_options)
             stack.callback(publisher.close)  # sends what is still buffered
         result = SubmitResult(out=manifest.out, run_id=run_id, total=plan.total, batches=0)
-        _publish_parts(storage, parts, publisher, result, on_published)
+        if window is None:
+            _publish_parts(storage, parts, publisher, result, on_published)
+        else:
+            _publish_window(storage, plan, parts, publisher, result, on_published, window, run_id, feeds)
     return result
+
+
+def _publish_window(storage: Storage, plan: Plan, parts: Iterable[list[EncodedBatch]], publisher,
+                    result: SubmitResult, on_published, window: int, run_id: str, feeds: str | None) -> None:
+    """The whole plan stored, then the feeder's first pass: a window per shape queue."""
+    for index, part in enumerate(parts):
+        write_plan_part(storage, index, part)
+    start_feed(storage, run_id, layout.PLAN_SOURCE,
+               {s.queue: (batch_id_prefix(s.shape), s.batches) for s in plan.shapes}, window)
+    feed = RunFeed(storage, _Encoding(publisher), on_published)
+    feed.feed_once()
+    result.queues = {queue: n for queue, n in feed.published.items() if n}
+    result.batches = sum(feed.published.values())
+    result.unpublished = sum(feed.unpublished.values())
+    if result.unpublished and (feeds := feeds or _feeds_setting()):
+        register(feeds, storage.url, run_id)
+
+
+def _feeds_setting() -> str | None:
+    from diffq.core.settings import get_settings
+
+    return get_settings().feeds
+
+
+class _Encoding:
+    """Any publisher as the feeder's: ready-encoded batches (any publisher takes
+    BatchMessage models; ours also takes them ready-encoded) and a flush."""
+
+    def __init__(self, publisher):
+        self.inner = publisher
+        self.publish_encoded = getattr(publisher, "publish_encoded", None) or self._as_model
+
+    def _as_model(self, encoded: EncodedBatch) -> None:
+        self.inner.publish(BatchMessage.model_validate_json(encoded.json))
+
+    def flush(self) -> None:
+        if hasattr(self.inner, "flush"):
+            self.inner.flush()
 
 
 
@@ -354,15 +411,11 @@ def _publish_parts(storage: Storage, parts: Iterable[list[EncodedBatch]], publis
                    on_published: Callable[[int], None] | None) -> None:
     """Each plan part written before its batches are published: the run folder always
     knows every batch the broker might hold."""
-    # Any publisher takes BatchMessage models; ours also takes them ready-encoded.
-    publish_encoded = getattr(publisher, "publish_encoded", None)
+    publish_encoded = _Encoding(publisher).publish_encoded
     for index, part in enumerate(parts):
         write_plan_part(storage, index, part)
         for message in part:
-            if publish_encoded is not None:
-                publish_encoded(message)
-            else:
-                publisher.publish(BatchMessage.model_validate_json(message.json))
+            publish_encoded(message)
             result.batches += 1
             result.queues[message.queue] = result.queues.get(message.queue, 0) + 1
             if on_published:

@@ -1,5 +1,14 @@
 """The per-model backlog: queued batches over every shape queue of a model, served
-over HTTP for KEDA's `metrics-api` scaler.
+over HTTP for KEDA's `metrics-api` scaler, and the feeder of windowed runs.
+
+A run submitted with a window (producer/feed.py) has only that window in the broker:
+a broker-side trigger alone would never grow a pool past it. The service therefore
+runs the fleet's feeder too (given the feeds folder, `--feeds` / DIFFQ_FEEDS) and adds
+each queue's batches still in OUT to the broker's depth, for pools per model and per
+shape (`?queue=Q`, Neuron and TPU) alike. The feeder lives here rather than in the
+workers or a service of its own: it is one small torch-free pod that already reads the
+broker, there is one of it (a second one would do no harm: producer/feed.py), and the
+number KEDA reads is the one the feeder holds, with nothing between them to disagree.
 
 KEDA's broker scalers watch queues by name (a Redis list, an SQS queue, a RabbitMQ
 queue), and a pool whose workers discover their queues (`diffq worker --models M`)
@@ -36,15 +45,17 @@ PORT = 9500
 REFRESH_S = 5.0
 
 
-def model_backlogs(broker_url: str, rabbitmq_api: str | None = None) -> dict[str, dict[str, int]]:
-    """model slug -> {queue: depth} for every shape queue the broker lists."""
+def model_backlogs(broker_url: str, rabbitmq_api: str | None = None,
+                   unpublished: dict[str, int] | None = None) -> dict[str, dict[str, int]]:
+    """model slug -> {queue: depth + unpublished} for every shape queue the broker lists
+    or the feeder still holds batches of (`unpublished`: queue -> batches in OUT)."""
     from diffq.app.queues import queue_report
 
     by_model: dict[str, dict[str, int]] = {}
-    for info in queue_report(broker_url, timeout=0, rabbitmq_api=rabbitmq_api):
+    for info in queue_report(broker_url, timeout=0, rabbitmq_api=rabbitmq_api, unpublished=unpublished):
         slug = queue_slug(info.queue)
         if slug is not None:
-            by_model.setdefault(slug, {})[info.queue] = info.depth
+            by_model.setdefault(slug, {})[info.queue] = info.depth + info.unpublished
     return by_model
 
 
@@ -81,12 +92,14 @@ class Backlog:
                 raise NoListing(self._error or "no listing yet")
             return self._value, now - self._good, self._error
 
-    def answer(self, model: str | None) -> dict:
-        """The JSON a `GET /backlog[?model=M]` answers: `backlog` is what KEDA reads,
-        `age_s` how old the listing is (more than `refresh_s` only while the broker
-        cannot be read: `error` says why)."""
+    def answer(self, model: str | None, queue: str | None = None) -> dict:
+        """The JSON a `GET /backlog[?model=M|?queue=Q]` answers: `backlog` is what KEDA
+        reads (queued + not yet published), `age_s` how old the listing is (more than
+        `refresh_s` only while the broker cannot be read: `error` says why)."""
         backlogs, age, error = self.current()
         fresh = {"age_s": round(age, 1)} | ({"error": error} if error else {})
+        if queue is not None:  # a per-shape pool's (Neuron, TPU): its own queue
+            return {"queue": queue, "backlog": backlogs.get(queue_slug(queue) or "", {}).get(queue, 0), **fresh}
         if model is None:
             totals = Counter({slug: sum(queues.values()) for slug, queues in backlogs.items()})
             return {"backlog": sum(totals.values()), "models": dict(totals), **fresh}
@@ -106,9 +119,10 @@ def serve(backlog: Backlog, host: str = "0.0.0.0", port: int = PORT) -> Threadin
                 return self._send(200, {"ok": True})
             if url.path != "/backlog":
                 return self._send(404, {"error": f"no {url.path}: try /backlog?model=M"})
-            model = urllib.parse.parse_qs(url.query).get("model", [None])[0]
+            query = urllib.parse.parse_qs(url.query)
+            model, queue = query.get("model", [None])[0], query.get("queue", [None])[0]
             try:
-                return self._send(200, backlog.answer(model))
+                return self._send(200, backlog.answer(model, queue))
             except NoListing as exc:  # never read the broker: KEDA logs the trigger's error
                 return self._send(503, {"error": f"no listing yet: {exc}"})
 

@@ -14,10 +14,11 @@ from rich.table import Table
 from diffq.app.choices import CompileMode, Dtype, Family, TpuGeneration
 from diffq.app.commands import cancel, data, fleet, plan, qualify
 from diffq.app.options import (DEFAULT_ON_DEGENERATE, AllowFallback, Broker, Compile, CompileCache, Devices,
-                               DtypeOpt, Generation, LocalWorkers, Model, Offload, OnDegenerate, Out, Prompts, RunId,
-                               Routing, SeedBase, Threads, Warmup, check_compile, device_options, err, fail,
-                               generation_options, local_worker_options, out)
+                               DtypeOpt, Feeds, Generation, LocalWorkers, Model, Offload, OnDegenerate, Out, Prompts,
+                               RunId, Routing, SeedBase, Threads, Warmup, Window, check_compile, device_options, err,
+                               fail, generation_options, local_worker_options, out)
 from diffq.core.settings import get_settings
+from diffq.producer.feed import DEFAULT_WINDOW, POLL_S, parse_window
 from diffq.worker.spec import DRAIN_TIMEOUT_S
 
 app = typer.Typer(no_args_is_help=True, add_completion=False,
@@ -104,9 +105,12 @@ def submit(
     run_id: RunId = None,
     seed_base: SeedBase = None,
     rates: plan.KeepRates = None,
+    window: Window = str(DEFAULT_WINDOW),
+    feeds: Feeds = None,
     generation: Generation = None,
 ) -> None:
-    """Validate the whole file, write the run manifest to OUT, publish batches to per-shape queues."""
+    """Validate the whole file, write the run manifest and plan to OUT, publish a window of
+    batches per shape queue (the feeder publishes the rest as it drains)."""
     from diffq.producer.sources import InputError
     from diffq.producer.submit import RunExists, submit as submit_run
 
@@ -114,17 +118,62 @@ def submit(
     if not broker:
         fail("no broker: pass --broker URL or set DIFFQ_BROKER_URL")
     try:
+        window_batches = parse_window(window)
         if rates:  # the fleet is not known here: the report plans for the devices the run used
             from diffq.app.fleet_plan import plan_for_run
 
             fleet = plan_for_run(prompts, out_, model=model, rates=rates, **generation.kwargs())
             err.print(fleet.summary(), highlight=False, markup=False)
         result = submit_run(prompts, out_, model=model, broker_url=broker, run_id=run_id, seed_base=seed_base,
-                            **generation.kwargs())
+                            window=window_batches, feeds=feeds, **generation.kwargs())
     except (InputError, RunExists, ValueError) as exc:
         fail(str(exc))
     out.print(result.out)
     out.print(f"run {result.run_id}: {result.summary()}")
+    _say_feeder(result.unpublished, result.out, feeds)
+
+
+def _say_feeder(unpublished: int, out_dir: str, feeds: str | None) -> None:
+    """Where the batches still in OUT will come from: the fleet's feeder or `diffq feed`."""
+    if not unpublished:
+        return
+    if feeds or get_settings().feeds:
+        err.print(f"the fleet's feeder (diffq fleet backlog --feeds) publishes the other {unpublished} batches "
+                  "as the window drains", highlight=False, markup=False)
+    else:
+        err.print(f"no feeds folder (--feeds or DIFFQ_FEEDS): run `diffq feed {out_dir}` to publish the other "
+                  f"{unpublished} batches as the window drains", highlight=False, markup=False)
+
+
+@app.command()
+def feed(
+    out_dirs: Annotated[list[str], typer.Argument(metavar="OUT...", help="Run folders to feed")],
+    broker: Broker = None,
+    poll: Annotated[float, typer.Option("--poll", min=0.05, help="Seconds between two looks at the runs' progress")] = POLL_S,
+) -> None:
+    """Publish what runs submitted with a window still hold in OUT, as their windows drain;
+    returns once every batch is published (or the run is cancelled)."""
+    import threading
+
+    from diffq.producer.feed import Feeder
+    from diffq.producer.publish import CeleryPublisher
+
+    broker = broker or get_settings().broker_url
+    if not broker:
+        fail("no broker: pass --broker URL or set DIFFQ_BROKER_URL")
+    publisher = CeleryPublisher(broker)
+    feeder = Feeder(publisher, outs=tuple(out_dirs))
+    stop = threading.Event()
+    try:
+        while feeder.runs():
+            feeder.pass_once()
+            if feeder.runs():
+                stop.wait(poll)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        publisher.close()
+    out.print(f"{len(out_dirs)} runs: nothing left to feed (every batch published, or the run cancelled)")
 
 
 @app.command()
@@ -328,7 +377,8 @@ def fetch(
 
 
 
-def _requeue(kind: str, out_dir: str, broker: str | None) -> None:
+def _requeue(kind: str, out_dir: str, broker: str | None, window: str = str(DEFAULT_WINDOW),
+             feeds: str | None = None) -> None:
     from diffq.producer import resume as requeue
     from diffq.core.runfolder import NotARun
 
@@ -336,10 +386,11 @@ def _requeue(kind: str, out_dir: str, broker: str | None) -> None:
     if not broker:
         fail("no broker: pass --broker URL or set DIFFQ_BROKER_URL")
     try:
-        result = getattr(requeue, kind)(out_dir, broker)
-    except (NotARun, requeue.RunCancelled, requeue.PlanIncomplete) as exc:
+        result = getattr(requeue, kind)(out_dir, broker, window=parse_window(window), feeds=feeds)
+    except (NotARun, requeue.RunCancelled, requeue.PlanIncomplete, ValueError) as exc:
         fail(str(exc))
     out.print(f"{result.out}: re-enqueued {result.items} items in {result.batches} batches")
+    _say_feeder(result.unpublished, result.out, feeds)
 
 
 @app.command()
@@ -348,6 +399,8 @@ def resume(
     out_dir: Annotated[str, typer.Argument(metavar="OUT", help="Run folder")],
     broker: Broker = None,
     progress: Annotated[bool, typer.Option("--progress/--no-progress", help="Show a progress bar (without a broker)")] = True,
+    window: Window = str(DEFAULT_WINDOW),
+    feeds: Feeds = None,
     local: LocalWorkers = None,
 ) -> None:
     """Finish a run from what OUT holds (never the broker): the items neither done nor failed.
@@ -363,7 +416,7 @@ def resume(
         if given := local.given():
             fail(f"{', '.join(given)}: options of local workers, which a resume with a broker does not start "
                  "(the fleet's workers serve what it re-enqueues)")
-        _requeue("resume", out_dir, broker)
+        _requeue("resume", out_dir, broker, window, feeds)
         return
     try:
         result = resume_embedded(out_dir, progress=progress, console=err, **local.kwargs())
@@ -379,9 +432,11 @@ def resume(
 def retry_failed(
     out_dir: Annotated[str, typer.Argument(metavar="OUT", help="Run folder")],
     broker: Broker = None,
+    window: Window = str(DEFAULT_WINDOW),
+    feeds: Feeds = None,
 ) -> None:
-    """Re-enqueue the items that failed after every retry."""
-    _requeue("retry_failed", out_dir, broker)
+    """Re-enqueue the items that failed after every retry (a window at once, as submit)."""
+    _requeue("retry_failed", out_dir, broker, window, feeds)
 
 
 # The other command groups, each adding its commands to `app`.

@@ -20,6 +20,7 @@ import hashlib
 import json
 import math
 import posixpath
+import urllib.parse
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -200,6 +201,10 @@ class FleetOptions:
     # From a fleet plan (`diffq plan --json --rates … --deadline …`): the devices each
     # queue needs to meet the deadline; a pool's maxReplicaCount is then its pods.
     planned_devices: dict[str, int] | None = None
+    # The feeds folder (DIFFQ_FEEDS) of windowed runs: the backlog service then feeds
+    # them and counts what they still hold in OUT, and every pool, per-shape ones too,
+    # scales on that backlog (a broker trigger sees only the window).
+    feeds: str | None = None
 
     def replicas_for(self, queues: list[str]) -> int:
         """A pool's maxReplicaCount: the plan's pods for its queues, else --max-replicas."""
@@ -355,9 +360,7 @@ def admission_env(models: list[str], options: FleetOptions) -> list[dict]:
     env = [{"name": OUT_PREFIXES_ENV, "value": json.dumps(list(options.out_prefixes))}] if options.out_prefixes \
         else []
     env.append({"name": MODELS_ENV, "value": json.dumps(list(models))})
-    return env + [{"name": name, "valueFrom": {"secretKeyRef": {"name": SIGNING_SECRET, "key": key,
-                                                                 "optional": True}}}
-                  for name, key in SIGNING_ENV]
+    return env + signing_env()
 
 
 def header(options: FleetOptions) -> str:
@@ -376,10 +379,12 @@ def queue_triggers(queues: list[str], options: FleetOptions) -> list[dict]:
              "authenticationRef": {"name": TRIGGER_AUTH}} for queue in queues]
 
 
-def backlog_trigger(model: str, options: FleetOptions) -> dict:
+def backlog_trigger(model: str, options: FleetOptions, queue: str | None = None) -> dict:
     """The model's backlog over all its shape queues, including shapes first
-    published after rendering (KEDA's metrics-api scaler reads diffq-backlog)."""
-    url = f"http://{BACKLOG}.{options.namespace}.svc:{BACKLOG_PORT}/backlog?model={model_slug(model)}"
+    published after rendering, or one queue's (`queue`: a per-shape pool's); queued
+    plus what the feeder still holds in OUT (KEDA's metrics-api scaler reads diffq-backlog)."""
+    query = f"queue={urllib.parse.quote(queue, safe='')}" if queue else f"model={model_slug(model)}"
+    url = f"http://{BACKLOG}.{options.namespace}.svc:{BACKLOG_PORT}/backlog?{query}"
     return {"type": "metrics-api", "metadata": {
         "url": url, "format": "json", "valueLocation": "backlog",
         "targetValue": str(options.batches_per_replica), "activationTargetValue": "0"}}
@@ -420,12 +425,20 @@ def common(options: FleetOptions) -> list[dict]:
     ]
 
 
-def backlog_args() -> list[str]:
-    return ["diffq", "fleet", "backlog", "--port", str(BACKLOG_PORT)]
+def backlog_args(options: FleetOptions) -> list[str]:
+    return ["diffq", "fleet", "backlog", "--port", str(BACKLOG_PORT)] + (
+        ["--feeds", options.feeds] if options.feeds else [])
+
+
+def signing_env() -> list[dict]:
+    """The optional signing Secret's keys: workers check with them, the feeder signs."""
+    return [{"name": name, "valueFrom": {"secretKeyRef": {"name": SIGNING_SECRET, "key": key, "optional": True}}}
+            for name, key in SIGNING_ENV]
 
 
 def backlog_service(options: FleetOptions) -> list[dict]:
-    """The per-model backlog for discovery pools: one small torch-free pod and its Service."""
+    """The per-model backlog for discovery pools (and, given a feeds folder, the fleet's
+    feeder, which signs what it publishes): one small torch-free pod and its Service."""
     labels = {"app.kubernetes.io/name": BACKLOG}
     return [
         {"apiVersion": "apps/v1", "kind": "Deployment",
@@ -436,8 +449,8 @@ def backlog_service(options: FleetOptions) -> list[dict]:
                       "containers": [{
                           "name": "backlog",
                           "image": options.image or DEFAULT_IMAGE.format(device=options.device),
-                          "command": backlog_args(),
-                          "env": broker_env(options),
+                          "command": backlog_args(options),
+                          "env": broker_env(options) + (signing_env() if options.feeds else []),
                           "ports": [{"name": "http", "containerPort": BACKLOG_PORT}],
                           "readinessProbe": {"httpGet": {"path": "/healthz", "port": BACKLOG_PORT}},
                           "resources": {"requests": {"cpu": "100m", "memory": "256Mi"},
@@ -453,8 +466,9 @@ def render(shapes: list[ShapeKey], options: FleetOptions) -> dict[str, list[dict
     (per model where the profile's workers serve every shape, else per shape queue)."""
     options.check_out()
     rendered = {"common": common(options)}
-    if options.profile.pool == "model":
+    if options.profile.pool == "model" or options.feeds:
         rendered["common"] += backlog_service(options)
+    if options.profile.pool == "model":
         pools: dict[tuple[str, str], list[str]] = {}
         for shape in shapes:
             pools.setdefault((shape.model, shape.dtype), []).append(shape.queue)
@@ -469,9 +483,11 @@ def render(shapes: list[ShapeKey], options: FleetOptions) -> dict[str, list[dict
     for shape in shapes:
         name = k8s_name(shape.queue)
         annotations = {"diffq/queue": shape.queue}
+        triggers = queue_triggers([shape.queue], options)
+        if options.feeds:  # the queue holds only the window: scale on the whole backlog
+            triggers.append(backlog_trigger(shape.model, options, queue=shape.queue))
         rendered[name] = [deployment(name, worker_args(shape, options), [shape.model], annotations, options),
-                          scaled_object(name, [shape.queue], queue_triggers([shape.queue], options), annotations,
-                                        options)]
+                          scaled_object(name, [shape.queue], triggers, annotations, options)]
     return rendered
 
 

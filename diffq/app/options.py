@@ -148,6 +148,10 @@ def device_options(what: str = ", one process each", workers_help: str | None = 
 
 
 Broker = Annotated[Optional[str], typer.Option("--broker", help="Broker URL (or DIFFQ_BROKER_URL)")]
+Window = Annotated[str, typer.Option("--window", help=(
+    f"Batches of the run each shape queue holds in the broker at once; the feeder publishes the rest "
+    f"from OUT as they drain (`diffq fleet backlog --feeds`, `diffq feed OUT`). 'all': every batch now"))]
+Feeds = Annotated[Optional[str], typer.Option("--feeds", help="Feeds folder (path, s3://, gs://; or DIFFQ_FEEDS): where runs with batches still in OUT are listed for the fleet's feeder")]
 
 
 # The generation options `run`, `submit` and `plan` share: the core model, declared

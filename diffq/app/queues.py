@@ -36,6 +36,9 @@ class QueueInfo:
     queue: str
     depth: int
     consumers: int
+    # Batches of windowed runs still in OUT for the feeder (producer/feed.py): the
+    # broker's depth is only the window, this is the rest of the backlog.
+    unpublished: int = 0
     # The dead letters' row only: some of them, {queue, reason, at}, and which ones.
     letters: list[dict] | None = field(default=None, compare=False)
     letters_order: str | None = field(default=None, compare=False)
@@ -56,9 +59,12 @@ def worker_queues(app, timeout: float) -> Counter:
 
 def queue_report(broker_url: str, queues: list[str] | None = None, *, timeout: float = 1.0,
                  prefix: str = PREFIX, transport_options: dict | None = None,
-                 rabbitmq_api: str | None = None, letters: int = 0) -> list[QueueInfo]:
+                 rabbitmq_api: str | None = None, letters: int = 0,
+                 unpublished: dict[str, int] | None = None) -> list[QueueInfo]:
     """Depth and consumers for every diffq queue the broker or the workers know of;
-    with `letters`, up to that many dead letters on the dead letters' row."""
+    with `letters`, up to that many dead letters on the dead letters' row; with
+    `unpublished` (queue -> batches still in OUT), those queues too, and their count."""
+    unpublished = unpublished or {}
     transport = transport_for(broker_url)
     app = make_celery(broker_url, transport_options)
     consumers: Counter = Counter()
@@ -68,7 +74,8 @@ def queue_report(broker_url: str, queues: list[str] | None = None, *, timeout: f
         conn.ensure_connection(max_retries=1)
         if timeout > 0:
             consumers = worker_queues(app, timeout)
-        names = set(queues or []) | {q for q in consumers if q.startswith(prefix)} | {DEAD_LETTERS}
+        names = (set(queues or []) | {q for q in consumers if q.startswith(prefix)} | {DEAD_LETTERS}
+                 | {q for q, n in unpublished.items() if n})
         if transport.list_depths is None and transport.list_queues is not None \
                 and (rabbitmq_api or not transport.list_needs_api):
             names |= set(transport.list_queues(conn, prefix, rabbitmq_api))
@@ -81,7 +88,8 @@ def queue_report(broker_url: str, queues: list[str] | None = None, *, timeout: f
             broker_consumers = {q: c for q, (_, c) in declared.items()}
         dead = transport.dead_letters.peek(conn, letters) if transport.dead_letters.peek and letters else None
     report = [QueueInfo(queue=q, depth=depths.get(q, 0),
-                        consumers=max(consumers.get(q, 0), broker_consumers.get(q, 0)))
+                        consumers=max(consumers.get(q, 0), broker_consumers.get(q, 0)),
+                        unpublished=unpublished.get(q, 0))
               for q in sorted(names)]
     if dead is not None:
         for info in report:

@@ -218,8 +218,9 @@ def run(
     new_id = run_id or new_run_id()  # known before submitting: the workers serve this run only
 
     def publish_all(publisher) -> str:
+        # Every batch to the runner's own publisher: its waves are this run's feeder.
         return submit(prompts, out, model=model, publisher=publisher, plan=plan, run_id=new_id,
-                      seed_base=seed_base, keep_columns=keep_columns, **generation).run_id
+                      seed_base=seed_base, keep_columns=keep_columns, window=None, **generation).run_id
 
     with _sole_runner(storage):
         if storage.exists(layout.MANIFEST):

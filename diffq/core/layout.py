@@ -14,6 +14,12 @@ file's schema is in records.py.
     cancel.json                   `diffq cancel`: workers drop the run's batches they
                                   receive (checked before each batch, cached for
                                   CANCEL_CHECK_S); `diffq resume` removes it
+    feed.json                     the source the run is fed from now (a window of it
+                                  in the broker, the rest in OUT): "plan" or a resume's
+    feed/<source>/state.json      what the feeder has published of that source, per
+                                  shape queue
+    feed/<source>/part-*.jsonl    batches `resume` / `retry-failed` re-planned, fed
+                                  from there like the plan
 
 Batch ids: a plan batch's id has no '.'; work derived from a batch appends a
 '.'-suffix (`<id>.s0`/`.s1` halves of a failing batch, `<id>.r<hash>` resumed,
@@ -34,6 +40,8 @@ FAILURES_PREFIX = "failures/"
 PROGRESS_PREFIX = "progress/"
 CANCEL = "cancel.json"
 FLEET_PLAN = "fleet-plan.json"
+FEED = "feed.json"
+FEED_PREFIX = "feed/"
 # How long a worker trusts its last look at CANCEL; resume waits this long after
 # removing it before publishing, so no worker drops the resumed batches.
 CANCEL_CHECK_S = 2.0
@@ -94,5 +102,17 @@ def progress_key(writer: str, segment: int) -> str:
     return f"{PROGRESS_PREFIX}{writer}-{segment:06d}.json"
 
 
-def plan_key(part: int) -> str:
-    return f"{PLAN_PREFIX}part-{part:06d}.jsonl"
+def plan_key(part: int, prefix: str = PLAN_PREFIX) -> str:
+    return f"{prefix}part-{part:06d}.jsonl"
+
+
+PLAN_SOURCE = "plan"  # the feed source that is the plan itself
+
+
+def feed_parts_prefix(source: str) -> str:
+    """Where a feed source's batches are: the plan's parts, or a resume's own."""
+    return PLAN_PREFIX if source == PLAN_SOURCE else f"{FEED_PREFIX}{source}/"
+
+
+def feed_state_key(source: str) -> str:
+    return f"{FEED_PREFIX}{source}/state.json"

@@ -284,6 +284,7 @@ class ProgressSummary:
         self.storage = storage
         self._sizes: dict[str, int] = {}  # segment key -> size when read
         self._failures: dict[str, tuple[str, list[str]]] = {}  # key -> (batch id, item ids)
+        self._failed_roots: dict[str, set[str]] = {}  # root batch id -> item ids a failure names
         self._numbered: dict[tuple[str, str, int], _Numbered] = {}  # (queue, prefix, width)
         self._by_number: dict[tuple[str, int], list[_Numbered]] = {}  # (prefix, width): across queues
         self._plain: dict[str, tuple[str, int]] = {}  # plan batch id not numbered -> (queue, items)
@@ -312,6 +313,7 @@ class ProgressSummary:
         for key, body in self.storage.get_many(key for key in failures if key not in self._failures):
             failure = FailureRecord.model_validate_json(body)
             self._failures[key] = (failure.batch_id, failure.item_ids)
+            self._failed_roots.setdefault(root_batch(failure.batch_id), set()).update(failure.item_ids)
         self._count()
         return self
 
@@ -356,6 +358,15 @@ class ProgressSummary:
     def credited(self, batch_id: str) -> bool:
         """Whether this batch (plan or derived) has a credit."""
         return batch_id in self._derived if "." in batch_id else self._covered(batch_id)
+
+    def settled(self, batch_id: str, item_ids: list[str]) -> bool:
+        """Whether every item of this batch is done or failed (the feeder's look at what
+        left the broker: a batch split or retried settles item by item)."""
+        if self.credited(batch_id):
+            return True
+        root = root_batch(batch_id)
+        done, failed = self._done_of(batch_id), self._failed_roots.get(root, ())
+        return all(item in done or item in failed for item in item_ids)
 
     def _count(self) -> None:
         done_per_queue: dict[str, int] = {}

@@ -115,6 +115,48 @@ class CancelMarker(Strict):
     by: str  # user@host
 
 
+# feed.json and feed/<source>/state.json: what the feeder has published (producer/feed.py)
+class FeedPointer(Strict):
+    """feed.json: which source the run is fed from now (written by submit and resume
+    only, never by a feeder, so a feeder's late write cannot undo a resume)."""
+
+    v: Literal[1] = 1
+    run_id: str
+    source: str  # a name: "plan", or the source a resume or retry-failed wrote
+
+
+class FeedQueue(Strict):
+    """One shape queue of a fed run: its batches in the source, in order, and how many
+    of the first ones are published (never more than were: marked after publishing)."""
+
+    prefix: str  # the batch id prefix of this queue's batches (producer/messages.py)
+    total: int = Field(ge=0)
+    published: int = Field(default=0, ge=0)
+
+    @property
+    def unpublished(self) -> int:
+        return max(0, self.total - self.published)
+
+
+class FeedState(Strict):
+    v: Literal[1] = 1
+    run_id: str
+    # Batches of this run each shape queue may hold at once (queued or in a worker's hand).
+    window: int = Field(gt=0)
+    queues: dict[str, FeedQueue]
+
+    @property
+    def unpublished(self) -> int:
+        return sum(queue.unpublished for queue in self.queues.values())
+
+
+class FeedEntry(Strict):
+    """A run in the feeds folder (`DIFFQ_FEEDS`): one file per run the feeder serves."""
+
+    out: str
+    run_id: str
+
+
 # plan/part-NNNNNN.jsonl: one BatchMessage per line, the bytes as published ---------
 def plan_part(messages: Iterable[bytes]) -> bytes:
     """A plan part from encoded BatchMessages (submit encodes each once, for the plan and the broker)."""

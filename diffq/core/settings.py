@@ -33,6 +33,10 @@ class Settings(BaseSettings):
     # The models a worker may load besides those it is told (--model, --models, a
     # --run manifest's); a batch naming another is refused unread (worker/admission.py).
     allowed_models: list[str] = Field(default_factory=list)
+    # Where `submit` registers a run whose plan is not all in the broker, and the
+    # fleet's feeder (`diffq fleet backlog --feeds`) finds the runs it feeds: a
+    # folder (local, s3://, gs://) holding one small file per such run.
+    feeds: str | None = None
     # HMAC keys batches are signed with where diffq publishes and checked with by
     # workers (worker/admission.py): with a key set, an unsigned or wrongly signed batch
     # is dead-lettered. `signing_key_previous` is still accepted, so keys rotate

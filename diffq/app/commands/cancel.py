@@ -15,9 +15,9 @@ def cancel(
 ) -> None:
     """Cancel a run: workers drop its remaining batches without generating them.
 
-    A marker in OUT that workers check before each batch; `diffq status` counts what
-    is neither done nor failed as cancelled; `diffq resume OUT` un-cancels and
-    re-enqueues what is missing.
+    A marker in OUT that workers check before each batch, and the feeder before publishing
+    more of a windowed run (it stops feeding it); `diffq status` counts what is neither
+    done nor failed as cancelled; `diffq resume OUT` un-cancels and re-enqueues what is missing.
     """
     from diffq.core.runfolder import NotARun, read_manifest
     from diffq.core.storage import open_storage

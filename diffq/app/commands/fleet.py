@@ -12,6 +12,7 @@ import typer
 
 from diffq.core.settings import get_settings
 from diffq.app.choices import CompileMode, Device, Dtype
+from diffq.app.options import Feeds
 from diffq.core.options import DEFAULTS
 
 fleet_app = typer.Typer(no_args_is_help=True, help="Render Kubernetes manifests for a worker fleet.")
@@ -42,6 +43,7 @@ def manifests(
     out_prefix: Annotated[Optional[list[str]], typer.Option("--out-prefix", help="Run folders the workers may write to: the prefix `diffq submit --out` folders live under (s3://BUCKET/runs, gs://BUCKET/runs or an absolute path; repeat or comma-separate). Default: DIFFQ_ALLOWED_OUT_PREFIXES; with neither, refused unless --any-out")] = None,
     any_out: Annotated[bool, typer.Option("--any-out", help="Render no prefix: the workers write into whatever run folder a batch names")] = False,
     out: Annotated[Optional[str], typer.Option("--out", help="Write <name>.yaml per shape here instead of stdout")] = None,
+    feeds: Feeds = None,
 ) -> None:
     """Worker Deployments + KEDA ScaledObjects from the producer's shape keys (per shape,
     or per model where workers discover their queues), the shared cache PVC, KEDA's
@@ -62,6 +64,7 @@ def manifests(
                                      broker=broker or settings.broker_url or "redis://",
                                      broker_options=fleet.parse_broker_options(broker_option or []),
                                      out_prefixes=fleet.parse_out_prefixes(prefixes or []), any_out=any_out,
+                                     feeds=feeds or settings.feeds,
                                      aws_region=aws_region or os.environ.get("AWS_REGION")
                                      or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1")
         if fleet_plan is not None:
@@ -92,8 +95,10 @@ def queues(
     rabbitmq_api: Annotated[Optional[str], typer.Option("--rabbitmq-api", help="RabbitMQ management API URL (http://USER:PASS@HOST:15672): lists an AMQP broker's queues")] = None,
     timeout: Annotated[float, typer.Option("--timeout", min=0.0, help="Seconds to wait for workers' replies (0: skip)")] = 1.0,
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output")] = False,
+    feeds: Feeds = None,
 ) -> None:
-    """Depth of each diffq shape queue and how many workers consume it."""
+    """Depth of each diffq shape queue, how many workers consume it, and (with a feeds folder)
+    the batches windowed runs still hold in OUT for the feeder."""
     from kombu.exceptions import OperationalError
 
     from diffq.app.queues import DEAD_LETTERS, PEEKED_LETTERS, dead_letter_lines, queue_report
@@ -104,8 +109,14 @@ def queues(
         typer.echo("error: no broker: pass --broker URL or set DIFFQ_BROKER_URL", err=True)
         raise typer.Exit(2)
     try:
+        feeds = feeds or get_settings().feeds
+        unpublished = None
+        if feeds:
+            from diffq.producer.feed import waiting
+
+            unpublished = waiting(feeds)
         report = queue_report(broker, [q for q in (names or "").split(",") if q], timeout=timeout,
-                              rabbitmq_api=rabbitmq_api, letters=PEEKED_LETTERS)
+                              rabbitmq_api=rabbitmq_api, letters=PEEKED_LETTERS, unpublished=unpublished)
     except CannotList as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2)
@@ -116,10 +127,12 @@ def queues(
         sys.stdout.write(json.dumps([info.to_json() for info in report]) + "\n")
         return
     width = max([len("queue")] + [len(info.queue) for info in report])
-    typer.echo(f"{'queue':<{width}}  {'depth':>7}  {'workers':>7}")
+    in_out = f"  {'in OUT':>7}" if unpublished is not None else ""
+    typer.echo(f"{'queue':<{width}}  {'depth':>7}  {'workers':>7}{in_out}")
     for info in report:
         note = "  (dead letters: messages workers refused)" if info.queue == DEAD_LETTERS else ""
-        typer.echo(f"{info.queue:<{width}}  {info.depth:>7}  {info.consumers:>7}{note}")
+        waiting_here = f"  {info.unpublished:>7}" if unpublished is not None else ""
+        typer.echo(f"{info.queue:<{width}}  {info.depth:>7}  {info.consumers:>7}{waiting_here}{note}")
     for line in dead_letter_lines(report):
         typer.echo(line)
 
@@ -129,10 +142,16 @@ def backlog(
     rabbitmq_api: Annotated[Optional[str], typer.Option("--rabbitmq-api", help="RabbitMQ management API URL (or DIFFQ_RABBITMQ_API): how an AMQP broker's queues are listed")] = None,
     host: Annotated[str, typer.Option("--host", help="Address to listen on")] = "0.0.0.0",
     port: Annotated[int, typer.Option("--port", min=1, max=65535, help="Port to listen on")] = 9500,
+    feeds: Feeds = None,
 ) -> None:
-    """Serve each model's backlog over all its shape queues (GET /backlog?model=M) for KEDA's
-    metrics-api scaler: discovery pools scale from zero on shapes published after rendering."""
+    """Serve each model's backlog over all its shape queues (GET /backlog?model=M, ?queue=Q) for
+    KEDA's metrics-api scaler: queued batches plus those windowed runs still hold in OUT, which
+    this service publishes as their windows drain (the fleet's feeder, given --feeds)."""
+    import threading
+
     from diffq.app.backlog import Backlog, model_backlogs, serve
+    from diffq.producer.feed import Feeder
+    from diffq.producer.publish import CeleryPublisher
 
     settings = get_settings()
     broker = broker or settings.broker_url
@@ -140,12 +159,22 @@ def backlog(
         typer.echo("error: no broker: pass --broker URL or set DIFFQ_BROKER_URL", err=True)
         raise typer.Exit(2)
     api = rabbitmq_api or settings.rabbitmq_api
-    server = serve(Backlog(lambda: model_backlogs(broker, api)), host, port)
-    typer.echo(f"backlog on http://{host}:{server.server_address[1]}/backlog", err=True)
+    feeds = feeds or settings.feeds
+    stop = threading.Event()
+    feeder = None
+    if feeds:
+        feeder = Feeder(CeleryPublisher(broker), feeds)
+        threading.Thread(target=feeder.serve, args=(stop,), name="diffq-feeder", daemon=True).start()
+    server = serve(Backlog(lambda: model_backlogs(broker, api, feeder.unpublished() if feeder else None)),
+                   host, port)
+    typer.echo(f"backlog on http://{host}:{server.server_address[1]}/backlog"
+               + (f", feeding the runs listed in {feeds}" if feeds else ""), err=True)
     try:
         server.serve_forever()
     except KeyboardInterrupt:
         pass
+    finally:
+        stop.set()
 
 
 def register(app: typer.Typer) -> None:

@@ -1,0 +1,305 @@
+"""The feeder: a window of each run's batches in the broker, the rest in OUT.
+
+`submit` writes the whole plan to OUT and publishes, per shape queue, only the first
+`window` batches of the run; the feeder publishes the next ones as the run's earlier
+batches settle (every item done or failed: the progress summary and the failure
+records, core/progress.py), so the broker holds at most `window` batches of a run per
+queue, whatever the run's size. The window is per run and queue: shape queues are
+shared by runs, and a big run holds no more of a queue than a small one may.
+
+What is published is marked in OUT after the broker took it (`feed/<source>/state.json`:
+a count per queue of the source's first batches, publish then mark), so a feeder killed
+anywhere loses nothing: the next one republishes at most what was published but not
+yet marked. A batch published twice is generated once: a worker that meets a batch
+already stored credits it again and acks (worker/tasks.py). A second feeder beside the
+first publishes the same batches again at worst, on the same guard; a count it marks
+is never more than it published itself, so nothing is skipped. No broker offers
+publish-and-mark atomically; this order needs none.
+
+The source is the plan (`plan`) or what `resume` / `retry-failed` re-planned (written
+under `feed/<source>/`); `feed.json` names the current one and is written only by
+those, so a feeder's late mark cannot undo a resume. A cancelled run is not fed
+(`diffq cancel` stops its feeder; `resume` un-cancels and feeds again).
+
+Which runs a fleet's feeder serves: the feeds folder (`DIFFQ_FEEDS`), one small file
+per run that still has batches to publish, written by `submit` and `resume`; the
+feeder runs in the backlog service (`diffq fleet backlog`), which reports each model's
+and queue's unpublished batches beside the broker's depths (app/backlog.py).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from collections.abc import Callable, Iterator
+
+import orjson
+from pydantic import ValidationError
+
+from diffq.core import layout
+from diffq.core.progress import ProgressSummary
+from diffq.core.records import FeedEntry, FeedPointer, FeedQueue, FeedState
+from diffq.core.runfolder import read_cancel
+from diffq.core.storage import NotFound, Storage, open_storage
+from diffq.producer.messages import EncodedBatch
+
+log = logging.getLogger(__name__)
+
+# Batches of one run each shape queue holds at once (queued or in a worker's hand).
+# KEDA adds a replica per `batches_per_replica` (4) queued batches, so a window of
+# 4096 lets a pool's broker trigger alone ask for 1024 pods; a thousand devices (two
+# batches in hand each with run-ahead) still find hundreds queued, minutes of work,
+# so none waits between two feeder passes (POLL_S). What the broker then holds per
+# run and queue: docs/BENCHMARKS.md, "Broker memory".
+DEFAULT_WINDOW = 4096
+POLL_S = 2.0  # between two looks at a run's progress: a window drains in minutes, not seconds
+_HEAD = b'{"batch_id":"'  # a canonical batch line starts so (sorted keys: core/signing.py)
+
+
+def parse_window(value: str | int | None) -> int | None:
+    """`--window`: a number of batches, or `all` (None: every batch in the broker)."""
+    if value is None or (isinstance(value, str) and value.strip().lower() == "all"):
+        return None
+    try:
+        window = int(value)
+    except ValueError:
+        raise ValueError(f"--window {value!r}: a number of batches per run and shape queue, or 'all'") from None
+    if window < 1:
+        raise ValueError(f"--window {value}: at least 1 batch per run and shape queue, or 'all'")
+    return window
+
+
+def source_batches(storage: Storage, source: str, queue: str, id_prefix: str) -> Iterator[tuple[EncodedBatch, list[str]]]:
+    """The source's batches of one queue, in order, as published, with their item ids."""
+    head = _HEAD + id_prefix.encode()
+    parts = layout.feed_parts_prefix(source)
+    for key in sorted(k for k in storage.list(parts) if k.endswith(".jsonl")):
+        for line in storage.get_bytes(key).splitlines():
+            if line.startswith(head):
+                data = orjson.loads(line)
+                ids = [item["id"] for item in data["items"]]
+                yield EncodedBatch(queue, data["run_id"], data["batch_id"], len(ids), line), ids
+            elif not line.startswith(_HEAD) and line.strip():
+                raise ValueError(f"{storage.key_url(key)}: a line that is not a batch in its canonical form")
+
+
+def start_feed(storage: Storage, run_id: str, source: str, queues: dict[str, tuple[str, int]], window: int) -> FeedState:
+    """Make `source` the run's current one, nothing of it published yet: its state
+    first, then the pointer (a feeder follows the pointer only to a state it can read).
+    `queues`: queue -> (batch id prefix, batches in the source)."""
+    state = FeedState(run_id=run_id, window=window,
+                      queues={q: FeedQueue(prefix=prefix, total=total) for q, (prefix, total) in sorted(queues.items())})
+    _put(storage, layout.feed_state_key(source), state.model_dump_json().encode())
+    _put(storage, layout.FEED, FeedPointer(run_id=run_id, source=source).model_dump_json().encode())
+    return state
+
+
+def read_pointer(storage: Storage) -> FeedPointer | None:
+    try:
+        return FeedPointer.model_validate_json(storage.get_bytes(layout.FEED))
+    except NotFound:
+        return None
+
+
+def read_state(storage: Storage, source: str) -> FeedState:
+    return FeedState.model_validate_json(storage.get_bytes(layout.feed_state_key(source)))
+
+
+def _put(storage: Storage, key: str, body: bytes) -> None:
+    storage.put_bytes(key, body, content_type="application/json")
+
+
+class RunFeed:
+    """One run's feeding from its current source. `feed_once` publishes what the
+    window has room for and marks it; `unpublished` is what waits in OUT."""
+
+    def __init__(self, storage: Storage, publisher, on_published: Callable[[int], None] | None = None):
+        self.storage, self.publisher, self.on_published = storage, publisher, on_published
+        pointer = read_pointer(storage)
+        if pointer is None:
+            raise NotFound(f"{storage.url} has no {layout.FEED}: its run was submitted with every batch in the broker")
+        self.source = pointer.source
+        self.state = read_state(storage, self.source)
+        self.published = {queue: fed.published for queue, fed in self.state.queues.items()}
+        self.summary = ProgressSummary(storage)
+        self._batches: dict[str, Iterator[tuple[EncodedBatch, list[str]]]] = {}
+        self._outstanding: dict[str, dict[str, list[str]]] = {}  # queue -> published, not settled
+        self.cancelled = False
+
+    @property
+    def unpublished(self) -> dict[str, int]:
+        return {queue: max(0, fed.total - self.published[queue]) for queue, fed in self.state.queues.items()}
+
+    @property
+    def finished(self) -> bool:
+        """Every batch of the source published (the broker and the workers have the rest)."""
+        return not any(self.unpublished.values())
+
+    def over(self) -> bool:
+        """Nothing left to feed: all published or cancelled, and still so when looked at
+        again (a resume that began another source meanwhile lists the run again)."""
+        if self.cancelled:
+            return read_cancel(self.storage) is not None
+        return self.finished and self.current()
+
+    def current(self) -> bool:
+        """Whether the run is still fed from this source (a resume may have begun another)."""
+        pointer = read_pointer(self.storage)
+        return pointer is not None and pointer.source == self.source
+
+    def _queue(self, queue: str) -> Iterator[tuple[EncodedBatch, list[str]]]:
+        """The queue's batches after those published; the published ones not yet
+        settled are outstanding (a restarted feeder learns them in this one pass,
+        against the summary just refreshed)."""
+        batches = self._batches.get(queue)
+        if batches is None:
+            fed = self.state.queues[queue]
+            batches = self._batches[queue] = source_batches(self.storage, self.source, queue, fed.prefix)
+            outstanding = self._outstanding[queue] = {}
+            for _ in range(self.published[queue]):
+                taken = next(batches, None)
+                if taken is None:
+                    break
+                if not self.summary.settled(taken[0].batch_id, taken[1]):
+                    outstanding[taken[0].batch_id] = taken[1]
+        return batches
+
+    def feed_once(self) -> int:
+        """Publish up to the window per queue, then mark it; the batches published."""
+        if read_cancel(self.storage) is not None:
+            self.cancelled = True
+            return 0
+        self.summary.refresh()
+        sent = 0
+        for queue, fed in self.state.queues.items():
+            if self.published[queue] >= fed.total and not self._outstanding.get(queue):
+                continue
+            batches = self._queue(queue)
+            outstanding = self._outstanding[queue]
+            for batch_id in [b for b, ids in outstanding.items() if self.summary.settled(b, ids)]:
+                del outstanding[batch_id]
+            while len(outstanding) < self.state.window and self.published[queue] < fed.total:
+                taken = next(batches, None)
+                if taken is None:  # the source holds fewer than its state counts
+                    raise ValueError(f"{self.storage.url}: feed source {self.source!r} holds "
+                                     f"{self.published[queue]} batches of {queue}, its state counts {fed.total}")
+                encoded, ids = taken
+                self.publisher.publish_encoded(encoded)
+                outstanding[encoded.batch_id] = ids
+                self.published[queue] += 1
+                sent += 1
+                if self.on_published:
+                    self.on_published(encoded.items)
+        if sent:
+            self.publisher.flush()  # in the broker before it is marked
+            self.mark()
+        return sent
+
+    def mark(self) -> None:
+        if not self.current():  # a resume began another source: this one is done with
+            return
+        state = self.state.model_copy(update={"queues": {
+            queue: fed.model_copy(update={"published": self.published[queue]})
+            for queue, fed in self.state.queues.items()}})
+        _put(self.storage, layout.feed_state_key(self.source), state.model_dump_json().encode())
+
+
+# --- the feeds folder: which runs a fleet's feeder serves --------------------------
+def feed_key(out: str) -> str:
+    return hashlib.sha1(out.encode()).hexdigest()[:20] + ".json"
+
+
+def register(feeds: str, out: str, run_id: str) -> None:
+    """List the run in the feeds folder (again: a resume of a run already listed)."""
+    _put(open_storage(feeds), feed_key(out), FeedEntry(out=out, run_id=run_id).model_dump_json().encode())
+
+
+def registered(feeds: Storage) -> list[FeedEntry]:
+    entries = []
+    for key in sorted(feeds.list()):
+        if key.endswith(".json"):
+            try:
+                entries.append(FeedEntry.model_validate_json(feeds.get_bytes(key)))
+            except (NotFound, ValidationError) as exc:
+                log.warning("feeds folder %s: %s skipped: %s", feeds.url, key, exc)
+    return entries
+
+
+def waiting(feeds: str) -> dict[str, int]:
+    """queue -> batches the feeds folder's runs still hold in OUT (read, nothing fed)."""
+    unpublished: dict[str, int] = {}
+    for entry in registered(open_storage(feeds)):
+        storage = open_storage(entry.out)
+        try:
+            pointer = read_pointer(storage)
+            if pointer is None or read_cancel(storage) is not None:
+                continue
+            for queue, fed in read_state(storage, pointer.source).queues.items():
+                unpublished[queue] = unpublished.get(queue, 0) + fed.unpublished
+        except (NotFound, ValidationError) as exc:
+            log.warning("feeds folder: %s: %s", entry.out, exc)
+    return unpublished
+
+
+class Feeder:
+    """Feeds every run of the feeds folder (and `outs`, named) through one publisher:
+    a pass publishes what each run's window has room for. A run leaves the folder once
+    its source is all published; a cancelled one once seen cancelled (resume lists it
+    again). `unpublished()` is queue -> batches waiting in OUT over every run fed."""
+
+    def __init__(self, publisher, feeds: str | None = None, outs: tuple[str, ...] = ()):
+        self.publisher = publisher
+        self.feeds = open_storage(feeds) if feeds else None
+        self.outs = list(outs)
+        self._runs: dict[str, RunFeed] = {}
+        self._unpublished: dict[str, int] = {}
+
+    def runs(self) -> list[str]:
+        listed = [entry.out for entry in registered(self.feeds)] if self.feeds is not None else []
+        return list(dict.fromkeys(self.outs + listed))
+
+    def pass_once(self) -> int:
+        sent = 0
+        unpublished: dict[str, int] = {}
+        for out in self.runs():
+            try:
+                run = self._runs.get(out)
+                if run is None or not run.current():
+                    run = self._runs[out] = RunFeed(open_storage(out), self.publisher)
+                sent += run.feed_once()
+            except NotFound as exc:  # no feed (every batch went to the broker) or no run: nothing to feed
+                log.warning("not feeding %s: %s", out, exc)
+                self._drop(out)
+                continue
+            except Exception as exc:  # one run's trouble does not stop the others
+                log.warning("feeding %s: %s: %s", out, type(exc).__name__, exc)
+                continue
+            if run.over():
+                self._drop(out)
+            if not run.cancelled:
+                for queue, n in run.unpublished.items():
+                    if n:
+                        unpublished[queue] = unpublished.get(queue, 0) + n
+        self._unpublished = unpublished
+        return sent
+
+    def _drop(self, out: str) -> None:
+        self._runs.pop(out, None)
+        if out in self.outs:
+            self.outs.remove(out)
+        if self.feeds is not None:
+            self.feeds.delete(feed_key(out))
+
+    def unpublished(self) -> dict[str, int]:
+        return dict(self._unpublished)
+
+    def serve(self, stop, poll_s: float = POLL_S) -> None:
+        """Passes every `poll_s` until `stop` (a threading.Event) is set."""
+        while not stop.is_set():
+            started = time.monotonic()
+            try:
+                self.pass_once()
+            except Exception as exc:  # the feeds folder away: try again next pass
+                log.warning("feeder pass: %s: %s", type(exc).__name__, exc)
+            stop.wait(max(0.0, poll_s - (time.monotonic() - started)))
