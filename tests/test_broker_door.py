@@ -22,6 +22,7 @@ import pytest
 
 from diffq.worker import door
 from diffq.worker.delivery import DECISIONS, LETTERED, Action, Outcome, Refused, decide, refusal
+from tests.test_dead_letter_brokers import StubMessage
 from tests.test_layers import MODULES, layer_of
 
 # The worker's and the app's only modules that may import celery or kombu or read their
@@ -183,20 +184,6 @@ def test_every_refusal_is_one_outcome_of_the_table(why, by_broker):
 
 
 # -- each end, carried out through the door --------------------------------------------------
-
-
-class StubMessage:
-    delivery_info = {"routing_key": "diffq.q"}
-    body, content_type, headers = b"\x80", "application/json", {}
-
-    def __init__(self):
-        self.calls: list[str] = []
-
-    def ack(self):
-        self.calls.append("ack")
-
-    def reject(self, requeue=False):
-        self.calls.append("requeue" if requeue else "reject")
 
 
 @pytest.mark.parametrize("why", list(Refused))

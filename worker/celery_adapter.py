@@ -94,9 +94,6 @@ class BatchRequest(Request):
     def requeue(self) -> None:
         Request.reject(self, requeue=True)
 
-    def let_lapse(self) -> None:
-        raise ValueError("a task's delivery is settled through its request, not left to its lease")
-
     failing = False  # inside Celery's on_failure
 
     def on_failure(self, exc_info, send_failed_event=True, return_ok=False):

@@ -73,8 +73,9 @@ class _Only:
         raise ValueError(f"{type(self).__name__}: cannot be left to its lease")
 
 
-class Received:
-    """A kombu message the consumer refused before Celery made a task of it."""
+class Received(_Only):
+    """A kombu message the consumer refused before Celery made a task of it: settled
+    now, never left to its lease."""
 
     def __init__(self, message):
         self.message = message
@@ -87,9 +88,6 @@ class Received:
 
     def reject(self, requeue: bool = False) -> None:
         self.message.reject(requeue=requeue)
-
-    def let_lapse(self) -> None:
-        raise ValueError("a refused message is settled now, not left to its lease")
 
 
 class Taken(_Only):
