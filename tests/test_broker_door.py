@@ -115,7 +115,22 @@ def test_only_the_door_reaches_into_celery_and_kombu(module):
     assert not found, f"{module} reaches past the broker door ({', '.join(DOORS)}): {found}"
 
 
+# Celery's task API: a batch's life reaches it through the door's `Delivered`.
+TASK_API = {"request", "send_task", "apply_async"}
+
+
+def task_api_reads(source: str) -> list[str]:
+    return [f"line {node.lineno}: .{node.attr}" for node in ast.walk(ast.parse(source))
+            if isinstance(node, ast.Attribute) and node.attr in TASK_API]
+
+
+@pytest.mark.parametrize("module", [m for m in GUARDED if layer_of(m) == "diffq.worker"])
+def test_a_batchs_life_reaches_celerys_task_through_the_door(module):
+    assert not (found := task_api_reads(MODULES[module].read_text())), f"{module}: {found}"
+
+
 def test_the_check_can_fail():
+    assert task_api_reads("def attempts(task):\n    return task.request.retries + 1\n")
     assert broker_reach("from celery.worker import state\n")
     assert broker_reach("def f():\n    import kombu\n")
     assert broker_reach("def f(consumer):\n    return consumer.task_consumer.channel.qos._delivered\n")

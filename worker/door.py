@@ -19,7 +19,8 @@ One class per kind of delivery implements it: `BatchRequest`
 Celery's request, on the consumer's loop), `Received` (a kombu message refused on
 receipt, before it became a task), `Taken` (a Redis item that was no message: the
 read removed it), `Detached` (a delivery whose connection is gone), `Overdue` (a
-delivery held past its bound) and `AllHeld` (a drain's hand-back). What a broker
+delivery held past its bound) and `AllHeld` (a drain's hand-back); `Delivered` is
+the task's side of a delivery, as a batch's life sees it. What a broker
 kind does differently (renew, hand back, the consumer channel) is its row of the
 transport table (diffq/core/transports.py).
 
@@ -32,6 +33,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
+from diffq.core.broker import TASK_NAME
 from diffq.worker.delivery import Action, Outcome, decide
 
 log = logging.getLogger("diffq.worker")
@@ -140,6 +142,46 @@ class AllHeld(_Only):
 
     def requeue(self) -> int:
         return self.lease.hand_back() if self.lease is not None else 0
+
+
+class Delivered:
+    """A delivery Celery made a task of, as a batch's life sees it (worker/tasks.py,
+    worker/hooks.py): which one it is, how often it was tried, and the two ways its
+    work goes on elsewhere (Celery's retry; a batch of its own, published). What the
+    broker sees of the delivery itself is the batch line's (`BatchRequest`)."""
+
+    def __init__(self, task):
+        self.task = task  # the bound Celery task (a stub in tests)
+
+    @property
+    def id(self) -> str:
+        return self.task.request.id
+
+    @property
+    def retries(self) -> int:
+        return self.task.request.retries
+
+    @property
+    def redelivered(self) -> bool:
+        """Delivered before (the broker says so) or retried: it may already be stored."""
+        return bool((self.task.request.delivery_info or {}).get("redelivered") or self.task.request.retries)
+
+    @property
+    def routing_key(self) -> str | None:
+        """The queue its envelope names (the sender's word, not where it arrived)."""
+        return (self.task.request.delivery_info or {}).get("routing_key")
+
+    @property
+    def app(self):
+        return self.task.app
+
+    def retry(self, exc: Exception, countdown: float, **options) -> BaseException:
+        """Celery's retry (its message published with the countdown): what to raise."""
+        return self.task.retry(exc=exc, countdown=countdown, **options)
+
+    def publish(self, queue: str, batch: dict, **options) -> None:
+        """A batch of its own on `queue` (a split's half)."""
+        self.task.app.send_task(TASK_NAME, kwargs={"batch": batch}, queue=queue, routing_key=queue, **options)
 
 
 def held_deliveries(consumer) -> list:
