@@ -279,3 +279,31 @@ def test_a_lost_worker_hands_the_batch_back_through_the_table(monkeypatch):
     request.failing = False
     request.reject(requeue=False)  # a REJECT carried out for the task's own outcome
     assert calls == [decide(Outcome.HAND_BACK) is Action.REQUEUE, False]
+
+
+def test_every_admission_check_is_a_refused_row(tmp_path):
+    """Each of admission's checks (worker/admission.py) ends as its own `Refused` row."""
+    from diffq.core.signing import Keys
+    from diffq.worker.admission import Admission, RunScope
+    from tests.test_admission import SHAPE, a_batch
+
+    out = str(tmp_path / "runs" / "r1")
+    keys = Keys(b"k" * 32)
+    admission = Admission(runs=(RunScope.of(out, "r1"),), models=frozenset({SHAPE.model}), keys=keys)
+
+    def why(batch, queue=SHAPE.queue, signature="sign"):
+        signature = keys.sign_batch(queue, batch) if signature == "sign" else signature
+        _, refused = admission.check(batch, queue, signature)
+        return refused.why if refused else None
+
+    other = SHAPE.model_copy(update={"model": "/models/other"})
+    assert why(a_batch(out)) is None
+    assert why(a_batch(out), signature=None) is Refused.UNSIGNED
+    assert why(a_batch(out), queue=None, signature=None) is Refused.UNSIGNED
+    assert Admission().check({"not": "a batch"}, SHAPE.queue)[1].why is Refused.NOT_A_BATCH
+    assert why(a_batch(out), queue=other.queue) is Refused.WRONG_QUEUE
+    assert why(a_batch(str(tmp_path / "elsewhere"))) is Refused.NOT_ITS_SCOPE
+    assert why(a_batch(out, shape=other), queue=other.queue) is Refused.UNKNOWN_MODEL
+    # The schema's refusal goes the broker's way; every trust refusal leaves a letter.
+    assert {Refused.UNSIGNED, Refused.WRONG_QUEUE, Refused.NOT_ITS_SCOPE, Refused.UNKNOWN_MODEL} <= LETTERED
+    assert Refused.NOT_A_BATCH not in LETTERED

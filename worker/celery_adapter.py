@@ -361,7 +361,7 @@ def checked_on_receipt(strategy, dead: DeadLetters, admission=None, arrival=None
             _, refusal = admission.check(call[1]["batch"], queue, (message.headers or {}).get(SIGNATURE))
             if refusal is not None:
                 return dead.reject(message, refusal.reason if refusal.malformed else f"refused: {refusal.reason}",
-                                   queue=queue, why=Refused.NOT_A_BATCH if refusal.malformed else Refused.NOT_ADMITTED)
+                                   queue=queue, why=refusal.why)
         return strategy(message, *args, **kwargs)
 
     checked.checked_on_receipt = True

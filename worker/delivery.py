@@ -105,7 +105,11 @@ class Refused(str, Enum):
     TOO_LARGE = "over the size cap"  # measured on receipt, before the body is parsed
     NOT_A_CALL = "not a batch call"  # not [[], {"batch": {...}}, embed]
     NOT_A_BATCH = "not a diffq batch"  # the schema (admission's `malformed`, or the task body's)
-    NOT_ADMITTED = "not admitted"  # admission: signature, queue, run folder, model
+    # admission (worker/admission.py), in the order it checks:
+    UNSIGNED = "signature does not verify"  # unsigned, altered, replayed, or its queue unknown
+    WRONG_QUEUE = "not for the queue it arrived on"
+    NOT_ITS_SCOPE = "run folder or run id not served"  # --run, DIFFQ_ALLOWED_OUT_PREFIXES
+    UNKNOWN_MODEL = "model not served"  # --model, --models, DIFFQ_ALLOWED_MODELS
     NOT_ITS_RUN = "not its run"  # the task body: no manifest of its run in its run folder
     OUT_NOT_ALLOWED = "run folder not allowed"  # the task body: Runtime.storage_for refused its run folder
 
@@ -113,7 +117,8 @@ class Refused(str, Enum):
 # Refusals whose reason is what their reader needs (a trust decision): a letter is
 # written even where the broker would route a rejected delivery itself (it keeps
 # only the queue and 'rejected').
-LETTERED = frozenset({Refused.NOT_ADMITTED, Refused.NOT_ITS_RUN})
+LETTERED = frozenset({Refused.UNSIGNED, Refused.WRONG_QUEUE, Refused.NOT_ITS_SCOPE, Refused.UNKNOWN_MODEL,
+                      Refused.NOT_ITS_RUN})
 
 
 def refusal(why: Refused, by_broker: bool) -> Outcome:
