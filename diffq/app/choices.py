@@ -18,7 +18,7 @@ Dtype = Enum("Dtype", {name: name for name in backends.DTYPE_CHOICES}, type=str)
 Family = Enum("Family", {name.replace("-", "_"): name for name in families.BY_NAME}, type=str)
 # Every backend row's `generations` (a device without a detectable one names it here).
 DeviceGeneration = Enum("DeviceGeneration", {name: name for backend in backends.BACKENDS.values()
-                                 for name in backend.generations}, type=str)
+                                             for name in backend.generations}, type=str)
 TpuGeneration = DeviceGeneration  # its name while TPU was the only row with generations
 GENERATION_HELP = ("Device generation where none is attached (--plan, manifests): "
                    + "; ".join(f"--device {backend.name}: {'|'.join(backend.generations)}"
