@@ -52,7 +52,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from unittest import mock
 
-from bench import s3_bucket
+from bench.common import s3_bucket
 from bench.standin import device_child_main, image_pool, write_standin
 
 # Seconds per image, slow to fast; denser where the 1024² PNG and 512² knees fall.

@@ -34,7 +34,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench import s3_bucket
+from bench.common import s3_bucket
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKLOAD = dict(height=128, width=128, batch_size=8, steps=4, max_sequence_length=64)

@@ -38,7 +38,7 @@ def synthesise(out: str, images: int, side: int, distinct: int = 64) -> int:
     from diffq.core.contract import ShapeKey
     from diffq.core.records import ImageRecord, RunManifest, ShapeSummary, jsonl
     from diffq.core.storage import open_storage
-    from bench.status import run_defaults
+    from bench.common import run_defaults
 
     storage = open_storage(out)
     shape = ShapeKey(model="/models/bench", height=side, width=side, batch_size=BATCH, max_sequence_length=64,
@@ -218,7 +218,7 @@ def scale_goals(rows: list[dict] | None = None) -> list[tuple[str, bool, str]]:
 
 def scale_section(rows: list[dict] | None = None) -> list[str]:
     """The Scale section's export part: prose, table, plot, goals, limits."""
-    from bench.scale import goal_table
+    from bench.common import goal_table
 
     rows = json.loads(SCALE_JSON.read_text()) if rows is None else rows
     return ["### Parallel export and fetch", "", *SCALE_PROSE.splitlines(), "", *render(rows), "",

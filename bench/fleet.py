@@ -61,7 +61,7 @@ from collections import Counter
 from pathlib import Path
 from queue import Empty
 
-from bench import redis_server
+from bench.common import redis_server
 
 MODEL = "/models/fleet-bench"
 WARM = 3.0  # simulated seconds before the window: every worker started and ticked once

@@ -19,7 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.producer import peak_rss_mb
+from bench.common import peak_rss_mb
 
 TIDY = [(1024, 1024), (832, 1216), (1216, 832)]
 

@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import shutil
 import subprocess
 import sys
@@ -35,7 +34,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench import redis_server
+from bench.common import peak_rss_mb, redis_server
 
 SIZES = [(64, 64), (128, 128), (64, 128), (128, 64), (256, 256), (96, 96), (160, 160), (192, 192)]
 MODEL = "/models/bench"
@@ -93,13 +92,6 @@ def one(prompts: str, broker: str, out: str, batch_size: int) -> dict:
             "peak_rss_mb": peak_rss_mb()}
 
 
-def peak_rss_mb() -> float:
-    """This process image's high-water RSS. (ru_maxrss would carry the parent's
-    peak across fork + exec on Linux, and the bench parent has torch loaded.)"""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return round(int(line.split()[1]) / 1024, 1)
-    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
 
 
 class Discard:
@@ -289,7 +281,7 @@ slice whatever the file's length (producer/sources.py `IdChecker`). The real sub
 
 def scale_section(rows: list[dict] | None = None) -> list[str]:
     """docs/BENCHMARKS.md's "Producer at 100M rows" (under "Scale"): prose, table, goals."""
-    from bench.scale import goal_table
+    from bench.common import goal_table
 
     rows = _saved(rows)
     if not rows:

@@ -17,7 +17,7 @@ import threading
 import time
 from pathlib import Path
 
-from bench.phases import ENV
+from bench.stamps import ENV
 
 
 def main(argv: list[str]) -> None:

@@ -14,7 +14,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench import redis_server
+from bench.common import redis_server
 
 
 def one_run(mode: str, server_url: str, model: str, workdir: Path, shapes: int, batches: int, workers: int) -> dict:

@@ -10,12 +10,7 @@ bench`), then the control plane from docs/benchmarks.json; and their goals.
 
 from __future__ import annotations
 
-Goal = tuple[str, bool, str]  # what, met, the figure
-
-
-def goal_table(checks: list[Goal]) -> list[str]:
-    return ["| goal | met | measured |", "|---|---|---|",
-            *(f"| {goal} | {'yes' if met else '**no**'} | {figure} |" for goal, met, figure in checks)]
+from bench.common import Goal
 
 
 def section(fleet_rows: list[dict]) -> list[str]:

@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
-from bench import phases
+from bench import stamps
 
 MARKER = "standin.json"
 # Set: the sink helper gets its pixels through the socket, not shared memory (bench only).
@@ -121,7 +121,7 @@ class StandInPipeline:
                  guidance_scale: float = 1.0, max_sequence_length: int = 64, generator=None,
                  output_type: str = "pil", **_family_arguments):
         prompts = [prompt] if isinstance(prompt, str) else list(prompt)
-        phases.stamp(phases.DEVICE + ">")
+        stamps.stamp(stamps.DEVICE + ">")
         started, cpu_started = time.perf_counter(), time.thread_time()
         deadline = started + device_seconds(prompts[0]) * len(prompts)
         if output_type == "pt":
@@ -135,10 +135,10 @@ class StandInPipeline:
             # The pool's own images, not copies: the sink only reads them, and a copy per
             # item would be the stand-in's CPU, not the host side this bench measures.
             images = [pool[seed % len(pool)] for seed in seeds]
-        phases.flush()  # bench.phases' stamps, if on: written while the "device" runs
+        stamps.flush()  # bench.phases' stamps, if on: written while the "device" runs
         while (left := deadline - time.perf_counter()) > 0:
             time.sleep(left)  # releases the GIL, like a kernel running on the device
-        phases.stamp(phases.DEVICE + "<")
+        stamps.stamp(stamps.DEVICE + "<")
         self.calls += 1
         self.busy_s += time.perf_counter() - started
         self.cpu_s += time.thread_time() - cpu_started
@@ -186,7 +186,7 @@ def device_child_main(spec_json: str) -> None:
     # Pin first, as child_main does, since installing imports torch.
     os.environ.update(ChildSpec.model_validate_json(spec_json).env())
     install()
-    phases.install()  # DIFFQ_BENCH_PHASES: time stamps per step between two calls
+    stamps.install()  # DIFFQ_BENCH_PHASES: time stamps per step between two calls
     if os.environ.get(SOCKET_PIXELS):  # the hand-off before shared-memory slots, for comparison
         from diffq.worker import sink_process
 

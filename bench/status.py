@@ -34,16 +34,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from bench import s3_bucket
+from bench.common import run_defaults, s3_bucket
 
 BATCH = 8
-
-
-def run_defaults(shape) -> dict:
-    """A manifest's `defaults` as submit records them (records.RunDefaults' fields)."""
-    return {"model": shape.model, "batch_size": shape.batch_size, "steps": 4, "guidance_scale": 1.0,
-            "max_sequence_length": shape.max_sequence_length, "height": shape.height, "width": shape.width,
-            "format": "png", "seed_base": "bench"}
 # status before the packed summary (issue 27's table: main with bench.status's
 # synthesiser, whole process): items, writers, wall s, peak RSS MB.
 BEFORE = [(10_000_000, 256, 3.1, 232), (30_000_000, 1024, 7.5, 620)]
@@ -462,7 +455,7 @@ def scale_goals(rows: list[dict] | None = None) -> list[tuple[str, bool, str]]:
 
 def scale_section(rows: list[dict] | None = None) -> list[str]:
     """The Scale section's status part: prose, table, plot, goals."""
-    from bench.scale import goal_table
+    from bench.common import goal_table
 
     rows = json.loads(SCALE_JSON.read_text()) if rows is None else rows
     return ["### Status and watch at 100M items and 1,000 writers", "", *LOAD_NOTE.splitlines(), "",

@@ -35,6 +35,9 @@ class StubDelivery:
     def reject(self, requeue: bool) -> None:
         self.calls.append("reject" if not requeue else "requeue")
 
+    def let_lapse(self) -> None:
+        self.calls.append("let lapse")
+
 
 class StubWindow:
     def __init__(self):

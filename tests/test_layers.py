@@ -4,7 +4,9 @@ Layers, bottom up: `diffq.core` (the base) < `diffq.producer`, `diffq.worker`,
 `diffq.results` (independent of each other) < `diffq.app` (composes them).
 An import that runs upward or across fails here, and so does an import cycle
 between modules at module level (imports inside functions are deferred on purpose:
-the CLI keeps torch and Celery out of commands that do not need them).
+the CLI keeps torch and Celery out of commands that do not need them). `bench/` sits
+on top of everything; it may import any layer, but none of its modules may come back
+round to itself, not even through an import inside a function.
 """
 
 from __future__ import annotations
@@ -16,9 +18,11 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 # Where each package lives in the tree (pyproject's package-dir remaps two of them).
-FOLDERS = {"diffq": ROOT / "diffq", "diffq.producer": ROOT / "producer", "diffq.worker": ROOT / "worker"}
+FOLDERS = {"diffq": ROOT / "diffq", "diffq.producer": ROOT / "producer", "diffq.worker": ROOT / "worker",
+           "bench": ROOT / "bench"}
 
-LAYER = {"diffq.core": 0, "diffq.producer": 1, "diffq.worker": 1, "diffq.results": 1, "diffq.app": 2, "diffq": 3}
+LAYER = {"diffq.core": 0, "diffq.producer": 1, "diffq.worker": 1, "diffq.results": 1, "diffq.app": 2, "diffq": 3,
+         "bench": 4}
 # What each layer may import besides itself; the root package (`diffq`, which holds
 # only `__version__`) is open to all.
 ALLOWED = {
@@ -27,8 +31,10 @@ ALLOWED = {
     "diffq.worker": {"diffq", "diffq.core"},
     "diffq.results": {"diffq", "diffq.core"},
     "diffq.app": {"diffq", "diffq.core", "diffq.producer", "diffq.worker", "diffq.results"},
-    "diffq": set(LAYER),
+    "diffq": set(LAYER) - {"bench"},
+    "bench": set(LAYER),
 }
+OURS = ("diffq", "bench")
 
 
 def _modules() -> dict[str, Path]:
@@ -63,7 +69,7 @@ def _resolve(module: str, path: Path, node: ast.ImportFrom) -> str:
 
 
 def imports(module: str, path: Path, *, top_level_only: bool) -> set[str]:
-    """The diffq modules `module` imports (a `from pkg import name` counts `pkg.name`
+    """The diffq and bench modules `module` imports (a `from pkg import name` counts `pkg.name`
     when that is a module)."""
     tree = ast.parse(path.read_text(), filename=str(path))
     nodes = tree.body if top_level_only else list(ast.walk(tree))
@@ -83,7 +89,7 @@ def imports(module: str, path: Path, *, top_level_only: bool) -> set[str]:
             names = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in MODULES else base for alias in node.names]
         else:
             continue
-        found.update(name for name in names if name == "diffq" or name.startswith("diffq."))
+        found.update(name for name in names if name in OURS or name.startswith(tuple(f"{o}." for o in OURS)))
     found.discard(module)
     return found
 
@@ -101,17 +107,16 @@ def test_no_upward_or_sideways_import(module):
     assert not bad, f"{module} ({mine}) imports {bad}"
 
 
-def test_no_import_cycles_at_module_level():
-    graph = {module: {t for t in imports(module, path, top_level_only=True) if t in MODULES}
-             for module, path in MODULES.items()}
-    # A package's __init__ is imported by its submodules implicitly; only explicit edges count.
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The import cycles of `graph` (module -> the modules it imports): its strongly
+    connected components of more than one module (Tarjan's)."""
     index: dict[str, int] = {}
     low: dict[str, int] = {}
     on_stack: set[str] = set()
     stack: list[str] = []
-    cycles: list[list[str]] = []
+    found: list[list[str]] = []
 
-    def visit(node: str) -> None:  # Tarjan's strongly connected components
+    def visit(node: str) -> None:
         index[node] = low[node] = len(index)
         stack.append(node)
         on_stack.add(node)
@@ -130,12 +135,33 @@ def test_no_import_cycles_at_module_level():
                 if member == node:
                     break
             if len(component) > 1:
-                cycles.append(sorted(component))
+                found.append(sorted(component))
 
     for node in sorted(graph):
         if node not in index:
             visit(node)
-    assert not cycles, f"import cycles: {cycles}"
+    return found
+
+
+def test_no_import_cycles_at_module_level():
+    # A package's __init__ is imported by its submodules implicitly; only explicit edges count.
+    graph = {module: {t for t in imports(module, path, top_level_only=True) if t in MODULES}
+             for module, path in MODULES.items()}
+    assert not (found := cycles(graph)), f"import cycles: {found}"
+
+
+def test_bench_has_no_import_cycles_even_inside_functions():
+    """bench/ shares its helpers through bench/common.py (and the stand-in's stamps
+    through bench/stamps.py) instead of importing back and forth."""
+    bench = {module: path for module, path in MODULES.items() if layer_of(module) == "bench"}
+    assert {"bench.common", "bench.device", "bench.phases", "bench.standin", "bench.scale"} <= set(bench)
+    graph = {module: {t for t in imports(module, path, top_level_only=False) if t in bench}
+             for module, path in bench.items()}
+    assert not (found := cycles(graph)), f"import cycles in bench/: {found}"
+
+
+def test_the_cycle_check_can_fail():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
 def test_the_contract_catches_an_upward_import(tmp_path):

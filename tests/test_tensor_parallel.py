@@ -104,6 +104,12 @@ def test_tpu_v7_group_of_two():
     assert group["ranks"][0]["env"]["TORCH_TPU_SLICEBUILDER_ADDRESSES"] == "localhost:8476,localhost:8477"
 
 
+def test_generation_is_the_option_and_tpu_generation_its_alias():
+    """The choices come from the backend row's `generations`; the old name still works."""
+    assert plan("--device", "tpu", "--chips", "0-1", "--tp", "2", "--generation", "v7") == \
+        plan("--device", "tpu", "--chips", "0-1", "--tp", "2", "--tpu-generation", "v7")
+
+
 def test_tpu_generation_is_detected_and_a_set_topology_wins(monkeypatch):
     from diffq.worker import backends
 
@@ -130,7 +136,7 @@ def test_cuda_group_sees_its_gpus():
     (["--device", "tpu", "--chips", "0-7", "--tp", "4", "--tpu-generation", "v6e"],
      "2 TPU groups of 4 chips on one host are unverified and refused"),
     (["--device", "tpu", "--chips", "4-7", "--tp", "4", "--tpu-generation", "v6e"], "uses chips 0-3"),
-    (["--device", "tpu", "--chips", "0-3", "--tp", "4"], "pass --tpu-generation v5p|v5e|v6e|v7"),
+    (["--device", "tpu", "--chips", "0-3", "--tp", "4"], "pass --generation v5p|v5e|v6e|v7"),
     (["--device", "cuda", "--gpus", "0,1", "--tp", "2", "--offload", "model"], "--offload cannot be combined"),
 ])
 def test_impossible_groups_fail_before_starting(args, message):

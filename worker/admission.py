@@ -19,7 +19,7 @@ admits a batch only when, in this order:
             the --run manifest's, DIFFQ_ALLOWED_MODELS.
 
 A batch that fails one is dead-lettered with the reason (worker/dead_letters.py) and
-never generated, stored or retried. Where a worker was told nothing (no run, no
+never generated, stored or retried; each check is a `Refused` row (worker/delivery.py). Where a worker was told nothing (no run, no
 prefixes, no models) the check passes, and the worker says so loudly at start on a
 network broker (`warnings`).
 """
@@ -35,6 +35,7 @@ from diffq.core.contract import BatchMessage
 from diffq.core.signing import Keys
 from diffq.core.storage import StorageError, open_storage
 from diffq.core.validation import first_error
+from diffq.worker.delivery import Refused
 
 log = logging.getLogger("diffq.worker")
 
@@ -68,9 +69,13 @@ def under(url: str, prefix: str) -> bool:
 @dataclass(frozen=True)
 class Refusal:
     reason: str
-    # Not a diffq batch at all (the schema): dead-lettered the broker's way, like any
-    # message the worker cannot read; the others always leave a letter with the reason.
-    malformed: bool = False
+    why: Refused  # its row (worker/delivery.py): which decides how it is dead-lettered
+
+    @property
+    def malformed(self) -> bool:
+        """Not a diffq batch at all (the schema): dead-lettered the broker's way, like any
+        message the worker cannot read; the others always leave a letter with the reason."""
+        return self.why is Refused.NOT_A_BATCH
 
 
 @dataclass(frozen=True)
@@ -99,21 +104,22 @@ class Admission:
             named = str(batch.get("batch_id"))[:128] if isinstance(batch, dict) else "?"
             if queue is None:
                 return None, Refusal(f"batch {named}: the queue it arrived on is unknown: "
-                                     "its signature cannot be checked")
+                                     "its signature cannot be checked", Refused.UNSIGNED)
             if problem := self.keys.problem(queue, batch if isinstance(batch, dict) else {}, signature):
-                return None, Refusal(f"batch {named}: {problem}")
+                return None, Refusal(f"batch {named}: {problem}", Refused.UNSIGNED)
         try:
             message = BatchMessage.from_json_payload(batch)
         except ValueError as exc:  # pydantic's ValidationError included
-            return None, Refusal(schema_reason(exc), malformed=True)
+            return None, Refusal(schema_reason(exc), Refused.NOT_A_BATCH)
         if queue is not None and message.shape.queue != queue:
             return message, Refusal(f"batch {message.batch_id}: for queue {message.shape.queue} "
-                                    f"but arrived on {queue}")
+                                    f"but arrived on {queue}", Refused.WRONG_QUEUE)
         if reason := self.out_problem(message.out, message.run_id):
-            return message, Refusal(f"batch {message.batch_id}: {reason}")
+            return message, Refusal(f"batch {message.batch_id}: {reason}", Refused.NOT_ITS_SCOPE)
         if self.models and message.shape.model not in self.models:
             return message, Refusal(f"batch {message.batch_id}: names model {message.shape.model[:200]!r}, which "
-                                    "this worker was not told to load (--model, --models, DIFFQ_ALLOWED_MODELS)")
+                                    "this worker was not told to load (--model, --models, DIFFQ_ALLOWED_MODELS)",
+                                    Refused.UNKNOWN_MODEL)
         return message, None
 
     def out_problem(self, out: str, run_id: str | None = None) -> str | None:

@@ -315,7 +315,7 @@ def _tpu_topology(size: int, generation: str | None) -> str:
         return os.environ["TORCH_TPU_TOPOLOGY"]  # the user's word wins, as in torch_tpu's launcher
     if generation is None:
         raise ValueError(f"a TPU group of {size} chips needs the TPU generation, and no TPU was found "
-                         f"here: pass --tpu-generation {'|'.join(TPU_GENERATIONS)} (or set TORCH_TPU_TOPOLOGY)")
+                         f"here: pass --generation {'|'.join(TPU_GENERATIONS)} (or set TORCH_TPU_TOPOLOGY)")
     topologies = TPU_GENERATIONS[generation].topologies
     if size not in topologies:
         sizes = ", ".join(map(str, topologies))

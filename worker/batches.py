@@ -20,11 +20,12 @@ in hand, which no other device could take meanwhile.
 
 Every way a batch ends is an `Outcome` the task body reports once (`report`); what the
 broker sees is `decide(outcome)` (worker/delivery.py, the one table): ack now, hold
-the ack until the sink's future is done, or requeue. They are carried out from the
-task threads, from an event-loop timer, and at shutdown, through Celery's request,
-which hands each ack to the consumer's loop where it has one (kombu channels are
-not thread-safe). The Celery side of this (the request whose ack goes through here,
-the bootstep driving the timers) is worker/celery_adapter.py.
+the ack until the sink's future is done, or requeue. They are carried out by the
+broker door (worker/door.py `carry_out`) from the task threads, from an event-loop
+timer, and at shutdown, through Celery's request, which hands each ack to the
+consumer's loop where it has one (kombu channels are not thread-safe). The Celery
+side of this (the request whose ack goes through here, the bootstep driving the
+timers) is worker/celery_adapter.py.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from diffq.core.settings import get_settings
 from diffq.core.storage import Storage
 from diffq.worker import metrics
 from diffq.worker.delivery import Action, Outcome, decide
+from diffq.worker.door import carry_out
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +54,7 @@ STORES_IN_FLIGHT = 2
 
 
 class Delivery(Protocol):
-    """What the line needs from a delivery whose ack it holds."""
+    """What the line needs from a delivery whose ack it holds (the port of worker/door.py)."""
 
     id: str
 
@@ -188,7 +190,7 @@ class BatchLine:
                 self.wake()
             self.settle(wait=self._closing)
             return
-        _apply(action, delivery)
+        carry_out(action, delivery)
         self.wake()
 
     def settle(self, wait: bool = False) -> int:
@@ -206,7 +208,7 @@ class BatchLine:
                 concurrent.futures.wait([future])
                 if future.exception() is not None:
                     log.error("storing batch %s failed, handing it back: %r", delivery.id, future.exception())
-                _apply(decide(Outcome.STORED if future.exception() is None else Outcome.STORE_FAILED), delivery)
+                carry_out(decide(Outcome.STORED if future.exception() is None else Outcome.STORE_FAILED), delivery)
                 if self.window is not None:
                     self.window.narrow()
                 self.wake()
@@ -215,17 +217,6 @@ class BatchLine:
 
 def _nothing() -> None:
     pass
-
-
-def _apply(action: Action, delivery: Delivery) -> None:
-    if action is Action.ACK:
-        delivery.ack_now()
-    elif action is Action.REQUEUE:
-        delivery.requeue()
-    elif action is Action.REJECT:
-        delivery.reject(requeue=False)  # Celery's Request.reject: the broker dead-letters it
-    else:
-        raise ValueError(f"{action.value} is carried out by holding the ack, not at once")
 
 
 def _observe_store(future: Future) -> None:

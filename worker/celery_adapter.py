@@ -1,20 +1,26 @@
 """The Celery adapter: all of the glue between diffq's worker and Celery, in one module.
 
-The worker's own logic is Celery-free where it can be: a batch's life from receipt
-to outcome and its hooks (tasks.py, hooks.py), the held ack (batches.py), queue
-choice (routing.py). Here:
+Celery is the engine: its fetch loop, its threads pool and its bootsteps. The
+worker's own logic is Celery-free where it can be: a batch's life from receipt
+to outcome and its hooks (tasks.py, hooks.py), the held ack (batches.py), the
+decision (delivery.py) and the door that carries it out (door.py), queue choice
+(routing.py). With door.py, the only worker module that imports celery or kombu
+or reads their private attributes (tests/test_broker_door.py). Here:
 
 - the ack policy, stated once (`ACK_POLICY`, `WORKER_ARGS`);
 - `BatchRequest`: Celery's request, whose ack goes through the batch line, so it
-  is held until the sink has stored the batch;
+  is held until the sink has stored the batch; the broker door's delivery for a
+  task (ack, requeue, reject); a lost worker's batch is handed back by `decide`;
 - `BatchTask`: the task class; it carries the process's runtime (`task.runtime`);
 - `WorkerStep`: the consumer bootstep that widens the prefetch window while an ack
   is held, runs the event-loop timers (settle held acks, re-route), keeps the
   leases of held batches (worker/lease.py), and waits for the held acks at shutdown;
+- `DeadLetterStep` and `checked_on_receipt`: what is refused before it becomes a
+  task (worker/dead_letters.py, each with its `Refused` reason);
 - the drain: on SIGTERM the batch in hand may finish within the spec's drain
   timeout; past it (or at once, when the parent is gone) everything held is handed
-  back, not as a failed attempt, what was generated is stored, and the process
-  exits 0;
+  back (`drained`), not as a failed attempt, what was generated is stored, and
+  the process exits 0;
 - `build_app` / `serve`: the app a worker process runs, and its two-thread worker.
 """
 
@@ -30,12 +36,15 @@ from celery import Celery, Task, bootsteps, signals
 from celery.worker.request import Request
 
 from diffq.core.broker import TASK_NAME, make_celery, wake_consumer
+from diffq.core.contract import MAX_MESSAGE_BYTES
 from diffq.core.settings import get_settings
+from diffq.core.signing import HEADER as SIGNATURE
 from diffq.core.transports import transport_for
-from diffq.worker.lease import LeaseKeeper, held_deliveries
+from diffq.worker import door
+from diffq.worker.lease import LeaseKeeper
 from diffq.worker.lifeline import parent_gone
-from diffq.worker.dead_letters import DeadLetterStep
-from diffq.worker.delivery import Action, Outcome, decide
+from diffq.worker.dead_letters import DeadLetters, declare_dead_letters
+from diffq.worker.delivery import Outcome, Refused
 from diffq.worker.spec import ChildSpec, hostname
 from diffq.worker.runtime import Runtime
 from diffq.worker.tasks import generate_batch
@@ -83,7 +92,24 @@ class BatchRequest(Request):
         Request.acknowledge(self)
 
     def requeue(self) -> None:
-        self.reject(requeue=True)
+        Request.reject(self, requeue=True)
+
+    failing = False  # inside Celery's on_failure
+
+    def on_failure(self, exc_info, send_failed_event=True, return_ok=False):
+        self.failing = True
+        try:
+            return super().on_failure(exc_info, send_failed_event=send_failed_event, return_ok=return_ok)
+        finally:
+            self.failing = False
+
+    def reject(self, requeue=False):
+        # Celery's failure handler requeues only for a lost worker
+        # (task_reject_on_worker_lost; diffq sets no time limits and raises no Reject):
+        # that end is a row of the table too.
+        if self.failing and requeue:
+            return door.end(Outcome.HAND_BACK, self)
+        return super().reject(requeue=requeue)
 
 
 class BatchTask(Task):
@@ -124,11 +150,11 @@ class WorkerStep(bootsteps.StartStopStep):
         line.attach(PrefetchWindow(consumer.qos), wake=wake_consumer)
         transport = transport_for(rt.spec.broker_url)
         settings = get_settings()
-        rt.lease = LeaseKeeper(transport, consumer.app.connection_for_write, lambda: held_deliveries(consumer),
+        rt.lease = LeaseKeeper(transport, consumer.app.connection_for_write, lambda: door.held_deliveries(consumer),
                                period=settings.lease_renew_s, max_hold_s=settings.max_hold_s)
         rt.lease.start()
         if transport.consumer_channel is not None and consumer.task_consumer is not None:
-            transport.consumer_channel(consumer.task_consumer.channel)
+            transport.consumer_channel(consumer.task_consumer.channel, lost=door.lost_connection)
         if not transport.event_loop:
             return  # synloop: acks settle from the task body and at shutdown
         consumer.hub.call_repeatedly(self.settle_interval, line.settle)
@@ -187,9 +213,9 @@ class Drain:
             rt.sink.flush()
         except Exception as exc:  # not stored: the handed-back copy stores it again
             log.warning("drain: storing what was generated failed: %r", exc)
-        # What is still held is `drained`: a requeue (worker/delivery.py), carried out
-        # from this thread by the lease keeper's hand-back (the transport table's).
-        assert decide(Outcome.DRAINED) is Action.REQUEUE
+        # What is still held is `drained` (worker/delivery.py), carried out from this
+        # thread for everything held at once: the lease keeper's hand-back (the
+        # transport table's).
         handed = _hand_back(rt)
         # An idle consumer may have a fetch in flight: let its shutdown stop fetching,
         # then hand back what came in meanwhile. A busy one fetches nothing meanwhile.
@@ -209,7 +235,7 @@ class Drain:
 
 def _hand_back(rt: Runtime) -> int:
     try:
-        return rt.lease.hand_back() if rt.lease is not None else 0
+        return door.end(Outcome.DRAINED, door.AllHeld(rt.lease)) or 0
     except Exception as exc:  # its lease lapses instead
         log.warning("handing back held batches failed: %r", exc)
         return 0
@@ -236,8 +262,114 @@ def build_app(rt: Runtime) -> Celery:
         rt.sink.flush()
 
     signals.worker_shutting_down.connect(on_shutdown, weak=False)
+    if get_settings().log_json:
+        # Celery configures logging itself unless a setup_logging receiver exists:
+        # the JSON lines (worker/logs.py) stay.
+        signals.setup_logging.connect(_keep_logging, weak=False)
     app.diffq_drains = drains  # for `serve`, once Celery has returned
     return app
+
+
+def _is_batch_call(call) -> bool:
+    """Celery protocol 2's body: [args, kwargs, embed] (celery/app/amqp.py as_task_v2)."""
+    return (isinstance(call, (list, tuple)) and len(call) == 3 and call[0] == [] and isinstance(call[1], dict)
+            and set(call[1]) == {"batch"} and isinstance(call[1]["batch"], dict))
+
+
+def _reason(exc: Exception) -> str:
+    return f"{type(exc).__name__}: {exc}"[:500]
+
+
+class DeadLetterStep(bootsteps.StartStopStep):
+    """Consumer bootstep: Celery's handlers for undeliverable messages, replaced.
+
+    Celery's own (celery/worker/consumer/consumer.py: `on_decode_error`,
+    `on_invalid_task`, `on_unknown_message`, `on_unknown_task`) log a traceback and
+    drop or reject the message; these dead-letter it (worker/dead_letters.py) with
+    its `Refused` reason. The step also declares the broker's dead letters for the
+    consumer's queues and puts the receipt checks (size, call shape, admission) in
+    front of the batch task's strategy."""
+
+    requires = ("celery.worker.consumer.tasks:Tasks",)
+    worker = "diffq"  # bound per app
+
+    def start(self, consumer):
+        queues = [queue.name for queue in (consumer.task_consumer.queues if consumer.task_consumer else [])]
+        dead = DeadLetters(consumer.app, self.worker, declare_dead_letters(consumer.app, queues, _api(consumer.app)))
+        consumer.app.diffq_dead_letters = dead
+
+        def on_decode_error(message, exc):
+            dead.reject(message, f"body not decodable as {message.content_type}: {_reason(exc)}",
+                        why=Refused.UNDECODABLE)
+
+        def on_invalid_task(body, message, exc):
+            dead.reject(message, f"refused ({message.content_type}): {_reason(exc)}", why=Refused.INVALID_TASK)
+
+        def on_unknown_message(body, message):
+            dead.reject(message, "not a Celery task message", why=Refused.NOT_A_TASK)
+
+        def on_unknown_task(body, message, exc):
+            dead.reject(message, f"unknown task {(message.headers or {}).get('task')!r}", why=Refused.UNKNOWN_TASK)
+
+        consumer.on_decode_error = on_decode_error
+        consumer.on_invalid_task = on_invalid_task
+        consumer.on_unknown_message = on_unknown_message
+        consumer.on_unknown_task = on_unknown_task
+        if consumer.task_consumer is not None:
+            consumer.task_consumer.on_decode_error = on_decode_error
+        transport = transport_for(consumer.app.conf.broker_url)
+        if transport.guard_deliveries is not None and consumer.task_consumer is not None:
+            transport.guard_deliveries(consumer.task_consumer.channel, lambda queue, item, reason:
+                                       dead.malformed(queue, item, reason))
+        if transport.stamp_arrivals is not None and consumer.task_consumer is not None:
+            transport.stamp_arrivals(consumer.task_consumer)
+        runtime = getattr(consumer.app.tasks.get(TASK_NAME), "runtime", None)
+        strategy = consumer.strategies.get(TASK_NAME)
+        if strategy is not None and not getattr(strategy, "checked_on_receipt", False):
+            consumer.strategies[TASK_NAME] = checked_on_receipt(
+                strategy, dead, getattr(runtime, "admission", None),
+                lambda message: transport.arrival(message, consumer.task_consumer))
+
+
+def _api(app) -> str | None:
+    """The worker's RabbitMQ management API URL (its spec's, else DIFFQ_RABBITMQ_API)."""
+    task = app.tasks.get(TASK_NAME)
+    spec = getattr(getattr(task, "runtime", None), "spec", None)
+    return getattr(spec, "rabbitmq_api", None) or get_settings().rabbitmq_api
+
+
+def checked_on_receipt(strategy, dead: DeadLetters, admission=None, arrival=None):
+    """The batch task's strategy behind the checks on receipt: the raw size, the call's
+    shape (no positional args, one `batch` object, which would otherwise fail inside
+    Celery's tracer as a TypeError), then the worker's admission (worker/admission.py:
+    signature, schema, queue, run, model) of the batch on the queue it arrived on."""
+
+    def checked(message, *args, **kwargs):
+        size = len(message.body or b"")
+        if size > MAX_MESSAGE_BYTES:
+            return dead.reject(message, f"message of {size} bytes exceeds {MAX_MESSAGE_BYTES}",
+                               why=Refused.TOO_LARGE)
+        try:
+            call = message.decode()
+        except Exception:
+            return strategy(message, *args, **kwargs)  # Celery's own handlers say why
+        if not _is_batch_call(call):
+            return dead.reject(message, "not a diffq batch call (expected no args and one 'batch' object)",
+                               why=Refused.NOT_A_CALL)
+        if admission is not None:
+            queue = arrival(message) if arrival is not None else None
+            _, refusal = admission.check(call[1]["batch"], queue, (message.headers or {}).get(SIGNATURE))
+            if refusal is not None:
+                return dead.reject(message, refusal.reason if refusal.malformed else f"refused: {refusal.reason}",
+                                   queue=queue, why=refusal.why)
+        return strategy(message, *args, **kwargs)
+
+    checked.checked_on_receipt = True
+    return checked
+
+
+def _keep_logging(**_) -> None:
+    pass
 
 
 # The task thread waiting with the next prepared call gets the GIL only when the

@@ -1,9 +1,14 @@
 """What happens to a delivery: one decision, from the batch's outcome.
 
-Everything in a worker that ends a batch's life reports an `Outcome`; `decide` turns
-it into the one `Action` the broker sees. The table below is the whole policy; the
-batch line (worker/batches.py) carries it out on the consumer's main thread, and
-the drain (worker/celery_adapter.py) for what is still held at its timeout.
+Everything in a worker that ends a delivery reports an `Outcome`; `decide` turns it
+into the one `Action` the broker sees, and the broker door (worker/door.py,
+`carry_out`) is the one place an action becomes a call on the broker. The table
+below is the whole policy; the batch line (worker/batches.py) carries it out for
+the task's outcomes on the consumer's main thread, the receipt checks
+(worker/dead_letters.py) for what never became a task, the drain
+(worker/celery_adapter.py) for what is still held at its timeout, the lease keeper
+(worker/lease.py) for a holder past its bound, and the consumer channel for a
+connection that is gone.
 
     outcome          action            why
     generated        ack when stored   the images, record and credit are stored first (held ack)
@@ -14,11 +19,21 @@ the drain (worker/celery_adapter.py) for what is still held at its timeout.
     failed           ack               its failure record is stored: the run goes on
     split            ack               its halves are published as batches of their own
     retry            ack               Celery has published the retry (with its countdown)
-    dead letter      ack               not a diffq batch: its letter is in diffq.dead, never retried
-    refused          reject            not a diffq batch: the broker dead-letters it (RabbitMQ's policy)
-    hand back        requeue           not a failed attempt (a tensor-parallel rank died)
+    dead letter      ack               refused (`refusal`): its letter is in diffq.dead, never retried
+    refused          reject            refused (`refusal`): the broker dead-letters it (RabbitMQ's policy)
+    malformed        ack               not even a message (a Redis item no kombu envelope): its letter is
+                                       written, and the read that took it off the queue was its removal
+    hand back        requeue           not a failed attempt: a tensor-parallel rank died, or Celery lost
+                                       the task's worker (task_reject_on_worker_lost)
     drained          requeue           SIGTERM's drain timeout passed with it in hand
+    lease lapsed     let lapse         held past DIFFQ_MAX_HOLD_S: no longer renewed, the broker gives it
+                                       back when its lease runs out (the outer bound on a hung holder)
+    connection lost  let lapse         its channel is gone: settled here only, back once its lease lapses
+                                       (redelivered, a stored batch is credited, not generated)
     unreported       ack               the task ended without saying (Celery's own acks_late)
+
+A worker that dies carries nothing out: its deliveries' leases lapse (or its
+connection closes), and the broker hands them to the next holder.
 """
 
 from __future__ import annotations
@@ -37,8 +52,11 @@ class Outcome(str, Enum):
     RETRY = "retry"
     DEAD_LETTER = "dead letter"
     REFUSED = "refused"
+    MALFORMED = "malformed"
     HAND_BACK = "hand back"
     DRAINED = "drained"
+    LEASE_LAPSED = "lease lapsed"
+    CONNECTION_LOST = "connection lost"
     UNREPORTED = "unreported"
 
 
@@ -47,6 +65,7 @@ class Action(str, Enum):
     ACK_WHEN_STORED = "ack when stored"  # hold the ack until the sink's future is done
     REQUEUE = "requeue"  # back to its queue now, not counted as an attempt
     REJECT = "reject"  # without requeue: to the broker's dead letters (core/transports.py)
+    LET_LAPSE = "let lapse"  # settled here only; the broker gives it back when its lease runs out
 
 
 DECISIONS: dict[Outcome, Action] = {
@@ -60,8 +79,11 @@ DECISIONS: dict[Outcome, Action] = {
     Outcome.RETRY: Action.ACK,
     Outcome.DEAD_LETTER: Action.ACK,
     Outcome.REFUSED: Action.REJECT,
+    Outcome.MALFORMED: Action.ACK,
     Outcome.HAND_BACK: Action.REQUEUE,
     Outcome.DRAINED: Action.REQUEUE,
+    Outcome.LEASE_LAPSED: Action.LET_LAPSE,
+    Outcome.CONNECTION_LOST: Action.LET_LAPSE,
     Outcome.UNREPORTED: Action.ACK,
 }
 
@@ -69,3 +91,38 @@ DECISIONS: dict[Outcome, Action] = {
 def decide(outcome: Outcome) -> Action:
     """The one place that says what a delivery's outcome does to it on the broker."""
     return DECISIONS[outcome]
+
+
+class Refused(str, Enum):
+    """Why a delivery is refused, never generated or retried: the receipt checks
+    (worker/celery_adapter.py `checked_on_receipt`, Celery's handlers replaced by
+    `DeadLetterStep`), admission (worker/admission.py) and the task body's."""
+
+    UNDECODABLE = "body not decodable"  # Celery's on_decode_error
+    INVALID_TASK = "invalid task"  # on_invalid_task: pickle, another content type
+    NOT_A_TASK = "not a Celery task message"  # on_unknown_message
+    UNKNOWN_TASK = "unknown task"  # on_unknown_task
+    TOO_LARGE = "over the size cap"  # measured on receipt, before the body is parsed
+    NOT_A_CALL = "not a batch call"  # not [[], {"batch": {...}}, embed]
+    NOT_A_BATCH = "not a diffq batch"  # the schema (admission's `malformed`, or the task body's)
+    # admission (worker/admission.py), in the order it checks:
+    UNSIGNED = "signature does not verify"  # unsigned, altered, replayed, or its queue unknown
+    WRONG_QUEUE = "not for the queue it arrived on"
+    NOT_ITS_SCOPE = "run folder or run id not served"  # --run, DIFFQ_ALLOWED_OUT_PREFIXES
+    UNKNOWN_MODEL = "model not served"  # --model, --models, DIFFQ_ALLOWED_MODELS
+    NOT_ITS_RUN = "not its run"  # the task body: no manifest of its run in its run folder
+    OUT_NOT_ALLOWED = "run folder not allowed"  # the task body: Runtime.storage_for refused its run folder
+
+
+# Refusals whose reason is what their reader needs (a trust decision): a letter is
+# written even where the broker would route a rejected delivery itself (it keeps
+# only the queue and 'rejected').
+LETTERED = frozenset({Refused.UNSIGNED, Refused.WRONG_QUEUE, Refused.NOT_ITS_SCOPE, Refused.UNKNOWN_MODEL,
+                      Refused.NOT_ITS_RUN})
+
+
+def refusal(why: Refused, by_broker: bool) -> Outcome:
+    """The outcome of a refused delivery: REFUSED (rejected: the broker dead-letters it,
+    where `by_broker`, as the transport's DeadLetterWay declared) or DEAD_LETTER (diffq
+    writes the letter and acks)."""
+    return Outcome.REFUSED if by_broker and why not in LETTERED else Outcome.DEAD_LETTER

@@ -29,13 +29,13 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from diffq.core import layout
-from diffq.core.broker import TASK_NAME
 from diffq.core.contract import BatchMessage
 from diffq.core.settings import get_settings
 from diffq.core.signing import HEADER as SIGNATURE
 from diffq.core.storage import Storage
 from diffq.worker import faults, metrics
 from diffq.worker.delivery import Outcome
+from diffq.worker.door import Delivered
 from diffq.worker.failures import storage_trouble, write_failure
 from diffq.worker.models import ModelUnavailable
 from diffq.worker.pipeline_host import CompileUnsupported, FamilyUnsupported, SpeedupUnsupported
@@ -80,13 +80,18 @@ class Batch:
         return self.task.runtime
 
     @property
+    def delivery(self) -> Delivered:
+        """The task's side of its delivery (worker/door.py)."""
+        return Delivered(self.task)
+
+    @property
     def attempts(self) -> int:
-        return self.task.request.retries + 1
+        return self.delivery.retries + 1
 
     @property
     def redelivered(self) -> bool:
         """Delivered before (the broker says so) or retried: it may already be stored."""
-        return bool((self.task.request.delivery_info or {}).get("redelivered") or self.task.request.retries)
+        return self.delivery.redelivered
 
     def end(self, outcome: Outcome, future: Future | None = None, **result) -> End:
         return End(outcome, {"batch_id": self.message.batch_id, **result}, future)
@@ -94,15 +99,14 @@ class Batch:
     def retry(self, exc: Exception, *, counted: bool = True) -> End:
         """Celery's retry after a backoff; storage trouble is not the batch's fault and
         uses up none of its attempts (`counted=False`)."""
-        task = self.task
+        delivery = self.delivery
         limit = {} if counted else {"max_retries": None}
         # Back to the batch's own queue (not the envelope's routing key, which the
         # sender wrote), signed afresh with this worker's current key.
         queue = self.message.shape.queue
         batch = self.message.model_dump(mode="json")
         again = {"kwargs": {"batch": batch}, "queue": queue, **signed(self.runtime, queue, batch)}
-        return End(Outcome.RETRY, then=lambda: task.retry(exc=exc, countdown=backoff_s(task.request.retries),
-                                                          **limit, **again))
+        return End(Outcome.RETRY, then=lambda: delivery.retry(exc, backoff_s(delivery.retries), **limit, **again))
 
 
 class BatchHook:
@@ -177,7 +181,7 @@ class Retries(BatchHook):
         message = batch.message
         error = f"{type(exc).__name__}: {exc}"
         permanent = isinstance(exc, PERMANENT_ERRORS)
-        if not permanent and batch.task.request.retries < get_settings().task_max_retries:
+        if not permanent and batch.delivery.retries < get_settings().task_max_retries:
             return batch.retry(exc)
         refused = set(getattr(exc, "item_ids", ()))
         if refused and len(refused) < len(message.items):
@@ -206,10 +210,10 @@ def split(task, message: BatchMessage, apart: set[str] | None = None) -> list[Ba
     children = [message.model_copy(update={"items": items, "batch_id": f"{message.batch_id}.s{i}"})
                 for i, items in enumerate(halves)]
     queue = message.shape.queue
+    delivery = Delivered(task)
     for child in children:
         batch = child.model_dump(mode="json")
-        task.app.send_task(TASK_NAME, kwargs={"batch": batch}, queue=queue, routing_key=queue,
-                           **signed(getattr(task, "runtime", None), queue, batch))
+        delivery.publish(queue, batch, **signed(getattr(task, "runtime", None), queue, batch))
     return children
 
 

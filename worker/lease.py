@@ -5,11 +5,13 @@ stored, and one prefetched), a thread renews their lease every `lease_renew_s`
 the way the transport table says (Redis: the `unacked_index` score; SQS:
 ChangeMessageVisibility). The broker then hands a batch back only when nobody
 renewed it for a visibility timeout: its holder (process or host) died. A batch
-held past `max_hold_s` is no longer renewed (the outer bound for a hung holder).
+held past `max_hold_s` is no longer renewed: its `lease lapsed` end (worker/delivery.py),
+the outer bound for a hung holder.
 
 The thread has its own broker connection (kombu channels are not thread-safe);
-it only reads which deliveries the consumer holds. `hand_back` gives them all back
-at once, for a drain that ran out of time or a parent that died.
+it only reads which deliveries the consumer holds (worker/door.py `held_deliveries`).
+`hand_back` gives them all back at once, for a drain that ran out of time or a
+parent that died (the door's `AllHeld`).
 """
 
 from __future__ import annotations
@@ -20,33 +22,12 @@ import time
 from collections.abc import Callable
 
 from diffq.core.transports import Transport
+from diffq.worker.delivery import Outcome
+from diffq.worker.door import Overdue, end, held_deliveries
+
+__all__ = ["LeaseKeeper", "held_deliveries"]
 
 log = logging.getLogger(__name__)
-
-
-def held_deliveries(consumer) -> list:
-    """The deliveries a Celery consumer holds unacked, or [] without one.
-
-    kombu's virtual QoS (kombu/transport/virtual/base.py, class QoS, kombu 5.7) keeps
-    every delivery in `_delivered`; `ack()` and `reject()` only add the tag to
-    `_dirty`, and `_flush()` drops dirty tags from `_delivered` on the next
-    `append()`. So an acked batch stays in `_delivered` until the next delivery:
-    renewing it is wasted and handing it back could re-queue a finished batch.
-    """
-    try:
-        qos = consumer.task_consumer.channel.qos
-        delivered, acked = qos._delivered, qos._dirty
-    except AttributeError:
-        return []
-    for _ in range(3):
-        try:
-            # `_delivered` first: an ack landing between the two copies is then seen.
-            held = list(delivered.items())
-            done = set(acked)
-        except RuntimeError:  # changed while copied: take it again
-            continue
-        return [message for tag, message in held if tag not in done]
-    return []
 
 
 class LeaseKeeper:
@@ -60,6 +41,7 @@ class LeaseKeeper:
         self.renewals = 0
         self._first_seen: dict[str, float] = {}
         self._handed: set[str] = set()  # delivery tags given back: never renewed or handed again
+        self._lapsing: set[str] = set()  # held past max_hold_s: left to lapse (`lease lapsed`)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()  # one user of the connection at a time
@@ -102,8 +84,13 @@ class LeaseKeeper:
         for tag in list(self._first_seen):
             if tag not in tags:
                 del self._first_seen[tag]
-        fresh = [m for m in messages if m.delivery_tag not in self._handed
-                 and now - self._first_seen.setdefault(m.delivery_tag, now) < self.max_hold_s]
+        self._lapsing &= tags
+        for message in messages:
+            tag = message.delivery_tag
+            held_s = now - self._first_seen.setdefault(tag, now)
+            if held_s >= self.max_hold_s and tag not in self._lapsing and tag not in self._handed:
+                end(Outcome.LEASE_LAPSED, Overdue(tag, held_s, self._lapsing.add))
+        fresh = [m for m in messages if m.delivery_tag not in self._handed and m.delivery_tag not in self._lapsing]
         if not fresh:
             return 0
         with self._lock:

@@ -38,17 +38,10 @@ class JsonFormatter(logging.Formatter):
 
 
 def install_json_logging(level: str | int = "INFO") -> None:
-    """JSON lines on stderr for the root logger, and stop Celery replacing them."""
-    from celery import signals
-
+    """JSON lines on stderr for the root logger (the worker's Celery app keeps them:
+    worker/celery_adapter.py `build_app`)."""
     handler = logging.StreamHandler()
     handler.setFormatter(JsonFormatter())
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level)
-    # Celery configures logging itself unless a setup_logging receiver exists.
-    signals.setup_logging.connect(_keep_logging, weak=False)
-
-
-def _keep_logging(**_) -> None:
-    pass

@@ -142,25 +142,37 @@ def provenance(message: BatchMessage, item, size: tuple[int, int]) -> dict[str, 
     return {key: value for key, value in fields.items() if value is not None}
 
 
+def _png_text(text: dict[str, str]) -> dict:
+    from PIL.PngImagePlugin import PngInfo
+
+    info = PngInfo()
+    for key, value in text.items():
+        info.add_itxt(key, value)  # iTXt: UTF-8, unlike tEXt's Latin-1
+    return {"pnginfo": info}
+
+
+def _exif(text: dict[str, str]) -> dict:
+    # JSON with \u escapes is pure ASCII, so the "ASCII" character code holds any
+    # prompt losslessly.
+    from PIL import Image
+
+    exif = Image.Exif()
+    exif.get_ifd(_EXIF_IFD)[_USER_COMMENT] = b"ASCII\0\0\0" + json.dumps(text, sort_keys=True).encode()
+    return {"exif": exif}
+
+
+# The format table's `provenance` carriers (diffq/core/layout.py): PIL save options
+# that write the text into the file.
+PROVENANCE_WRITERS = {"png-text": _png_text, "exif": _exif}
+
+
 def encode(image, fmt: str, text: dict[str, str] | None = None) -> bytes:
     buffer = io.BytesIO()
-    options = dict(layout.IMAGE_FORMATS[fmt].options)
-    if text and fmt == "png":
-        from PIL.PngImagePlugin import PngInfo
-
-        info = PngInfo()
-        for key, value in text.items():
-            info.add_itxt(key, value)  # iTXt: UTF-8, unlike tEXt's Latin-1
-        options["pnginfo"] = info
-    elif text:
-        # JPEG and WebP carry EXIF. JSON with \u escapes is pure ASCII, so the
-        # "ASCII" character code holds any prompt losslessly.
-        from PIL import Image
-
-        exif = Image.Exif()
-        exif.get_ifd(_EXIF_IFD)[_USER_COMMENT] = b"ASCII\0\0\0" + json.dumps(text, sort_keys=True).encode()
-        options["exif"] = exif
-    image.save(buffer, format=layout.IMAGE_FORMATS[fmt].pil, **options)
+    row = layout.IMAGE_FORMATS[fmt]
+    options = dict(row.options)
+    if text:
+        options.update(PROVENANCE_WRITERS[row.provenance](text))
+    image.save(buffer, format=row.pil, **options)
     return buffer.getvalue()
 
 

@@ -27,7 +27,8 @@ from diffq.core.contract import BatchMessage
 from diffq.core.records import BatchMeasures
 from diffq.worker.admission import schema_reason
 from diffq.worker.dead_letters import dead_letters_of
-from diffq.worker.delivery import Outcome
+from diffq.worker.delivery import Outcome, Refused
+from diffq.worker.door import Delivered, stop_consuming
 from diffq.worker.failures import StorageTrouble, set_aside_degenerate, storage_trouble, write_failure
 from diffq.worker.hooks import PERMANENT_ERRORS, Batch, BatchHook, End, default_hooks, split
 from diffq.worker.runtime import OutNotAllowed, Runtime, preload
@@ -51,8 +52,10 @@ def _generate_batch(task, payload: dict) -> dict | None:
     try:
         message = BatchMessage.from_json_payload(payload)
         storage = rt.storage_for(message.out)
-    except (ValueError, OutNotAllowed) as exc:  # pydantic's ValidationError included: no retry can fix it
-        return dead_letter(task, payload, exc)
+    except ValueError as exc:  # pydantic's ValidationError included: no retry can fix it
+        return dead_letter(task, payload, exc, Refused.NOT_A_BATCH)
+    except OutNotAllowed as exc:
+        return dead_letter(task, payload, exc, Refused.OUT_NOT_ALLOWED)
     batch = Batch(task, message, storage)
     try:
         end = live(batch, hooks_of(rt))
@@ -120,7 +123,7 @@ def live(batch: Batch, hooks: list[BatchHook]) -> End:
 def finish(batch: Batch, end: End) -> dict | None:
     """Report how the batch ended, the one report of its life: when the task returns,
     the batch line carries out `decide(end.outcome)`. Then Celery's retry, if any."""
-    batch.runtime.line.report(batch.task.request.id, end.outcome, end.future)
+    batch.runtime.line.report(batch.delivery.id, end.outcome, end.future)
     if end.then is not None:
         raise end.then()
     return end.result
@@ -135,35 +138,34 @@ def hooks_of(rt: Runtime) -> list[BatchHook]:
 def hand_back(batch: Batch, reason: str, exit_code: int) -> End:
     """Give the batch back to its queue at once (not a failed attempt) and stop the
     process with `exit_code`."""
-    from celery.worker import state as worker_state
-
     log.warning("%s; batch %s goes back to the queue", reason, batch.message.batch_id)
-    worker_state.should_stop = exit_code
+    stop_consuming(exit_code)
     return batch.end(Outcome.HAND_BACK, handed_back=reason)
 
 
-def dead_letter(task, batch, exc: Exception) -> dict:
+def dead_letter(task, batch, exc: Exception, why: Refused = Refused.NOT_A_BATCH) -> dict:
     """A message that is not a diffq batch, or one this worker may not take: to the
     dead letters, never retried."""
     reason = schema_reason(exc)
-    queue = (task.request.delivery_info or {}).get("routing_key") or "?"
+    delivery = Delivered(task)
+    queue = delivery.routing_key or "?"
     # Rejected for the broker to route where it dead-letters (RabbitMQ's policy), else a letter and an ack.
-    outcome = dead_letters_of(task.app, task.runtime.worker).refuse(
-        queue, reason, {"batch": batch}, "application/json", {"task": task.name, "id": task.request.id})
+    outcome = dead_letters_of(delivery.app, task.runtime.worker).refuse(
+        queue, reason, {"batch": batch}, "application/json", {"task": task.name, "id": delivery.id}, why=why)
     return ended(task, outcome, {"dead_letter": reason})
 
 
 def refused(batch: Batch, reason: str) -> End:
     """A batch this worker may not take (not its run's): to the dead letters with the
     reason, never generated or retried."""
-    task, message = batch.task, batch.message
-    outcome = dead_letters_of(task.app, batch.runtime.worker).refuse(
+    task, message, delivery = batch.task, batch.message, batch.delivery
+    outcome = dead_letters_of(delivery.app, batch.runtime.worker).refuse(
         message.shape.queue, f"refused: batch {message.batch_id}: {reason}", {"batch": message.model_dump(mode="json")},
-        "application/json", {"task": task.name, "id": task.request.id}, letter=True)
+        "application/json", {"task": task.name, "id": delivery.id}, why=Refused.NOT_ITS_RUN)
     return batch.end(outcome, dead_letter=reason)
 
 
 def ended(task, outcome: Outcome, result: dict | None = None) -> dict | None:
     """Report how a delivery that never became a `Batch` ended (see `finish`)."""
-    task.runtime.line.report(task.request.id, outcome)
+    task.runtime.line.report(Delivered(task).id, outcome)
     return result

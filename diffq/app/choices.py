@@ -1,4 +1,4 @@
-"""CLI choices read from the tables: devices, compile modes, dtypes, pipeline families, TPU generations.
+"""CLI choices read from the tables: devices, compile modes, dtypes, pipeline families, device generations.
 
 The backend table (worker/backends.py, torch-free) owns them, so a new backend or mode
 needs no edit in the command line.
@@ -16,4 +16,11 @@ CompileMode = Enum("CompileMode", {mode.replace("-", "_"): mode for mode in back
 Dtype = Enum("Dtype", {name: name for name in backends.DTYPE_CHOICES}, type=str)
 # The family table's names (diffq/core/families.py); each has a tiny builder.
 Family = Enum("Family", {name.replace("-", "_"): name for name in families.BY_NAME}, type=str)
-TpuGeneration = Enum("TpuGeneration", {name: name for name in backends.TPU_GENERATIONS}, type=str)
+# Every backend row's `generations` (a device without a detectable one names it here).
+DeviceGeneration = Enum("DeviceGeneration", {name: name for backend in backends.BACKENDS.values()
+                                             for name in backend.generations}, type=str)
+TpuGeneration = DeviceGeneration  # its name while TPU was the only row with generations
+GENERATION_HELP = ("Device generation where none is attached (--plan, manifests): "
+                   + "; ".join(f"--device {backend.name}: {'|'.join(backend.generations)}"
+                               for backend in backends.BACKENDS.values() if backend.generations)
+                   + "; default: detected on the host. --tpu-generation: the same option")

@@ -11,7 +11,7 @@ from typing import Annotated, Optional
 import typer
 from rich.table import Table
 
-from diffq.app.choices import CompileMode, Dtype, Family, TpuGeneration
+from diffq.app.choices import GENERATION_HELP, CompileMode, DeviceGeneration, Dtype, Family
 from diffq.app.commands import cancel, data, fleet, plan, qualify
 from diffq.app.options import (DEFAULT_ON_DEGENERATE, AllowFallback, Broker, Compile, CompileCache, Devices,
                                DtypeOpt, Feeds, Generation, LocalWorkers, Model, Offload, OnDegenerate, Out, Prompts,
@@ -196,7 +196,7 @@ def worker(
     routing: Annotated[Routing, typer.Option("--routing", help="compile-aware: drain compiled shapes before taking a new one; round-robin: Celery's default")] = Routing.compile_aware,
     tp: Annotated[int, typer.Option("--tp", min=1, help="Tensor-parallel degree: groups of N devices, each group one consumer (models larger than one device)")] = 1,
     master_port: Annotated[int, typer.Option("--master-port", help="Rendezvous port of the first --tp group (group g uses this + g)")] = 29500,
-    tpu_generation: Annotated[Optional[TpuGeneration], typer.Option("--tpu-generation", help="TPU generation where none is attached (--plan, manifests); default: read from PCI ids")] = None,
+    device_generation: Annotated[Optional[DeviceGeneration], typer.Option("--generation", "--tpu-generation", help=GENERATION_HELP)] = None,
     allow_fallback: AllowFallback = False,
     on_degenerate: OnDegenerate = DEFAULT_ON_DEGENERATE,
     plan: Annotated[bool, typer.Option("--plan", help="Print each child's pinning and queues as JSON (no --queues needed); start nothing")] = False,
@@ -228,7 +228,7 @@ def worker(
                               warmup=[w for w in (warmup or ("auto" if warmup_only else "")).split(",") if w],
                               warmup_only=warmup_only, routing=routing.value,
                               models=models, dtype=dtype.value, tp=tp, master_port=master_port,
-                              generation=tpu_generation.value if tpu_generation else None,
+                              generation=device_generation.value if device_generation else None,
                               allowed_out_prefixes=settings.allowed_out_prefixes, loglevel=loglevel,
                               drain_timeout_s=drain_timeout, allow_fallback=allow_fallback,
                               on_degenerate=on_degenerate.value, runs=runs, **discovery)

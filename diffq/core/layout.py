@@ -55,12 +55,17 @@ class ImageFormat:
     # PIL save options: the fastest PNG level, as encoding must keep up with the
     # next batch's generation; quality 90 for the lossy formats.
     options: dict = field(default_factory=dict)
+    # Where the file carries its provenance text (worker/sink.py `PROVENANCE_WRITERS`):
+    # PNG's own text chunks (iTXt), else EXIF's UserComment, which JPEG and WebP hold.
+    provenance: str = "exif"
 
+
+PROVENANCE_CARRIERS = ("png-text", "exif")
 
 IMAGE_FORMATS = {
-    "png": ImageFormat("png", "PNG", "image/png", {"compress_level": 1}),
-    "jpeg": ImageFormat("jpg", "JPEG", "image/jpeg", {"quality": 90}),
-    "webp": ImageFormat("webp", "WEBP", "image/webp", {"quality": 90}),
+    "png": ImageFormat("png", "PNG", "image/png", {"compress_level": 1}, provenance="png-text"),
+    "jpeg": ImageFormat("jpg", "JPEG", "image/jpeg", {"quality": 90}, provenance="exif"),
+    "webp": ImageFormat("webp", "WEBP", "image/webp", {"quality": 90}, provenance="exif"),
 }
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.-]")

@@ -25,12 +25,15 @@ needs that link: an AttributeError no handler expects ended the worker, and a ba
 finishing after the reconnect acks through the same dead channel. Here a channel
 whose connection is gone settles locally: what it held stays in `unacked` and comes
 back once its lease lapses (redelivered, a stored batch is credited, not generated).
+The worker decides that end (`connection lost`, worker/delivery.py) and carries it
+out through its broker door (worker/door.py `lost_connection`, passed as `lost`).
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 from kombu.transport import virtual
 from kombu.utils.encoding import bytes_to_str
@@ -73,8 +76,10 @@ log = logging.getLogger(__name__)
 class ConsumerChannel:
     """Installed on one consumer channel (kombu's Redis `Channel`) by the worker."""
 
-    def __init__(self, channel):
+    def __init__(self, channel, lost: Callable[[str, Callable[[], None]], None] | None = None):
         self.channel = channel
+        # (delivery tag, settle here) for a delivery the broker can no longer be told about.
+        self.lost = lost or _settle
         self.recorded: set[str] = set()  # delivery tags the script recorded as unacked
         self._script = None
         qos = channel.qos
@@ -168,16 +173,23 @@ class ConsumerChannel:
         qos._delivered.clear()
 
     def _leave(self, delivery_tag) -> None:
-        qos = self.channel.qos
-        qos._quick_ack(delivery_tag)  # settled here; still in the broker's `unacked`
+        self.lost(delivery_tag, lambda: self._settle_here(delivery_tag))
+
+    def _settle_here(self, delivery_tag) -> None:
+        self.channel.qos._quick_ack(delivery_tag)  # settled here; still in the broker's `unacked`
         self.left_held += 1
-        log.warning("the broker connection is gone: delivery %s is settled by the broker (given back "
-                    "at the close, or back once its lease lapses)", delivery_tag)
 
 
-def redis_consumer_channel(channel) -> ConsumerChannel:
-    """Install the atomic fetch and the detached settling on a consumer channel (once)."""
+def _settle(delivery_tag, settle: Callable[[], None]) -> None:
+    settle()
+    log.warning("the broker connection is gone: delivery %s is settled by the broker (given back "
+                "at the close, or back once its lease lapses)", delivery_tag)
+
+
+def redis_consumer_channel(channel, lost: Callable[[str, Callable[[], None]], None] | None = None) -> ConsumerChannel:
+    """Install the atomic fetch and the detached settling on a consumer channel (once);
+    `lost(tag, settle)`: the worker's end for a delivery whose connection is gone."""
     installed = channel.__dict__.get("diffq_consumer")
     if installed is None:
-        installed = channel.diffq_consumer = ConsumerChannel(channel).install()
+        installed = channel.diffq_consumer = ConsumerChannel(channel, lost).install()
     return installed

@@ -43,6 +43,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kombu import Exchange, Queue
+from kombu.exceptions import OperationalError
 
 from diffq.core.contract import QUEUE_PREFIX as PREFIX, queue_from_entity_name
 from diffq.core.redis_consumer import redis_consumer_channel
@@ -139,6 +140,10 @@ def redis_queue_depths(connection, queues: list[str]) -> dict[str, int]:
 
 def passive_queue_depths(connection, queues: list[str]) -> dict[str, int]:
     return {queue: messages for queue, (messages, _) in declared_depths(connection, queues).items()}
+
+
+# What a broker that does not answer raises through kombu (or its socket, before kombu wraps it).
+UNREACHABLE = (OperationalError, OSError)
 
 
 class CannotList(ValueError):
@@ -763,9 +768,9 @@ class Transport:
     discovery: str = "none: name the queues (--queues or --run)"  # the same, in words
     # (channel, on_bad) -> None: check raw deliveries the transport would choke on.
     guard_deliveries: Callable | None = None
-    # (channel) -> None: what the worker's consumer channel needs beyond the transport's
-    # own (Redis: a fetch that pops and records in one step; settling after a lost
-    # connection: core/redis_consumer.py).
+    # (channel, lost) -> None: what the worker's consumer channel needs beyond the
+    # transport's own (Redis: a fetch that pops and records in one step; settling
+    # after a lost connection, through `lost(tag, settle)`: core/redis_consumer.py).
     consumer_channel: Callable | None = None
     # Celery's monitoring channels: task events (Flower, `celery events`: three
     # publishes per batch) and remote control (`celery inspect`, `diffq queues`' live

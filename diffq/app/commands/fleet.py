@@ -99,10 +99,8 @@ def queues(
 ) -> None:
     """Depth of each diffq shape queue, how many workers consume it, and (with a feeds folder)
     the batches windowed runs still hold in OUT for the feeder."""
-    from kombu.exceptions import OperationalError
-
     from diffq.app.queues import DEAD_LETTERS, PEEKED_LETTERS, dead_letter_lines, queue_report
-    from diffq.core.transports import CannotList
+    from diffq.core.transports import UNREACHABLE, CannotList
 
     broker = broker or get_settings().broker_url
     if not broker:
@@ -120,7 +118,7 @@ def queues(
     except CannotList as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2)
-    except (OperationalError, OSError) as exc:
+    except UNREACHABLE as exc:
         typer.echo(f"error: broker unreachable: {exc}", err=True)
         raise typer.Exit(1)
     if as_json:

@@ -1,0 +1,309 @@
+"""One door to the broker (issue 41).
+
+- Only the door modules of the worker and app layers import celery or kombu or read
+  a private (`_`-prefixed) attribute of theirs: everything else reaches the broker
+  through the deliveries port (worker/door.py) or public API.
+- `decide` (worker/delivery.py) is total, each outcome maps to one action, and each
+  action is one call on the port (`carry_out`); every end of a delivery outside the
+  task (a refusal on receipt, a malformed item, a drain, a lease past its bound, a
+  lost connection, a lost worker) goes through it.
+"""
+
+from __future__ import annotations
+
+import ast
+import logging
+from pathlib import Path
+from types import SimpleNamespace
+
+import celery
+import kombu
+import pytest
+
+from diffq.worker import door
+from diffq.worker.delivery import DECISIONS, LETTERED, Action, Outcome, Refused, decide, refusal
+from tests.test_dead_letter_brokers import StubMessage
+from tests.test_layers import MODULES, layer_of
+
+# The worker's and the app's only modules that may import celery or kombu or read their
+# private attributes: the engine (Celery's fetch loop, pool, bootsteps) and the port.
+DOORS = {"diffq.worker.celery_adapter", "diffq.worker.door"}
+BROKER_PACKAGES = ("celery", "kombu")
+# Receivers whose private attributes are their own business: the module's own object.
+OWN = {"self", "cls"}
+
+
+def _private_names() -> frozenset[str]:
+    """Every `_name` (not dunder) kombu and Celery define: functions, classes, and
+    attributes or names they assign."""
+    names: set[str] = set()
+    for package in (kombu, celery):
+        for path in Path(package.__file__).parent.rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                    name = node.name
+                elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+                    name = node.attr
+                elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                    name = node.id
+                else:
+                    continue
+                if name.startswith("_") and not name.startswith("__") and name != "_":
+                    names.add(name)
+    return frozenset(names)
+
+
+PRIVATE = _private_names()
+
+
+def _root(node: ast.expr) -> ast.expr:
+    while isinstance(node, (ast.Attribute, ast.Subscript, ast.Call)):
+        node = node.func if isinstance(node, ast.Call) else node.value
+    return node
+
+
+def broker_reach(source: str, filename: str = "<test>") -> list[str]:
+    """Where a module imports celery or kombu, or reads a kombu/Celery private
+    attribute of an object other than its own or a (non-broker) module it imported."""
+    tree = ast.parse(source, filename=filename)
+    modules: set[str] = set()  # names bound to modules other than celery's and kombu's
+    found: list[str] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] in BROKER_PACKAGES:
+                    found.append(f"line {node.lineno}: import {alias.name}")
+                else:
+                    modules.add(alias.asname or alias.name.split(".")[0])
+        elif isinstance(node, ast.ImportFrom):
+            if (node.module or "").split(".")[0] in BROKER_PACKAGES and not node.level:
+                found.append(f"line {node.lineno}: from {node.module} import ...")
+            else:
+                modules.update(alias.asname or alias.name for alias in node.names)
+
+    def foreign(receiver: ast.expr) -> bool:
+        if isinstance(receiver, ast.Name) and receiver.id in OWN:
+            return False
+        if isinstance(receiver, ast.Call) and isinstance(receiver.func, ast.Name) and receiver.func.id == "super":
+            return False
+        root = _root(receiver)
+        return not (isinstance(root, ast.Name) and root.id in modules)
+
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr in PRIVATE and foreign(node.value):
+            found.append(f"line {node.lineno}: .{node.attr}")
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "setattr")
+              and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant)
+              and node.args[1].value in PRIVATE and foreign(node.args[0])):
+            found.append(f"line {node.lineno}: {node.func.id}(…, {node.args[1].value!r})")
+    return found
+
+
+GUARDED = sorted(m for m in MODULES if layer_of(m) in ("diffq.worker", "diffq.app") and m not in DOORS)
+
+
+def test_the_doors_exist_and_the_guarded_modules_are_read():
+    assert DOORS <= set(MODULES)
+    assert {"diffq.worker.batches", "diffq.worker.lease", "diffq.worker.dead_letters", "diffq.worker.tasks",
+            "diffq.worker.hooks", "diffq.app.commands.fleet"} <= set(GUARDED)
+    assert {"_delivered", "_dirty", "_quick_ack", "_brpop_start", "_active_tags"} <= PRIVATE
+
+
+@pytest.mark.parametrize("module", GUARDED)
+def test_only_the_door_reaches_into_celery_and_kombu(module):
+    found = broker_reach(MODULES[module].read_text(), str(MODULES[module]))
+    assert not found, f"{module} reaches past the broker door ({', '.join(DOORS)}): {found}"
+
+
+# Celery's task API: a batch's life reaches it through the door's `Delivered`.
+TASK_API = {"request", "send_task", "apply_async"}
+
+
+def task_api_reads(source: str) -> list[str]:
+    return [f"line {node.lineno}: .{node.attr}" for node in ast.walk(ast.parse(source))
+            if isinstance(node, ast.Attribute) and node.attr in TASK_API]
+
+
+@pytest.mark.parametrize("module", [m for m in GUARDED if layer_of(m) == "diffq.worker"])
+def test_a_batchs_life_reaches_celerys_task_through_the_door(module):
+    assert not (found := task_api_reads(MODULES[module].read_text())), f"{module}: {found}"
+
+
+def test_the_check_can_fail():
+    assert task_api_reads("def attempts(task):\n    return task.request.retries + 1\n")
+    assert broker_reach("from celery.worker import state\n")
+    assert broker_reach("def f():\n    import kombu\n")
+    assert broker_reach("def f(consumer):\n    return consumer.task_consumer.channel.qos._delivered\n")
+    assert broker_reach("def f(channel):\n    return getattr(channel, '_brpop_start')\n")
+    assert broker_reach("class A:\n    def f(self):\n        return self.qos._dirty\n")
+    # Its own attributes, and a module's (os._exit, threading._shutdown), are not the broker's.
+    assert not broker_reach("import threading\nclass A:\n    def f(self):\n        threading._shutdown()\n"
+                            "        return self._delivered\n")
+
+
+# -- the table ----------------------------------------------------------------------------
+
+
+class Port:
+    """A delivery that records each call on the port by the action it carries out."""
+
+    def __init__(self):
+        self.calls: list[str] = []
+
+    def ack_now(self):
+        self.calls.append(Action.ACK.value)
+
+    def requeue(self):
+        self.calls.append(Action.REQUEUE.value)
+
+    def reject(self, requeue=False):
+        self.calls.append(Action.REQUEUE.value if requeue else Action.REJECT.value)
+
+    def let_lapse(self):
+        self.calls.append(Action.LET_LAPSE.value)
+
+
+def test_the_table_is_total_and_every_action_is_used():
+    assert set(DECISIONS) == set(Outcome)
+    assert all(isinstance(DECISIONS[o], Action) for o in Outcome)
+    assert {decide(o) for o in Outcome} == set(Action)
+
+
+@pytest.mark.parametrize("outcome", list(Outcome))
+def test_every_outcome_is_one_call_on_the_port(outcome):
+    port = Port()
+    if decide(outcome) is Action.ACK_WHEN_STORED:  # held by the batch line until its store is done
+        with pytest.raises(ValueError, match="holding the ack"):
+            door.end(outcome, port)
+        assert port.calls == []
+    else:
+        door.end(outcome, port)
+        assert port.calls == [decide(outcome).value]
+
+
+def test_the_ends_outside_the_task_are_rows():
+    assert decide(Outcome.MALFORMED) is Action.ACK  # its letter is written; the read removed it
+    assert decide(Outcome.DRAINED) is Action.REQUEUE
+    assert decide(Outcome.HAND_BACK) is Action.REQUEUE  # a tensor-parallel rank, or Celery's lost worker
+    assert decide(Outcome.LEASE_LAPSED) is Action.LET_LAPSE
+    assert decide(Outcome.CONNECTION_LOST) is Action.LET_LAPSE
+
+
+@pytest.mark.parametrize("why", list(Refused))
+@pytest.mark.parametrize("by_broker", [True, False])
+def test_every_refusal_is_one_outcome_of_the_table(why, by_broker):
+    outcome = refusal(why, by_broker)
+    assert outcome in (Outcome.REFUSED, Outcome.DEAD_LETTER)
+    # A trust refusal always leaves a letter with its reason; the others go the broker's way.
+    assert (outcome is Outcome.DEAD_LETTER) == (why in LETTERED or not by_broker)
+
+
+# -- each end, carried out through the door --------------------------------------------------
+
+
+@pytest.mark.parametrize("why", list(Refused))
+@pytest.mark.parametrize("by_broker", [True, False])
+def test_a_refusal_on_receipt_is_carried_out_as_decided(why, by_broker):
+    from diffq.core.broker import make_celery
+    from diffq.worker.dead_letters import DeadLetters
+
+    message = StubMessage()
+    DeadLetters(make_celery("memory://"), "w@h", by_broker=by_broker).reject(message, "why", why=why)
+    assert message.calls == [{Action.ACK: "ack", Action.REJECT: "reject"}[decide(refusal(why, by_broker))]]
+
+
+def test_a_malformed_item_is_lettered_and_its_pop_was_its_removal():
+    from diffq.core.broker import make_celery
+    from diffq.core.transports import DEAD_QUEUE
+    from diffq.worker.dead_letters import DeadLetters
+
+    app = make_celery("memory://")
+    DeadLetters(app, "w@h").malformed("diffq.malformed", b"not json", "not JSON (not a kombu message envelope)")
+    letters = []
+    with app.connection_for_read() as connection:  # the memory broker is the process's: earlier letters too
+        while (letter := DEAD_QUEUE(connection.default_channel).get(no_ack=True)) is not None:
+            letters.append(letter.payload)
+    assert [(m["reason"], m["body"]) for m in letters if m["queue"] == "diffq.malformed"] == [
+        ("not JSON (not a kombu message envelope)", "not json")]
+    with pytest.raises(ValueError):  # an item kombu cannot read is never put back
+        door.Taken().requeue()
+
+
+def test_a_drain_hands_back_everything_held_through_the_lease():
+    lease = SimpleNamespace(handed=0)
+    lease.hand_back = lambda: setattr(lease, "handed", lease.handed + 1) or 3
+    assert door.end(Outcome.DRAINED, door.AllHeld(lease)) == 3 and lease.handed == 1
+    assert door.end(Outcome.DRAINED, door.AllHeld(None)) == 0  # no lease keeper: nothing held
+
+
+def test_a_delivery_past_its_bound_is_left_to_lapse(caplog):
+    from diffq.worker.lease import LeaseKeeper
+
+    renewed: list[list[str]] = []
+    transport = SimpleNamespace(renew=lambda channel, messages: renewed.append([m.delivery_tag for m in messages])
+                                or len(messages), hand_back=None)
+    held = [SimpleNamespace(delivery_tag="a"), SimpleNamespace(delivery_tag="b")]
+    keeper = LeaseKeeper(transport, lambda: SimpleNamespace(default_channel=None), lambda: held,
+                         period=1.0, max_hold_s=3600)
+    assert keeper.renew_once() == 2 and renewed == [["a", "b"]]
+    keeper.max_hold_s = 0  # both held past the bound now
+    with caplog.at_level(logging.WARNING, logger="diffq.worker"):
+        assert keeper.renew_once() == 0
+        assert keeper.renew_once() == 0
+    assert renewed == [["a", "b"]]
+    assert sum("past DIFFQ_MAX_HOLD_S" in r.getMessage() for r in caplog.records) == 2  # once per delivery
+
+
+def test_a_lost_connection_settles_here_and_leaves_the_rest_to_the_lease():
+    from diffq.core.redis_consumer import ConsumerChannel
+
+    settled: list[str] = []
+    qos = SimpleNamespace(append=None, ack=None, reject=None, restore_unacked=None, _quick_ack=settled.append)
+    channel = SimpleNamespace(qos=qos, _brpop_start=None, connection=None)  # the transport let go of it
+    installed = ConsumerChannel(channel, lost=door.lost_connection)
+    installed.ack("t1")
+    installed.reject("t2", requeue=True)
+    assert settled == ["t1", "t2"] and installed.left_held == 2
+
+
+def test_a_lost_worker_hands_the_batch_back_through_the_table(monkeypatch):
+    from celery.worker.request import Request
+
+    from diffq.worker.celery_adapter import BatchRequest
+
+    calls: list[bool] = []
+    monkeypatch.setattr(Request, "reject", lambda self, requeue=False: calls.append(requeue))
+    request = BatchRequest.__new__(BatchRequest)
+    request.failing = True  # inside Celery's on_failure: its requeue is task_reject_on_worker_lost's
+    request.reject(requeue=True)
+    request.failing = False
+    request.reject(requeue=False)  # a REJECT carried out for the task's own outcome
+    assert calls == [decide(Outcome.HAND_BACK) is Action.REQUEUE, False]
+
+
+def test_every_admission_check_is_a_refused_row(tmp_path):
+    """Each of admission's checks (worker/admission.py) ends as its own `Refused` row."""
+    from diffq.core.signing import Keys
+    from diffq.worker.admission import Admission, RunScope
+    from tests.test_admission import SHAPE, a_batch
+
+    out = str(tmp_path / "runs" / "r1")
+    keys = Keys(b"k" * 32)
+    admission = Admission(runs=(RunScope.of(out, "r1"),), models=frozenset({SHAPE.model}), keys=keys)
+
+    def why(batch, queue=SHAPE.queue, signature="sign"):
+        signature = keys.sign_batch(queue, batch) if signature == "sign" else signature
+        _, refused = admission.check(batch, queue, signature)
+        return refused.why if refused else None
+
+    other = SHAPE.model_copy(update={"model": "/models/other"})
+    assert why(a_batch(out)) is None
+    assert why(a_batch(out), signature=None) is Refused.UNSIGNED
+    assert why(a_batch(out), queue=None, signature=None) is Refused.UNSIGNED
+    assert Admission().check({"not": "a batch"}, SHAPE.queue)[1].why is Refused.NOT_A_BATCH
+    assert why(a_batch(out), queue=other.queue) is Refused.WRONG_QUEUE
+    assert why(a_batch(str(tmp_path / "elsewhere"))) is Refused.NOT_ITS_SCOPE
+    assert why(a_batch(out, shape=other), queue=other.queue) is Refused.UNKNOWN_MODEL
+    # The schema's refusal goes the broker's way; every trust refusal leaves a letter.
+    assert {Refused.UNSIGNED, Refused.WRONG_QUEUE, Refused.NOT_ITS_SCOPE, Refused.UNKNOWN_MODEL} <= LETTERED
+    assert Refused.NOT_A_BATCH not in LETTERED
