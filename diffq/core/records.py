@@ -107,6 +107,9 @@ class RunManifest(Strict):
     diffq_version: str
     # Every model the run's rows name (rows may name their own): what workers preload.
     models: list[str] = Field(default_factory=list)
+    # Object-storage models pinned at submit: URL -> revision (core/model_store.py).
+    # Workers load that revision or refuse the run's batches.
+    model_revisions: dict[str, str] = Field(default_factory=dict)
 
 
 # cancel.json: `diffq cancel`'s marker ---------------------------------------------
@@ -151,6 +154,7 @@ class BatchMeasures(Strict):
     tp_ranks_agree: bool = True
     graph_fallbacks: int = 0
     degenerate: dict[str, str] = Field(default_factory=dict)  # item id -> the check a stored image failed
+    model_revision: str | None = None  # an object-storage model's (core/model_store.py)
 
 
 class ImageRecord(Strict):
@@ -198,6 +202,9 @@ class ImageRecord(Strict):
     # image may then depend on its batch neighbours.
     speedup: Annotated[str | None, Dtype("string")] = None
     reproducible: bool = True
+    # The revision of an object-storage model the image was made with (the listing's
+    # digest, core/model_store.py); null for a local folder or hub model.
+    model_revision: Annotated[str | None, Dtype("string")] = None
 
     @model_validator(mode="before")
     @classmethod

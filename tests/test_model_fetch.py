@@ -1,0 +1,215 @@
+"""Models in object storage: fetched into the node-local cache, verified, once per node,
+resumable, pinned to a revision; a run from s3:// / gs:// makes the local folder's images."""
+
+from __future__ import annotations
+
+import hashlib
+import http.client
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+from PIL import Image
+from boto3.s3.transfer import TransferConfig
+
+from diffq.core.model_store import list_model
+from diffq.core.settings import Settings
+from diffq.core.storage import open_storage
+from tests.helpers import diffq
+from tests.servers import unique_bucket_name
+from diffq.worker.model_fetch import COMPLETE, FetchRefused, fetch
+
+# A padding shard bigger than one part: uploaded in 5 MiB parts, so its ETag is a
+# multipart one (the MD5 of the parts' MD5s).
+PADDING = "transformer/padding.safetensors"
+PADDING_BYTES = 11 * 2**20 + 12345
+
+
+def _files(folder: Path) -> dict[str, Path]:
+    return {p.relative_to(folder).as_posix(): p for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def model_folder(tiny_model, tmp_path_factory) -> Path:
+    """The tiny pipeline plus a padding shard of random bytes (a safetensors header)."""
+    folder = tmp_path_factory.mktemp("model") / "tiny"
+    import shutil
+
+    shutil.copytree(tiny_model, folder)
+    header = json.dumps({"__metadata__": {"padding": "yes"}}).encode()
+    header += b" " * (-len(header) % 8)
+    body = os.urandom(PADDING_BYTES - 8 - len(header))
+    (folder / PADDING).write_bytes(len(header).to_bytes(8, "little") + header + body)
+    return folder
+
+
+def upload_s3(s3_server, folder: Path) -> str:
+    bucket = s3_server.make_bucket(unique_bucket_name())
+    config = TransferConfig(multipart_threshold=5 * 2**20, multipart_chunksize=5 * 2**20)
+    for key, path in _files(folder).items():
+        s3_server.client.upload_file(str(path), bucket, f"models/tiny/{key}", Config=config)
+    return f"s3://{bucket}/models/tiny"
+
+
+def upload_gcs(gcs_server, folder: Path) -> str:
+    bucket = gcs_server.make_bucket(unique_bucket_name())
+    storage = open_storage(f"gs://{bucket}/models/tiny")
+    for key, path in _files(folder).items():
+        storage.upload_file(path, key)
+    return f"gs://{bucket}/models/tiny"
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch) -> Path:
+    folder = tmp_path / "model-cache"
+    monkeypatch.setenv("DIFFQ_MODEL_CACHE", str(folder))
+    return folder
+
+
+def _same_files(fetched: Path, folder: Path) -> None:
+    got = {key: p for key, p in _files(fetched).items() if key != COMPLETE}
+    assert sorted(got) == sorted(_files(folder))
+    for key, path in _files(folder).items():
+        assert hashlib.sha256(got[key].read_bytes()).digest() == hashlib.sha256(path.read_bytes()).digest(), key
+
+
+@pytest.mark.parametrize("store", ["s3", "gs"])
+def test_fetch_verifies_caches_and_hits(store, cache, model_folder, request):
+    url = (upload_s3(request.getfixturevalue("s3_server"), model_folder) if store == "s3"
+           else upload_gcs(request.getfixturevalue("gcs_server"), model_folder))
+    first = fetch(url)
+    assert not first.hit and first.bytes == sum(p.stat().st_size for p in _files(model_folder).values())
+    assert Path(first.path).parent == cache and (Path(first.path) / COMPLETE).is_file()
+    _same_files(Path(first.path), model_folder)
+    assert not list(Path(first.path).rglob(".diffq-part-*"))
+    again = fetch(url, first.revision)
+    assert (again.hit, again.bytes, again.path) == (True, 0, first.path)
+
+
+def test_two_processes_started_together_fetch_once(cache, model_folder, s3_server):
+    url = upload_s3(s3_server, model_folder)
+    code = ("import json, sys; from diffq.worker.model_fetch import fetch; "
+            "print(json.dumps(fetch(sys.argv[1]).report()))")
+    procs = [subprocess.Popen([sys.executable, "-c", code, url], stdout=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    reports = [json.loads(proc.communicate(timeout=300)[0]) for proc in procs]
+    assert [proc.returncode for proc in procs] == [0, 0]
+    assert sorted(r["hit"] for r in reports) == [False, True]
+    assert sum(r["bytes"] for r in reports) == list_model(url).size
+    assert len([p for p in cache.iterdir() if p.is_dir()]) == 1
+
+
+def test_a_fetch_killed_half_way_resumes_without_refetching(cache, model_folder, s3_server):
+    url = upload_s3(s3_server, model_folder)
+    listing = list_model(url)
+    code = "import sys; from diffq.worker.model_fetch import fetch; fetch(sys.argv[1])"
+    killed = subprocess.run([sys.executable, "-c", code, url], timeout=300,
+                            env={**os.environ, "DIFFQ_FAULT_FETCH_KILL_AFTER": "3"})
+    assert killed.returncode == -9
+    (entry,) = [p for p in cache.iterdir() if p.is_dir()]
+    assert not (entry / COMPLETE).exists()
+    in_place = {key: path.stat().st_ino for key, path in _files(entry).items() if not path.name.startswith(".")}
+    assert len(in_place) >= 3 and len(in_place) < len(listing.files)
+
+    resumed = fetch(url)
+    assert not resumed.hit and resumed.path == str(entry)
+    assert sorted(resumed.files) == sorted(f.key for f in listing.files if f.key not in in_place)
+    assert resumed.bytes == sum(f.size for f in listing.files if f.key not in in_place)
+    # What was complete stayed: the same files (inodes), not downloaded again.
+    assert {key: (entry / key).stat().st_ino for key in in_place} == in_place
+    _same_files(entry, model_folder)
+
+
+class _Corrupting(BaseHTTPRequestHandler):
+    """A loopback proxy to the S3 server that flips one byte of one object's body."""
+
+    upstream: tuple[str, int]
+    corrupt: str  # the object path whose GET body is altered
+
+    def _forward(self):
+        body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        connection = http.client.HTTPConnection(*self.upstream, timeout=60)
+        headers = {k: v for k, v in self.headers.items() if k.lower() != "host"}
+        connection.request(self.command, self.path, body=body or None, headers=headers)
+        response = connection.getresponse()
+        data = response.read()
+        if self.command == "GET" and self.path.split("?")[0].endswith(self.corrupt) and data:
+            data = bytes([data[0] ^ 0xFF]) + data[1:]
+        self.send_response(response.status)
+        for name, value in response.getheaders():
+            if name.lower() not in ("transfer-encoding", "connection", "content-length"):
+                self.send_header(name, value)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(data)
+
+    do_GET = do_HEAD = do_PUT = do_POST = do_DELETE = _forward
+
+    def log_message(self, *args):
+        pass
+
+
+# A small object's stored CRC32 is checked by botocore on the wire; the multipart
+# padding shard's parts are checked against its ETag after the download.
+@pytest.mark.parametrize("key", ["scheduler/scheduler_config.json", PADDING])
+def test_a_corrupt_object_is_refused_naming_the_file(key, cache, model_folder, s3_server):
+    url = upload_s3(s3_server, model_folder)
+    host, port = s3_server.endpoint.removeprefix("http://").split(":")
+    handler = type("Handler", (_Corrupting,), {"upstream": (host, int(port)), "corrupt": key})
+    proxy = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=proxy.serve_forever, daemon=True).start()
+    try:
+        # The model bucket's own endpoint (DIFFQ_MODEL_STORE_ENDPOINT): here, the proxy.
+        settings = Settings(model_store_endpoint=f"http://127.0.0.1:{proxy.server_port}", model_cache=str(cache))
+        with pytest.raises(FetchRefused, match=f"file {re.escape(key)} is corrupt"):
+            fetch(url, settings=settings)
+    finally:
+        proxy.shutdown()
+    (entry,) = [p for p in cache.iterdir() if p.is_dir()]
+    assert not (entry / COMPLETE).exists() and not (entry / key).exists()
+
+
+def test_a_model_changed_under_its_prefix_is_another_revision_and_the_pin_refuses(cache, model_folder, s3_server):
+    url = upload_s3(s3_server, model_folder)
+    pinned = fetch(url)
+    bucket, _, prefix = url.removeprefix("s3://").partition("/")
+    s3_server.client.put_object(Bucket=bucket, Key=f"{prefix}/scheduler/scheduler_config.json", Body=b"{}")
+    assert list_model(url).revision != pinned.revision
+    with pytest.raises(FetchRefused, match="changed since the run pinned it"):
+        fetch(url, pinned.revision)
+    changed = fetch(url)
+    assert changed.path != pinned.path and not changed.hit
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("store", ["s3", "gs"])
+def test_a_run_from_object_storage_makes_the_local_folders_images(store, tmp_path, cache, model_folder, request):
+    url = (upload_s3(request.getfixturevalue("s3_server"), model_folder) if store == "s3"
+           else upload_gcs(request.getfixturevalue("gcs_server"), model_folder))
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"i{i}", "prompt": f"a prompt {i}", "seed": 7 + i,
+                                           "height": 64, "width": 64})
+                               + "\n" for i in range(3)))
+    images = {}
+    for name, model in (("local", str(model_folder)), ("remote", url)):
+        out = tmp_path / name
+        diffq("run", str(prompts), "--model", model, "--out", str(out), "--batch-size", "2", "--steps", "2",
+              "--format", "png", "--no-progress")
+        # Pixels: the files' embedded provenance names the model and run.
+        images[name] = {p.name: Image.open(p).tobytes() for p in (out / "images").rglob("*.png")}
+        records = [json.loads(line) for p in (out / "records").glob("*.jsonl") for line in p.read_text().splitlines()]
+        manifest = json.loads((out / "manifest.json").read_text())
+        if name == "remote":
+            revision = list_model(url).revision
+            assert manifest["model_revisions"] == {url: revision}
+            assert {r["model_revision"] for r in records} == {revision}
+        else:
+            assert manifest["model_revisions"] == {} and {r["model_revision"] for r in records} == {None}
+    assert len(images["local"]) == 3 and images["local"] == images["remote"]
