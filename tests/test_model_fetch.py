@@ -213,3 +213,50 @@ def test_a_run_from_object_storage_makes_the_local_folders_images(store, tmp_pat
         else:
             assert manifest["model_revisions"] == {} and {r["model_revision"] for r in records} == {None}
     assert len(images["local"]) == 3 and images["local"] == images["remote"]
+
+
+def test_the_size_cap_evicts_the_least_recently_used_entry_never_one_in_use(cache, model_folder, s3_server):
+    first, second, third = (upload_s3(s3_server, model_folder) for _ in range(3))
+    size = list_model(first).size
+    code = "import sys; from diffq.worker.model_fetch import fetch; print(fetch(sys.argv[1]).path)"
+    # Fetched by a process that has exited: no longer in use.
+    unused = subprocess.run([sys.executable, "-c", code, first], capture_output=True, text=True, timeout=300,
+                            check=True).stdout.strip()
+    settings = Settings(model_cache=str(cache), model_cache_max_gb=2.5 * size / 1e9)  # two fit, not three
+    in_use = fetch(second, settings=settings)  # this process holds it from now on
+    assert Path(unused).is_dir()
+    newest = fetch(third, settings=settings)
+    assert not Path(unused).exists()  # the least recently used, no longer held
+    assert (Path(in_use.path) / COMPLETE).is_file() and (Path(newest.path) / COMPLETE).is_file()
+    # Nothing left to evict but entries in use: the cap is exceeded, never a held entry removed.
+    fetch(first, settings=settings)
+    assert (Path(in_use.path) / COMPLETE).is_file() and (Path(newest.path) / COMPLETE).is_file()
+
+
+@pytest.mark.slow
+def test_each_worker_life_accounts_its_time_to_first_image(tmp_path, cache, model_folder, s3_server):
+    url = upload_s3(s3_server, model_folder)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"i{i}", "prompt": f"p {i}", "height": 64, "width": 64}) + "\n"
+                               for i in range(4)))
+    out = tmp_path / "out"
+    diffq("run", str(prompts), "--model", url, "--out", str(out), "--workers", "2", "--batch-size", "1",
+          "--steps", "2", "--no-progress")
+    from diffq.core.records import START_PHASES, WorkerStart
+    from diffq.results.report import build_report, render_html, render_text
+
+    starts = [WorkerStart.model_validate_json(p.read_bytes()) for p in (out / "starts").glob("*.json")]
+    records = [json.loads(line) for p in (out / "records").glob("*.jsonl") for line in p.read_text().splitlines()]
+    assert len(starts) == len({r["worker"] for r in records})  # every life that stored a batch
+    for start in starts:
+        assert list(start.phases) == list(START_PHASES)
+        assert start.time_to_first_image_s >= sum(start.phases.values()) - 0.01 * len(START_PHASES)
+        (fetched,) = start.fetches
+        assert fetched["model"] == url and fetched["revision"] == list_model(url).revision
+    # One fetch per node: of the lives, exactly one missed (the runner lists, never fetches).
+    assert sorted(s.fetches[0]["hit"] for s in starts) == [False] + [True] * (len(starts) - 1)
+    report = build_report(str(out))
+    assert len(report.starts) == len(starts)
+    text = render_text(report)
+    assert "median time to first image" in text and "device-seconds spent starting" in text
+    assert render_html(report).count("<h2>Time to first image</h2>") == 1

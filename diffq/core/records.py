@@ -118,6 +118,25 @@ class CancelMarker(Strict):
     by: str  # user@host
 
 
+# starts/<worker life>.json: a worker life's time to its first image ----------------
+START_PHASES = ("imports", "compile_cache_pull", "weights_fetch", "load", "warmup", "first_batch_stored")
+
+
+class WorkerStart(Strict):
+    """Where a worker life's seconds went, from its process start to its first batch
+    stored (worker/startup.py), written into the run folder of that batch."""
+
+    worker: str
+    pid: int
+    device: str
+    began_at: float  # the process start (wall clock)
+    first_image_at: float
+    time_to_first_image_s: float
+    phases: dict[str, float]  # START_PHASES -> seconds, in that order
+    # Each object-storage model fetched: model, revision, hit, bytes, seconds, mb_per_s.
+    fetches: list[dict] = Field(default_factory=list)
+
+
 # plan/part-NNNNNN.jsonl: one BatchMessage per line, the bytes as published ---------
 def plan_part(messages: Iterable[bytes]) -> bytes:
     """A plan part from encoded BatchMessages (submit encodes each once, for the plan and the broker)."""
