@@ -260,3 +260,24 @@ def test_each_worker_life_accounts_its_time_to_first_image(tmp_path, cache, mode
     text = render_text(report)
     assert "median time to first image" in text and "device-seconds spent starting" in text
     assert render_html(report).count("<h2>Time to first image</h2>") == 1
+
+
+@pytest.mark.parametrize("model", ["s3://models-bucket/flux2", "gs://models-bucket/flux2"])
+def test_pools_of_object_storage_models_mount_a_node_local_cache(model):
+    from tests.test_infra import render_cli, validate_manifest, worker_deployments
+
+    docs = render_cli("--model", model, "--shapes", "64x64", "--batch-size", "1", "--device", "cuda",
+                      "--model-cache-gib", "100")
+    for doc in docs:
+        validate_manifest(doc)
+    pod = worker_deployments(docs)[0]["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["model-cache"]["emptyDir"] == {"sizeLimit": "100Gi"}  # per pod, on the node's disk
+    assert volumes["diffq-model-store"]["secret"] == {"secretName": "diffq-model-store", "optional": True}
+    assert {"name": "model-cache", "mountPath": "/model-cache"} in container["volumeMounts"]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env["DIFFQ_MODEL_CACHE"] == "/model-cache" and float(env["DIFFQ_MODEL_CACHE_MAX_GB"]) < 100 * 2**30 / 1e9
+    assert json.loads(env["DIFFQ_ALLOWED_MODELS"]) == [model]
+    # Pod Security: no hostPath, still run as non-root.
+    assert not any("hostPath" in v for v in pod["volumes"]) and pod["securityContext"]["runAsNonRoot"]
