@@ -40,6 +40,8 @@ from diffq.worker import faults
 COMPLETE = ".complete"
 PART_PREFIX = ".diffq-part-"
 _HASH_CHUNK = 8 * 1024 * 1024
+# A file bigger than this is fetched in ranged parts of this size (S3), several at once.
+PART_BYTES = 64 * 1024 * 1024
 # Each process keeps the `use` lock of every entry it loaded (fd) until it exits.
 _IN_USE: dict[Path, int] = {}
 
@@ -195,8 +197,8 @@ def _fetch_s3(storage, files: list[RemoteFile], entry: Path, threads: int, url: 
     heads = _s3_heads(storage, files, threads)
     # One pool for whole files and parts of big ones; bigger parts and I/O chunks than
     # the defaults (8 MiB, 256 KiB) cut per-request overhead (docs/BENCHMARKS.md).
-    config = TransferConfig(max_concurrency=threads, multipart_threshold=16 * 2**20,
-                            multipart_chunksize=16 * 2**20, io_chunksize=2**20, num_download_attempts=5)
+    config = TransferConfig(max_concurrency=threads, multipart_threshold=PART_BYTES,
+                            multipart_chunksize=PART_BYTES, io_chunksize=2**20, num_download_attempts=5)
     finisher = _Finisher(entry, url, threads, lambda f, part: _s3_problem(heads[f.key], part))
     with create_transfer_manager(client, config) as manager:
         futures = [(f, manager.download(storage.bucket_name, storage.prefix + f.key, str(_part(entry, f))))
