@@ -1,4 +1,4 @@
-"""Models in object storage: fetched into the node-local cache, verified, once per node,
+"""Models in object storage: fetched into the node-local model_cache, verified, once per node,
 resumable, pinned to a revision; a run from s3:// / gs:// makes the local folder's images."""
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ def upload_gcs(gcs_server, folder: Path) -> str:
 
 
 @pytest.fixture
-def cache(tmp_path, monkeypatch) -> Path:
+def model_cache(tmp_path, monkeypatch) -> Path:
     folder = tmp_path / "model-cache"
     monkeypatch.setenv("DIFFQ_MODEL_CACHE", str(folder))
     return folder
@@ -80,19 +80,19 @@ def _same_files(fetched: Path, folder: Path) -> None:
 
 
 @pytest.mark.parametrize("store", ["s3", "gs"])
-def test_fetch_verifies_caches_and_hits(store, cache, model_folder, request):
+def test_fetch_verifies_caches_and_hits(store, model_cache, model_folder, request):
     url = (upload_s3(request.getfixturevalue("s3_server"), model_folder) if store == "s3"
            else upload_gcs(request.getfixturevalue("gcs_server"), model_folder))
     first = fetch(url)
     assert not first.hit and first.bytes == sum(p.stat().st_size for p in _files(model_folder).values())
-    assert Path(first.path).parent == cache and (Path(first.path) / COMPLETE).is_file()
+    assert Path(first.path).parent == model_cache and (Path(first.path) / COMPLETE).is_file()
     _same_files(Path(first.path), model_folder)
     assert not list(Path(first.path).rglob(".diffq-part-*"))
     again = fetch(url, first.revision)
     assert (again.hit, again.bytes, again.path) == (True, 0, first.path)
 
 
-def test_two_processes_started_together_fetch_once(cache, model_folder, s3_server):
+def test_two_processes_started_together_fetch_once(model_cache, model_folder, s3_server):
     url = upload_s3(s3_server, model_folder)
     code = ("import json, sys; from diffq.worker.model_fetch import fetch; "
             "print(json.dumps(fetch(sys.argv[1]).report()))")
@@ -102,17 +102,17 @@ def test_two_processes_started_together_fetch_once(cache, model_folder, s3_serve
     assert [proc.returncode for proc in procs] == [0, 0]
     assert sorted(r["hit"] for r in reports) == [False, True]
     assert sum(r["bytes"] for r in reports) == list_model(url).size
-    assert len([p for p in cache.iterdir() if p.is_dir()]) == 1
+    assert len([p for p in model_cache.iterdir() if p.is_dir()]) == 1
 
 
-def test_a_fetch_killed_half_way_resumes_without_refetching(cache, model_folder, s3_server):
+def test_a_fetch_killed_half_way_resumes_without_refetching(model_cache, model_folder, s3_server):
     url = upload_s3(s3_server, model_folder)
     listing = list_model(url)
     code = "import sys; from diffq.worker.model_fetch import fetch; fetch(sys.argv[1])"
     killed = subprocess.run([sys.executable, "-c", code, url], timeout=300,
                             env={**os.environ, "DIFFQ_FAULT_FETCH_KILL_AFTER": "3"})
     assert killed.returncode == -9
-    (entry,) = [p for p in cache.iterdir() if p.is_dir()]
+    (entry,) = [p for p in model_cache.iterdir() if p.is_dir()]
     assert not (entry / COMPLETE).exists()
     in_place = {key: path.stat().st_ino for key, path in _files(entry).items() if not path.name.startswith(".")}
     assert len(in_place) >= 3 and len(in_place) < len(listing.files)
@@ -159,7 +159,7 @@ class _Corrupting(BaseHTTPRequestHandler):
 # A small object's stored CRC32 is checked by botocore on the wire; the multipart
 # padding shard's parts are checked against its ETag after the download.
 @pytest.mark.parametrize("key", ["scheduler/scheduler_config.json", PADDING])
-def test_a_corrupt_object_is_refused_naming_the_file(key, cache, model_folder, s3_server):
+def test_a_corrupt_object_is_refused_naming_the_file(key, model_cache, model_folder, s3_server):
     url = upload_s3(s3_server, model_folder)
     host, port = s3_server.endpoint.removeprefix("http://").split(":")
     handler = type("Handler", (_Corrupting,), {"upstream": (host, int(port)), "corrupt": key})
@@ -167,16 +167,16 @@ def test_a_corrupt_object_is_refused_naming_the_file(key, cache, model_folder, s
     threading.Thread(target=proxy.serve_forever, daemon=True).start()
     try:
         # The model bucket's own endpoint (DIFFQ_MODEL_STORE_ENDPOINT): here, the proxy.
-        settings = Settings(model_store_endpoint=f"http://127.0.0.1:{proxy.server_port}", model_cache=str(cache))
+        settings = Settings(model_store_endpoint=f"http://127.0.0.1:{proxy.server_port}", model_cache=str(model_cache))
         with pytest.raises(FetchRefused, match=f"file {re.escape(key)} is corrupt"):
             fetch(url, settings=settings)
     finally:
         proxy.shutdown()
-    (entry,) = [p for p in cache.iterdir() if p.is_dir()]
+    (entry,) = [p for p in model_cache.iterdir() if p.is_dir()]
     assert not (entry / COMPLETE).exists() and not (entry / key).exists()
 
 
-def test_a_model_changed_under_its_prefix_is_another_revision_and_the_pin_refuses(cache, model_folder, s3_server):
+def test_a_model_changed_under_its_prefix_is_another_revision_and_the_pin_refuses(model_cache, model_folder, s3_server):
     url = upload_s3(s3_server, model_folder)
     pinned = fetch(url)
     bucket, _, prefix = url.removeprefix("s3://").partition("/")
@@ -190,7 +190,7 @@ def test_a_model_changed_under_its_prefix_is_another_revision_and_the_pin_refuse
 
 @pytest.mark.slow
 @pytest.mark.parametrize("store", ["s3", "gs"])
-def test_a_run_from_object_storage_makes_the_local_folders_images(store, tmp_path, cache, model_folder, request):
+def test_a_run_from_object_storage_makes_the_local_folders_images(store, tmp_path, model_cache, model_folder, request):
     url = (upload_s3(request.getfixturevalue("s3_server"), model_folder) if store == "s3"
            else upload_gcs(request.getfixturevalue("gcs_server"), model_folder))
     prompts = tmp_path / "p.jsonl"
@@ -215,14 +215,14 @@ def test_a_run_from_object_storage_makes_the_local_folders_images(store, tmp_pat
     assert len(images["local"]) == 3 and images["local"] == images["remote"]
 
 
-def test_the_size_cap_evicts_the_least_recently_used_entry_never_one_in_use(cache, model_folder, s3_server):
+def test_the_size_cap_evicts_the_least_recently_used_entry_never_one_in_use(model_cache, model_folder, s3_server):
     first, second, third = (upload_s3(s3_server, model_folder) for _ in range(3))
     size = list_model(first).size
     code = "import sys; from diffq.worker.model_fetch import fetch; print(fetch(sys.argv[1]).path)"
     # Fetched by a process that has exited: no longer in use.
     unused = subprocess.run([sys.executable, "-c", code, first], capture_output=True, text=True, timeout=300,
                             check=True).stdout.strip()
-    settings = Settings(model_cache=str(cache), model_cache_max_gb=2.5 * size / 1e9)  # two fit, not three
+    settings = Settings(model_cache=str(model_cache), model_cache_max_gb=2.5 * size / 1e9)  # two fit, not three
     in_use = fetch(second, settings=settings)  # this process holds it from now on
     assert Path(unused).is_dir()
     newest = fetch(third, settings=settings)
@@ -234,7 +234,7 @@ def test_the_size_cap_evicts_the_least_recently_used_entry_never_one_in_use(cach
 
 
 @pytest.mark.slow
-def test_each_worker_life_accounts_its_time_to_first_image(tmp_path, cache, model_folder, s3_server):
+def test_each_worker_life_accounts_its_time_to_first_image(tmp_path, model_cache, model_folder, s3_server):
     url = upload_s3(s3_server, model_folder)
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps({"id": f"i{i}", "prompt": f"p {i}", "height": 64, "width": 64}) + "\n"
@@ -281,3 +281,38 @@ def test_pools_of_object_storage_models_mount_a_node_local_cache(model):
     assert json.loads(env["DIFFQ_ALLOWED_MODELS"]) == [model]
     # Pod Security: no hostPath, still run as non-root.
     assert not any("hostPath" in v for v in pod["volumes"]) and pod["securityContext"]["runAsNonRoot"]
+
+
+def test_a_key_that_would_leave_the_cache_entry_is_refused(model_cache, s3_server, model_folder):
+    bucket = s3_server.make_bucket(unique_bucket_name())
+    s3_server.client.put_object(Bucket=bucket, Key="m/model_index.json", Body=b"{}")
+    s3_server.client.put_object(Bucket=bucket, Key="m/../../escape.json", Body=b"{}")
+    from diffq.core.model_store import ModelStoreError
+
+    with pytest.raises(ModelStoreError, match=r"'\.\./\.\./escape\.json' cannot be a file"):
+        fetch(f"s3://{bucket}/m")
+    assert not model_cache.exists() or not any(model_cache.iterdir())
+
+
+def test_a_worker_refuses_a_run_pinned_to_another_revision_than_it_loaded(tmp_path):
+    from diffq.core.storage import open_storage as storage_of
+    from diffq.worker.backends import get_backend
+    from diffq.worker.pipeline_host import PipelineHost
+    from diffq.worker.runtime import Runtime
+    from diffq.worker.sink import Sink
+    from diffq.worker.spec import ChildSpec
+
+    url = "s3://models/flux2"
+    run = storage_of(str(tmp_path / "run"))
+    run.put_bytes("manifest.json", json.dumps({"run_id": "r1", "model_revisions": {url: "sha256:pinned"}}).encode())
+    runtime = Runtime(spec=ChildSpec(name="w", broker_url="memory://", queues=["q"]),
+                      host=PipelineHost(backend=get_backend("cpu")), sink=Sink())
+    assert runtime.run_problem(run, "r1") is None
+    # Not loaded yet: it will be loaded at the pinned revision (or the load refuses).
+    assert runtime.model_problem(run, url) is None and runtime.host.pins == {url: "sha256:pinned"}
+    runtime.host.revisions[url] = "sha256:other"
+    assert "loaded at revision sha256:other, but run r1 pinned sha256:pinned" in runtime.model_problem(run, url)
+    runtime.host.revisions[url] = "sha256:pinned"
+    assert runtime.model_problem(run, url) is None
+    assert runtime.model_problem(run, "/models/local") is None  # nothing pinned for a local folder
+

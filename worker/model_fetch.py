@@ -84,6 +84,8 @@ def fetch(url: str, revision: str | None = None, *, settings: Settings | None = 
     if revision is not None and listing.revision != revision:
         raise FetchRefused(f"model {url} changed since the run pinned it: revision {listing.revision} in the "
                            f"store, {revision} pinned; submit a new run for the new revision")
+    if clash := [f.key for f in listing.files if f.key == COMPLETE or Path(f.key).name.startswith(PART_PREFIX)]:
+        raise FetchRefused(f"model {url}: {clash[0]} is a name the model cache keeps for itself")
     root = Path(settings.model_cache)
     root.mkdir(parents=True, exist_ok=True)
     entry = root / entry_name(listing.url, listing.revision)

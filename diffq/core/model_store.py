@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass
 
 from diffq.core.settings import Settings, get_settings
 from diffq.core.storage import StorageError, open_storage
-from diffq.core.storage.base import BucketStorage, split_bucket_url
+from diffq.core.storage.base import BucketStorage, split_bucket_url, validate_key
 
 MODEL_SCHEMES = ("s3://", "gs://")
 INDEX = "model_index.json"  # a diffusers folder's root file
@@ -86,6 +86,11 @@ def list_model(url: str, settings: Settings | None = None, storage: BucketStorag
         files = tuple(_list_s3(storage) if storage.scheme == "s3" else _list_gcs(storage))
     except Exception as exc:  # the client libraries' own errors, each different
         raise StoreUnreachable(f"model {url}: listing failed: {exc}") from exc
+    for file in files:  # each key becomes a path in the node's cache: nothing may leave it
+        try:
+            validate_key(file.key)
+        except ValueError as exc:
+            raise ModelStoreError(f"model {url}: object {file.key!r} cannot be a file of a model folder: {exc}") from None
     if not any(f.key == INDEX for f in files):
         raise ModelStoreError(f"model {url} holds no diffusers pipeline (no {INDEX} under it)")
     return ModelListing(url=storage.url, files=files)
