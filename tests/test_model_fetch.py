@@ -4,14 +4,11 @@ resumable, pinned to a revision; a run from s3:// / gs:// makes the local folder
 from __future__ import annotations
 
 import hashlib
-import http.client
 import json
 import os
 import re
 import subprocess
 import sys
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -22,6 +19,7 @@ from diffq.core.model_store import list_model
 from diffq.core.settings import Settings
 from diffq.core.storage import open_storage
 from tests.helpers import diffq
+from tests.proxy import CorruptingProxy
 from tests.servers import unique_bucket_name
 from diffq.worker.model_fetch import COMPLETE, FetchRefused, fetch
 
@@ -126,52 +124,17 @@ def test_a_fetch_killed_half_way_resumes_without_refetching(model_cache, model_f
     _same_files(entry, model_folder)
 
 
-class _Corrupting(BaseHTTPRequestHandler):
-    """A loopback proxy to the S3 server that flips one byte of one object's body."""
-
-    upstream: tuple[str, int]
-    corrupt: str  # the object path whose GET body is altered
-
-    def _forward(self):
-        body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-        connection = http.client.HTTPConnection(*self.upstream, timeout=60)
-        headers = {k: v for k, v in self.headers.items() if k.lower() != "host"}
-        connection.request(self.command, self.path, body=body or None, headers=headers)
-        response = connection.getresponse()
-        data = response.read()
-        if self.command == "GET" and self.path.split("?")[0].endswith(self.corrupt) and data:
-            data = bytes([data[0] ^ 0xFF]) + data[1:]
-        self.send_response(response.status)
-        for name, value in response.getheaders():
-            if name.lower() not in ("transfer-encoding", "connection", "content-length"):
-                self.send_header(name, value)
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        if self.command != "HEAD":
-            self.wfile.write(data)
-
-    do_GET = do_HEAD = do_PUT = do_POST = do_DELETE = _forward
-
-    def log_message(self, *args):
-        pass
-
-
 # A small object's stored CRC32 is checked by botocore on the wire; the multipart
 # padding shard's parts are checked against its ETag after the download.
-@pytest.mark.parametrize("key", ["scheduler/scheduler_config.json", PADDING])
-def test_a_corrupt_object_is_refused_naming_the_file(key, model_cache, model_folder, s3_server):
+@pytest.mark.parametrize(("key", "found_by"), [("scheduler/scheduler_config.json", "Expected checksum"),
+                                               (PADDING, "ETag")])
+def test_a_corrupt_object_is_refused_naming_the_file(key, found_by, model_cache, model_folder, s3_server):
     url = upload_s3(s3_server, model_folder)
-    host, port = s3_server.endpoint.removeprefix("http://").split(":")
-    handler = type("Handler", (_Corrupting,), {"upstream": (host, int(port)), "corrupt": key})
-    proxy = ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    threading.Thread(target=proxy.serve_forever, daemon=True).start()
-    try:
+    with CorruptingProxy(s3_server.endpoint, corrupt=key) as proxy:
         # The model bucket's own endpoint (DIFFQ_MODEL_STORE_ENDPOINT): here, the proxy.
-        settings = Settings(model_store_endpoint=f"http://127.0.0.1:{proxy.server_port}", model_cache=str(model_cache))
-        with pytest.raises(FetchRefused, match=f"file {re.escape(key)} is corrupt"):
+        settings = Settings(model_store_endpoint=proxy.endpoint, model_cache=str(model_cache))
+        with pytest.raises(FetchRefused, match=f"file {re.escape(key)} is corrupt: .*{found_by}"):
             fetch(url, settings=settings)
-    finally:
-        proxy.shutdown()
     (entry,) = [p for p in model_cache.iterdir() if p.is_dir()]
     assert not (entry / COMPLETE).exists() and not (entry / key).exists()
 
