@@ -216,8 +216,10 @@ def test_each_worker_life_accounts_its_time_to_first_image(tmp_path, model_cache
         assert start.time_to_first_image_s >= sum(start.phases.values()) - 0.01 * len(START_PHASES)
         (fetched,) = start.fetches
         assert fetched["model"] == url and fetched["revision"] == list_model(url).revision
-    # One fetch per node: of the lives, exactly one missed (the runner lists, never fetches).
-    assert sorted(s.fetches[0]["hit"] for s in starts) == [False] + [True] * (len(starts) - 1)
+    # One fetch per node: at most one life missed (the runner lists, never fetches); a
+    # worker that stored no batch records no start, so the miss may be its.
+    assert [s.fetches[0]["hit"] for s in starts].count(False) <= 1
+    assert len([p for p in model_cache.iterdir() if p.is_dir()]) == 1
     report = build_report(str(out))
     assert len(report.starts) == len(starts)
     text = render_text(report)
