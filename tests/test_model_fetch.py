@@ -281,3 +281,15 @@ def test_a_worker_refuses_a_run_pinned_to_another_revision_than_it_loaded(tmp_pa
     assert runtime.model_problem(run, url) is None
     assert runtime.model_problem(run, "/models/local") is None  # nothing pinned for a local folder
 
+
+
+@pytest.mark.slow
+def test_qualify_reports_the_weights_fetch_of_an_object_storage_model(tmp_path, model_cache, model_folder, s3_server):
+    url = upload_s3(s3_server, model_folder)
+    proc = subprocess.run([sys.executable, "-m", "diffq", "qualify", "--model", url, "--shapes", "64x64",
+                           "--batch-size", "1", "--json"], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    start = json.loads(proc.stdout)["start"]
+    (fetched,) = start["fetches"]
+    assert fetched["model"] == url and not fetched["hit"] and fetched["bytes"] == list_model(url).size
+    assert start["weights_fetch_s"] == fetched["seconds"] and start["load_s"] >= 0

@@ -23,6 +23,7 @@ import base64
 import fcntl
 import hashlib
 import json
+import logging
 import os
 import shutil
 import threading
@@ -36,6 +37,8 @@ from diffq.core.contract import model_slug
 from diffq.core.model_store import ModelListing, ModelStoreError, RemoteFile, list_model, model_storage
 from diffq.core.settings import Settings, get_settings
 from diffq.worker import faults
+
+log = logging.getLogger("diffq.worker")
 
 COMPLETE = ".complete"
 PART_PREFIX = ".diffq-part-"
@@ -227,7 +230,9 @@ def _s3_heads(storage, files: list[RemoteFile], threads: int) -> dict[str, dict]
     def head(file: RemoteFile) -> tuple[str, dict]:
         name = storage.prefix + file.key
         response = client.head_object(Bucket=storage.bucket_name, Key=name, ChecksumMode="ENABLED")
-        info = {"etag": response.get("ETag", "").strip('"'), "checksums": {}}
+        # An ETag is an MD5 only without KMS or customer-key encryption.
+        encrypted = response.get("ServerSideEncryption", "").startswith("aws:kms") or response.get("SSECustomerAlgorithm")
+        info = {"etag": response.get("ETag", "").strip('"'), "checksums": {}, "etag_is_md5": not encrypted}
         full_object = response.get("ChecksumType") == "FULL_OBJECT"
         for algorithm in ("SHA256", "SHA1", "CRC32C", "CRC32"):
             value = response.get(f"Checksum{algorithm}")
@@ -235,7 +240,7 @@ def _s3_heads(storage, files: list[RemoteFile], threads: int) -> dict[str, dict]
             # over the parts: the ETag rule checks those.
             if value and "-" not in value and (full_object or "-" not in info["etag"]):
                 info["checksums"][algorithm] = value
-        if "-" in info["etag"] and not info["checksums"]:
+        if "-" in info["etag"] and not info["checksums"] and info["etag_is_md5"]:
             info["part_size"] = client.head_object(Bucket=storage.bucket_name, Key=name,
                                                    PartNumber=1)["ContentLength"]
         return file.key, info
@@ -248,6 +253,10 @@ def _s3_problem(info: dict, path: Path) -> str | None:
     for algorithm, expected in info["checksums"].items():
         got = _digest(path, algorithm)
         return None if got == expected else f"{algorithm} {got}, the store's {expected}"
+    if not info["etag_is_md5"]:
+        log.warning("%s: KMS-encrypted with no stored checksum: only its size is checked (upload it with "
+                    "a checksum, e.g. boto3 >= 1.36's default CRC32)", path.name)
+        return None
     etag = info["etag"]
     if "-" in etag:  # multipart: the MD5 of the parts' MD5s, then "-<parts>"
         parts = []
