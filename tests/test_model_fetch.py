@@ -173,6 +173,8 @@ def test_a_run_from_object_storage_makes_the_local_folders_images(store, tmp_pat
             revision = list_model(url).revision
             assert manifest["model_revisions"] == {url: revision}
             assert {r["model_revision"] for r in records} == {revision}
+            # The provenance written into each file names it too.
+            assert {Image.open(p).text["model_revision"] for p in (out / "images").rglob("*.png")} == {revision}
         else:
             assert manifest["model_revisions"] == {} and {r["model_revision"] for r in records} == {None}
     assert len(images["local"]) == 3 and images["local"] == images["remote"]
