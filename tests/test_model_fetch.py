@@ -21,6 +21,7 @@ from diffq.core.storage import open_storage
 from tests.helpers import diffq
 from tests.proxy import CorruptingProxy
 from tests.servers import unique_bucket_name
+from diffq.worker import model_fetch
 from diffq.worker.model_fetch import COMPLETE, FetchRefused, fetch
 
 # A padding shard bigger than one part: uploaded in 5 MiB parts, so its ETag is a
@@ -78,7 +79,10 @@ def _same_files(fetched: Path, folder: Path) -> None:
 
 
 @pytest.mark.parametrize("store", ["s3", "gs"])
-def test_fetch_verifies_caches_and_hits(store, model_cache, model_folder, request):
+@pytest.mark.parametrize("parts", [False, True], ids=["whole-files", "big-files-in-parts"])
+def test_fetch_verifies_caches_and_hits(store, parts, model_cache, model_folder, request, monkeypatch):
+    if parts:  # the padding shard fetched in ranged parts / chunks side by side
+        monkeypatch.setattr(model_fetch, "PART_BYTES", 2 * 2**20)
     url = (upload_s3(request.getfixturevalue("s3_server"), model_folder) if store == "s3"
            else upload_gcs(request.getfixturevalue("gcs_server"), model_folder))
     first = fetch(url)

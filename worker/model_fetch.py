@@ -305,17 +305,39 @@ def _fetch_gcs(storage, files: list[RemoteFile], entry: Path, threads: int, url:
     from google.cloud.storage import transfer_manager
 
     bucket = storage._get_client().bucket(storage.bucket_name)
-    # The listed generation: exactly the revision listed, even if a newer one lands.
-    pairs = [(bucket.blob(storage.prefix + f.key, generation=int(f.version) if f.version else None),
-              str(_part(entry, f))) for f in files]
-    results = transfer_manager.download_many(pairs, max_workers=threads, worker_type=transfer_manager.THREAD,
-                                             raise_exception=True)
+
+    def blob(file: RemoteFile):
+        # The listed generation: exactly the revision listed, even if a newer one lands.
+        return bucket.blob(storage.prefix + file.key, generation=int(file.version) if file.version else None)
+
     finisher = _Finisher(entry, url, threads, _gcs_problem)
-    for file, result in zip(files, results):
-        if isinstance(result, Exception):
-            raise FetchRefused(f"model {url}: file {file.key}: {result}") from result
+    small = [f for f in files if f.size <= PART_BYTES]
+    # Small files side by side, one stream each; a big one in chunks of PART_BYTES side by side.
+    results = transfer_manager.download_many([(blob(f), str(_part(entry, f))) for f in small], max_workers=threads,
+                                             worker_type=transfer_manager.THREAD, raise_exception=False)
+    for file, result in zip(small, results):
+        _gcs_outcome(file, result, url)
+        finisher.submit(file)
+    for file in (f for f in files if f.size > PART_BYTES):
+        try:
+            transfer_manager.download_chunks_concurrently(blob(file), str(_part(entry, file)), chunk_size=PART_BYTES,
+                                                          max_workers=threads, worker_type=transfer_manager.THREAD,
+                                                          crc32c_checksum=False)  # checked below, like the rest
+        except Exception as exc:
+            _gcs_outcome(file, exc, url)
         finisher.submit(file)
     finisher.wait()
+
+
+def _gcs_outcome(file: RemoteFile, result, url: str) -> None:
+    """A download's exception: a corrupt file refused by name, anything else raised."""
+    if not isinstance(result, Exception):
+        return
+    from google.resumable_media.common import DataCorruption
+
+    if isinstance(result, DataCorruption):
+        raise FetchRefused(f"model {url}: file {file.key} is corrupt: {result}; not loaded") from result
+    raise result
 
 
 def _gcs_problem(file: RemoteFile, path: Path) -> str | None:
