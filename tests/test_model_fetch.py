@@ -295,7 +295,20 @@ def test_qualify_reports_the_weights_fetch_of_an_object_storage_model(tmp_path, 
     proc = subprocess.run([sys.executable, "-m", "diffq", "qualify", "--model", url, "--shapes", "64x64",
                            "--batch-size", "1", "--json"], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    start = json.loads(proc.stdout)["start"]
+    qualified = json.loads(proc.stdout)
+    start = qualified["start"]
     (fetched,) = start["fetches"]
     assert fetched["model"] == url and not fetched["hit"] and fetched["bytes"] == list_model(url).size
     assert start["weights_fetch_s"] == fetched["seconds"] and start["load_s"] >= 0
+
+    # The plan's start-up says whether it holds the fetch each new pod makes.
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"p {i}", "height": 64, "width": 64}) + "\n" for i in range(4)))
+    rates = tmp_path / "rates.json"
+    for hit, says in ((False, f"includes the model's fetch from object storage ({fetched['seconds']:.1f} s, a cache "
+                              "miss)"), (True, "leaves out the fetch each new pod makes")):
+        start["fetches"][0]["hit"] = hit
+        rates.write_text(json.dumps(qualified))
+        plan = json.loads(diffq("plan", str(prompts), "--model", url, "--batch-size", "1", "--rates", str(rates),
+                                "--devices", "1", "--json").stdout)
+        assert any(says in note for note in plan["fleet"]["notes"]), plan["fleet"]["notes"]
