@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 import time
 from concurrent.futures import Future
 
@@ -59,7 +60,13 @@ class StartClock:
         self.worker, self.fetches = worker, list(fetches)
         if "weights_fetch" not in self.phases:  # fetched by the first batch, not the warm start
             self.phases["weights_fetch"] = round(sum(f["seconds"] for f in self.fetches), 3)
-        credited.add_done_callback(lambda future: None if future.exception() else self._done(storage, device))
+        def stored(future: Future) -> None:
+            # Off the thread that settles the sink's futures: a PUT of its own must not delay
+            # them. Not a daemon: a worker that exits now still writes it (the exit joins it).
+            if not future.cancelled() and future.exception() is None:
+                threading.Thread(target=self._done, args=(storage, device), name="diffq-first-image").start()
+
+        credited.add_done_callback(stored)
 
     def _done(self, storage, device: str) -> None:
         from diffq.worker import metrics
