@@ -312,3 +312,16 @@ def test_qualify_reports_the_weights_fetch_of_an_object_storage_model(tmp_path, 
         plan = json.loads(diffq("plan", str(prompts), "--model", url, "--batch-size", "1", "--rates", str(rates),
                                 "--devices", "1", "--json").stdout)
         assert any(says in note for note in plan["fleet"]["notes"]), plan["fleet"]["notes"]
+
+
+def test_a_file_changed_between_the_listing_and_its_fetch_is_refused(model_cache, model_folder, s3_server):
+    from diffq.core.model_store import model_storage
+
+    url = upload_s3(s3_server, model_folder)
+    storage = model_storage(url)
+    listing = list_model(url, storage=storage)
+    bucket, _, prefix = url.removeprefix("s3://").partition("/")
+    s3_server.client.put_object(Bucket=bucket, Key=f"{prefix}/scheduler/scheduler_config.json", Body=b"{}")
+    # The checksums looked up are the listed object's (If-Match its ETag), never a newer one's.
+    with pytest.raises(FetchRefused, match=r"file scheduler/scheduler_config\.json changed since the model was listed"):
+        model_fetch._s3_heads(storage, list(listing.files), 4)

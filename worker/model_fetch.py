@@ -206,6 +206,8 @@ def _fetch_s3(storage, files: list[RemoteFile], entry: Path, threads: int, url: 
                             multipart_chunksize=PART_BYTES, io_chunksize=2**20, num_download_attempts=5)
     finisher = _Finisher(entry, url, threads, lambda f, part: _s3_problem(heads[f.key], part))
     with create_transfer_manager(client, config) as manager:
+        # (s3transfer takes no If-Match: bytes of an upload since the HEAD below fail its
+        # checksums, and are refused as corrupt.)
         futures = [(f, manager.download(storage.bucket_name, storage.prefix + f.key, str(_part(entry, f))))
                    for f in files]
         try:
@@ -225,11 +227,17 @@ def _fetch_s3(storage, files: list[RemoteFile], entry: Path, threads: int, url: 
 
 def _s3_heads(storage, files: list[RemoteFile], threads: int) -> dict[str, dict]:
     """Each file's stored checksum (full-object only) and, for a multipart ETag, its part size."""
+    from botocore.exceptions import ClientError
+
     client = storage._get_client()
 
     def head(file: RemoteFile) -> tuple[str, dict]:
         name = storage.prefix + file.key
-        response = client.head_object(Bucket=storage.bucket_name, Key=name, ChecksumMode="ENABLED")
+        try:  # the object listed, not one uploaded since: its checksums are the listed bytes'
+            response = client.head_object(Bucket=storage.bucket_name, Key=name, ChecksumMode="ENABLED",
+                                          **({"IfMatch": f'"{file.etag}"'} if file.etag else {}))
+        except ClientError as exc:
+            raise _changed(exc, storage.url, file) from exc
         # An ETag is an MD5 only without KMS or customer-key encryption.
         encrypted = response.get("ServerSideEncryption", "").startswith("aws:kms") or response.get("SSECustomerAlgorithm")
         info = {"etag": response.get("ETag", "").strip('"'), "checksums": {}, "etag_is_md5": not encrypted}
@@ -247,6 +255,15 @@ def _s3_heads(storage, files: list[RemoteFile], threads: int) -> dict[str, dict]
 
     with ThreadPoolExecutor(threads, thread_name_prefix="diffq-head") as pool:
         return dict(pool.map(head, files))
+
+
+def _changed(exc, url: str, file: RemoteFile) -> Exception:
+    """A 412 (the object is no longer the one listed) as a refusal naming the file; any
+    other client error as it is."""
+    status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+    if status == 412 or exc.response.get("Error", {}).get("Code") == "PreconditionFailed":
+        return FetchRefused(f"model {url}: file {file.key} changed since the model was listed; fetch again")
+    return exc
 
 
 def _s3_problem(info: dict, path: Path) -> str | None:
