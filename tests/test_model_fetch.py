@@ -325,3 +325,37 @@ def test_a_file_changed_between_the_listing_and_its_fetch_is_refused(model_cache
     # The checksums looked up are the listed object's (If-Match its ETag), never a newer one's.
     with pytest.raises(FetchRefused, match=r"file scheduler/scheduler_config\.json changed since the model was listed"):
         model_fetch._s3_heads(storage, list(listing.files), 4)
+
+
+def test_a_start_clock_says_its_phases_once_in_a_log_line_metrics_and_the_run_folder(tmp_path, caplog):
+    import threading
+    from concurrent.futures import Future
+
+    from diffq.core.records import START_PHASES, WorkerStart
+    from diffq.worker import metrics
+    from diffq.worker.startup import StartClock
+
+    clock = StartClock("w0")
+    for phase in ("imports", "compile_cache_pull", "load"):
+        clock.phase(phase)
+    clock.phase("weights_fetch", seconds=0.0)
+    clock.phase("warmup")
+    run = open_storage(str(tmp_path / "run"))
+    before = metrics.REGISTRY.get_sample_value("diffq_time_to_first_image_seconds_count") or 0
+    credited, again = Future(), Future()
+    fetch = {"model": "s3://m/x", "revision": "sha256:1", "hit": False, "bytes": 10, "seconds": 0.0, "mb_per_s": 0.0}
+    with caplog.at_level("INFO", logger="diffq.worker"):
+        clock.first_batch(run, credited, "w0@host", "cpu:0", [fetch])
+        clock.first_batch(run, again, "w0@host", "cpu:0", [])  # the second batch: nothing more
+        credited.set_result(None)
+        again.set_result(None)
+        for thread in [t for t in threading.enumerate() if t.name == "diffq-first-image"]:
+            thread.join()
+    (key,) = run.list("starts/")
+    start = WorkerStart.model_validate_json(run.get_bytes(key))
+    assert (start.worker, start.device, start.fetches) == ("w0@host", "cpu:0", [fetch])
+    assert list(start.phases) == list(START_PHASES) and start.time_to_first_image_s >= sum(start.phases.values()) - 0.1
+    (said,) = [r.getMessage() for r in caplog.records if '"first_image"' in r.getMessage()]
+    assert json.loads(said)["time_to_first_image_s"] == start.time_to_first_image_s
+    assert metrics.REGISTRY.get_sample_value("diffq_time_to_first_image_seconds_count") == before + 1
+    assert metrics.REGISTRY.get_sample_value("diffq_model_fetch_bytes_total", {"hit": "false"}) >= 10

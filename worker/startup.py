@@ -25,8 +25,9 @@ log = logging.getLogger("diffq.worker")
 def _process_started() -> float:
     """The process's start on the wall clock (Linux: its start time since boot), else now."""
     try:
-        ticks = int(open("/proc/self/stat").read().rpartition(")")[2].split()[19])
-        boot = next(float(line.split()[1]) for line in open("/proc/stat") if line.startswith("btime"))
+        with open("/proc/self/stat") as stat, open("/proc/stat") as system:
+            ticks = int(stat.read().rpartition(")")[2].split()[19])  # field 22: starttime
+            boot = next(float(line.split()[1]) for line in system if line.startswith("btime"))
         return boot + ticks / os.sysconf("SC_CLK_TCK")
     except (OSError, ValueError, IndexError, StopIteration):
         return time.time()
@@ -60,6 +61,7 @@ class StartClock:
         self.worker, self.fetches = worker, list(fetches)
         if "weights_fetch" not in self.phases:  # fetched by the first batch, not the warm start
             self.phases["weights_fetch"] = round(sum(f["seconds"] for f in self.fetches), 3)
+
         def stored(future: Future) -> None:
             # Off the thread that settles the sink's futures: a PUT of its own must not delay
             # them. Not a daemon: a worker that exits now still writes it (the exit joins it).
