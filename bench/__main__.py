@@ -73,7 +73,7 @@ def plot(e2e: list[dict], path: Path) -> None:
 
 
 SECTIONS = ("e2e", "whole", "device", "handoff", "phases", "sink", "ray_data", "producer", "status", "routing", "compile_cache", "warm",
-            "figures", "fleet", "degenerate", "speedups")
+            "figures", "fleet", "degenerate", "speedups", "model_fetch")
 
 
 def run_section(name: str, quick: bool) -> list[dict] | dict:
@@ -120,6 +120,10 @@ def run_section(name: str, quick: bool) -> list[dict] | dict:
                             "--s3-summary-items", "50000" if quick else "1000000"])
     if name == "routing":
         return routing.main(["--batches", "4" if quick else "8"])
+    if name == "model_fetch":
+        from bench import model_fetch
+
+        return model_fetch.main(["--size-gb", "0.2" if quick else "1.0", "--part-mb", "64,256"])
     if name == "warm":
         from bench import warm
 
@@ -306,6 +310,7 @@ def render(results: dict) -> str:
     lines += speedups_section(results.get("speedups"), results.get("notes", {}).get("speedups"))
     lines += figures_section(results.get("figures", []))
     lines += degenerate_section(results.get("degenerate"))
+    lines += model_fetch_section(results.get("model_fetch"), results.get("notes", {}).get("model_fetch"))
     lines += goals(results) + ["", LIMITS]
     return "\n".join(lines)
 
@@ -317,6 +322,13 @@ def speedups_section(result: dict | None, text: str | None) -> list[str]:
     results = result if isinstance(result, list) else [result] if result else []
     lines = [line for index, one in enumerate(results) for line in render_speedups(one, heading=index == 0)]
     return lines + (note(text) if results else [])
+
+
+def model_fetch_section(result: dict | None, text: str | None) -> list[str]:
+    """bench/model_fetch.py: diffq's model fetch against boto3 download_file and a plain loop."""
+    from bench.model_fetch import render as render_fetch
+
+    return render_fetch(result) + (note(text) if result else [])
 
 
 def warm_section(warm: dict | None, text: str | None) -> list[str]:

@@ -30,6 +30,7 @@ from pathlib import Path
 from diffq import __version__
 from diffq.core import layout
 from diffq.core.contract import BatchMessage, ShapeKey
+from diffq.core.model_store import revisions
 from diffq.core.options import AUTO, GenerationOptions
 from diffq.core.profile import SpeedupProfile
 from diffq.core.records import RequestedSize, RunDefaults, RunManifest, ShapeSummary, parse_plan_part, plan_part
@@ -476,6 +477,7 @@ def write_manifest(storage: Storage, prompts: str | Path, plan: Plan, run_id: st
         defaults=defaults,
         diffq_version=__version__,
         models=plan.models,
+        model_revisions=revisions(plan.models),  # pinned: workers load these or refuse
     )
     body = json.dumps(manifest.model_dump(mode="json"), indent=2).encode()
     if not storage.put_bytes(layout.MANIFEST, body, content_type="application/json", if_absent=True):

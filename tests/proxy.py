@@ -1,10 +1,14 @@
-"""A TCP proxy on loopback that can be cut and restored, to simulate a storage
-outage without losing the server's state (moto and fake-gcs keep data in memory)."""
+"""Proxies on loopback in front of a storage server (moto and fake-gcs keep data in
+memory): a TCP proxy that can be cut and restored, to simulate an outage without
+losing the server's state; an HTTP proxy that corrupts one object's bytes on the way."""
 
 from __future__ import annotations
 
+import http.client
 import socket
 import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import urlsplit
 
 
 class CuttableProxy:
@@ -75,3 +79,51 @@ class CuttableProxy:
             with self._lock:
                 self._conns.discard(src)
                 self._conns.discard(dst)
+
+
+class CorruptingProxy:
+    """Forwards every request to `upstream` (http://host:port) and flips the first byte
+    of each GET body of the object whose key ends with `corrupt`: bytes damaged on the
+    way, while the store's listing and checksums stay right."""
+
+    def __init__(self, upstream: str, corrupt: str):
+        parts = urlsplit(upstream)
+        target, key = (parts.hostname, parts.port), corrupt
+
+        class Handler(BaseHTTPRequestHandler):
+            def _forward(self):
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                connection = http.client.HTTPConnection(*target, timeout=60)
+                headers = {k: v for k, v in self.headers.items() if k.lower() != "host"}
+                connection.request(self.command, self.path, body=body or None, headers=headers)
+                response = connection.getresponse()
+                data = response.read()
+                if self.command == "GET" and self.path.split("?")[0].endswith(key) and data:
+                    data = bytes([data[0] ^ 0xFF]) + data[1:]
+                self.send_response(response.status)
+                for name, value in response.getheaders():
+                    if name.lower() not in ("transfer-encoding", "connection", "content-length"):
+                        self.send_header(name, value)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(data)
+
+            do_GET = do_HEAD = do_PUT = do_POST = do_DELETE = _forward
+
+            def log_message(self, *args):
+                pass
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self._server.server_port}"
+
+    def __enter__(self) -> CorruptingProxy:
+        threading.Thread(target=self._server.serve_forever, daemon=True).start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._server.shutdown()
+        self._server.server_close()

@@ -148,3 +148,35 @@ def test_qualify_report_in_a_browser(browser, tiny_model, tmp_path):
     assert len(seen["images"]) == 6 and all(image["ok"] for image in seen["images"])  # 2 items × 3 images
     assert seen["groups"] == 2 and seen["cells"] == 6 and seen["problems"] == []
     assert "diffq qualify cpu: passed" in seen["text"]
+
+
+def test_the_reports_time_to_first_image_section_in_a_browser(browser, tmp_path):
+    from diffq.core import layout
+    from diffq.core.records import START_PHASES, WorkerStart
+    from diffq.results.report import report
+
+    run = str(tmp_path / "run")
+    lost_host_run(run)
+    from diffq.core.storage import open_storage
+
+    storage = open_storage(run)
+    for n, (worker, began, hit) in enumerate([("diffq-w0@host", 1.7e9, False), ("diffq-w1@host", 1.7e9, True),
+                                              ("diffq-w0@host", 1.7e9 + 5, True)]):
+        phases = dict(zip(START_PHASES, (4.0, 0.5, 0.0 if hit else 30.0, 12.0, 60.0, 2.0)))
+        start = WorkerStart(worker=worker, pid=100 + n, device=f"cpu:{n % 2}", began_at=began,
+                            first_image_at=began + sum(phases.values()), phases=phases,
+                            time_to_first_image_s=sum(phases.values()),
+                            fetches=[{"model": "s3://models/flux2", "revision": "sha256:ab", "hit": hit,
+                                      "bytes": 0 if hit else 9_000_000_000, "seconds": phases["weights_fetch"],
+                                      "mb_per_s": 0.0 if hit else 300.0}])
+        storage.put_bytes(layout.start_key(worker, start.pid, began), start.model_dump_json().encode())
+    page = tmp_path / "report.html"
+    built = report(run, html_path=page)
+    assert built.median_time_to_first_image_s == 78.5 and built.device_seconds_starting == 78.5 * 2 + 108.5
+    screenshot(browser, page, tmp_path)
+    seen = measure(browser, page, tmp_path)
+    assert seen["page_width"] <= seen["window_width"]
+    text = seen["text"]
+    assert "Time to first image" in text
+    assert "median time to first image 78.5 s over 3 worker lives; 265.5 device-seconds spent starting" in text
+    assert "miss 9000.0 MB 30.0 s 300 MB/s" in text and text.count("hit 0.0 MB") == 2

@@ -12,6 +12,9 @@ itself on receiving a batch, once per marker file (the restarted group runs on).
 DIFFQ_FAULT_NAN=<text>, DIFFQ_FAULT_FLAT=<text>: the pipeline's output for an item
 whose prompt contains <text> is NaN everywhere (as from an fp16 VAE overflowing) or
 one flat grey (a collapsed sampler), the rest of its batch untouched.
+
+DIFFQ_FAULT_FETCH_KILL_AFTER=<files>: a model fetch (worker/model_fetch.py) SIGKILLs
+its process once that many files are verified and in place (the resume tests).
 """
 
 from __future__ import annotations
@@ -65,3 +68,9 @@ def check_rank(rank: int, items: list[BatchItem]) -> None:
     except FileExistsError:
         return
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def fetch_progress(files_done: int) -> None:
+    after = os.environ.get("DIFFQ_FAULT_FETCH_KILL_AFTER")
+    if after and files_done >= int(after):
+        os.kill(os.getpid(), signal.SIGKILL)

@@ -46,6 +46,15 @@ DEGENERATE = Counter("diffq_degenerate_images",
                      "Images a check found degenerate, by check (kind): nonfinite (NaN or infinite values) or "
                      "flat (one colour); --on-degenerate decides whether each failed or was stored flagged",
                      ["queue", "kind"], registry=REGISTRY)
+# A worker's start: seconds to minutes (a first compile, a cold weights fetch).
+START_BUCKETS = (0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1200, 1800)
+START_PHASE_SECONDS = Histogram("diffq_start_phase_seconds",
+                                "Seconds of each phase of a worker life's start (core/records.py START_PHASES)",
+                                ["phase"], buckets=START_BUCKETS, registry=REGISTRY)
+TIME_TO_FIRST_IMAGE = Histogram("diffq_time_to_first_image_seconds",
+                                "Process start to the first batch stored", buckets=START_BUCKETS, registry=REGISTRY)
+MODEL_FETCH_BYTES = Counter("diffq_model_fetch_bytes", "Bytes of models fetched from object storage",
+                            ["hit"], registry=REGISTRY)
 BUSY = Gauge("diffq_device_busy_ratio", "Share of recent wall time the device spent generating",
              registry=REGISTRY)
 
@@ -121,3 +130,11 @@ def start_server(port: int, addr: str = "0.0.0.0") -> int:
     """Serve /metrics from a daemon thread; returns the bound port (0 picks a free one)."""
     server, _thread = start_http_server(port, addr=addr, registry=REGISTRY)
     return server.server_port
+
+
+def observe_start(phases: dict[str, float], total_s: float, fetches: list[dict]) -> None:
+    for phase, seconds in phases.items():
+        START_PHASE_SECONDS.labels(phase).observe(seconds)
+    TIME_TO_FIRST_IMAGE.observe(total_s)
+    for fetched in fetches:
+        MODEL_FETCH_BYTES.labels(str(fetched["hit"]).lower()).inc(fetched["bytes"])

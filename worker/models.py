@@ -1,4 +1,5 @@
-"""Where a model comes from: a local folder, the HF cache, or the Hub. Torch-free,
+"""Where a model comes from: a local folder, the HF cache, the Hub, or object storage
+(s3:// or gs://, fetched into the node-local cache by worker/model_fetch.py). Torch-free,
 so the producer and the embedded runner can check a model before spawning workers."""
 
 from __future__ import annotations
@@ -27,8 +28,17 @@ def resolve_model(model: str) -> str:
     """A local folder, a cached hub id, or a hub id we can download — else fail fast.
 
     Without this, `from_pretrained` of a hub id on an offline machine retries for
-    minutes before saying anything useful.
+    minutes before saying anything useful. An object-storage model is listed, not
+    fetched: it must hold a diffusers pipeline.
     """
+    from diffq.core.model_store import ModelStoreError, is_model_url, list_model
+
+    if is_model_url(model):
+        try:
+            list_model(model)
+        except ModelStoreError as exc:
+            raise ModelUnavailable(str(exc)) from exc
+        return model
     if Path(model).is_dir():
         if not (Path(model) / "model_index.json").is_file():
             raise ModelUnavailable(f"{model} is a folder but holds no diffusers pipeline (no model_index.json)")
@@ -47,3 +57,22 @@ def resolve_model(model: str) -> str:
             f"for tests use `diffq tiny-pipeline DIR`."
         )
     return model
+
+
+def local_model(model: str, revision: str | None = None):
+    """(the source `from_pretrained` reads, the fetch report or None): an object-storage
+    model fetched into the node-local cache (at `revision`, the run's pin, or refused),
+    anything else as `resolve_model` finds it."""
+    from diffq.core.model_store import ModelStoreError, StoreUnreachable, is_model_url
+
+    if not is_model_url(model):
+        return resolve_model(model), None
+    from diffq.worker.model_fetch import fetch
+
+    try:
+        fetched = fetch(model, revision)
+    except StoreUnreachable:
+        raise  # not permanent: the batch is retried
+    except ModelStoreError as exc:
+        raise ModelUnavailable(str(exc)) from exc
+    return fetched.path, fetched

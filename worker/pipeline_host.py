@@ -22,7 +22,7 @@ from diffq.core.families import Family, FamilyError, family_for_class
 from diffq.core.records import DEGENERATE_CHECKS, FLAT_MAX_LEVELS
 from diffq.worker import dynamo_quirks, faults
 from diffq.worker.backends import COMPILING_MODES, DTYPES, Backend, GraphFallback, resolve
-from diffq.worker.models import resolve_model
+from diffq.worker.models import local_model
 from diffq.worker.speedups import Speedups, SpeedupUnsupported  # noqa: F401 (hooks: a permanent error)
 
 
@@ -133,6 +133,12 @@ class PipelineHost:
     # The degenerate-image checks run on every batch (DEGENERATE_CHECKS keys: the
     # worker's --on-degenerate policy names them); none by default, at no cost.
     checks: frozenset = frozenset()
+    # Object-storage models: the revision each was loaded at (image records name it),
+    # the revision a run pinned for one not loaded yet (worker/runtime.py), and each
+    # fetch's report (bytes, seconds, cache hit), for the start's accounting.
+    revisions: dict = field(default_factory=dict)
+    pins: dict = field(default_factory=dict)
+    fetches: list = field(default_factory=list)
     # One call on the device at a time. A worker runs two batch tasks (worker/
     # celery_adapter.py): the next batch is received and its call prepared while this
     # one runs, and waits here, so the device goes from one call to the next. (One
@@ -176,7 +182,10 @@ class PipelineHost:
 
         diffusers_logging.disable_progress_bar()
 
-        source = resolve_model(model)
+        source, fetched = local_model(model, self.pins.get(model))
+        if fetched is not None:
+            self.revisions[model] = fetched.revision
+            self.fetches.append(fetched.report())
         # The family decides every call argument, so a model outside the table is
         # refused before its weights are read.
         try:
@@ -296,6 +305,8 @@ class PipelineHost:
                 log.warning("shape %s: %d compiled-graph call(s) failed on the device and re-ran uncompiled",
                             shape.label, fallbacks)
             record_extra = self.group.agree(images) if leader else {}
+            if shape.model in self.revisions:
+                record_extra = {**record_extra, "model_revision": self.revisions[shape.model]}
             ended_at = time.time()
             graphs = graphs_compiled() - graphs_before
             compiled = new_shape and self.compiles

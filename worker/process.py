@@ -19,7 +19,7 @@ import warnings
 from pathlib import Path
 
 from diffq.core.storage.base import atomic_write
-from diffq.worker import compile_cache, heap
+from diffq.worker import compile_cache, heap, startup
 from diffq.worker.lifeline import die_with_parent
 from diffq.worker.spec import EXIT_FATAL, QUIET_ENV, ChildSpec
 
@@ -37,13 +37,23 @@ def warm_start(rt) -> dict:
     from diffq.worker.runtime import preload
 
     spec, host, cache = rt.spec, rt.host, rt.spec.cache
+    clock = startup.clock()
+    if clock:  # the process's set-up since its imports (metrics, sink helper) counts with them
+        clock.phase("imports")
     started = time.perf_counter()
     with compile_cache.mirrored(cache) as sync:
+        if clock:
+            clock.phase("compile_cache_pull")
         _warm_in_background(spec)  # after the pull: what it builds may be there
         preload(rt)
         heap.keep()  # the pipelines stay
         loaded = time.perf_counter()
+        if clock:  # the load's seconds include the weights fetch, taken out at the end
+            clock.phase("load")
+            clock.phase("weights_fetch", seconds=sum(f["seconds"] for f in host.fetches))
         host.warmup(spec.warmup_shapes())
+        if clock:
+            clock.phase("warmup")
     heap.settle()  # what the start made stays; each later shape's graphs too
     host.on_compiled.append(lambda _shape: heap.settle())
     if sync:
@@ -56,12 +66,14 @@ def warm_start(rt) -> dict:
         "cache": compile_cache.report(cache, sync),
         "fallback_ops": host.fallback_ops(),
         "heap": heap.report(),
+        "fetches": host.fetches,
     }
 
 
 def child_main(spec_json: str) -> None:
     heap.pause()  # until the warm start is done (a follower's: until it follows)
     spec = ChildSpec.model_validate_json(spec_json)
+    clock = startup.begin(spec.name)
     # A consumer's SIGTERM hands back what it holds and exits; a follower rank holds
     # nothing and ignores SIGTERM (below), so it is killed outright.
     die_with_parent(signal.SIGTERM if spec.rank == 0 else signal.SIGKILL)
@@ -83,6 +95,8 @@ def child_main(spec_json: str) -> None:
 
     from diffq.core.settings import get_settings
     from diffq.worker import metrics
+
+    clock.phase("imports")
 
     settings = get_settings()
     if settings.log_json:

@@ -396,6 +396,11 @@ def _report(session: _Session, load_s: float, shapes: list[dict], revisit: int |
                                     "backend": _json_safe(_call_or_none(backend.cache_stats))}},
         "versions": versions(backend),
         "load_s": round(load_s, 4),
+        # The start phases a worker life records (worker/startup.py) that qualify sees: an
+        # object-storage model's fetch (bytes, seconds, MB/s, cache hit) within the load.
+        "start": {"weights_fetch_s": round(sum(f["seconds"] for f in host.fetches), 4),
+                  "load_s": round(load_s - sum(f["seconds"] for f in host.fetches), 4),
+                  "fetches": host.fetches},
         "shapes": shapes,
         "recompiles": {"steps_change": sum(s["recompiles"]["steps_change"] for s in shapes) if spec.measure else None,
                        "revisit": revisit,

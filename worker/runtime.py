@@ -49,6 +49,8 @@ class Runtime:
     # settings when not given.
     admission: Admission | None = None
     run_ids: dict[str, str] = field(default_factory=dict)  # run folder -> the run id its manifest names
+    # run folder -> its manifest's pinned object-storage model revisions
+    model_pins: dict[str, dict[str, str]] = field(default_factory=dict)
 
     def __post_init__(self):
         if self.line is None:
@@ -89,11 +91,29 @@ class Runtime:
                 except NotFound:
                     return f"{storage.url} holds no diffq run (no {layout.MANIFEST}): nothing is written there"
             try:
-                self.run_ids[storage.url] = str(json.loads(raw)["run_id"])
-            except (ValueError, KeyError, TypeError):
+                manifest = json.loads(raw)
+                self.model_pins[storage.url] = dict(manifest.get("model_revisions") or {})
+                self.run_ids[storage.url] = str(manifest["run_id"])
+            except (ValueError, KeyError, TypeError, AttributeError):
                 return f"{storage.url}/{layout.MANIFEST} is not a diffq run manifest"
         if self.run_ids[storage.url] != run_id:
             return f"run id {run_id!r} is not the id of the run in {storage.url}"
+        return None
+
+    def model_problem(self, storage: Storage, model: str) -> str | None:
+        """Why this worker may not generate `model` for the run in `storage` (read by
+        `run_problem` first), or None: an object-storage model the run pinned must be
+        loaded at that revision. One not loaded yet is loaded at it, or refused then."""
+        pinned = self.model_pins.get(storage.url, {}).get(model)
+        if pinned is None:
+            return None
+        loaded = self.host.revisions.get(model)
+        if loaded is None:
+            self.host.pins[model] = pinned
+            return None
+        if loaded != pinned:
+            return (f"model {model} is loaded at revision {loaded}, but run {self.run_ids.get(storage.url)} "
+                    f"pinned {pinned}: a worker started for that revision must take its batches")
         return None
 
     def storage_for(self, out: str) -> Storage:

@@ -125,7 +125,7 @@ def fit_image(image, fit: str, height: int | None, width: int | None):
 _EXIF_IFD, _USER_COMMENT = 0x8769, 0x9286
 
 
-def provenance(message: BatchMessage, item, size: tuple[int, int]) -> dict[str, str]:
+def provenance(message: BatchMessage, item, size: tuple[int, int], model_revision: str | None = None) -> dict[str, str]:
     """What made this image, as text: written into the file itself (off with
     --no-embed-metadata), so it travels with the image wherever it is copied."""
     fields = {
@@ -136,6 +136,7 @@ def provenance(message: BatchMessage, item, size: tuple[int, int]) -> dict[str, 
         "guidance_scale": f"{message.params.guidance_scale:g}",
         "size": f"{size[0]}x{size[1]}",  # width x height, as stored
         "model": message.shape.model,
+        "model_revision": model_revision,  # an object-storage model's (core/model_store.py)
         "speedup": message.params.speedup,
         "diffq_version": __version__,
     }
@@ -356,11 +357,13 @@ class Sink:
 
         fit = message.params.fit
         embed = message.params.embed_metadata
+        revision = (record_extra.get("model_revision") if isinstance(record_extra, dict)
+                    else getattr(record_extra, "model_revision", None))
 
         def put(index: int) -> tuple[bool, int]:
             item = message.items[index]
             image = fit_image(as_image(images[index]), fit, item.requested_height, item.requested_width)
-            data = encode(image, fmt, provenance(message, item, image.size) if embed else None)
+            data = encode(image, fmt, provenance(message, item, image.size, revision) if embed else None)
             return storage.put_bytes(keys[index], data, content_type=layout.IMAGE_FORMATS[fmt].content_type,
                                      if_absent=True), len(data)
 

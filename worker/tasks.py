@@ -25,6 +25,7 @@ import logging
 from diffq.core import layout
 from diffq.core.contract import BatchMessage
 from diffq.core.records import BatchMeasures
+from diffq.worker import startup
 from diffq.worker.admission import schema_reason
 from diffq.worker.dead_letters import dead_letters_of
 from diffq.worker.delivery import Outcome, Refused
@@ -67,7 +68,7 @@ def _generate_batch(task, payload: dict) -> dict | None:
 def live(batch: Batch, hooks: list[BatchHook]) -> End:
     """The batch from receipt to stored, calling the hooks at each step: how it ended."""
     rt, message, storage = batch.runtime, batch.message, batch.storage
-    if reason := rt.run_problem(storage, message.run_id):
+    if reason := rt.run_problem(storage, message.run_id) or rt.model_problem(storage, message.shape.model):
         return refused(batch, reason)
     for hook in hooks:
         if end := hook.on_received(batch):
@@ -114,6 +115,8 @@ def live(batch: Batch, hooks: list[BatchHook]) -> End:
         degenerate=flagged or {},
         **generated.record_extra,
     ))
+    if clock := startup.clock():
+        clock.first_batch(storage, credited, rt.worker, f"{rt.spec.device}:{rt.spec.slot}", rt.host.fetches)
     log.info(json.dumps({"event": "batch", "run": message.run_id, "batch": message.batch_id,
                          "queue": message.shape.queue, "items": len(message.items),
                          "generate_s": round(generated.generate_s, 3)}))

@@ -29,6 +29,7 @@ import yaml
 from diffq.app.backlog import PORT as BACKLOG_PORT
 from diffq.core.contract import AUTO_DTYPE, ShapeKey, model_slug
 from diffq.core.families import cfg_bit, family_of
+from diffq.core.model_store import is_model_url
 from diffq.core.options import DEFAULTS
 from diffq.core.storage import StorageError, redact_url, split_bucket_url
 from diffq.core.transports import KedaFacts, KedaScaler, Transport, keda_facts, keda_scaler, transport_for
@@ -58,6 +59,16 @@ NO_PREFIX = ("no run-folder prefix: pass --out-prefix s3://BUCKET/runs (the pref
 BACKLOG = "diffq-backlog"
 CACHE_PVC = "diffq-cache"
 CACHE_MOUNT = "/cache"
+# Models in object storage (s3://, gs://) are fetched into a per-pod emptyDir on the
+# node's local disk, not the shared PVC (docs/fleet.md, "Models from object storage"):
+# the pod's worker processes fetch once (a flock) and load at local-disk speed.
+MODEL_CACHE = "model-cache"
+MODEL_CACHE_MOUNT = "/model-cache"
+# The model bucket's own credentials, optional: its keys become the workers' env
+# (DIFFQ_MODEL_STORE_ENDPOINT, _PROFILE, _CREDENTIALS, AWS_SHARED_CREDENTIALS_FILE) and
+# its files appear under MODEL_STORE_MOUNT (an AWS credentials file, a GCS key).
+MODEL_STORE_SECRET = "diffq-model-store"
+MODEL_STORE_MOUNT = "/etc/diffq/model-store"
 METRICS_PORT = 9400
 DEFAULT_IMAGE = "ghcr.io/diffq/diffq-{device}:0.1.0"
 
@@ -185,6 +196,9 @@ class FleetOptions:
     cache_size: str = "500Gi"
     # Tensor-parallel degree: a pod's devices form groups of `tp` ranks (one consumer each).
     tp: int = 1
+    # The per-pod model cache (object-storage models only): its emptyDir's sizeLimit;
+    # the cache evicts before the kubelet would evict the pod for outgrowing it.
+    model_cache_gib: int = 200
     # The fleet's broker (a URL; its credentials are never rendered): the transport
     # table says which KEDA scaler watches its queues (by scheme: redis, rediss,
     # sentinel, amqp, pyamqp, amqps, sqs) and which credentials pods read; an AMQP
@@ -314,6 +328,8 @@ def deployment(name: str, args: list[str], models: list[str], annotations: dict[
         }],
         "volumes": [{"name": "cache", "persistentVolumeClaim": {"claimName": CACHE_PVC}}],
     }
+    if any(is_model_url(model) for model in models):
+        _mount_model_cache(pod, options)
     if profile.shm_size:
         # Memory-backed: a container's own /dev/shm is 64 MiB.
         pod["volumes"].append({"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": profile.shm_size}})
@@ -350,6 +366,22 @@ def broker_env(options: FleetOptions) -> list[dict]:
     return [{"name": "DIFFQ_BROKER_URL", "valueFrom": {"secretKeyRef": {"name": SECRET, "key": "broker-url"}}}] + [
         {"name": name, "valueFrom": {"secretKeyRef": {"name": SECRET, "key": key, "optional": True}}}
         for name, key in options.transport.secret_env] + extra
+
+
+def _mount_model_cache(pod: dict, options: FleetOptions) -> None:
+    """The node-local model cache and the model bucket's optional Secret."""
+    container = pod["containers"][0]
+    pod["volumes"] += [
+        {"name": MODEL_CACHE, "emptyDir": {"sizeLimit": f"{options.model_cache_gib}Gi"}},
+        {"name": MODEL_STORE_SECRET, "secret": {"secretName": MODEL_STORE_SECRET, "optional": True}}]
+    container["volumeMounts"] += [
+        {"name": MODEL_CACHE, "mountPath": MODEL_CACHE_MOUNT},
+        {"name": MODEL_STORE_SECRET, "mountPath": MODEL_STORE_MOUNT, "readOnly": True}]
+    container["env"] += [
+        {"name": "DIFFQ_MODEL_CACHE", "value": MODEL_CACHE_MOUNT},
+        # 95% of the sizeLimit (GiB to GB): evicting an unused model beats losing the pod.
+        {"name": "DIFFQ_MODEL_CACHE_MAX_GB", "value": f"{options.model_cache_gib * 2**30 * 0.95 / 1e9:.1f}"}]
+    container["envFrom"] = [{"secretRef": {"name": MODEL_STORE_SECRET, "optional": True}}]
 
 
 def admission_env(models: list[str], options: FleetOptions) -> list[dict]:

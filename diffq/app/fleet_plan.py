@@ -56,6 +56,10 @@ class Rate:
     device_kind: str
     source: str
     startup_s: float | None = None  # loading the pipeline (qualify's load_s)
+    # An object-storage model's fetch within that load, as qualify saw it: a cache miss
+    # (in startup_s) or a hit (then a new pod's fetch is not); None: no such model.
+    fetch_hit: bool | None = None
+    fetch_s: float = 0.0
     from_first_calls: bool = False  # a report's shape no process ran twice: compile is in steady_s
 
     @property
@@ -66,9 +70,13 @@ class Rate:
 def _qualify_rates(data: dict, source: str) -> list[Rate]:
     kind = data["device"]["kind"]
     cfg = data["guidance_scale"] > 1 if data.get("guidance_scale") is not None else None
+    fetches = (data.get("start") or {}).get("fetches") or []
+    fetch = {"fetch_hit": all(f["hit"] for f in fetches), "fetch_s": sum(f["seconds"] for f in fetches)} \
+        if fetches else {}
     return [Rate(height=s["height"], width=s["width"], batch_size=s["batch_size"], steps=data["steps"],
                  dtype=data["dtype"], cfg=cfg, model=data.get("model"), steady_s=s["steady_s"]["median"],
-                 first_call_s=s["first_call_s"], device_kind=kind, source=source, startup_s=data.get("load_s"))
+                 first_call_s=s["first_call_s"], device_kind=kind, source=source, startup_s=data.get("load_s"),
+                 **fetch)
             for s in data["shapes"]]
 
 
@@ -242,6 +250,19 @@ class FleetPlan:
         }
 
 
+def _fetch_notes(rates: Sequence[Rate]) -> list[str]:
+    """What the start-up says of an object-storage model's fetch: every new pod of a
+    per-pod model cache (the rendered fleets') fetches it once, a miss."""
+    fetched = [rate for rate in rates if rate.fetch_hit is not None]
+    if not fetched:
+        return []
+    if any(rate.fetch_hit for rate in fetched):
+        return ["the model came from the node's model cache when it was qualified (a hit): the start-up leaves out "
+                "the fetch each new pod makes (a miss); qualify it on an empty DIFFQ_MODEL_CACHE to count it"]
+    return [f"the start-up includes the model's fetch from object storage ({max(r.fetch_s for r in fetched):.1f} s, "
+            "a cache miss), as each new pod makes it"]
+
+
 def fleet_plan(plan: Plan, rates: Sequence[Rate] | Sequence[str | Path], *, deadline_s: float | None = None,
                devices: int | None = None, price_per_device_hour: float | None = None,
                warm_cache: bool = False) -> FleetPlan:
@@ -290,6 +311,7 @@ def fleet_plan(plan: Plan, rates: Sequence[Rate] | Sequence[str | Path], *, dead
                                price_per_device_hour=price_per_device_hour)
     if not startups:
         notes.append("the rates do not say how long a device takes to load the pipeline: no start-up time")
+    notes += _fetch_notes(rates)
     if deadline_s is not None:
         needed = figures.devices_for(deadline_s)
         figures = figures.model_copy(update={"devices": needed})

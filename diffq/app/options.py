@@ -55,7 +55,7 @@ def contract_range(model, name: str, metadata=None) -> dict:
 
 Prompts = Annotated[Path, typer.Argument(help="Prompt file: .jsonl, .csv, .txt or .parquet")]
 Out = Annotated[str, typer.Option("--out", "-o", help="Run folder: path, file://, s3://bucket/prefix or gs://bucket/prefix")]
-Model = Annotated[str, typer.Option("--model", "-m", help="Pipeline folder or Hugging Face model id")]
+Model = Annotated[str, typer.Option("--model", "-m", help="Pipeline folder, Hugging Face model id, or s3://BUCKET/PREFIX / gs://BUCKET/PREFIX (fetched once per node into DIFFQ_MODEL_CACHE)")]
 DtypeOpt = Annotated[Dtype, typer.Option("--dtype", help="Pipeline dtype, part of the shape key: auto (each worker runs its device's default: bfloat16 on neuron, tpu, cuda; float32 on cpu) or a pinned dtype")]
 DeviceOpt = Annotated[Device, typer.Option("--device", help="Device kind, from the backend table")]
 Compile = Annotated[CompileMode, typer.Option("--compile", help="none | full (whole transformer) | regional (repeated blocks) | defer-fuse (TPU only); checked against the device")]

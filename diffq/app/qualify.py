@@ -780,6 +780,11 @@ def render_text(report: dict) -> str:
         lines.append(f"compile {c['mode']}" + (f" (backend {c['backend']})" if c["backend"] else "")
                      + f", cache {c['cache_dir'] or 'backend default'}")
         lines.append("versions " + ", ".join(f"{k} {v or '-'}" for k, v in report["versions"].items()))
+    if start := report.get("start"):
+        fetched = "; ".join(f"{'hit' if f['hit'] else 'miss'} {f['bytes'] / 1e6:.1f} MB {f['mb_per_s']:.0f} MB/s"
+                            for f in start["fetches"])
+        lines.append(f"start: weights fetch {start['weights_fetch_s']:.2f} s" + (f" ({fetched})" if fetched else "")
+                     + f", load {start['load_s']:.2f} s")
     for s in report["shapes"]:
         cost = f", {s['cost_per_1000_images']:.4f} per 1,000 images" if s.get("cost_per_1000_images") is not None else ""
         lines.append(f"shape {s['shape']} b{s['batch_size']}: first call {s['first_call_s']:.2f} s "

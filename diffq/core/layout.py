@@ -38,6 +38,7 @@ IMAGES_PREFIX = "images/"
 RECORDS_PREFIX = "records/"
 FAILURES_PREFIX = "failures/"
 PROGRESS_PREFIX = "progress/"
+STARTS_PREFIX = "starts/"  # a WorkerStart per worker life that stored a batch of the run
 CANCEL = "cancel.json"
 FLEET_PLAN = "fleet-plan.json"
 FEED = "feed.json"
@@ -88,6 +89,10 @@ def safe_name(item_id: str) -> str:
 
 def image_key(item_id: str, fmt: str) -> str:
     return f"{IMAGES_PREFIX}{safe_name(item_id)}.{IMAGE_FORMATS[fmt].extension}"
+
+
+def start_key(worker: str, pid: int, began_at: float) -> str:
+    return f"{STARTS_PREFIX}{safe_name(f'{worker}-{pid}-{int(began_at)}')}.json"
 
 
 def record_key(batch_id: str) -> str:

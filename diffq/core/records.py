@@ -107,6 +107,9 @@ class RunManifest(Strict):
     diffq_version: str
     # Every model the run's rows name (rows may name their own): what workers preload.
     models: list[str] = Field(default_factory=list)
+    # Object-storage models pinned at submit: URL -> revision (core/model_store.py).
+    # Workers load that revision or refuse the run's batches.
+    model_revisions: dict[str, str] = Field(default_factory=dict)
 
 
 # cancel.json: `diffq cancel`'s marker ---------------------------------------------
@@ -157,6 +160,25 @@ class FeedEntry(Strict):
     run_id: str
 
 
+# starts/<worker life>.json: a worker life's time to its first image ----------------
+START_PHASES = ("imports", "compile_cache_pull", "weights_fetch", "load", "warmup", "first_batch_stored")
+
+
+class WorkerStart(Strict):
+    """Where a worker life's seconds went, from its process start to its first batch
+    stored (worker/startup.py), written into the run folder of that batch."""
+
+    worker: str
+    pid: int
+    device: str
+    began_at: float  # the process start (wall clock)
+    first_image_at: float
+    time_to_first_image_s: float
+    phases: dict[str, float]  # START_PHASES -> seconds, in that order
+    # Each object-storage model fetched: model, revision, hit, bytes, seconds, mb_per_s.
+    fetches: list[dict] = Field(default_factory=list)
+
+
 # plan/part-NNNNNN.jsonl: one BatchMessage per line, the bytes as published ---------
 def plan_part(messages: Iterable[bytes]) -> bytes:
     """A plan part from encoded BatchMessages (submit encodes each once, for the plan and the broker)."""
@@ -193,6 +215,7 @@ class BatchMeasures(Strict):
     tp_ranks_agree: bool = True
     graph_fallbacks: int = 0
     degenerate: dict[str, str] = Field(default_factory=dict)  # item id -> the check a stored image failed
+    model_revision: str | None = None  # an object-storage model's (core/model_store.py)
 
 
 class ImageRecord(Strict):
@@ -240,6 +263,9 @@ class ImageRecord(Strict):
     # image may then depend on its batch neighbours.
     speedup: Annotated[str | None, Dtype("string")] = None
     reproducible: bool = True
+    # The revision of an object-storage model the image was made with (the listing's
+    # digest, core/model_store.py); null for a local folder or hub model.
+    model_revision: Annotated[str | None, Dtype("string")] = None
 
     @model_validator(mode="before")
     @classmethod

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Literal
 
 from pydantic import Field, SecretStr
@@ -70,6 +71,27 @@ class Settings(BaseSettings):
     # CPUs the sink runs on ('8-11', '2,3'; Linux), unset: wherever the scheduler puts
     # it. Keeps encoding off the cores that drive the devices on a busy host.
     sink_cpus: str | None = None
+    # Models in object storage (`--model s3://bucket/prefix`, `gs://...`) are fetched
+    # into this node-local folder and loaded from there (worker/model_fetch.py): one
+    # entry per model URL and revision. Pods mount a node-local volume here (docs/fleet.md).
+    model_cache: str = Field(default_factory=lambda: _user_cache("models"))
+    # The cache's size cap: least recently used entries not in use by any process are
+    # evicted to fit a new one. Unset: no cap (the volume's own limit).
+    model_cache_max_gb: float | None = Field(default=None, gt=0)
+    # Parallel transfers of one model fetch (boto3's / google-cloud-storage's transfer
+    # managers, threads); parts of a big file count as transfers too.
+    model_fetch_threads: int = Field(default=16, ge=1)
+    # The model bucket's own credentials, where they differ from the run folders':
+    # an S3 endpoint URL and a named AWS profile (from AWS_SHARED_CREDENTIALS_FILE, a
+    # mounted Secret), or a GCS service-account JSON file. Unset: the standard chain.
+    model_store_endpoint: str | None = None
+    model_store_profile: str | None = None
+    model_store_credentials: str | None = None
+
+
+def _user_cache(name: str) -> str:
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(root, "diffq", name)
 
 
 def get_settings() -> Settings:

@@ -52,7 +52,7 @@ from pathlib import Path
 
 from diffq.core import layout
 from diffq.core.progress import parse_segment
-from diffq.core.records import FailureRecord, FleetPlanFigures, ImageRecord, ShapeSummary
+from diffq.core.records import START_PHASES, FailureRecord, FleetPlanFigures, ImageRecord, ShapeSummary, WorkerStart
 from diffq.core.runfolder import (ItemSet, failed_items, first_records, read_failures, read_manifest, read_records,
                                   record_keys)
 from diffq.core.storage import Storage, open_storage
@@ -211,6 +211,27 @@ class Report:
     planned: Planned | None = None
     flagged: list[ImageRecord] = field(default_factory=list)  # the first FLAGGED_SHOWN read, sorted by id
     flagged_kinds: Counter = field(default_factory=Counter)  # check -> images it flagged
+    starts: list[WorkerStart] = field(default_factory=list)  # each worker life's time to first image
+
+    @property
+    def median_time_to_first_image_s(self) -> float | None:
+        return statistics.median(s.time_to_first_image_s for s in self.starts) if self.starts else None
+
+    @property
+    def device_seconds_starting(self) -> float:
+        """Device-seconds the fleet paid before each life's first image."""
+        return sum(s.time_to_first_image_s for s in self.starts)
+
+    def start_rows(self) -> list[list[str]]:
+        """Per worker life: its phases' seconds, time to first image, its fetches."""
+        return [[s.worker, s.device, *(f"{s.phases.get(p, 0.0):.1f}" for p in START_PHASES),
+                 f"{s.time_to_first_image_s:.1f}", _fetch_text(s.fetches)]
+                for s in sorted(self.starts, key=lambda s: s.began_at)]
+
+    def start_summary(self) -> str:
+        return (f"median time to first image {self.median_time_to_first_image_s:.1f} s over "
+                f"{_count(len(self.starts), 'worker life', 'worker lives')}; "
+                f"{self.device_seconds_starting:.1f} device-seconds spent starting")
 
     @property
     def pending(self) -> int:
@@ -326,6 +347,19 @@ class Report:
     @property
     def _run_end(self) -> float:
         return max((b.finished_at for b in self.batches), default=0.0)
+
+
+def _fetch_text(fetches: list[dict]) -> str:
+    return "; ".join(f"{'hit' if f['hit'] else 'miss'} {f['bytes'] / 1e6:.1f} MB {f['seconds']:.1f} s "
+                     f"{f['mb_per_s']:.0f} MB/s" for f in fetches) or "–"
+
+
+def _starts(storage: Storage) -> list[WorkerStart]:
+    keys = list(storage.list(layout.STARTS_PREFIX))
+    return [WorkerStart.model_validate_json(body) for _, body in storage.get_many(keys)]
+
+
+START_HEADER = ["worker", "device", *(p.replace("_", " ") + " s" for p in START_PHASES), "first image s", "fetch"]
 
 
 def _count(n: int, one: str, many: str | None = None) -> str:
@@ -562,7 +596,8 @@ def build_report(out: str, *, price_per_device_hour: float | None = None, sample
                   errors=Counter(f.error for f in failures), wait_threshold_s=threshold,
                   rates=_rates(batches, lives, summaries),
                   planned=_planned(storage, manifest.created_at, batches, lives, price_per_device_hour),
-                  flagged=sorted(flagged, key=lambda r: r.id), flagged_kinds=flagged_kinds)
+                  flagged=sorted(flagged, key=lambda r: r.id), flagged_kinds=flagged_kinds,
+                  starts=_starts(storage))
 
 
 # --- text ---------------------------------------------------------------------------
@@ -604,6 +639,9 @@ def render_text(report: Report) -> str:
     lines += [f"  {w.label:<20} {w.process[:20]:<20} {w.device:<7} {w.images:>6} {w.batches:>8} "
               f"{w.images_per_s:>6.2f} {w.compile_s:>10.1f} {w.generate_s - w.compile_s:>11.1f} {w.waited_s:>10.1f} "
               f"{w.other_s:>15.1f}" + ("  stopped early" if w.stopped_early else "") for w in report.workers]
+    if report.starts:
+        lines += ["", f"time to first image ({report.start_summary()})", "  " + "  ".join(START_HEADER)]
+        lines += ["  " + "  ".join(row) for row in report.start_rows()]
     lines += ["", "devices"]
     lines += [f"  {name:<10} {', '.join(d['dtypes'])}, {d['workers']} process(es), {d['images']} images, "
               f"{d['active_s'] / 3600:.4f} device-hours"
@@ -816,6 +854,8 @@ def render_html(report: Report, thumbs: list[tuple[ImageRecord, bytes]] | None =
                      f"{w.images_per_s:.2f}", f"{w.compile_s:.1f}", f"{w.generate_s - w.compile_s:.1f}",
                      f"{w.waited_s:.1f}", f"{w.other_s:.1f}", "stopped early" if w.stopped_early else "with the run"]
                     for w in report.workers])
+    starts = (f"<p>{html.escape(report.start_summary())}.</p><div class=wide>"
+              + _table(START_HEADER, report.start_rows()) + "</div>") if report.starts else "<p>no worker life recorded its start</p>"
     devices = _table(["device", "dtype", "processes", "images", "device-hours"],
                      [[name, ", ".join(d["dtypes"]), d["workers"], d["images"], f"{d['active_s'] / 3600:.4f}"]
                       for name, d in report.per_device().items()])
@@ -852,6 +892,7 @@ def render_html(report: Report, thumbs: list[tuple[ImageRecord, bytes]] | None =
 {planned}
 <h2>Shapes</h2><div class=wide>{shapes}</div>
 <h2>Worker lives</h2><div class=wide>{lives}</div>
+<h2>Time to first image</h2>{starts}
 <h2>Devices</h2>{devices}
 <h2>Failures</h2><div class=wide>{failures}</div>
 <h2>Flagged images</h2>{flagged}
@@ -897,7 +938,10 @@ def to_json(report: Report) -> dict:
             "rates": report.rates,
             "planned": report.planned.to_json() if report.planned else None,
             "failures": dict(report.errors),
-            "flagged": {"kinds": dict(report.flagged_kinds), "items": [r.id for r in report.flagged]}}
+            "flagged": {"kinds": dict(report.flagged_kinds), "items": [r.id for r in report.flagged]},
+            "starts": {"median_time_to_first_image_s": report.median_time_to_first_image_s,
+                       "device_seconds_starting": report.device_seconds_starting,
+                       "lives": [s.model_dump(mode="json") for s in report.starts]}}
 
 
 __all__ = ["Report", "build_report", "charts", "contact_sheet", "render_html", "render_text", "report",

@@ -42,6 +42,7 @@ def manifests(
     fleet_plan: Annotated[Optional[Path], typer.Option("--fleet-plan", help="`diffq plan … --rates FILE --deadline 6h --json` output: each pool's maxReplicaCount is the pods the plan needs for its queues (instead of --max-replicas)")] = None,
     out_prefix: Annotated[Optional[list[str]], typer.Option("--out-prefix", help="Run folders the workers may write to: the prefix `diffq submit --out` folders live under (s3://BUCKET/runs, gs://BUCKET/runs or an absolute path; repeat or comma-separate). Default: DIFFQ_ALLOWED_OUT_PREFIXES; with neither, refused unless --any-out")] = None,
     any_out: Annotated[bool, typer.Option("--any-out", help="Render no prefix: the workers write into whatever run folder a batch names")] = False,
+    model_cache_gib: Annotated[int, typer.Option("--model-cache-gib", min=1, help="Pools of s3:// / gs:// models: the size of each pod's node-local model cache (an emptyDir on the node's disk)")] = 200,
     out: Annotated[Optional[str], typer.Option("--out", help="Write <name>.yaml per shape here instead of stdout")] = None,
     feeds: Feeds = None,
 ) -> None:
@@ -60,7 +61,7 @@ def manifests(
                                      devices_per_pod=devices_per_pod, max_replicas=max_replicas,
                                      batches_per_replica=batches_per_replica, redis_db=redis_db,
                                      grace_seconds=grace_seconds, compile=compile.value if compile else None,
-                                     storage_class=storage_class, tp=tp,
+                                     storage_class=storage_class, tp=tp, model_cache_gib=model_cache_gib,
                                      broker=broker or settings.broker_url or "redis://",
                                      broker_options=fleet.parse_broker_options(broker_option or []),
                                      out_prefixes=fleet.parse_out_prefixes(prefixes or []), any_out=any_out,

@@ -40,8 +40,17 @@ class GCSStorage(BucketStorage):
     # GCS sustains about one write per second to the same object name (more gets 429s).
     min_rewrite_interval_s = 1.0
 
+    def __init__(self, bucket: str, prefix: str = "", *, credentials_file: str | None = None):
+        super().__init__(bucket, prefix)
+        # A service-account JSON file instead of the application default credentials
+        # (a bucket with its own credentials: models).
+        self.credentials_file = credentials_file
+
     def _make_client(self):
-        if os.environ.get("STORAGE_EMULATOR_HOST"):
+        if self.credentials_file and not os.environ.get("STORAGE_EMULATOR_HOST"):
+            client = storage.Client.from_service_account_json(
+                self.credentials_file, project=os.environ.get("GOOGLE_CLOUD_PROJECT"))
+        elif os.environ.get("STORAGE_EMULATOR_HOST"):
             client = storage.Client(
                 project=os.environ.get("GOOGLE_CLOUD_PROJECT", "diffq-local"),
                 credentials=AnonymousCredentials(),

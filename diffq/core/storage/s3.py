@@ -49,7 +49,7 @@ class S3Storage(BucketStorage):
     Retries are botocore's own: mode from `retry_mode`, else AWS_RETRY_MODE, else
     "standard"; attempts from `max_attempts`, else AWS_MAX_ATTEMPTS, else
     DEFAULT_MAX_ATTEMPTS. (A botocore Config overrides those two variables, so
-    they are read here.)
+    they are read here.) `profile`: a named AWS profile instead of the default chain.
     """
 
     scheme = "s3"
@@ -62,9 +62,11 @@ class S3Storage(BucketStorage):
         endpoint_url: str | None = None,
         max_attempts: int | None = None,
         retry_mode: str | None = None,
+        profile: str | None = None,
     ):
         super().__init__(bucket, prefix)
         self.endpoint_url = endpoint_url
+        self.profile = profile  # a named profile: a bucket with its own credentials (models)
         self.max_attempts = max_attempts or int(
             os.environ.get("AWS_MAX_ATTEMPTS") or DEFAULT_MAX_ATTEMPTS
         )
@@ -84,7 +86,7 @@ class S3Storage(BucketStorage):
             read_timeout=60,
         )
         # A session per client: boto3's default session is not thread-safe.
-        return boto3.session.Session().client(
+        return boto3.session.Session(profile_name=self.profile).client(
             "s3", endpoint_url=self.endpoint_url, config=config
         )
 

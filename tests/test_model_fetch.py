@@ -1,0 +1,361 @@
+"""Models in object storage: fetched into the node-local model_cache, verified, once per node,
+resumable, pinned to a revision; a run from s3:// / gs:// makes the local folder's images."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from PIL import Image
+from boto3.s3.transfer import TransferConfig
+
+from diffq.core.model_store import list_model
+from diffq.core.settings import Settings
+from diffq.core.storage import open_storage
+from tests.helpers import diffq
+from tests.proxy import CorruptingProxy
+from tests.servers import unique_bucket_name
+from diffq.worker import model_fetch
+from diffq.worker.model_fetch import COMPLETE, FetchRefused, fetch
+
+# A padding shard bigger than one part: uploaded in 5 MiB parts, so its ETag is a
+# multipart one (the MD5 of the parts' MD5s).
+PADDING = "transformer/padding.safetensors"
+PADDING_BYTES = 11 * 2**20 + 12345
+
+
+def _files(folder: Path) -> dict[str, Path]:
+    return {p.relative_to(folder).as_posix(): p for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def model_folder(tiny_model, tmp_path_factory) -> Path:
+    """The tiny pipeline plus a padding shard of random bytes (a safetensors header)."""
+    folder = tmp_path_factory.mktemp("model") / "tiny"
+    import shutil
+
+    shutil.copytree(tiny_model, folder)
+    header = json.dumps({"__metadata__": {"padding": "yes"}}).encode()
+    header += b" " * (-len(header) % 8)
+    body = os.urandom(PADDING_BYTES - 8 - len(header))
+    (folder / PADDING).write_bytes(len(header).to_bytes(8, "little") + header + body)
+    return folder
+
+
+def upload_s3(s3_server, folder: Path) -> str:
+    bucket = s3_server.make_bucket(unique_bucket_name())
+    config = TransferConfig(multipart_threshold=5 * 2**20, multipart_chunksize=5 * 2**20)
+    for key, path in _files(folder).items():
+        s3_server.client.upload_file(str(path), bucket, f"models/tiny/{key}", Config=config)
+    return f"s3://{bucket}/models/tiny"
+
+
+def upload_gcs(gcs_server, folder: Path) -> str:
+    bucket = gcs_server.make_bucket(unique_bucket_name())
+    storage = open_storage(f"gs://{bucket}/models/tiny")
+    for key, path in _files(folder).items():
+        storage.upload_file(path, key)
+    return f"gs://{bucket}/models/tiny"
+
+
+@pytest.fixture
+def model_cache(tmp_path, monkeypatch) -> Path:
+    folder = tmp_path / "model-cache"
+    monkeypatch.setenv("DIFFQ_MODEL_CACHE", str(folder))
+    return folder
+
+
+def _same_files(fetched: Path, folder: Path) -> None:
+    got = {key: p for key, p in _files(fetched).items() if key != COMPLETE}
+    assert sorted(got) == sorted(_files(folder))
+    for key, path in _files(folder).items():
+        assert hashlib.sha256(got[key].read_bytes()).digest() == hashlib.sha256(path.read_bytes()).digest(), key
+
+
+@pytest.mark.parametrize("store", ["s3", "gs"])
+@pytest.mark.parametrize("parts", [False, True], ids=["whole-files", "big-files-in-parts"])
+def test_fetch_verifies_caches_and_hits(store, parts, model_cache, model_folder, request, monkeypatch):
+    if parts:  # the padding shard fetched in ranged parts / chunks side by side
+        monkeypatch.setattr(model_fetch, "PART_BYTES", 2 * 2**20)
+    url = (upload_s3(request.getfixturevalue("s3_server"), model_folder) if store == "s3"
+           else upload_gcs(request.getfixturevalue("gcs_server"), model_folder))
+    first = fetch(url)
+    assert not first.hit and first.bytes == sum(p.stat().st_size for p in _files(model_folder).values())
+    assert Path(first.path).parent == model_cache and (Path(first.path) / COMPLETE).is_file()
+    _same_files(Path(first.path), model_folder)
+    assert not list(Path(first.path).rglob(".diffq-part-*"))
+    again = fetch(url, first.revision)
+    assert (again.hit, again.bytes, again.path) == (True, 0, first.path)
+
+
+def test_two_processes_started_together_fetch_once(model_cache, model_folder, s3_server):
+    url = upload_s3(s3_server, model_folder)
+    code = ("import json, sys; from diffq.worker.model_fetch import fetch; "
+            "print(json.dumps(fetch(sys.argv[1]).report()))")
+    procs = [subprocess.Popen([sys.executable, "-c", code, url], stdout=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    reports = [json.loads(proc.communicate(timeout=300)[0]) for proc in procs]
+    assert [proc.returncode for proc in procs] == [0, 0]
+    assert sorted(r["hit"] for r in reports) == [False, True]
+    assert sum(r["bytes"] for r in reports) == list_model(url).size
+    assert len([p for p in model_cache.iterdir() if p.is_dir()]) == 1
+
+
+def test_a_fetch_killed_half_way_resumes_without_refetching(model_cache, model_folder, s3_server):
+    url = upload_s3(s3_server, model_folder)
+    listing = list_model(url)
+    code = "import sys; from diffq.worker.model_fetch import fetch; fetch(sys.argv[1])"
+    killed = subprocess.run([sys.executable, "-c", code, url], timeout=300,
+                            env={**os.environ, "DIFFQ_FAULT_FETCH_KILL_AFTER": "3"})
+    assert killed.returncode == -9
+    (entry,) = [p for p in model_cache.iterdir() if p.is_dir()]
+    assert not (entry / COMPLETE).exists()
+    in_place = {key: path.stat().st_ino for key, path in _files(entry).items() if not path.name.startswith(".")}
+    assert len(in_place) >= 3 and len(in_place) < len(listing.files)
+
+    resumed = fetch(url)
+    assert not resumed.hit and resumed.path == str(entry)
+    assert sorted(resumed.files) == sorted(f.key for f in listing.files if f.key not in in_place)
+    assert resumed.bytes == sum(f.size for f in listing.files if f.key not in in_place)
+    # What was complete stayed: the same files (inodes), not downloaded again.
+    assert {key: (entry / key).stat().st_ino for key in in_place} == in_place
+    _same_files(entry, model_folder)
+
+
+# A small object's stored CRC32 is checked by botocore on the wire; the multipart
+# padding shard's parts are checked against its ETag after the download.
+@pytest.mark.parametrize(("key", "found_by"), [("scheduler/scheduler_config.json", "Expected checksum"),
+                                               (PADDING, "ETag")])
+def test_a_corrupt_object_is_refused_naming_the_file(key, found_by, model_cache, model_folder, s3_server):
+    url = upload_s3(s3_server, model_folder)
+    with CorruptingProxy(s3_server.endpoint, corrupt=key) as proxy:
+        # The model bucket's own endpoint (DIFFQ_MODEL_STORE_ENDPOINT): here, the proxy.
+        settings = Settings(model_store_endpoint=proxy.endpoint, model_cache=str(model_cache))
+        with pytest.raises(FetchRefused, match=f"file {re.escape(key)} is corrupt: .*{found_by}"):
+            fetch(url, settings=settings)
+    (entry,) = [p for p in model_cache.iterdir() if p.is_dir()]
+    assert not (entry / COMPLETE).exists() and not (entry / key).exists()
+
+
+def test_a_model_changed_under_its_prefix_is_another_revision_and_the_pin_refuses(model_cache, model_folder, s3_server):
+    url = upload_s3(s3_server, model_folder)
+    pinned = fetch(url)
+    bucket, _, prefix = url.removeprefix("s3://").partition("/")
+    s3_server.client.put_object(Bucket=bucket, Key=f"{prefix}/scheduler/scheduler_config.json", Body=b"{}")
+    assert list_model(url).revision != pinned.revision
+    with pytest.raises(FetchRefused, match="changed since the run pinned it"):
+        fetch(url, pinned.revision)
+    changed = fetch(url)
+    assert changed.path != pinned.path and not changed.hit
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("store", ["s3", "gs"])
+def test_a_run_from_object_storage_makes_the_local_folders_images(store, tmp_path, model_cache, model_folder, request):
+    url = (upload_s3(request.getfixturevalue("s3_server"), model_folder) if store == "s3"
+           else upload_gcs(request.getfixturevalue("gcs_server"), model_folder))
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"i{i}", "prompt": f"a prompt {i}", "seed": 7 + i,
+                                           "height": 64, "width": 64})
+                               + "\n" for i in range(3)))
+    images = {}
+    for name, model in (("local", str(model_folder)), ("remote", url)):
+        out = tmp_path / name
+        diffq("run", str(prompts), "--model", model, "--out", str(out), "--batch-size", "2", "--steps", "2",
+              "--format", "png", "--no-progress")
+        # Pixels: the files' embedded provenance names the model and run.
+        images[name] = {p.name: Image.open(p).tobytes() for p in (out / "images").rglob("*.png")}
+        records = [json.loads(line) for p in (out / "records").glob("*.jsonl") for line in p.read_text().splitlines()]
+        manifest = json.loads((out / "manifest.json").read_text())
+        if name == "remote":
+            revision = list_model(url).revision
+            assert manifest["model_revisions"] == {url: revision}
+            assert {r["model_revision"] for r in records} == {revision}
+            # The provenance written into each file names it too.
+            assert {Image.open(p).text["model_revision"] for p in (out / "images").rglob("*.png")} == {revision}
+        else:
+            assert manifest["model_revisions"] == {} and {r["model_revision"] for r in records} == {None}
+    assert len(images["local"]) == 3 and images["local"] == images["remote"]
+
+
+def test_the_size_cap_evicts_the_least_recently_used_entry_never_one_in_use(model_cache, model_folder, s3_server):
+    first, second, third = (upload_s3(s3_server, model_folder) for _ in range(3))
+    size = list_model(first).size
+    code = "import sys; from diffq.worker.model_fetch import fetch; print(fetch(sys.argv[1]).path)"
+    # Fetched by a process that has exited: no longer in use.
+    unused = subprocess.run([sys.executable, "-c", code, first], capture_output=True, text=True, timeout=300,
+                            check=True).stdout.strip()
+    settings = Settings(model_cache=str(model_cache), model_cache_max_gb=2.5 * size / 1e9)  # two fit, not three
+    in_use = fetch(second, settings=settings)  # this process holds it from now on
+    assert Path(unused).is_dir()
+    newest = fetch(third, settings=settings)
+    assert not Path(unused).exists()  # the least recently used, no longer held
+    assert (Path(in_use.path) / COMPLETE).is_file() and (Path(newest.path) / COMPLETE).is_file()
+    # Nothing left to evict but entries in use: the cap is exceeded, never a held entry removed.
+    fetch(first, settings=settings)
+    assert (Path(in_use.path) / COMPLETE).is_file() and (Path(newest.path) / COMPLETE).is_file()
+
+
+@pytest.mark.slow
+def test_each_worker_life_accounts_its_time_to_first_image(tmp_path, model_cache, model_folder, s3_server):
+    url = upload_s3(s3_server, model_folder)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"i{i}", "prompt": f"p {i}", "height": 64, "width": 64}) + "\n"
+                               for i in range(4)))
+    out = tmp_path / "out"
+    diffq("run", str(prompts), "--model", url, "--out", str(out), "--workers", "2", "--batch-size", "1",
+          "--steps", "2", "--no-progress")
+    from diffq.core.records import START_PHASES, WorkerStart
+    from diffq.results.report import build_report, render_html, render_text
+
+    starts = [WorkerStart.model_validate_json(p.read_bytes()) for p in (out / "starts").glob("*.json")]
+    records = [json.loads(line) for p in (out / "records").glob("*.jsonl") for line in p.read_text().splitlines()]
+    assert len(starts) == len({r["worker"] for r in records})  # every life that stored a batch
+    for start in starts:
+        assert list(start.phases) == list(START_PHASES)
+        assert start.time_to_first_image_s >= sum(start.phases.values()) - 0.01 * len(START_PHASES)
+        (fetched,) = start.fetches
+        assert fetched["model"] == url and fetched["revision"] == list_model(url).revision
+    # One fetch per node: at most one life missed (the runner lists, never fetches); a
+    # worker that stored no batch records no start, so the miss may be its.
+    assert [s.fetches[0]["hit"] for s in starts].count(False) <= 1
+    assert len([p for p in model_cache.iterdir() if p.is_dir()]) == 1
+    report = build_report(str(out))
+    assert len(report.starts) == len(starts)
+    text = render_text(report)
+    assert "median time to first image" in text and "device-seconds spent starting" in text
+    assert render_html(report).count("<h2>Time to first image</h2>") == 1
+
+
+@pytest.mark.parametrize("model", ["s3://models-bucket/flux2", "gs://models-bucket/flux2"])
+def test_pools_of_object_storage_models_mount_a_node_local_cache(model):
+    from tests.test_infra import render_cli, validate_manifest, worker_deployments
+
+    docs = render_cli("--model", model, "--shapes", "64x64", "--batch-size", "1", "--device", "cuda",
+                      "--model-cache-gib", "100")
+    for doc in docs:
+        validate_manifest(doc)
+    pod = worker_deployments(docs)[0]["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["model-cache"]["emptyDir"] == {"sizeLimit": "100Gi"}  # per pod, on the node's disk
+    assert volumes["diffq-model-store"]["secret"] == {"secretName": "diffq-model-store", "optional": True}
+    assert {"name": "model-cache", "mountPath": "/model-cache"} in container["volumeMounts"]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env["DIFFQ_MODEL_CACHE"] == "/model-cache" and float(env["DIFFQ_MODEL_CACHE_MAX_GB"]) < 100 * 2**30 / 1e9
+    assert json.loads(env["DIFFQ_ALLOWED_MODELS"]) == [model]
+    # Pod Security: no hostPath, still run as non-root.
+    assert not any("hostPath" in v for v in pod["volumes"]) and pod["securityContext"]["runAsNonRoot"]
+
+
+def test_a_key_that_would_leave_the_cache_entry_is_refused(model_cache, s3_server, model_folder):
+    bucket = s3_server.make_bucket(unique_bucket_name())
+    s3_server.client.put_object(Bucket=bucket, Key="m/model_index.json", Body=b"{}")
+    s3_server.client.put_object(Bucket=bucket, Key="m/../../escape.json", Body=b"{}")
+    from diffq.core.model_store import ModelStoreError
+
+    with pytest.raises(ModelStoreError, match=r"'\.\./\.\./escape\.json' cannot be a file"):
+        fetch(f"s3://{bucket}/m")
+    assert not model_cache.exists() or not any(model_cache.iterdir())
+
+
+def test_a_worker_refuses_a_run_pinned_to_another_revision_than_it_loaded(tmp_path):
+    from diffq.core.storage import open_storage as storage_of
+    from diffq.worker.backends import get_backend
+    from diffq.worker.pipeline_host import PipelineHost
+    from diffq.worker.runtime import Runtime
+    from diffq.worker.sink import Sink
+    from diffq.worker.spec import ChildSpec
+
+    url = "s3://models/flux2"
+    run = storage_of(str(tmp_path / "run"))
+    run.put_bytes("manifest.json", json.dumps({"run_id": "r1", "model_revisions": {url: "sha256:pinned"}}).encode())
+    runtime = Runtime(spec=ChildSpec(name="w", broker_url="memory://", queues=["q"]),
+                      host=PipelineHost(backend=get_backend("cpu")), sink=Sink())
+    assert runtime.run_problem(run, "r1") is None
+    # Not loaded yet: it will be loaded at the pinned revision (or the load refuses).
+    assert runtime.model_problem(run, url) is None and runtime.host.pins == {url: "sha256:pinned"}
+    runtime.host.revisions[url] = "sha256:other"
+    assert "loaded at revision sha256:other, but run r1 pinned sha256:pinned" in runtime.model_problem(run, url)
+    runtime.host.revisions[url] = "sha256:pinned"
+    assert runtime.model_problem(run, url) is None
+    assert runtime.model_problem(run, "/models/local") is None  # nothing pinned for a local folder
+
+
+
+@pytest.mark.slow
+def test_qualify_reports_the_weights_fetch_of_an_object_storage_model(tmp_path, model_cache, model_folder, s3_server):
+    url = upload_s3(s3_server, model_folder)
+    proc = subprocess.run([sys.executable, "-m", "diffq", "qualify", "--model", url, "--shapes", "64x64",
+                           "--batch-size", "1", "--json"], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    qualified = json.loads(proc.stdout)
+    start = qualified["start"]
+    (fetched,) = start["fetches"]
+    assert fetched["model"] == url and not fetched["hit"] and fetched["bytes"] == list_model(url).size
+    assert start["weights_fetch_s"] == fetched["seconds"] and start["load_s"] >= 0
+
+    # The plan's start-up says whether it holds the fetch each new pod makes.
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"p {i}", "height": 64, "width": 64}) + "\n" for i in range(4)))
+    rates = tmp_path / "rates.json"
+    for hit, says in ((False, f"includes the model's fetch from object storage ({fetched['seconds']:.1f} s, a cache "
+                              "miss)"), (True, "leaves out the fetch each new pod makes")):
+        start["fetches"][0]["hit"] = hit
+        rates.write_text(json.dumps(qualified))
+        plan = json.loads(diffq("plan", str(prompts), "--model", url, "--batch-size", "1", "--rates", str(rates),
+                                "--devices", "1", "--json").stdout)
+        assert any(says in note for note in plan["fleet"]["notes"]), plan["fleet"]["notes"]
+
+
+def test_a_file_changed_between_the_listing_and_its_fetch_is_refused(model_cache, model_folder, s3_server):
+    from diffq.core.model_store import model_storage
+
+    url = upload_s3(s3_server, model_folder)
+    storage = model_storage(url)
+    listing = list_model(url, storage=storage)
+    bucket, _, prefix = url.removeprefix("s3://").partition("/")
+    s3_server.client.put_object(Bucket=bucket, Key=f"{prefix}/scheduler/scheduler_config.json", Body=b"{}")
+    # The checksums looked up are the listed object's (If-Match its ETag), never a newer one's.
+    with pytest.raises(FetchRefused, match=r"file scheduler/scheduler_config\.json changed since the model was listed"):
+        model_fetch._s3_heads(storage, list(listing.files), 4)
+
+
+def test_a_start_clock_says_its_phases_once_in_a_log_line_metrics_and_the_run_folder(tmp_path, caplog):
+    import threading
+    from concurrent.futures import Future
+
+    from diffq.core.records import START_PHASES, WorkerStart
+    from diffq.worker import metrics
+    from diffq.worker.startup import StartClock
+
+    clock = StartClock("w0")
+    for phase in ("imports", "compile_cache_pull", "load"):
+        clock.phase(phase)
+    clock.phase("weights_fetch", seconds=0.0)
+    clock.phase("warmup")
+    run = open_storage(str(tmp_path / "run"))
+    before = metrics.REGISTRY.get_sample_value("diffq_time_to_first_image_seconds_count") or 0
+    credited, again = Future(), Future()
+    fetch = {"model": "s3://m/x", "revision": "sha256:1", "hit": False, "bytes": 10, "seconds": 0.0, "mb_per_s": 0.0}
+    with caplog.at_level("INFO", logger="diffq.worker"):
+        clock.first_batch(run, credited, "w0@host", "cpu:0", [fetch])
+        clock.first_batch(run, again, "w0@host", "cpu:0", [])  # the second batch: nothing more
+        credited.set_result(None)
+        again.set_result(None)
+        for thread in [t for t in threading.enumerate() if t.name == "diffq-first-image"]:
+            thread.join()
+    (key,) = run.list("starts/")
+    start = WorkerStart.model_validate_json(run.get_bytes(key))
+    assert (start.worker, start.device, start.fetches) == ("w0@host", "cpu:0", [fetch])
+    assert list(start.phases) == list(START_PHASES) and start.time_to_first_image_s >= sum(start.phases.values()) - 0.1
+    (said,) = [r.getMessage() for r in caplog.records if '"first_image"' in r.getMessage()]
+    assert json.loads(said)["time_to_first_image_s"] == start.time_to_first_image_s
+    assert metrics.REGISTRY.get_sample_value("diffq_time_to_first_image_seconds_count") == before + 1
+    assert metrics.REGISTRY.get_sample_value("diffq_model_fetch_bytes_total", {"hit": "false"}) >= 10
