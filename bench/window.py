@@ -22,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench import redis_server
+from bench.common import redis_server
 
 BATCH = 4
 
@@ -95,7 +95,7 @@ def _saved(rows: list[dict] | None) -> list[dict]:
 
 def scale_section(rows: list[dict] | None = None) -> list[str]:
     """"Broker memory: a window, not the whole run" (under "Scale"): prose, table, goal."""
-    from bench.scale import goal_table
+    from bench.common import goal_table
 
     rows = _saved(rows)
     if not rows:
