@@ -198,7 +198,7 @@ def _fetch_s3(storage, files: list[RemoteFile], entry: Path, threads: int, url: 
     from boto3.s3.transfer import TransferConfig, create_transfer_manager
     from botocore.exceptions import FlexibleChecksumError
 
-    client = storage._get_client()
+    client = storage.client()
     heads = _s3_heads(storage, files, threads)
     # One pool for whole files and parts of big ones; bigger parts and I/O chunks than
     # the defaults (8 MiB, 256 KiB) cut per-request overhead (docs/BENCHMARKS.md).
@@ -229,7 +229,7 @@ def _s3_heads(storage, files: list[RemoteFile], threads: int) -> dict[str, dict]
     """Each file's stored checksum (full-object only) and, for a multipart ETag, its part size."""
     from botocore.exceptions import ClientError
 
-    client = storage._get_client()
+    client = storage.client()
 
     def head(file: RemoteFile) -> tuple[str, dict]:
         name = storage.prefix + file.key
@@ -321,7 +321,7 @@ def _crc32c(path: Path) -> bytes:
 def _fetch_gcs(storage, files: list[RemoteFile], entry: Path, threads: int, url: str) -> None:
     from google.cloud.storage import transfer_manager
 
-    bucket = storage._get_client().bucket(storage.bucket_name)
+    bucket = storage.client().bucket(storage.bucket_name)
 
     def blob(file: RemoteFile):
         # The listed generation: exactly the revision listed, even if a newer one lands.

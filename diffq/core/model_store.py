@@ -97,7 +97,7 @@ def list_model(url: str, settings: Settings | None = None, storage: BucketStorag
 
 
 def _list_s3(storage):
-    client = storage._get_client()
+    client = storage.client()
     pages = client.get_paginator("list_objects_v2").paginate(Bucket=storage.bucket_name, Prefix=storage.prefix)
     for page in pages:
         for obj in page.get("Contents", ()):
@@ -107,7 +107,7 @@ def _list_s3(storage):
 
 
 def _list_gcs(storage):
-    for blob in storage._get_client().list_blobs(storage.bucket_name, prefix=storage.prefix):
+    for blob in storage.client().list_blobs(storage.bucket_name, prefix=storage.prefix):
         key = blob.name[len(storage.prefix):]
         if key and not key.endswith("/"):
             yield RemoteFile(key=key, size=blob.size, version=str(blob.generation), md5=blob.md5_hash,

@@ -275,6 +275,11 @@ class BucketStorage(Storage):
                     self._client_pid = os.getpid()
         return self._client
 
+    def client(self):
+        """The store's own client (boto3's, google-cloud-storage's), this process's: for
+        what the Storage interface does not cover (a model folder's fetch and listing)."""
+        return self._get_client()
+
     def __getstate__(self):
         state = self.__dict__.copy()
         state.update(_client=None, _client_pid=None, _lock=None)
