@@ -657,7 +657,7 @@ LIMITS = """## What limits the figures (from profiles)
   and the sink's threads (PIL glue, JSON, storage clients) competed for the GIL —
   each call took 6–15 % longer while the previous batch was stored (table "What the
   sink costs generation"). The sink now runs in a helper process per worker
-  (worker/sink_process.py): raw pixels go over a socket pair, the helper encodes,
+  (worker/sink/helper.py): raw pixels go over a socket pair, the helper encodes,
   stores, records and credits, and the ack still waits for it. With it, 1 worker
   matches the raw loop (in-run ratios 0.95–1.00).
 - **Where no core is spare** (2 workers on 2 cores) the sink's CPU comes out of

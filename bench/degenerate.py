@@ -1,4 +1,4 @@
-"""What the degenerate-image checks cost a batch (worker/pipeline_host.py checked_arrays).
+"""What the degenerate-image checks cost a batch (worker/device/pipeline_host.py checked_arrays).
 
 The issue's workload on the tiny pipeline (bench/e2e.py WORKLOAD): the median
 pipeline call per batch, and the 8-bit conversion of that call's real output tensor
@@ -45,8 +45,8 @@ def main(argv: list[str] | None = None) -> dict:
     from diffq.app.tiny import build_tiny_pipeline
     from diffq.core.contract import BatchItem, BatchParams, ShapeKey
     from diffq.core.records import DEGENERATE_CHECKS
-    from diffq.worker.backends import BACKENDS
-    from diffq.worker.pipeline_host import PipelineHost, checked_arrays
+    from diffq.worker.device.backends import BACKENDS
+    from diffq.worker.device.pipeline_host import PipelineHost, checked_arrays
 
     model = str(build_tiny_pipeline(Path(tempfile.mkdtemp(prefix="diffq-bench-degenerate-")) / "tiny"))
     every = frozenset(DEGENERATE_CHECKS)
@@ -94,7 +94,7 @@ def render(result: dict) -> list[str]:
                                   if result.get("load_average") else "")
     prose = (f"Tiny pipeline, {result['workload']}, one torch thread (torch {result['torch']}): every check on "
              "(non-finite before the 8-bit conversion, flat after) against none, on the pipeline's real output "
-             f"(worker/pipeline_host.py `checked_arrays`). {when}")
+             f"(worker/device/pipeline_host.py `checked_arrays`). {when}")
     return [
         "## What the degenerate-image checks cost",
         "",

@@ -284,7 +284,7 @@ def host_limit(height: int, width: int, fmt: str, out: str, cores: int, seconds:
     from diffq.core.contract import BatchItem, BatchMessage, BatchParams, ShapeKey
     from diffq.core.layout import IMAGE_FORMATS
     from diffq.core.storage import open_storage
-    from diffq.worker.sink import _yield_to_generation, as_image, encode, provenance
+    from diffq.worker.sink.store import _yield_to_generation, as_image, encode, provenance
 
     storage = open_storage(out)
     pool = [np.asarray(image) for image in image_pool(height, width)]  # as the host receives them
@@ -372,7 +372,7 @@ def sweep(model: str, workdir: Path, out_base: str, *, height: int, width: int, 
     from diffq.app.runner import run
     from diffq.core.runfolder import iter_records
     from diffq.core.storage import open_storage
-    from diffq.worker import supervisor
+    from diffq.worker.process import supervisor
 
     name = f"{height}x{width}-{fmt}-b{batch}-{target}-c{cores}"
     out = f"{out_base}/{name}-{time.time_ns()}"

@@ -9,16 +9,16 @@ Modes: `before`, every worker reads each served queue's depth every tick (a pipe
 LLEN per queue), lists the broker itself every 2 s (SCAN + LLEN) and, idle, blocks on
 all its queues; `listing`, the fleet's shared listing (the transport table's
 `shared_depths`) with idle workers still blocking everywhere; `after`, the listing,
-and an idle worker blocks on the shapes it has compiled (worker/routing.py now).
+and an idle worker blocks on the shapes it has compiled (worker/delivery/routing.py now).
 
 What is real: one redis-server (tests/servers.py) with diffq's broker options (the
 transport table, through `make_celery`), and for every simulated worker its own kombu
 Redis connection with a kombu Consumer whose BRPOPs kombu's own poller
-(MultiChannelPoller) sends and reads; worker/routing.py's `Router` and `Discovery` on
+(MultiChannelPoller) sends and reads; worker/delivery/routing.py's `Router` and `Discovery` on
 the 1 s timer (and after each batch), switching queues the way Celery's consumer does;
 kombu's restore sweep (`QoS.restore_visible`, its mutex and ZRANGE) every
 `unacked_restore_interval`; Celery's `Heart` publishing a heartbeat every 2 s through
-Celery's event `Dispatcher`; worker/lease.py's `LeaseKeeper.renew_once` every
+Celery's event `Dispatcher`; worker/delivery/lease.py's `LeaseKeeper.renew_once` every
 `lease_renew_s` on `held_deliveries` of the real kombu QoS; in the busy scenario the
 deliveries, acks and task events.
 
@@ -152,7 +152,7 @@ def cell_transport(cell: Cell):
 
 def listen_everywhere_when_idle() -> None:
     """This process's routing as it was before: nothing queued anywhere -> every queue."""
-    from diffq.worker import routing
+    from diffq.worker.delivery import routing
 
     choose = routing.choose_queues
 
@@ -250,8 +250,8 @@ class SimWorker:
         from celery.worker.heartbeat import Heart
 
         from diffq.core.settings import get_settings
-        from diffq.worker.lease import LeaseKeeper, held_deliveries
-        from diffq.worker.routing import Discovery, Router
+        from diffq.worker.delivery.lease import LeaseKeeper, held_deliveries
+        from diffq.worker.delivery.routing import Discovery, Router
 
         k = cell.dilate
         settings = get_settings()
@@ -317,7 +317,7 @@ class SimWorker:
         message.ack()
         self.events.send("task-succeeded", uuid=message.delivery_tag, runtime=self.cell.generate_s)
         self.stats["batches"] += 1
-        self.route()  # right after each batch, as worker/batches.py does
+        self.route()  # right after each batch, as worker/delivery/batches.py does
 
 
 def run_child(pipe, cell: Cell, url: str, indices: range, queues: list[str]) -> None:
@@ -458,7 +458,7 @@ def real_worker(url: str, queues: int, seconds: float, workdir: Path) -> dict:
 
     from diffq.app.tiny import build_tiny_pipeline
     from diffq.core.contract import ShapeKey
-    from diffq.worker.supervisor import Supervisor, plan_children
+    from diffq.worker.process.supervisor import Supervisor, plan_children
 
     client = redis.Redis.from_url(url)
     client.flushall()

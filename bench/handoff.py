@@ -1,6 +1,6 @@
 """What handing a batch's pixels to the sink helper costs, next to encoding them.
 
-The worker's sink (worker/sink_process.py) is given batches of H×W×3 uint8 arrays,
+The worker's sink (worker/sink/helper.py) is given batches of H×W×3 uint8 arrays,
 as the pipeline host makes them, the stand-in's photo-like images (bench/standin.py).
 Per format and size, interleaved: the helper's CPU seconds per image (from /proc:
 receiving the pixels, building the images, encoding, writing, the record and the
@@ -33,7 +33,7 @@ def through_sink(out: str, size: int, fmt: str, batches: int, batch: int, shared
 
     from diffq.core.contract import BatchItem, BatchMessage, BatchParams, ShapeKey
     from diffq.core.storage import open_storage
-    from diffq.worker.sink_process import SinkProcess
+    from diffq.worker.sink.helper import SinkProcess
 
     pool = image_pool(size, size)
     arrays = list(np.stack([np.asarray(pool[n % len(pool)]) for n in range(batch)]))
@@ -62,7 +62,7 @@ def bare(out: str, size: int, fmt: str, images: int) -> float:
     """CPU seconds per image of encode + write in a bare loop (this thread)."""
     from diffq.core.layout import IMAGE_FORMATS
     from diffq.core.storage import open_storage
-    from diffq.worker.sink import encode
+    from diffq.worker.sink.store import encode
 
     storage = open_storage(out)
     pool = image_pool(size, size)

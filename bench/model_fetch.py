@@ -5,7 +5,7 @@ The folder is the tiny pipeline plus padding safetensors shards of random bytes
 (--size-gb in all, --shard-mb each), uploaded in 8 MiB parts as the AWS CLI does.
 Three fetches of it, each into an empty folder:
 
-  diffq       worker/model_fetch.py `fetch` (one transfer manager for all files and parts,
+  diffq       worker/device/model_fetch.py `fetch` (one transfer manager for all files and parts,
               each file checked against its ETag / stored checksum, renamed into place)
   tuned       boto3 `download_file` per file, one file after another, with a tuned
               TransferConfig (the same threads and part size as diffq's)
@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> dict:
     from boto3.s3.transfer import TransferConfig
 
     from diffq.core.settings import Settings
-    from diffq.worker import model_fetch
+    from diffq.worker.device import model_fetch
     from tests.servers import S3Server
 
     parts = [int(mb) * MiB for mb in args.part_mb.split(",") if mb] or [model_fetch.PART_BYTES]
@@ -175,7 +175,7 @@ def render(result: dict | None) -> list[str]:
              + ("in 8 MiB parts: checked by the multipart ETag rule, MD5" if result.get("upload", "parts") == "parts"
                 else "one PUT per file: checked by the stored CRC32") + ") from moto on "
              f"loopback, {result['threads']} threads, {result['cpus']} cores, each fetch into an empty folder. "
-             "diffq: `worker/model_fetch.py` (one transfer manager for every file and part, each file checked "
+             "diffq: `worker/device/model_fetch.py` (one transfer manager for every file and part, each file checked "
              "against its ETag or stored checksum before its rename); tuned: boto3 `download_file` per file "
              "with the same TransferConfig; sequential: one `get_object` stream per file.", "",
              "| part MiB | diffq MB/s | tuned MB/s | sequential MB/s | diffq / best anchor |", "|---|---|---|---|---|"]

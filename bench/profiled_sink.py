@@ -1,7 +1,7 @@
 """The sink helper process under cProfile, every thread of it (bench only).
 
 `python -m bench.profiled_sink <fd> <threads> <retry_for_s>` runs
-`diffq.worker.sink_process.main` unchanged, with a profiler in each of its threads
+`diffq.worker.sink.helper.main` unchanged, with a profiler in each of its threads
 (the receive loop, the writer, the encode/upload pool), and at exit writes the merged
 statistics to `$DIFFQ_BENCH_PHASES/sink-<pid>.prof` (pstats). bench/phases.py points
 the stand-in worker's `SinkProcess.HELPER_MODULE` here when asked to profile the helper.
@@ -21,7 +21,7 @@ from bench.stamps import ENV
 
 
 def main(argv: list[str]) -> None:
-    from diffq.worker import sink_process
+    from diffq.worker.sink import helper as sink_process
 
     profiles: list[cProfile.Profile] = []
     lock = threading.Lock()

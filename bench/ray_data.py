@@ -63,7 +63,7 @@ class RayImageWriter:
         from diffq.core import layout
         from diffq.core.records import ImageRecord, jsonl
         from diffq.producer.sources import derive_seed
-        from diffq.worker.sink import encode
+        from diffq.worker.sink.store import encode
 
         ids, prompts = [str(i) for i in batch["id"]], [str(p) for p in batch["prompt"]]
         seeds = [derive_seed(SEED_BASE, item_id) for item_id in ids]

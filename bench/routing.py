@@ -22,7 +22,7 @@ def one_run(mode: str, server_url: str, model: str, workdir: Path, shapes: int, 
     from diffq.results.status import status
     from diffq.producer.submit import submit
     from diffq.core.storage import open_storage
-    from diffq.worker.supervisor import Supervisor, plan_children
+    from diffq.worker.process.supervisor import Supervisor, plan_children
 
     sizes = [32 + 16 * i for i in range(shapes)]
     rows = [{"id": f"{mode}-{h}-{i}", "prompt": f"p {i}", "height": h, "width": h}

@@ -45,10 +45,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     from diffq.core.contract import BatchItem, BatchMessage, BatchParams, ShapeKey
     from diffq.core.storage import open_storage
     from diffq.app.tiny import build_tiny_pipeline
-    from diffq.worker.backends import BACKENDS
-    from diffq.worker.pipeline_host import PipelineHost
-    from diffq.worker.sink import Sink
-    from diffq.worker.sink_process import SinkProcess
+    from diffq.worker.device.backends import BACKENDS
+    from diffq.worker.device.pipeline_host import PipelineHost
+    from diffq.worker.sink.store import Sink
+    from diffq.worker.sink.helper import SinkProcess
 
     workdir = Path(tempfile.mkdtemp(prefix="diffq-bench-sink-"))
     model = str(build_tiny_pipeline(workdir / "tiny"))

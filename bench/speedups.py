@@ -98,7 +98,7 @@ class Bare:
         return time.perf_counter() - started
 
     def round(self) -> None:
-        from diffq.worker.speedups import cache_config
+        from diffq.worker.device.speedups import cache_config
 
         transformer = self.pipe.transformer
         for batch in self.batches:

@@ -69,24 +69,24 @@ STEPS = [
     ("diffq.core.broker", "EmbeddedTransport.drain_events", "poll"),
     ("diffq.core.broker", "EmbeddedChannel._get", "read message"),
     ("kombu.messaging", "Consumer._receive_callback", "decode message"),
-    ("diffq.worker.celery_adapter", "BatchRequest.execute_using_pool", "celery request"),
-    ("diffq.worker.celery_adapter", "generate_batch", "task"),
-    ("diffq.worker.batches", "BatchLine.received", "received"),
+    ("diffq.worker.delivery.celery_adapter", "BatchRequest.execute_using_pool", "celery request"),
+    ("diffq.worker.delivery.celery_adapter", "generate_batch", "task"),
+    ("diffq.worker.delivery.batches", "BatchLine.received", "received"),
     ("diffq.core.contract", "BatchMessage.from_json_payload", "validate message"),
-    ("diffq.worker.runtime", "Runtime.storage_for", "storage"),
-    ("diffq.worker.hooks", "Cancel.on_received", "cancel check"),
-    ("diffq.worker.hooks", "Metrics.before_generate", "metrics before"),
-    ("diffq.worker.pipeline_host", "PipelineHost.generate", "host call"),
-    ("diffq.worker.pipeline_host", "DeviceTurns.__enter__", "take device"),
-    ("diffq.worker.pipeline_host", "checked_arrays", "8-bit arrays + checks"),
-    ("diffq.worker.pipeline_host", "DeviceTurns.__exit__", "leave device"),
-    ("diffq.worker.hooks", "Metrics.after_generate", "metrics after"),
-    ("diffq.worker.tasks", "set_aside_degenerate", "checks"),
-    ("diffq.worker.batches", "BatchLine.store", "line store"),
-    ("diffq.worker.sink_process", "SinkProcess.submit", "sink submit"),
-    ("diffq.worker.tasks", "finish", "finish"),
-    ("diffq.worker.batches", "BatchLine.ack", "ack"),
-    ("diffq.worker.batches", "BatchLine.settle", "settle"),
+    ("diffq.worker.process.runtime", "Runtime.storage_for", "storage"),
+    ("diffq.worker.delivery.hooks", "Cancel.on_received", "cancel check"),
+    ("diffq.worker.delivery.hooks", "Metrics.before_generate", "metrics before"),
+    ("diffq.worker.device.pipeline_host", "PipelineHost.generate", "host call"),
+    ("diffq.worker.device.pipeline_host", "DeviceTurns.__enter__", "take device"),
+    ("diffq.worker.device.pipeline_host", "checked_arrays", "8-bit arrays + checks"),
+    ("diffq.worker.device.pipeline_host", "DeviceTurns.__exit__", "leave device"),
+    ("diffq.worker.delivery.hooks", "Metrics.after_generate", "metrics after"),
+    ("diffq.worker.delivery.tasks", "set_aside_degenerate", "checks"),
+    ("diffq.worker.delivery.batches", "BatchLine.store", "line store"),
+    ("diffq.worker.sink.helper", "SinkProcess.submit", "sink submit"),
+    ("diffq.worker.delivery.tasks", "finish", "finish"),
+    ("diffq.worker.delivery.batches", "BatchLine.ack", "ack"),
+    ("diffq.worker.delivery.batches", "BatchLine.settle", "settle"),
 ]
 
 
@@ -108,6 +108,6 @@ def install() -> None:
         if owner is None or not _wrap(owner, name, label):
             _out.write(f"# not found: {module}:{path}\n")  # the code moved: that step shows in its neighbours
     if os.environ.get(PROFILE_SINK):
-        from diffq.worker.sink_process import SinkProcess
+        from diffq.worker.sink.helper import SinkProcess
 
         SinkProcess.HELPER_MODULE = "bench.profiled_sink"

@@ -127,7 +127,7 @@ class StandInPipeline:
         if output_type == "pt":
             # What an accelerator hands back for "pt", already scaled to 8 bits on the
             # device: a B×3×H×W view of the pool's channel-last pixels, so the host's
-            # to_arrays (worker/pipeline_host.py) costs nothing, as after a DMA.
+            # to_arrays (worker/device/pipeline_host.py) costs nothing, as after a DMA.
             images = pool_tensor(height, width, len(prompts)).permute(0, 3, 1, 2)
         else:
             pool = image_pool(height, width)
@@ -160,7 +160,7 @@ def write_standin(folder: Path) -> Path:
 
 def install() -> None:
     """In a worker process: load the stand-in for folders holding standin.json."""
-    from diffq.worker import pipeline_host
+    from diffq.worker.device import pipeline_host
 
     original = pipeline_host.PipelineHost._load
     if getattr(original, "standin", False):
@@ -180,15 +180,15 @@ def install() -> None:
 
 def device_child_main(spec_json: str) -> None:
     """The supervisor's child entry point with the stand-in installed (spawned)."""
-    from diffq.worker.process import child_main
-    from diffq.worker.spec import ChildSpec
+    from diffq.worker.process.child import child_main
+    from diffq.worker.process.spec import ChildSpec
 
     # Pin first, as child_main does, since installing imports torch.
     os.environ.update(ChildSpec.model_validate_json(spec_json).env())
     install()
     stamps.install()  # DIFFQ_BENCH_PHASES: time stamps per step between two calls
     if os.environ.get(SOCKET_PIXELS):  # the hand-off before shared-memory slots, for comparison
-        from diffq.worker import sink_process
+        from diffq.worker.sink import helper as sink_process
 
         sink_process._slots_available = lambda: False
     child_main(spec_json)

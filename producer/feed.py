@@ -11,7 +11,7 @@ What is published is marked in OUT after the broker took it (`feed/<source>/stat
 a count per queue of the source's first batches, publish then mark), so a feeder killed
 anywhere loses nothing: the next one republishes at most what was published but not
 yet marked. A batch published twice is generated once: a worker that meets a batch
-already stored credits it again and acks (worker/tasks.py). A second feeder beside the
+already stored credits it again and acks (worker/delivery/tasks.py). A second feeder beside the
 first publishes the same batches again at worst, on the same guard; a count it marks
 is never more than it published itself, so nothing is skipped. No broker offers
 publish-and-mark atomically; this order needs none.

@@ -15,7 +15,7 @@ from diffq.core.runfolder import iter_records
 from diffq.core.storage import open_storage
 
 
-# What the task measures and hands the sink with a batch (worker/tasks.py), for
+# What the task measures and hands the sink with a batch (worker/delivery/tasks.py), for
 # tests that drive the sink directly.
 MEASURED = {"device": "cpu:0", "worker": "w@test", "generate_s": 0.1, "generate_started_at": 1.7e9,
             "generate_ended_at": 1.7e9 + 0.1}
@@ -57,7 +57,7 @@ def assert_run_complete(out: str, prompts_path: Path, steps: int, model: str) ->
 
 def start_workers(broker: str, queues: list[str], model: str, n: int = 2, **spec_fields):
     """n real worker processes (spawned, pinned, solo pool) on `queues`."""
-    from diffq.worker.supervisor import Supervisor, plan_children
+    from diffq.worker.process.supervisor import Supervisor, plan_children
 
     spec_fields.setdefault("loglevel", "ERROR")
     supervisor = Supervisor(plan_children(device="cpu", devices=list(range(n)), broker_url=broker,

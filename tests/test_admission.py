@@ -1,5 +1,5 @@
 """A worker writes only where its run lives, and takes only batches its producers sent
-(worker/admission.py, core/signing.py): foreign batches pushed into a served queue on
+(worker/delivery/admission.py, core/signing.py): foreign batches pushed into a served queue on
 Redis, RabbitMQ and SQS are dead-lettered with their reason and never generated, while
 the real run completes exactly once; signatures, replays and key rotation."""
 
@@ -20,7 +20,7 @@ from diffq.core.broker import TASK_NAME, make_celery
 from diffq.core.contract import BatchItem, BatchMessage, BatchParams, ShapeKey
 from diffq.core.signing import HEADER, Keys, canonical
 from diffq.core.transports import DEAD_LETTERS
-from diffq.worker.admission import Admission, RunScope
+from diffq.worker.delivery.admission import Admission, RunScope
 from tests.test_dead_letters import task_body
 
 SHAPE = ShapeKey(model="/models/m", height=64, width=64, batch_size=2, max_sequence_length=64, cfg=False)

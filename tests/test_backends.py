@@ -17,11 +17,11 @@ import pytest
 from typer.testing import CliRunner
 
 from diffq.core.contract import ShapeKey, queue_name
-from diffq.worker import compile_cache
-from diffq.worker.backends import (BACKENDS, COMPILING_MODES, DTYPES, REFERENCE, Placement, RunConfig, device_count,
+from diffq.worker.device import compile_cache
+from diffq.worker.device.backends import (BACKENDS, COMPILING_MODES, DTYPES, REFERENCE, Placement, RunConfig, device_count,
                                    get_backend, parse_devices)
-from diffq.worker.spec import ChildSpec
-from diffq.worker.supervisor import Supervisor, plan_children
+from diffq.worker.process.spec import ChildSpec
+from diffq.worker.process.supervisor import Supervisor, plan_children
 
 WORKER_DIR = Path(__file__).resolve().parents[1] / "worker"
 
@@ -125,7 +125,7 @@ def test_device_count_goes_through_torch_accelerator(monkeypatch):
 
 def test_neuron_fallback_report_hook(monkeypatch):
     # BACKENDS.md Trainium "CPU fallback": list ops with torch_neuronx.get_fallback_ops().
-    from diffq.worker.pipeline_host import PipelineHost
+    from diffq.worker.device.pipeline_host import PipelineHost
 
     assert get_backend("neuron").fallback_report == "torch_neuronx.get_fallback_ops"
     monkeypatch.setitem(sys.modules, "torch_neuronx",
@@ -140,7 +140,7 @@ def test_neuron_compiled_graphs_fail_fast_unless_fallback_is_allowed():
     # logger.warning("Falling back to original GraphModule execution") on that module's
     # logger, unless TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION is true (docs/
     # environment_variables.md: default False, "Fails fast instead").
-    from diffq.worker.backends import GraphFallback
+    from diffq.worker.device.backends import GraphFallback
 
     assert get_backend("neuron").graph_fallback == GraphFallback(
         env="TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION", logger="torch_neuronx.neuron_dynamo_backend.backend",
@@ -171,7 +171,7 @@ def test_neuron_eager_ops_fail_fast_unless_fallback_is_allowed():
     # logging.debug line, and raises "CPU fallback disabled because
     # TORCH_NEURONX_FALLBACK_ONLY_FOR_UNIMPLEMENTED_OPS=1" under "1"; docs/environment_variables.md
     # @ 98154b86: "When `1`, only falls back to CPU for unimplemented ops, not execution errors".
-    from diffq.worker.backends import EagerFallback
+    from diffq.worker.device.backends import EagerFallback
 
     switch = "TORCH_NEURONX_FALLBACK_ONLY_FOR_UNIMPLEMENTED_OPS"
     assert get_backend("neuron").eager_fallback == EagerFallback(env=switch)
@@ -233,7 +233,7 @@ def test_one_chip_tpu_processes_skip_libtpus_host_lock():
     # csrc/common/environment.cc @ df046ee0, InitializeDistributedEnvironment).
     import inspect
 
-    from diffq.worker import backends
+    from diffq.worker.device import backends
 
     assert "GCP init" in inspect.getsource(backends._tpu_pin)  # the comment says which source needs it
     for generation in (None, "v6e", "v7"):
@@ -271,7 +271,7 @@ def test_parse_devices():
 def test_no_device_branching_outside_the_table():
     # ARCHITECTURE.md: no device if/else outside backends.py.
     pattern = re.compile(r"""["'](neuron|tpu|cuda)["']""")
-    for path in WORKER_DIR.glob("*.py"):
+    for path in WORKER_DIR.rglob("*.py"):
         if path.name != "backends.py":
             assert not pattern.search(path.read_text()), f"{path.name} names a device kind"
 
@@ -431,7 +431,7 @@ def test_spawned_children_see_pinning_before_torch(tmp_path, monkeypatch):
 def test_cli_choices_come_from_the_table():
     from diffq.app.choices import CompileMode, Device, Dtype, TpuGeneration
     from diffq.core.contract import DTYPE_TAGS
-    from diffq.worker.backends import TPU_GENERATIONS
+    from diffq.worker.device.backends import TPU_GENERATIONS
 
     assert [d.value for d in Device] == list(BACKENDS)
     assert [m.value for m in CompileMode] == ["none", "full", "regional", "defer-fuse"]
@@ -595,7 +595,7 @@ def test_cores_auto_counts_the_devices_the_container_sees_under_all(tmp_path, mo
     # AWS_NEURON_VISIBLE_DEVICES=ALL (AWS's container examples) exposes every Neuron device,
     # each a /dev/neuron<N> in the container ("--device /dev/neuron#" per device); each
     # device is _neuron_cores_per_device's cores.
-    from diffq.worker import backends
+    from diffq.worker.device import backends
 
     for name in ("neuron0", "neuron1", "neuron_fake", "neuronx", "null"):
         (tmp_path / name).touch()
@@ -610,8 +610,8 @@ def test_cores_auto_counts_the_devices_the_container_sees_under_all(tmp_path, mo
 
 
 def test_bad_allocation_values_name_the_variable(tmp_path, monkeypatch):
-    from diffq.worker import backends
-    from diffq.worker.backends import allocated_devices
+    from diffq.worker.device import backends
+    from diffq.worker.device.backends import allocated_devices
 
     monkeypatch.setattr(backends, "NEURON_DEV", tmp_path)  # ALL, and the container sees no device
     with pytest.raises(ValueError, match=r"AWS_NEURON_VISIBLE_DEVICES=ALL: no .*/neuron<N> device files"):
@@ -635,7 +635,7 @@ def test_single_device_workers_drop_distributed_env():
 
 def test_tpu_topology_table():
     # torch_tpu torch_tpu/_internal/distributed/tpu_topology.py (_TPU_PCI_DEVICE_IDS_TO_TOPOLOGY).
-    from diffq.worker.backends import TPU_GENERATIONS, TPU_PCI_VENDOR
+    from diffq.worker.device.backends import TPU_GENERATIONS, TPU_PCI_VENDOR
 
     assert TPU_PCI_VENDOR == "0x1ae0"
     assert {name: (g.pci_device, g.topologies) for name, g in TPU_GENERATIONS.items()} == {
@@ -658,7 +658,7 @@ def fake_pci(root: Path, devices: list[tuple[str, str]]) -> Path:
 @pytest.mark.parametrize("device_id, generation", [("0x0062", "v5p"), ("0x0063", "v5e"), ("0x006f", "v6e"),
                                                    ("0x0076", "v7")])
 def test_tpu_generation_from_pci_ids(tmp_path, device_id, generation):
-    from diffq.worker.backends import detect_tpu_generation
+    from diffq.worker.device.backends import detect_tpu_generation
 
     # An Intel NIC and an NVIDIA GPU first: only Google's vendor id counts.
     root = fake_pci(tmp_path / "pci", [("0x8086", "0x1521"), ("0x10de", "0x006f"), ("0x1ae0", device_id)])
@@ -666,7 +666,7 @@ def test_tpu_generation_from_pci_ids(tmp_path, device_id, generation):
 
 
 def test_no_tpu_no_generation(tmp_path):
-    from diffq.worker.backends import detect_tpu_generation
+    from diffq.worker.device.backends import detect_tpu_generation
 
     assert detect_tpu_generation(fake_pci(tmp_path / "pci", [("0x10de", "0x2330")])) is None
     assert detect_tpu_generation(tmp_path / "missing") is None

@@ -140,7 +140,7 @@ def test_sweep_drives_a_real_run_and_prints_the_json_shape():
 def test_standin_pt_output_is_an_accelerators_8_bit_batch_the_host_takes_without_a_copy():
     """output_type="pt" (what the worker asks for): B×3×H×W uint8, as scaled on the
     device; the host's to_arrays hands the sink views of that memory (as after a DMA)."""
-    from diffq.worker.pipeline_host import to_arrays
+    from diffq.worker.device.pipeline_host import to_arrays
 
     pipe = StandInPipeline()
     batch = pipe(prompt=[f"p{n} device_s=0.0" for n in range(10)], height=64, width=48, output_type="pt").images
@@ -152,8 +152,8 @@ def test_standin_pt_output_is_an_accelerators_8_bit_batch_the_host_takes_without
 
 
 def test_sink_threads_setting_reaches_the_helper(monkeypatch):
-    from diffq.worker.sink import Sink
-    from diffq.worker.sink_process import SinkProcess, make_sink
+    from diffq.worker.sink.store import Sink
+    from diffq.worker.sink.helper import SinkProcess, make_sink
 
     monkeypatch.setenv("DIFFQ_SINK_THREADS", "8")
     sink = make_sink()

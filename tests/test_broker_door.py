@@ -2,8 +2,8 @@
 
 - Only the door modules of the worker and app layers import celery or kombu or read
   a private (`_`-prefixed) attribute of theirs: everything else reaches the broker
-  through the deliveries port (worker/door.py) or public API.
-- `decide` (worker/delivery.py) is total, each outcome maps to one action, and each
+  through the deliveries port (worker/delivery/door.py) or public API.
+- `decide` (worker/delivery/outcomes.py) is total, each outcome maps to one action, and each
   action is one call on the port (`carry_out`); every end of a delivery outside the
   task (a refusal on receipt, a malformed item, a drain, a lease past its bound, a
   lost connection, a lost worker) goes through it.
@@ -20,14 +20,14 @@ import celery
 import kombu
 import pytest
 
-from diffq.worker import door
-from diffq.worker.delivery import DECISIONS, LETTERED, Action, Outcome, Refused, decide, refusal
+from diffq.worker.delivery import door
+from diffq.worker.delivery.outcomes import DECISIONS, LETTERED, Action, Outcome, Refused, decide, refusal
 from tests.test_dead_letter_brokers import StubMessage
 from tests.test_layers import MODULES, layer_of
 
 # The worker's and the app's only modules that may import celery or kombu or read their
 # private attributes: the engine (Celery's fetch loop, pool, bootsteps) and the port.
-DOORS = {"diffq.worker.celery_adapter", "diffq.worker.door"}
+DOORS = {"diffq.worker.delivery.celery_adapter", "diffq.worker.delivery.door"}
 BROKER_PACKAGES = ("celery", "kombu")
 # Receivers whose private attributes are their own business: the module's own object.
 OWN = {"self", "cls"}
@@ -104,8 +104,8 @@ GUARDED = sorted(m for m in MODULES if layer_of(m) in ("diffq.worker", "diffq.ap
 
 def test_the_doors_exist_and_the_guarded_modules_are_read():
     assert DOORS <= set(MODULES)
-    assert {"diffq.worker.batches", "diffq.worker.lease", "diffq.worker.dead_letters", "diffq.worker.tasks",
-            "diffq.worker.hooks", "diffq.app.commands.fleet"} <= set(GUARDED)
+    assert {"diffq.worker.delivery.batches", "diffq.worker.delivery.lease", "diffq.worker.delivery.dead_letters", "diffq.worker.delivery.tasks",
+            "diffq.worker.delivery.hooks", "diffq.app.commands.fleet"} <= set(GUARDED)
     assert {"_delivered", "_dirty", "_quick_ack", "_brpop_start", "_active_tags"} <= PRIVATE
 
 
@@ -205,7 +205,7 @@ def test_every_refusal_is_one_outcome_of_the_table(why, by_broker):
 @pytest.mark.parametrize("by_broker", [True, False])
 def test_a_refusal_on_receipt_is_carried_out_as_decided(why, by_broker):
     from diffq.core.broker import make_celery
-    from diffq.worker.dead_letters import DeadLetters
+    from diffq.worker.delivery.dead_letters import DeadLetters
 
     message = StubMessage()
     DeadLetters(make_celery("memory://"), "w@h", by_broker=by_broker).reject(message, "why", why=why)
@@ -215,7 +215,7 @@ def test_a_refusal_on_receipt_is_carried_out_as_decided(why, by_broker):
 def test_a_malformed_item_is_lettered_and_its_pop_was_its_removal():
     from diffq.core.broker import make_celery
     from diffq.core.transports import DEAD_QUEUE
-    from diffq.worker.dead_letters import DeadLetters
+    from diffq.worker.delivery.dead_letters import DeadLetters
 
     app = make_celery("memory://")
     DeadLetters(app, "w@h").malformed("diffq.malformed", b"not json", "not JSON (not a kombu message envelope)")
@@ -237,7 +237,7 @@ def test_a_drain_hands_back_everything_held_through_the_lease():
 
 
 def test_a_delivery_past_its_bound_is_left_to_lapse(caplog):
-    from diffq.worker.lease import LeaseKeeper
+    from diffq.worker.delivery.lease import LeaseKeeper
 
     renewed: list[list[str]] = []
     transport = SimpleNamespace(renew=lambda channel, messages: renewed.append([m.delivery_tag for m in messages])
@@ -269,7 +269,7 @@ def test_a_lost_connection_settles_here_and_leaves_the_rest_to_the_lease():
 def test_a_lost_worker_hands_the_batch_back_through_the_table(monkeypatch):
     from celery.worker.request import Request
 
-    from diffq.worker.celery_adapter import BatchRequest
+    from diffq.worker.delivery.celery_adapter import BatchRequest
 
     calls: list[bool] = []
     monkeypatch.setattr(Request, "reject", lambda self, requeue=False: calls.append(requeue))
@@ -282,9 +282,9 @@ def test_a_lost_worker_hands_the_batch_back_through_the_table(monkeypatch):
 
 
 def test_every_admission_check_is_a_refused_row(tmp_path):
-    """Each of admission's checks (worker/admission.py) ends as its own `Refused` row."""
+    """Each of admission's checks (worker/delivery/admission.py) ends as its own `Refused` row."""
     from diffq.core.signing import Keys
-    from diffq.worker.admission import Admission, RunScope
+    from diffq.worker.delivery.admission import Admission, RunScope
     from tests.test_admission import SHAPE, a_batch
 
     out = str(tmp_path / "runs" / "r1")

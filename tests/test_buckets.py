@@ -275,7 +275,7 @@ def bucket_image(height: int, width: int) -> Image.Image:
 
 @pytest.mark.parametrize("fit", FITS)
 def test_fit_stores_the_image_at_the_requested_size(tmp_path, fit):
-    from diffq.worker.sink import Sink
+    from diffq.worker.sink.store import Sink
 
     message = BatchMessage(
         run_id="r", out=str(tmp_path), batch_id="b-0", params={"num_inference_steps": 1, "guidance_scale": 1.0,
@@ -311,7 +311,7 @@ def test_fit_stores_the_image_at_the_requested_size(tmp_path, fit):
 
 
 def test_items_without_a_requested_size_record_the_generated_one(tmp_path):
-    from diffq.worker.sink import Sink
+    from diffq.worker.sink.store import Sink
 
     message = BatchMessage(
         run_id="r", out=str(tmp_path), batch_id="b-1", params={"num_inference_steps": 1, "guidance_scale": 1.0},

@@ -82,7 +82,7 @@ def test_generation_options_carry_the_contracts_ranges(command, option, value, b
 def test_plan_says_what_the_dtype_runs_as_on_each_device(dtype, cuda, tmp_path):
     import json
 
-    from diffq.worker.backends import BACKENDS
+    from diffq.worker.device.backends import BACKENDS
 
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "x"}\n')

@@ -25,12 +25,12 @@ import torch._dynamo
 from torch._dynamo.utils import counters
 
 from diffq.core.contract import BatchItem, BatchParams, ShapeKey, queue_name
-from diffq.worker.backends import get_backend
-from diffq.worker import compile_cache
-from diffq.worker.compile_cache import CacheSync, mirrored, plan_cache
+from diffq.worker.device.backends import get_backend
+from diffq.worker.device import compile_cache
+from diffq.worker.device.compile_cache import CacheSync, mirrored, plan_cache
 from diffq.core.families import Family, StableDiffusion3
-from diffq.worker.pipeline_host import CompileUnsupported, PipelineHost
-from diffq.worker.spec import ChildSpec
+from diffq.worker.device.pipeline_host import CompileUnsupported, PipelineHost
+from diffq.worker.process.spec import ChildSpec
 
 GRAPHS: dict[str, list] = {"neuron": [], "tpu": []}
 
@@ -163,7 +163,7 @@ def test_a_compiled_graph_failing_on_the_device_fails_the_batch_unless_allowed(c
     failing at run time re-runs uncompiled with a log line only, unless
     TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION. A worker's environment disables it; with
     --allow-fallback the batch is produced and every such call counted."""
-    from diffq.worker import metrics
+    from diffq.worker.observe import metrics
 
     switch = get_backend("neuron").graph_fallback.env
     backend = dataclasses.replace(stand_in("neuron"), compile_backend="neuron_failing_on_device")
@@ -200,7 +200,7 @@ def test_a_compiled_graph_failing_on_the_device_fails_the_batch_unless_allowed(c
 def test_fallbacks_are_counted_from_the_backends_own_line_only():
     import logging
 
-    from diffq.worker.pipeline_host import fallback_count
+    from diffq.worker.device.pipeline_host import fallback_count
 
     row = get_backend("neuron").graph_fallback
     vendor = logging.getLogger(row.logger)
@@ -365,7 +365,7 @@ def test_mirrored_without_remote_and_when_sync_fails(tmp_path, caplog):
 
 def test_a_finished_child_exits_without_teardown_but_runs_its_exit_steps(tmp_path):
     # What a worker child's exit must still do when it skips the interpreter's teardown
-    # (worker/process.py, every clean exit): an idle thread pool (non-daemon workers,
+    # (worker/process/child.py, every clean exit): an idle thread pool (non-daemon workers,
     # stopped by its own exit hook) does not hang it, exit handlers run, among them the
     # multiprocessing finalizers kombu restores a Redis channel's unacked messages with
     # (kombu/transport/virtual/base.py, QoS: `Finalize(self, self.restore_unacked_once,
@@ -374,7 +374,7 @@ def test_a_finished_child_exits_without_teardown_but_runs_its_exit_steps(tmp_pat
     code = f"""
 import atexit, concurrent.futures, sys
 from multiprocessing.util import Finalize
-from diffq.worker.process import _exit_without_teardown
+from diffq.worker.process.child import _exit_without_teardown
 pool = concurrent.futures.ThreadPoolExecutor(2)
 pool.submit(print, "pool ran").result()
 atexit.register(lambda: open({str(marker)!r}, "w").write("ran"))
@@ -392,7 +392,7 @@ raise SystemExit(3)  # never reached
 
 
 def test_cpu_vector_isa_probes_run_beside_the_load_and_import_nothing_there(tmp_path):
-    # worker/backends.py, the cpu row's warm_in_background: Inductor's first CPU kernel
+    # worker/device/backends.py, the cpu row's warm_in_background: Inductor's first CPU kernel
     # calls torch/_inductor/cpu_vec_isa.py `valid_vec_isa_list` (functools.cache), which
     # builds a probe per ISA and dlopens each in a `python -c` subprocess (VecISA.
     # check_build, _probe_load). A compiling child starts it in a thread after the cache
@@ -400,9 +400,9 @@ def test_cpu_vector_isa_probes_run_beside_the_load_and_import_nothing_there(tmp_
     # so the model's imports never race it. Nothing starts where nothing compiles.
     code = """
 import importlib, sys
-from diffq.worker.backends import BACKENDS
-from diffq.worker.process import _warm_in_background
-from diffq.worker.spec import ChildSpec
+from diffq.worker.device.backends import BACKENDS
+from diffq.worker.process.child import _warm_in_background
+from diffq.worker.process.spec import ChildSpec
 cpu = BACKENDS["cpu"]
 assert _warm_in_background(ChildSpec(name="e", broker_url="memory://", queues=["q"])) is None
 (module, name), = cpu.warm_in_background
@@ -425,7 +425,7 @@ print("isas", len(found))
 
 
 def test_dynamo_names_a_traced_function_only_where_a_log_prints_it(compiled, tiny_model):
-    # worker/dynamo_quirks.py: torch/_dynamo/output_graph.py `SubgraphTracer.create_proxy`
+    # worker/device/dynamo_quirks.py: torch/_dynamo/output_graph.py `SubgraphTracer.create_proxy`
     # builds a `trace_call` log header for every FX call it records, eagerly, and the
     # header's function name (torch/_dynamo/funcname_cache.py `get_funcname`) tokenizes
     # the traced file whole. With those logs off, a compile reads no source file for
@@ -490,7 +490,7 @@ def test_inductor_cache_second_worker_compiles_nothing_new(tiny_model, tmp_path)
     # AOTAutograd's cache too: the second process re-traces only with dynamo.
     assert warm["compile"]["cache"].get("autograd_cache_hit", 0) == cold["compile"]["cache"]["autograd_cache_saved"]
     assert warm["compile"]["graphs"] == cold["compile"]["graphs"] and warm["compile"]["recompiles"] == 0
-    # Neither start walked the whole heap (worker/heap.py); both serve with collection
+    # Neither start walked the whole heap (worker/process/heap.py); both serve with collection
     # on, their start's objects kept out of its walks.
     for start in (cold, warm):
         assert start["heap"]["full_collections"] == 0 and start["heap"]["collecting"]
@@ -567,12 +567,12 @@ def test_two_batch_tasks_take_turns_on_the_device(tiny_model):
 
 
 def test_a_thread_leaving_the_device_lets_the_waiting_one_start_first():
-    # worker/pipeline_host.py DeviceTurns: the thread leaving waits (GIL released) until
+    # worker/device/pipeline_host.py DeviceTurns: the thread leaving waits (GIL released) until
     # the waiting one holds the device, and only then goes on with its batch; with
     # nobody waiting it does not wait at all.
     import threading
 
-    from diffq.worker.pipeline_host import DeviceTurns
+    from diffq.worker.device.pipeline_host import DeviceTurns
 
     turns = DeviceTurns()
     turns.HANDOVER_S = 60.0  # a bound that only a broken hand-over reaches

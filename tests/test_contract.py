@@ -45,7 +45,7 @@ def test_queue_names_parse_back_with_their_dtype(dtype):
 @pytest.mark.parametrize("device, runs", [("cpu", "float32"), ("cuda", "bfloat16"), ("neuron", "bfloat16"),
                                           ("tpu", "bfloat16")])
 def test_an_auto_shape_runs_at_its_devices_default_and_a_pinned_one_as_pinned(device, runs):
-    from diffq.worker.backends import get_backend
+    from diffq.worker.device.backends import get_backend
 
     backend = get_backend(device)
     assert backend.dtype_for("auto") == runs == backend.default_dtype

@@ -137,7 +137,7 @@ def test_sqs_redrive_policy_moves_a_batch_received_too_often_and_a_refusal_at_on
         assert client.receive_message(QueueUrl=url, VisibilityTimeout=0, WaitTimeSeconds=1).get("Messages")
     assert not client.receive_message(QueueUrl=url, VisibilityTimeout=0, WaitTimeSeconds=1).get("Messages")
     # A message a worker refuses: its letter, written at once.
-    from diffq.worker.dead_letters import DeadLetters
+    from diffq.worker.delivery.dead_letters import DeadLetters
 
     DeadLetters(app, "w@h").send(SHAPE_QUEUE, "not JSON", b"\xff")
     [info] = [i for i in queue_report(broker_url, [SHAPE_QUEUE], timeout=0, transport_options=options, letters=10)
@@ -148,7 +148,7 @@ def test_sqs_redrive_policy_moves_a_batch_received_too_often_and_a_refusal_at_on
 
 
 def test_redis_shows_its_newest_letters_first(make_redis_server):
-    from diffq.worker.dead_letters import DeadLetters
+    from diffq.worker.delivery.dead_letters import DeadLetters
 
     server = make_redis_server()
     dead = DeadLetters(make_celery(server.url), "w@h")
@@ -280,8 +280,8 @@ class StubMessage:
 
 
 def test_a_refusal_is_rejected_where_the_broker_routes_it_and_written_and_acked_elsewhere():
-    from diffq.worker.dead_letters import DeadLetters
-    from diffq.worker.delivery import Action, Outcome, decide
+    from diffq.worker.delivery.dead_letters import DeadLetters
+    from diffq.worker.delivery.outcomes import Action, Outcome, decide
 
     app = make_celery("memory://")
     routed, written = StubMessage(), StubMessage()
@@ -298,7 +298,7 @@ def test_a_refusal_is_rejected_where_the_broker_routes_it_and_written_and_acked_
 
 
 def test_a_worker_whose_policy_cannot_be_set_writes_letters(rabbitmq_vhost, caplog):
-    from diffq.worker.dead_letters import declare_dead_letters
+    from diffq.worker.delivery.dead_letters import declare_dead_letters
 
     with caplog.at_level("WARNING", logger="diffq.worker"):
         assert declare_dead_letters(make_celery(rabbitmq_vhost), [SHAPE_QUEUE], "http://127.0.0.1:1") is False

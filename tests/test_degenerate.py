@@ -4,7 +4,7 @@ what status, retry-failed, the report and the metrics say about them.
 
 The checks on synthetic tensors; the policy through the task's own step on the real
 sink (counts cross-checked against a full scan, tests/test_progress.py); the tiny
-pipeline with the NaN and flat fault hooks (worker/faults.py) in-process; and end to
+pipeline with the NaN and flat fault hooks (worker/delivery/faults.py) in-process; and end to
 end through real worker processes (Redis) and `diffq run`.
 """
 
@@ -27,12 +27,12 @@ from diffq.core.storage import open_storage
 from diffq.producer.resume import retry_failed, scan, select_batches
 from diffq.results.report import build_report, render_text, report, to_json
 from diffq.results.status import status
-from diffq.worker import metrics
-from diffq.worker.backends import BACKENDS
-from diffq.worker.pipeline_host import Generated, PipelineHost, checked_arrays, to_arrays
-from diffq.worker.sink import DEGENERATE_KEY, Sink
-from diffq.worker.spec import DEGENERATE_POLICIES, ChildSpec
-from diffq.worker.tasks import set_aside_degenerate
+from diffq.worker.observe import metrics
+from diffq.worker.device.backends import BACKENDS
+from diffq.worker.device.pipeline_host import Generated, PipelineHost, checked_arrays, to_arrays
+from diffq.worker.sink.store import DEGENERATE_KEY, Sink
+from diffq.worker.process.spec import DEGENERATE_POLICIES, ChildSpec
+from diffq.worker.delivery.tasks import set_aside_degenerate
 from tests.helpers import MEASURED, assert_run_complete, diffq, start_workers, wait_until
 from tests.test_browser import browser, measure, screenshot  # noqa: F401 - `browser` is a fixture
 from tests.test_progress import counts, make_plan, store

@@ -1,4 +1,4 @@
-"""What happens to a delivery, decided in one place (worker/delivery.py), tested without
+"""What happens to a delivery, decided in one place (worker/delivery/outcomes.py), tested without
 a broker: a stub delivery, a stub sink and a stub task drive the real batch line and the
 real task body through every outcome (stored, store failed, redelivered, cancelled,
 retried, split, failed, dead-lettered, handed back), the hooks ending batches among them
@@ -17,8 +17,8 @@ from diffq.core import layout
 from diffq.core.contract import BatchItem, BatchMessage, BatchParams, ShapeKey
 from diffq.core.records import CancelMarker
 from diffq.core.storage import open_storage
-from diffq.worker.batches import BatchLine
-from diffq.worker.delivery import DECISIONS, Action, Outcome, decide
+from diffq.worker.delivery.batches import BatchLine
+from diffq.worker.delivery.outcomes import DECISIONS, Action, Outcome, decide
 
 
 class StubDelivery:
@@ -194,7 +194,7 @@ def test_once_the_consumer_stopped_a_finishing_batch_acks_itself_when_stored():
 def test_at_most_two_batches_are_with_the_sink_at_once(tmp_path):
     import threading
 
-    from diffq.worker.batches import STORES_IN_FLIGHT
+    from diffq.worker.delivery.batches import STORES_IN_FLIGHT
 
     line, _ = line_with_window()
     message = BatchMessage.model_validate(batch(tmp_path))
@@ -225,7 +225,7 @@ class StubHost:
         self.calls += 1
         if self.fail is not None:
             raise self.fail
-        from diffq.worker.pipeline_host import Generated
+        from diffq.worker.device.pipeline_host import Generated
 
         return Generated(images=[b"px"] * len(items), generate_s=0.01, compiled=False,
                          degenerate=[None] * len(items))
@@ -261,8 +261,8 @@ class StubTask:
 
 @pytest.fixture
 def make_runtime(tmp_path):
-    from diffq.worker.spec import ChildSpec
-    from diffq.worker.runtime import Runtime
+    from diffq.worker.process.spec import ChildSpec
+    from diffq.worker.process.runtime import Runtime
 
     def make(host: StubHost) -> Runtime:
         spec = ChildSpec(name="w", broker_url="memory://", queues=[SHAPE.queue])
@@ -281,7 +281,7 @@ def batch(tmp_path, n: int = 2) -> dict:
 
 
 def run_task(task, payload):
-    from diffq.worker.tasks import generate_batch
+    from diffq.worker.delivery.tasks import generate_batch
 
     return generate_batch(task, payload)
 
@@ -343,7 +343,7 @@ def test_a_failing_batch_retries_then_splits_then_fails_alone(tmp_path, make_run
 def test_a_broken_tensor_parallel_group_hands_the_batch_back(tmp_path, make_runtime, monkeypatch):
     from celery.worker import state as worker_state
 
-    from diffq.worker.tensor_parallel import EXIT_GROUP_BROKEN, GroupBroken
+    from diffq.worker.device.tensor_parallel import EXIT_GROUP_BROKEN, GroupBroken
 
     monkeypatch.setattr(worker_state, "should_stop", None)
     rt = make_runtime(StubHost(fail=GroupBroken("rank 1 died")))
@@ -375,7 +375,7 @@ def test_a_fault_injected_batch_retries_then_splits(tmp_path, make_runtime, monk
 
 
 def test_a_permanent_error_fails_at_once_and_refused_items_are_split_off(tmp_path, make_runtime):
-    from diffq.worker.pipeline_host import FamilyUnsupported
+    from diffq.worker.device.pipeline_host import FamilyUnsupported
 
     rt = make_runtime(StubHost(fail=FamilyUnsupported("no such family")))
     assert run_task(StubTask(rt), batch(tmp_path))["failed"] == 2  # first attempt, no retry
@@ -431,7 +431,7 @@ def test_storage_trouble_retries_without_using_an_attempt(tmp_path, make_runtime
 
 
 def test_a_hook_that_ends_a_batch_stops_its_life_there(tmp_path, make_runtime):
-    from diffq.worker.hooks import BatchHook
+    from diffq.worker.delivery.hooks import BatchHook
 
     class Skip(BatchHook):
         def before_generate(self, batch):

@@ -1,4 +1,4 @@
-"""Workers without --queues find their queues on the broker (worker/routing.py
+"""Workers without --queues find their queues on the broker (worker/delivery/routing.py
 Discovery, the transport table's `list_queues`): Redis by SCAN, SQS (moto's server)
 by ListQueues, RabbitMQ only through its management API (a private node with the
 plugin, tests/servers.py), refused clearly otherwise."""
@@ -19,8 +19,8 @@ from diffq.app.queues import queue_report
 from diffq.core.contract import ShapeKey, is_shape_queue, queue_from_entity_name, queue_name
 from diffq.core.transports import DEAD_LETTERS, CannotList, transport_for
 from diffq.producer.submit import submit
-from diffq.worker.routing import Discovery, startup_queues
-from diffq.worker.supervisor import Supervisor, plan_children
+from diffq.worker.delivery.routing import Discovery, startup_queues
+from diffq.worker.process.supervisor import Supervisor, plan_children
 from tests.helpers import wait_until
 from tests.servers import free_port
 
@@ -160,7 +160,7 @@ def test_rabbitmq_lists_the_default_vhost_too(rabbitmq_server, tmp_path):
 def test_discovery_keeps_found_queues_and_skips_failed_listings():
     """An emptied Redis queue has no key to list: what was found stays served, and a
     listing that fails keeps the known queues."""
-    from diffq.worker.routing import Router
+    from diffq.worker.delivery.routing import Router
 
     calls = iter([["diffq.m-000000.64x64.b1.l64.nocfg.fp32"], RuntimeError("broker hiccup"), []])
 

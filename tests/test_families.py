@@ -96,8 +96,8 @@ def test_repeated_blocks_and_size_multiple(loaded):
 def test_tp_text_encoders_are_those_declaring_a_plan(tiny_pipelines):
     """A TP group shards exactly the text encoders the table lists (and transformers
     can shard: the config, or a composite's text config, declares a TP plan)."""
-    from diffq.worker.backends import get_backend
-    from diffq.worker.tensor_parallel import Group, shard_load_kwargs
+    from diffq.worker.device.backends import get_backend
+    from diffq.worker.device.tensor_parallel import Group, shard_load_kwargs
 
     group = Group(rank=0, world_size=2, backend=get_backend("cuda"))
     group.mesh = object()
@@ -151,9 +151,9 @@ def test_unknown_and_unreadable_models(tmp_path):
 
 
 def test_worker_refuses_a_pipeline_class_outside_the_table_before_loading(tmp_path):
-    from diffq.worker.backends import get_backend
-    from diffq.worker.pipeline_host import FamilyUnsupported, PipelineHost
-    from diffq.worker.tasks import PERMANENT_ERRORS
+    from diffq.worker.device.backends import get_backend
+    from diffq.worker.device.pipeline_host import FamilyUnsupported, PipelineHost
+    from diffq.worker.delivery.tasks import PERMANENT_ERRORS
 
     (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "StableDiffusionXLPipeline",
                                                            "unet": ["diffusers", "UNet2DConditionModel"]}))

@@ -204,7 +204,7 @@ def test_a_windowed_run_completes_exactly_once_with_its_feeder_killed_twice(brok
     twice mid-run (anywhere: between publishing and marking too), stand-in devices
     (bench/standin.py)."""
     from bench.standin import device_child_main, write_standin
-    from diffq.worker import supervisor as supervisor_module
+    from diffq.worker.process import supervisor as supervisor_module
 
     url, options, _ = broker
     if options:  # the feeder process reads them as every diffq process does

@@ -10,7 +10,7 @@ import pytest
 from PIL import Image
 
 from diffq.core.layout import IMAGE_FORMATS, PROVENANCE_CARRIERS
-from diffq.worker.sink import PROVENANCE_WRITERS, encode
+from diffq.worker.sink.store import PROVENANCE_WRITERS, encode
 from tests.test_families_e2e import embedded_text
 
 TEXT = {"prompt": "a lighthouse — «ünïcode» 灯台", "seed": "7"}

@@ -1,4 +1,4 @@
-"""The hooks on a batch's life (worker/hooks.py), each on its own and in their order,
+"""The hooks on a batch's life (worker/delivery/hooks.py), each on its own and in their order,
 with the stub task, host and sink of tests/test_delivery.py: no broker, no servers.
 The hooks ending batches through the whole task body: tests/test_delivery.py."""
 
@@ -12,14 +12,15 @@ from diffq.core import layout
 from diffq.core.contract import BatchMessage
 from diffq.core.settings import get_settings
 from diffq.core.storage import open_storage
-from diffq.worker import hooks, metrics
-from diffq.worker.delivery import Outcome
-from diffq.worker.faults import PoisonedPrompt
-from diffq.worker.hooks import Batch, BatchHook, Cancel, Faults, Metrics, Retries, backoff_s, default_hooks
-from diffq.worker.pipeline_host import FamilyUnsupported, Generated
-from diffq.worker.spec import ChildSpec
-from diffq.worker.runtime import Runtime
-from diffq.worker.tasks import generate_batch
+from diffq.worker.delivery import hooks
+from diffq.worker.observe import metrics
+from diffq.worker.delivery.outcomes import Outcome
+from diffq.worker.delivery.faults import PoisonedPrompt
+from diffq.worker.delivery.hooks import Batch, BatchHook, Cancel, Faults, Metrics, Retries, backoff_s, default_hooks
+from diffq.worker.device.pipeline_host import FamilyUnsupported, Generated
+from diffq.worker.process.spec import ChildSpec
+from diffq.worker.process.runtime import Runtime
+from diffq.worker.delivery.tasks import generate_batch
 from tests.test_delivery import SHAPE, Retried, StubHost, StubSink, StubTask, batch
 
 

@@ -28,7 +28,7 @@ from diffq.app import fleet
 from diffq.app.cli import app
 from diffq.core.contract import ShapeKey, is_shape_queue, queue_name
 from diffq.producer.submit import make_options, validate
-from diffq.worker.backends import BACKENDS
+from diffq.worker.device.backends import BACKENDS
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = Path(__file__).parent / "data"
@@ -141,7 +141,7 @@ def test_compose_worker_plan_runs(compose):
 
 def test_compose_workers_discover_the_producers_queues(compose):
     """Workers name no queues: they serve every shape queue of the producer's model
-    that the broker lists (worker/routing.py), whatever shapes a run has."""
+    that the broker lists (worker/delivery/routing.py), whatever shapes a run has."""
     _, submit = parse_cli(diffq_argv(compose["services"]["producer"]))
     _, worker = parse_cli(diffq_argv(compose["services"]["worker"]))
     assert worker["queues"] is None and worker["run"] is None
@@ -425,7 +425,7 @@ def test_every_backend_is_deployable_or_says_it_is_not(monkeypatch):
     """A backend cannot be half-added: its pod facts are a required field of its table row."""
     import dataclasses
 
-    from diffq.worker import backends
+    from diffq.worker.device import backends
 
     keys = fleet.shape_keys("m", [(64, 64)], batch_size=1)
     for name, backend in backends.BACKENDS.items():
@@ -619,8 +619,8 @@ def test_bad_out_prefixes_are_refused(bad, says):
 def test_drain_timeout_ends_before_the_grace_period(device, grace):
     """SIGTERM: the worker finishes or hands back its batch within --drain-timeout and
     exits 0, so Kubernetes never has to SIGKILL it at the end of the grace period."""
-    from diffq.worker.backends import BACKENDS
-    from diffq.worker.spec import DRAIN_MARGIN_S, DRAIN_TIMEOUT_S
+    from diffq.worker.device.backends import BACKENDS
+    from diffq.worker.process.spec import DRAIN_MARGIN_S, DRAIN_TIMEOUT_S
 
     docs = render_cli("--model", "m", "--shapes", "1024x1024", "--batch-size", "1", "--device", device,
                       *(["--grace-seconds", grace] if grace else []))

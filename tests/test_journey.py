@@ -32,9 +32,9 @@ from diffq.core.settings import Settings
 from diffq.core.runfolder import iter_records, read_manifest
 from diffq.core.storage import open_storage
 from diffq.results.status import status
-from diffq.worker.backends import BACKENDS, get_backend
-from diffq.worker.admission import under
-from diffq.worker.routing import startup_queues
+from diffq.worker.device.backends import BACKENDS, get_backend
+from diffq.worker.delivery.admission import under
+from diffq.worker.delivery.routing import startup_queues
 from tests.helpers import assert_run_complete
 from tests.test_brokers import amqp_url  # noqa: F401  (fixture: a private vhost on the local RabbitMQ)
 

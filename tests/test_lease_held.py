@@ -1,4 +1,4 @@
-"""Which deliveries the lease keeper sees as held (worker/lease.py), on a real kombu
+"""Which deliveries the lease keeper sees as held (worker/delivery/lease.py), on a real kombu
 virtual channel (the in-memory transport): the unit beside tests/test_leases.py's
 end-to-end runs."""
 
@@ -11,7 +11,7 @@ from types import SimpleNamespace
 from kombu import Connection, Consumer, Producer, Queue
 
 from diffq.core.transports import transport_for
-from diffq.worker.lease import LeaseKeeper, held_deliveries
+from diffq.worker.delivery.lease import LeaseKeeper, held_deliveries
 
 
 def two_deliveries(connection):

@@ -10,7 +10,8 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from diffq.worker import logs, metrics
+from diffq.worker.observe import logs
+from diffq.worker.observe import metrics
 
 
 def scrape(port: int) -> dict[tuple[str, tuple], float]:

@@ -21,8 +21,8 @@ from diffq.core.storage import open_storage
 from tests.helpers import diffq
 from tests.proxy import CorruptingProxy
 from tests.servers import unique_bucket_name
-from diffq.worker import model_fetch
-from diffq.worker.model_fetch import COMPLETE, FetchRefused, fetch
+from diffq.worker.device import model_fetch
+from diffq.worker.device.model_fetch import COMPLETE, FetchRefused, fetch
 
 # A padding shard bigger than one part: uploaded in 5 MiB parts, so its ETag is a
 # multipart one (the MD5 of the parts' MD5s).
@@ -96,7 +96,7 @@ def test_fetch_verifies_caches_and_hits(store, parts, model_cache, model_folder,
 
 def test_two_processes_started_together_fetch_once(model_cache, model_folder, s3_server):
     url = upload_s3(s3_server, model_folder)
-    code = ("import json, sys; from diffq.worker.model_fetch import fetch; "
+    code = ("import json, sys; from diffq.worker.device.model_fetch import fetch; "
             "print(json.dumps(fetch(sys.argv[1]).report()))")
     procs = [subprocess.Popen([sys.executable, "-c", code, url], stdout=subprocess.PIPE, text=True)
              for _ in range(2)]
@@ -110,7 +110,7 @@ def test_two_processes_started_together_fetch_once(model_cache, model_folder, s3
 def test_a_fetch_killed_half_way_resumes_without_refetching(model_cache, model_folder, s3_server):
     url = upload_s3(s3_server, model_folder)
     listing = list_model(url)
-    code = "import sys; from diffq.worker.model_fetch import fetch; fetch(sys.argv[1])"
+    code = "import sys; from diffq.worker.device.model_fetch import fetch; fetch(sys.argv[1])"
     killed = subprocess.run([sys.executable, "-c", code, url], timeout=300,
                             env={**os.environ, "DIFFQ_FAULT_FETCH_KILL_AFTER": "3"})
     assert killed.returncode == -9
@@ -187,7 +187,7 @@ def test_a_run_from_object_storage_makes_the_local_folders_images(store, tmp_pat
 def test_the_size_cap_evicts_the_least_recently_used_entry_never_one_in_use(model_cache, model_folder, s3_server):
     first, second, third = (upload_s3(s3_server, model_folder) for _ in range(3))
     size = list_model(first).size
-    code = "import sys; from diffq.worker.model_fetch import fetch; print(fetch(sys.argv[1]).path)"
+    code = "import sys; from diffq.worker.device.model_fetch import fetch; print(fetch(sys.argv[1]).path)"
     # Fetched by a process that has exited: no longer in use.
     unused = subprocess.run([sys.executable, "-c", code, first], capture_output=True, text=True, timeout=300,
                             check=True).stdout.strip()
@@ -267,11 +267,11 @@ def test_a_key_that_would_leave_the_cache_entry_is_refused(model_cache, s3_serve
 
 def test_a_worker_refuses_a_run_pinned_to_another_revision_than_it_loaded(tmp_path):
     from diffq.core.storage import open_storage as storage_of
-    from diffq.worker.backends import get_backend
-    from diffq.worker.pipeline_host import PipelineHost
-    from diffq.worker.runtime import Runtime
-    from diffq.worker.sink import Sink
-    from diffq.worker.spec import ChildSpec
+    from diffq.worker.device.backends import get_backend
+    from diffq.worker.device.pipeline_host import PipelineHost
+    from diffq.worker.process.runtime import Runtime
+    from diffq.worker.sink.store import Sink
+    from diffq.worker.process.spec import ChildSpec
 
     url = "s3://models/flux2"
     run = storage_of(str(tmp_path / "run"))
@@ -332,8 +332,8 @@ def test_a_start_clock_says_its_phases_once_in_a_log_line_metrics_and_the_run_fo
     from concurrent.futures import Future
 
     from diffq.core.records import START_PHASES, WorkerStart
-    from diffq.worker import metrics
-    from diffq.worker.startup import StartClock
+    from diffq.worker.observe import metrics
+    from diffq.worker.process.startup import StartClock
 
     clock = StartClock("w0")
     for phase in ("imports", "compile_cache_pull", "load"):

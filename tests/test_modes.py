@@ -1,6 +1,6 @@
 """Every mode the backend table offers runs, or is shown installable where it would run.
 
-The walk is device × compile mode × offload, read from worker/backends.py (BACKENDS,
+The walk is device × compile mode × offload, read from worker/device/backends.py (BACKENDS,
 `compile_modes`, OFFLOAD_MODES), and `check()` decides what is offered. Each offered
 combination needs packages and tools; the image that runs a device
 (infra/docker/Dockerfile.<device>) must provide them: what it pip-installs (pyproject's
@@ -25,8 +25,8 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
 from diffq.core.contract import BatchItem, BatchParams, ShapeKey
-from diffq.worker.backends import BACKENDS, COMPILING_MODES, OFFLOAD_MODES, get_backend
-from diffq.worker.pipeline_host import PipelineHost
+from diffq.worker.device.backends import BACKENDS, COMPILING_MODES, OFFLOAD_MODES, get_backend
+from diffq.worker.device.pipeline_host import PipelineHost
 from tests.test_infra import dockerfile
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -171,7 +171,7 @@ def test_fleet_manifests_size_their_pools_from_the_plan(qualified, tiny_model, t
     queue, devices per pod from the backend table)."""
     import yaml
 
-    from diffq.worker.backends import get_backend
+    from diffq.worker.device.backends import get_backend
 
     q = json.loads(qualified.read_text())
     rates = tmp_path / "rates.json"

@@ -22,7 +22,7 @@ from diffq.results.status import status
 from diffq.producer.messages import EncodedBatch, batch_id
 from diffq.producer.submit import write_plan_part
 from diffq.core.storage import open_storage
-from diffq.worker.sink import Sink
+from diffq.worker.sink.store import Sink
 from tests.helpers import MEASURED
 from tests.test_export import run_defaults
 
@@ -67,7 +67,7 @@ def split(message: BatchMessage) -> list[BatchMessage]:
     """The worker's own split (tasks.split) of a failing batch: the halves as it
     publishes them, through a task whose app records what it sends."""
     from diffq.core.broker import TASK_NAME
-    from diffq.worker import tasks
+    from diffq.worker.delivery import tasks
 
     sent = []
     task = SimpleNamespace(app=SimpleNamespace(send_task=lambda name, **options: sent.append((name, options))))
@@ -79,7 +79,7 @@ def split(message: BatchMessage) -> list[BatchMessage]:
 
 
 def fail(message: BatchMessage) -> None:
-    from diffq.worker.tasks import write_failure
+    from diffq.worker.delivery.tasks import write_failure
 
     write_failure(open_storage(message.out), message, "RuntimeError: poison", attempts=2, worker="w@h")
 
@@ -152,7 +152,7 @@ class NoCredits:
 
 def redeliver(message: BatchMessage, sink: Sink) -> dict:
     """The real task body receiving a redelivered copy of `message`."""
-    from diffq.worker import tasks
+    from diffq.worker.delivery import tasks
 
     runtime = tasks.Runtime(spec=SimpleNamespace(allowed_out_prefixes=[]), host=None, sink=sink)
     task = SimpleNamespace(runtime=runtime,

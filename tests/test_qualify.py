@@ -26,8 +26,8 @@ from typer.testing import CliRunner
 from diffq.app.cli import app
 from diffq.app.qualify import Settings, Thresholds, _child_spec, checks, reduced
 from diffq.core.records import DEGENERATE_CHECKS
-from diffq.worker.backends import REFERENCE, RunConfig, get_backend
-from diffq.worker.qualify import percentile
+from diffq.worker.device.backends import REFERENCE, RunConfig, get_backend
+from diffq.worker.device.qualify import percentile
 
 STAND_INS = Path(__file__).parent / "stand_ins"
 SHAPE = "64x64"
@@ -213,7 +213,7 @@ def test_missing_backend_package_fails_the_run_check(tiny_model, tmp_path):
 
 
 def test_a_nan_image_fails_the_run_check(tiny_model, tmp_path):
-    # The second default prompt's output turns NaN in every call (worker/faults.py), as a
+    # The second default prompt's output turns NaN in every call (worker/delivery/faults.py), as a
     # miscompiled graph or an overflowing VAE would make it: counted per shape, and fatal.
     code, report, output = qualify("--model", tiny_model, "--shapes", SHAPE, "--batch-size", "2", "--repeats", "1",
                                    "--report", str(tmp_path / "r"), "--json", env={"DIFFQ_FAULT_NAN": "lighthouse"})
@@ -313,7 +313,7 @@ def test_prompt_file_rows_and_seeds(tmp_path):
 
 
 def test_backend_rows_for_memory_and_cache_stats():
-    from diffq.worker.backends import BACKENDS, resolve
+    from diffq.worker.device.backends import BACKENDS, resolve
 
     # torch's device-generic allocator statistics (torch/accelerator/memory.py); the
     # CPU has no device allocator to ask.

@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 from diffq.app.cli import app
 from diffq.producer.submit import submit
 from diffq.app.queues import PRIORITY_SEP, queue_report
-from diffq.worker.supervisor import Supervisor, plan_children
+from diffq.worker.process.supervisor import Supervisor, plan_children
 from tests.servers import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -17,7 +17,7 @@ from diffq.core.contract import BatchItem, BatchMessage, BatchParams, ShapeKey
 from diffq.core.progress import ProgressSummary
 from diffq.core.records import ImageRecord, RunDefaults, RunManifest, ShapeSummary
 from diffq.core.storage import open_storage
-from diffq.worker.sink import Sink
+from diffq.worker.sink.store import Sink
 from tests.helpers import MEASURED
 from tests.test_export import run_defaults
 

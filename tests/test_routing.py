@@ -13,7 +13,7 @@ from bench.fleet import SimConsumer, redis_counters, shape_queues
 from diffq.core.runfolder import iter_records
 from diffq.producer.submit import submit
 from diffq.core.storage import open_storage
-from diffq.worker.routing import choose_queues
+from diffq.worker.delivery.routing import choose_queues
 from tests.helpers import start_workers, wait_until
 
 SERVED = ["a", "b", "c"]
@@ -86,7 +86,7 @@ class Fleet:
     def router(self, queues, compiled=(), *, transport=None, discover_models=None, interval=3600.0,
                seed=0):
         from diffq.core.transports import transport_for
-        from diffq.worker.routing import Discovery, Router
+        from diffq.worker.delivery.routing import Discovery, Router
 
         transport = transport or transport_for("redis://")
         connection = self.app.connection_for_read()
@@ -245,7 +245,7 @@ def test_a_failed_listing_read_keeps_the_known_queues(caplog):
     import dataclasses
 
     from diffq.core.transports import transport_for
-    from diffq.worker.routing import Discovery, Router
+    from diffq.worker.delivery.routing import Discovery, Router
 
     known, later = shape_queues(2)
     answers = iter([ConnectionError("broker hiccup"), ConnectionError("again"), {known: 0, later: 4}])

@@ -13,7 +13,7 @@ import pytest
 from diffq.core.contract import BatchItem, BatchMessage, BatchParams, ShapeKey
 from diffq.results.status import status
 from diffq.producer.submit import submit
-from diffq.worker.spec import ChildSpec
+from diffq.worker.process.spec import ChildSpec
 from tests.helpers import assert_run_complete, start_workers, wait_until
 
 SECRET = "s3cr3t-Pa55w0rd"
@@ -21,13 +21,13 @@ SECRET = "s3cr3t-Pa55w0rd"
 
 def test_worker_refuses_out_outside_allowed_prefixes(tmp_path):
     pytest.importorskip("torch")
-    from diffq.worker.tasks import OutNotAllowed, Runtime
-    from diffq.worker.pipeline_host import PipelineHost
-    from diffq.worker.backends import get_backend
+    from diffq.worker.delivery.tasks import OutNotAllowed, Runtime
+    from diffq.worker.device.pipeline_host import PipelineHost
+    from diffq.worker.device.backends import get_backend
 
     spec = ChildSpec(name="w", broker_url="memory://", queues=["q"],
                      allowed_out_prefixes=[str(tmp_path / "allowed")])
-    from diffq.worker.sink import Sink
+    from diffq.worker.sink.store import Sink
 
     runtime = Runtime(spec=spec, host=PipelineHost(backend=get_backend("cpu")), sink=Sink())
     assert runtime.storage_for(str(tmp_path / "allowed" / "run1")).url.endswith("run1")

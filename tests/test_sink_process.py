@@ -1,4 +1,4 @@
-"""The sink's helper process (worker/sink_process.py): batches handed over as raw
+"""The sink's helper process (worker/sink/helper.py): batches handed over as raw
 pixels come out as the same images, records and credits the threaded sink writes;
 a helper that dies fails only what it held (the acks turn into requeues) and the
 next batch gets a new helper; a worker that goes away leaves its helper to store
@@ -23,8 +23,8 @@ from PIL import Image
 from diffq.core import layout, progress
 from diffq.core.contract import BatchItem, BatchMessage, BatchParams, ShapeKey
 from diffq.core.storage import open_storage
-from diffq.worker.sink import Pixels, Sink
-from diffq.worker.sink_process import SinkError, SinkLost, SinkProcess, Slots, make_sink
+from diffq.worker.sink.store import Pixels, Sink
+from diffq.worker.sink.helper import SinkError, SinkLost, SinkProcess, Slots, make_sink
 from tests.helpers import MEASURED
 
 SHAPE = ShapeKey(model="tiny", height=24, width=40, batch_size=4, max_sequence_length=64, cfg=False)
@@ -110,9 +110,9 @@ def test_generated_arrays_are_stored_as_the_same_pixels(tmp_path, mode):
 @pytest.mark.parametrize("mode", ["process", "thread"])
 def test_flagged_items_reach_their_records_and_no_other_field(tmp_path, mode):
     """The task hands per-item degenerate flags with the batch's record fields
-    (worker/tasks.py): each lands in its own item's record only."""
+    (worker/delivery/tasks.py): each lands in its own item's record only."""
     from diffq.core.runfolder import iter_records
-    from diffq.worker.sink import DEGENERATE_KEY
+    from diffq.worker.sink.store import DEGENERATE_KEY
 
     out = str(tmp_path / "run")
     message = batch(out, 6)
@@ -149,7 +149,7 @@ def test_sink_cpus_place_the_helper_and_the_sink_threads(tmp_path, monkeypatch):
 def test_the_sink_keeps_freed_pixel_blocks_for_the_next_batch(monkeypatch):
     from PIL import Image
 
-    from diffq.worker.sink import PIXEL_BLOCKS_KEPT
+    from diffq.worker.sink.store import PIXEL_BLOCKS_KEPT
 
     monkeypatch.delenv("PILLOW_BLOCKS_MAX", raising=False)
     before = Image.core.get_blocks_max()
@@ -209,7 +209,7 @@ def test_helper_stores_what_it_was_handed_when_the_worker_goes_away(tmp_path):
     the socket is stored, recorded and credited, then the helper exits 0."""
     out = str(tmp_path / "run")
     ours, theirs = socket.socketpair()
-    helper = subprocess.Popen([sys.executable, "-m", "diffq.worker.sink_process", str(theirs.fileno()), "2", "60"],
+    helper = subprocess.Popen([sys.executable, "-m", "diffq.worker.sink.helper", str(theirs.fileno()), "2", "60"],
                               pass_fds=[theirs.fileno()])
     theirs.close()
     conn = Connection(ours.detach())
@@ -348,7 +348,7 @@ def test_pixels_from_a_slot_become_their_image_each_time_they_are_asked(tmp_path
             raise OSError("transient")
         return real_put(self, key, data, **kwargs)
 
-    monkeypatch.setattr("diffq.worker.sink.time.sleep", lambda seconds: None)  # the retry's back-off
+    monkeypatch.setattr("diffq.worker.sink.store.time.sleep", lambda seconds: None)  # the retry's back-off
     monkeypatch.setattr(type(open_storage(out)), "put_bytes", flaky_put)
     sink = Sink(threads=2)
     try:

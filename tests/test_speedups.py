@@ -1,4 +1,4 @@
-"""Speed-ups as run parameters (core/speedups.py, worker/speedups.py): the spec and its
+"""Speed-ups as run parameters (core/speedups.py, worker/device/speedups.py): the spec and its
 table pinned against diffusers 0.42.1's config classes, each cache's image independent
 of its batch neighbours with settings that force the skipping path, the backend table's
 refusals per compile mode, and the per-block compile under which block-level caches
@@ -85,8 +85,8 @@ def test_the_table_matches_diffusers_config_classes():
 
 def test_the_backend_table_says_what_each_compile_mode_offers():
     from diffq.core.families import Flux, Flux2Klein, StableDiffusion3
-    from diffq.worker.backends import get_backend
-    from diffq.worker.speedups import refusal
+    from diffq.worker.device.backends import get_backend
+    from diffq.worker.device.speedups import refusal
 
     cpu, neuron = get_backend("cpu"), get_backend("neuron")
     lite, attention_level = parse("taylorseer:use_lite_mode=true"), parse("taylorseer:cache_interval=3")
@@ -110,8 +110,8 @@ STEPS = 28  # the many-step family: a 4-step distilled model has little to cache
 
 
 def _host(compile_mode: str = "none"):
-    from diffq.worker.backends import get_backend
-    from diffq.worker.pipeline_host import PipelineHost
+    from diffq.worker.device.backends import get_backend
+    from diffq.worker.device.pipeline_host import PipelineHost
 
     return PipelineHost(backend=get_backend("cpu"), compile_mode=compile_mode)
 
@@ -177,7 +177,7 @@ def test_block_level_caches_run_in_the_regional_compile_with_no_steady_recompile
     """--compile regional compiles each repeated block's own forward, so a cache's hooks
     (and their torch.compiler.disable'd decision) wrap the compiled blocks from outside:
     no graph breaks, and switching caches on and off between batches adds no graph."""
-    from diffq.worker.pipeline_host import graphs_compiled
+    from diffq.worker.device.pipeline_host import graphs_compiled
 
     host = _host("regional")
     eager = _host()

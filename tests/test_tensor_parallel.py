@@ -19,9 +19,9 @@ from typer.testing import CliRunner
 from diffq.app.cli import app
 from diffq.producer.submit import submit
 from diffq.core.storage import open_storage
-from diffq.worker.backends import get_backend
-from diffq.worker.supervisor import Supervisor, plan_children
-from diffq.worker.tensor_parallel import (Group, RankMisplaced, check_shard_device, shard_device_index,
+from diffq.worker.device.backends import get_backend
+from diffq.worker.process.supervisor import Supervisor, plan_children
+from diffq.worker.device.tensor_parallel import (Group, RankMisplaced, check_shard_device, shard_device_index,
                                           shard_load_kwargs, sharded_components, sharding_plan)
 from tests.helpers import assert_run_complete, wait_until
 
@@ -111,7 +111,7 @@ def test_generation_is_the_option_and_tpu_generation_its_alias():
 
 
 def test_tpu_generation_is_detected_and_a_set_topology_wins(monkeypatch):
-    from diffq.worker import backends
+    from diffq.worker.device import backends
 
     tpu = backends.get_backend("tpu")
     monkeypatch.setitem(backends.BACKENDS, "tpu", dataclasses.replace(tpu, detect_generation=lambda: "v5e"))
@@ -157,7 +157,7 @@ def test_nothing_touches_the_device_before_init_process_group(monkeypatch):
     import torch
     import torch.distributed as dist
 
-    from diffq.worker.tensor_parallel import join
+    from diffq.worker.device.tensor_parallel import join
 
     calls = []
     monkeypatch.setattr(torch.accelerator, "set_device_index", lambda i: calls.append(("set_device", i)))
@@ -214,8 +214,8 @@ def test_a_sharded_rank_starts_its_runtime_before_counting(monkeypatch):
     import torch
     import torch.distributed as dist
 
-    from diffq.worker import tensor_parallel
-    from diffq.worker.tensor_parallel import join
+    from diffq.worker.device import tensor_parallel
+    from diffq.worker.device.tensor_parallel import join
 
     calls = []
     real_empty = torch.empty

@@ -171,10 +171,10 @@ def test_unknown_family_is_rejected(tmp_path):
 
 def test_the_hosts_8_bit_arrays_are_diffusers_own_pil_pixels(tiny):
     """The worker asks for output_type="pt" and scales to 8 bits where the tensor is
-    (worker/pipeline_host.py to_arrays); diffusers' "pil" path does the same float32
+    (worker/device/pipeline_host.py to_arrays); diffusers' "pil" path does the same float32
     arithmetic on the host (diffusers/image_processor.py: VaeImageProcessor.postprocess,
     pt_to_numpy, numpy_to_pil: (images * 255).round().astype("uint8")). Same pixels."""
-    from diffq.worker.pipeline_host import to_arrays
+    from diffq.worker.device.pipeline_host import to_arrays
 
     _family, _path, pipe = tiny
     pil = _generate(pipe, ["a red fox", "a blue car"], [1, 2])

@@ -31,7 +31,7 @@ from diffq.core.storage import StorageError, open_storage
 from diffq.core.storage.local import LocalStorage
 from diffq.results.status import status
 from diffq.results.watch import render, snapshots
-from diffq.worker.sink import Sink
+from diffq.worker.sink.store import Sink
 from tests.helpers import MEASURED, diffq
 from tests.test_export import make_run
 from tests.test_progress import make_plan

@@ -93,7 +93,7 @@ def test_each_refresh_counts_exactly_and_reads_only_what_changed(tmp_path, monke
     batch whose half fails, a v1 segment an older worker left. Each refresh equals a
     full scan of the records and reads exactly the segments that changed since the last."""
     from diffq.core.storage.local import LocalStorage
-    from diffq.worker.sink import Sink
+    from diffq.worker.sink.store import Sink
     from tests.test_progress import FullScan, fail, make_plan, split, store, v1_segment
 
     out = str(tmp_path / "run")

@@ -1,6 +1,6 @@
 """CLI choices read from the tables: devices, compile modes, dtypes, pipeline families, device generations.
 
-The backend table (worker/backends.py, torch-free) owns them, so a new backend or mode
+The backend table (worker/device/backends.py, torch-free) owns them, so a new backend or mode
 needs no edit in the command line.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 from enum import Enum
 
 from diffq.core import families
-from diffq.worker import backends
+from diffq.worker.device import backends
 
 Device = Enum("Device", {name: name for name in backends.DEVICES}, type=str)
 CompileMode = Enum("CompileMode", {mode.replace("-", "_"): mode for mode in backends.COMPILE_MODES}, type=str)

@@ -6,7 +6,7 @@ for `diffq.*` lists plus one pipelined LLEN, and a queue with no key is empty)
 reports every diffq queue; on the others the names come from the caller and from
 the workers' replies, and each depth is a passive declare.
 
-The dead letters (`diffq.dead`: messages a worker refused, worker/dead_letters.py)
+The dead letters (`diffq.dead`: messages a worker refused, worker/delivery/dead_letters.py)
 are always reported, the same way on every broker: their count and, where the
 broker keeps them, a few letters' queue, reason and time (the transport table's
 `dead_letters.peek`: Redis's newest, RabbitMQ's oldest with the queue its

@@ -52,12 +52,12 @@ from diffq.core.storage import Storage, open_storage
 from diffq.core.transports import transport_for
 from diffq.producer.resume import check_plan, continuation, missing_batches, scan, uncancel
 from diffq.producer.submit import CeleryPublisher, make_options, new_run_id, submit, validate
-from diffq.worker.admission import RunScope
-from diffq.worker.speedups import local_refusal
-from diffq.worker.backends import get_backend
-from diffq.worker.models import resolve_model
-from diffq.worker.spec import DEFAULT_DEGENERATE_POLICY
-from diffq.worker.supervisor import Supervisor, plan_children
+from diffq.worker.delivery.admission import RunScope
+from diffq.worker.device.speedups import local_refusal
+from diffq.worker.device.backends import get_backend
+from diffq.worker.device.models import resolve_model
+from diffq.worker.process.spec import DEFAULT_DEGENERATE_POLICY
+from diffq.worker.process.supervisor import Supervisor, plan_children
 
 
 class RunFailed(RuntimeError):

@@ -130,7 +130,7 @@ class EmbeddedTransport(filesystem.Transport):
                 raise socket.timeout()
 
 
-# Rung by a worker's task threads (worker/batches.py) when it may take another
+# Rung by a worker's task threads (worker/delivery/batches.py) when it may take another
 # message: its embedded consumer, otherwise between two polls, looks at once.
 _doorbell = threading.Event()
 
@@ -148,7 +148,7 @@ def _worker_stopping() -> bool:
 
 def make_celery(broker_url: str, transport_options: dict | None = None) -> Celery:
     """The app both sides build. How a worker consumes and acks (late acks, prefetch 1,
-    reject on a lost worker) is the worker's own policy: worker/celery_adapter.py."""
+    reject on a lost worker) is the worker's own policy: worker/delivery/celery_adapter.py."""
     settings = get_settings()
     transport = transport_for(broker_url)
     options = {**transport.broker_options(settings), **settings.broker_transport_options, **(transport_options or {})}

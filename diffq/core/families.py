@@ -94,7 +94,7 @@ class Family:
         """The pipeline call for one padded batch: only arguments the family takes."""
         kwargs = dict(prompt=list(prompts), height=height, width=width, num_inference_steps=num_inference_steps,
                       guidance_scale=guidance_scale, max_sequence_length=max_sequence_length,
-                      generator=generator, output_type="pt")  # worker/pipeline_host.py: to_arrays
+                      generator=generator, output_type="pt")  # worker/device/pipeline_host.py: to_arrays
         if cls.takes("negative_prompt"):
             # "" is what the pipelines encode for an absent negative prompt.
             kwargs["negative_prompt"] = [text or "" for text in negative_prompts]

@@ -56,7 +56,7 @@ class ImageFormat:
     # PIL save options: the fastest PNG level, as encoding must keep up with the
     # next batch's generation; quality 90 for the lossy formats.
     options: dict = field(default_factory=dict)
-    # Where the file carries its provenance text (worker/sink.py `PROVENANCE_WRITERS`):
+    # Where the file carries its provenance text (worker/sink/store.py `PROVENANCE_WRITERS`):
     # PNG's own text chunks (iTXt), else EXIF's UserComment, which JPEG and WebP hold.
     provenance: str = "exif"
 

@@ -1,7 +1,7 @@
 """A model in object storage: a diffusers folder under s3://bucket/prefix or
 gs://bucket/prefix. Its listing (each file's size, the store's checksum, its object
 version or generation) and the revision that pins it: `submit` records the revision
-in the run manifest, a worker fetches that revision or refuses (worker/model_fetch.py).
+in the run manifest, a worker fetches that revision or refuses (worker/device/model_fetch.py).
 
 The model bucket may have its own credentials (DIFFQ_MODEL_STORE_*, core/settings.py).
 """

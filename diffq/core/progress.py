@@ -422,7 +422,7 @@ def reconcile(storage: Storage, recorded: dict[str, tuple[str, list[str]]]) -> i
 
 # Storage trouble: why storing fails, told to whoever watches -----------------------
 #
-# The sink retries a failing store for minutes (worker/sink.py `_with_retry`); while it
+# The sink retries a failing store for minutes (worker/sink/store.py `_with_retry`); while it
 # does, the user should see why, through a channel that still works when the store is
 # what fails:
 #   - a trouble note in OUT, `trouble/<writer>.json` (`TroubleNote`): written while a

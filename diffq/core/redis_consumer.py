@@ -25,8 +25,8 @@ needs that link: an AttributeError no handler expects ended the worker, and a ba
 finishing after the reconnect acks through the same dead channel. Here a channel
 whose connection is gone settles locally: what it held stays in `unacked` and comes
 back once its lease lapses (redelivered, a stored batch is credited, not generated).
-The worker decides that end (`connection lost`, worker/delivery.py) and carries it
-out through its broker door (worker/door.py `lost_connection`, passed as `lost`).
+The worker decides that end (`connection lost`, worker/delivery/outcomes.py) and carries it
+out through its broker door (worker/delivery/door.py `lost_connection`, passed as `lost`).
 """
 
 from __future__ import annotations

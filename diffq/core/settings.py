@@ -32,14 +32,14 @@ class Settings(BaseSettings):
     # loudly at start on a network broker; `worker --run OUT` narrows it to that run).
     allowed_out_prefixes: list[str] = Field(default_factory=list)
     # The models a worker may load besides those it is told (--model, --models, a
-    # --run manifest's); a batch naming another is refused unread (worker/admission.py).
+    # --run manifest's); a batch naming another is refused unread (worker/delivery/admission.py).
     allowed_models: list[str] = Field(default_factory=list)
     # Where `submit` registers a run whose plan is not all in the broker, and the
     # fleet's feeder (`diffq fleet backlog --feeds`) finds the runs it feeds: a
     # folder (local, s3://, gs://) holding one small file per such run.
     feeds: str | None = None
     # HMAC keys batches are signed with where diffq publishes and checked with by
-    # workers (worker/admission.py): with a key set, an unsigned or wrongly signed batch
+    # workers (worker/delivery/admission.py): with a key set, an unsigned or wrongly signed batch
     # is dead-lettered. `signing_key_previous` is still accepted, so keys rotate
     # without a stop: add the new key as current, the old as previous, then drop it.
     signing_key: SecretStr | None = None
@@ -55,14 +55,14 @@ class Settings(BaseSettings):
     # Celery retry countdown: base * 2**attempt seconds, capped at 30 s.
     retry_backoff_s: float = Field(default=2.0, ge=0)
     # Run-ahead: while a worker's device calls take less than this, it holds a second
-    # batch, received and prepared while the call runs (worker/batches.py). Longer
+    # batch, received and prepared while the call runs (worker/delivery/batches.py). Longer
     # calls: one batch in hand, none waiting that another device could take. 0: never.
     run_ahead_s: float = Field(default=2.0, ge=0)
     # Celery task events for Flower / `celery events`; unset: the transport's own
     # default (core/transports.py: on, except where no monitor can attach).
     task_events: bool | None = None
     # Where a worker encodes and stores images: a helper process (the generating
-    # process keeps the GIL; worker/sink_process.py) or threads beside generation.
+    # process keeps the GIL; worker/sink/helper.py) or threads beside generation.
     sink: Literal["process", "thread"] = "process"
     # Threads that encode and upload one batch's images side by side (the encoders
     # and storage clients release the GIL): the cores a worker's sink may use. Raise
@@ -72,7 +72,7 @@ class Settings(BaseSettings):
     # it. Keeps encoding off the cores that drive the devices on a busy host.
     sink_cpus: str | None = None
     # Models in object storage (`--model s3://bucket/prefix`, `gs://...`) are fetched
-    # into this node-local folder and loaded from there (worker/model_fetch.py): one
+    # into this node-local folder and loaded from there (worker/device/model_fetch.py): one
     # entry per model URL and revision. Pods mount a node-local volume here (docs/fleet.md).
     model_cache: str = Field(default_factory=lambda: _user_cache("models"))
     # The cache's size cap: least recently used entries not in use by any process are

@@ -4,7 +4,7 @@ Anyone who can publish to the broker can put a message on a shape queue. With a 
 set (`DIFFQ_SIGNING_KEY`), every batch diffq publishes (`submit`, `resume`,
 `retry-failed`, the embedded runner, a worker's retry and split) carries a
 signature in its message headers, and a worker with a key dead-letters a batch
-whose signature is missing or does not verify (worker/admission.py).
+whose signature is missing or does not verify (worker/delivery/admission.py).
 
 What is signed: the queue the batch is meant for, its run id and the batch itself,
 so a signed batch replayed into another queue or run does not verify. The batch is

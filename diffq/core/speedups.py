@@ -8,7 +8,7 @@ attention backend (`attention:_native_math`). A range is two numbers joined by `
 (`spatial_attention_timestep_skip_range=100|800`). The canonical form (fields sorted,
 values normalised) travels in every batch (`BatchParams.speedup`), lands in every
 image record and its embedded provenance, and is what the worker applies through
-diffusers' own API (worker/speedups.py): `CacheMixin.enable_cache`, state reset
+diffusers' own API (worker/device/speedups.py): `CacheMixin.enable_cache`, state reset
 before every call (a call that raised leaves state behind: measured), and
 `set_attention_backend`.
 

@@ -1,6 +1,6 @@
 """The transport table: what diffq needs to know about each kind of broker, as data.
 
-One row per broker kind, beside the backend table (worker/backends.py). Every
+One row per broker kind, beside the backend table (worker/device/backends.py). Every
 place that used to branch on the broker URL (the Celery app, the publisher, the
 queue report, compile-aware routing, the held acks, the embedded runner, the
 lease keeper) looks its answer up here instead.
@@ -462,7 +462,7 @@ def declare_no_dead_letters(connection, queues: list[str], api: str | None = Non
 
 
 def _letter_fields(payload, queue: str | None, reason: str) -> dict:
-    """A worker's JSON letter (worker/dead_letters.py `letter`) as it is, else what the
+    """A worker's JSON letter (worker/delivery/dead_letters.py `letter`) as it is, else what the
     broker says about a message it moved itself."""
     if isinstance(payload, dict) and payload.get("v") == 1 and "reason" in payload:
         return {"queue": payload.get("queue"), "reason": payload.get("reason"), "at": payload.get("at")}

@@ -77,7 +77,7 @@ class Storage(ABC):
     #: Objects per listing request; lowered in tests to exercise pagination.
     page_size: int = 1000
     #: Shortest time between two writes of one object that the store sustains; the
-    #: sink batches progress credits to respect it (worker/sink.py).
+    #: sink batches progress credits to respect it (worker/sink/store.py).
     min_rewrite_interval_s: float = 0.0
 
     def __repr__(self) -> str:

@@ -25,7 +25,7 @@ import torch
 import torch._dynamo
 from torch.utils._pytree import tree_map
 
-from diffq.worker import backends
+from diffq.worker.device import backends
 from torch_neuronx.neuron_dynamo_backend.backend import execution_wrapper, on_device
 
 FALLBACK_OPS = ["aten::_fft_r2c", "aten::linalg_eigh"]

@@ -1,0 +1,146 @@
+"""A batch's speed-up on the loaded pipeline, through diffusers' own API.
+
+The batch carries its canonical spec (core/speedups.py); before each call, on the
+device's turn, the pipeline is set to it: `CacheMixin.enable_cache(config)` when the
+cache differs from the last call's (`disable_cache` first: diffusers takes one), the
+cache's state reset before every call (diffusers resets it only at the end of a call
+that succeeded: after one that raised, the next image was off), and `set_attention_backend`. Nothing here caches or skips by hand.
+
+A spec a device, compile mode or family cannot run is refused with the reason
+(`refusal`): the backend table says what each compile mode offers, the family table
+whether the pipeline opens a cache context at all.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+from diffq.core.speedups import CACHES, Speedup, parse
+
+log = logging.getLogger(__name__)
+
+DEFAULT_ATTENTION = "native"  # diffusers' default backend (torch's scaled_dot_product_attention)
+
+
+class SpeedupUnsupported(ValueError):
+    """A speed-up this worker cannot run (device, compile mode, family): no retry helps."""
+
+
+def refusal(speedup: Speedup | None, backend, compile_mode: str, family) -> str | None:
+    """Why this worker cannot run `speedup`, or None."""
+    if speedup is None:
+        return None
+    offered = backend.speedups_offered(compile_mode)
+    if speedup.cache is not None:
+        if not family.step_caches:
+            return (f"{family.pipeline_class} ({family.name}) cannot run a step cache: "
+                    f"{family.step_caches_missing}")
+        if reason := family.cache_refusals.get(speedup.cache):
+            return f"{speedup.cache} on {family.pipeline_class}: {reason}"
+        if speedup.batch_dependent and not backend.host_decisions:
+            return (f"{speedup.cache} decides from the batch's data each step (a host sync and a data-dependent "
+                    f"branch): on {backend.name} that is a graph break per step")
+        if offered == "none":
+            return (f"--compile {compile_mode} compiles the whole transformer: a cache's decision runs in a "
+                    "torch.compiler.disable'd hook inside it (graph break); use --compile regional or none")
+        if offered == "whole-blocks" and not speedup.whole_blocks():
+            return (f"{speedup.spec}: its hooks sit inside each block, which --compile {compile_mode} compiles "
+                    "whole; use a mode that caches whole blocks (taylorseer:use_lite_mode=true, mag, ...) or "
+                    "--compile none")
+    if speedup.attention is not None and offered != "all":
+        return (f"attention:{speedup.attention} under --compile {compile_mode}: switching the attention backend "
+                "recompiles every block (docs/speedups.md), until dynamo's recompile limit; "
+                "run it with --compile none")
+    return None
+
+
+def local_refusal(models, specs, device: str, compile_mode: str) -> str | None:
+    """Why one of `specs` cannot run on `device` under `compile_mode` for one of the
+    local models (families read from their folders; hub ids: the worker says on load),
+    before any worker starts."""
+    from diffq.core.families import family_of
+    from diffq.worker.device.backends import get_backend
+
+    backend = get_backend(device)
+    for model in models:
+        family = family_of(model)
+        for spec in specs:
+            if family is not None and (reason := refusal(parse(spec), backend, compile_mode, family)):
+                return f"--speedup {spec}: {reason}"
+    return None
+
+
+def cache_config(speedup: Speedup, pipe, steps: int):
+    """The diffusers config object for a parsed cache, with what diffq fills itself."""
+    import diffusers
+    import torch
+
+    row = CACHES[speedup.cache]
+    values = {}
+    for name, value in speedup.fields:
+        kind = row.fields[name]
+        if kind == "dtype":
+            value = getattr(torch, value)
+        elif kind == "preset":
+            value = _PRESETS[(speedup.cache, name, value)]()
+        values[name] = value
+    if "num_inference_steps" in row.filled:
+        values["num_inference_steps"] = steps
+    if "current_timestep_callback" in row.filled:
+        values["current_timestep_callback"] = lambda: pipe.current_timestep
+    return getattr(diffusers, row.config)(**values)
+
+
+def _flux_mag_ratios():
+    from diffusers.hooks.mag_cache import FLUX_MAG_RATIOS
+
+    return FLUX_MAG_RATIOS
+
+
+_PRESETS = {("mag", "mag_ratios", "flux"): _flux_mag_ratios}
+
+
+@dataclasses.dataclass
+class Applied:
+    """What one pipeline is set to now."""
+
+    cache: tuple | None = None  # (canonical spec, steps) of the cache on
+    attention: str = DEFAULT_ATTENTION
+
+
+class Speedups:
+    """Sets each loaded pipeline to its batch's speed-up (one per PipelineHost)."""
+
+    def __init__(self):
+        self._applied: dict[int, Applied] = {}
+
+    def prepare(self, spec: str | None, backend, compile_mode: str, family) -> Speedup | None:
+        """The parsed spec, refused (SpeedupUnsupported) where this worker cannot run it;
+        off the device."""
+        speedup = parse(spec)
+        if reason := refusal(speedup, backend, compile_mode, family):
+            raise SpeedupUnsupported(reason)
+        return speedup
+
+    def apply(self, pipe, speedup: Speedup | None, steps: int) -> None:
+        """On the device's turn, just before the call."""
+        applied = self._applied.get(id(pipe))
+        if speedup is None and applied is None:
+            return  # full compute, never set otherwise: nothing to undo (nor a transformer to ask)
+        transformer = pipe.transformer
+        applied = self._applied.setdefault(id(pipe), Applied())
+        wanted = (speedup.spec, steps) if speedup is not None and speedup.cache is not None else None
+        if wanted != applied.cache:
+            if applied.cache is not None:
+                transformer.disable_cache()
+                applied.cache = None
+            if wanted is not None:
+                transformer.enable_cache(cache_config(speedup, pipe, steps))
+                applied.cache = wanted
+        if applied.cache is not None:
+            transformer._reset_stateful_cache()  # diffusers' own reset (CacheMixin)
+        attention = (speedup.attention if speedup is not None else None) or DEFAULT_ATTENTION
+        if attention != applied.attention:
+            transformer.set_attention_backend(attention)
+            applied.attention = attention

@@ -1,0 +1,1 @@
+"""Observation: JSON log lines and Prometheus metrics per process."""

@@ -1,0 +1,131 @@
+"""A worker process's runtime: its spec, pipelines, sink, run folders and batch line.
+
+The batch task carries it (`task.runtime`, set up by worker/delivery/celery_adapter.py); a
+batch's life (worker/delivery/tasks.py) reads everything it needs of the process from here.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from dataclasses import dataclass, field
+
+from diffq.core.settings import get_settings
+from diffq.core import layout
+from diffq.core.storage import NotFound, Storage, open_storage
+from diffq.core.transports import transport_for
+from diffq.worker.delivery.admission import Admission
+from diffq.worker.delivery.batches import BatchLine
+from diffq.worker.delivery.failures import storage_trouble
+from diffq.worker.delivery.lease import LeaseKeeper
+from diffq.worker.device.pipeline_host import PipelineHost
+from diffq.worker.delivery.routing import Discovery, Router
+from diffq.worker.sink.store import Sink
+from diffq.worker.sink.helper import SinkProcess, make_sink
+from diffq.worker.process.spec import ChildSpec, hostname
+
+
+class OutNotAllowed(PermissionError):
+    pass
+
+
+@dataclass
+class Runtime:
+    """A worker process's state: its spec, pipelines, sink, run folders, batch line."""
+
+    spec: ChildSpec
+    host: PipelineHost
+    sink: Sink | SinkProcess = field(default_factory=make_sink)
+    storages: dict[str, Storage] = field(default_factory=dict)
+    line: BatchLine | None = None  # built on the sink when not given
+    lease: LeaseKeeper | None = None  # while consuming (worker/delivery/celery_adapter.py)
+    # The hooks on a batch's life (worker/delivery/hooks.py), in order; None: the defaults,
+    # made on the first batch (worker/delivery/tasks.py). They keep per-process state (the
+    # cancel marker last seen), so each runtime has its own.
+    hooks: list | None = None
+    # Set once the consumer has stopped fetching and handed back what it held.
+    consuming_stopped: threading.Event = field(default_factory=threading.Event)
+    # What a delivery must be to be taken (worker/delivery/admission.py); from the spec and
+    # settings when not given.
+    admission: Admission | None = None
+    run_ids: dict[str, str] = field(default_factory=dict)  # run folder -> the run id its manifest names
+    # run folder -> its manifest's pinned object-storage model revisions
+    model_pins: dict[str, dict[str, str]] = field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.line is None:
+            self.line = BatchLine(self.sink)
+        if self.admission is None:
+            self.admission = Admission.of(self.spec, get_settings())
+
+    @classmethod
+    def start(cls, spec: ChildSpec, group=None) -> Runtime:
+        """The runtime of a worker process; its sink helper starts importing now, while
+        the model loads."""
+        rt = cls(spec=spec, host=PipelineHost(backend=spec.backend, compile_mode=spec.compile,
+                                              offload=spec.offload, group=group,
+                                              checks=frozenset(spec.degenerate_policy)))
+        transport = transport_for(spec.broker_url)
+        discovery = Discovery(transport, spec.serve_models, spec.rabbitmq_api,
+                              dtypes=spec.backend.served_dtypes) if spec.discover else None
+        if spec.routing == "compile-aware" or discovery is not None:
+            rt.line.router = Router(spec.queues, rt.compiled_queues, transport, discovery=discovery,
+                                    compile_aware=spec.routing == "compile-aware")
+        return rt
+
+    def compiled_queues(self) -> set[str]:
+        return {shape.queue for shape in self.host.shapes_seen}
+
+    @property
+    def worker(self) -> str:
+        return f"{self.spec.name}@{hostname()}"
+
+    def run_problem(self, storage: Storage, run_id: str) -> str | None:
+        """Why a batch of run `run_id` may not write to `storage`, or None: only a run
+        folder whose manifest names that run takes its batches (read once per folder;
+        storage trouble reading it raises StorageTrouble: the batch waits, not refused)."""
+        if storage.url not in self.run_ids:
+            with storage_trouble():
+                try:
+                    raw = storage.get_bytes(layout.MANIFEST)
+                except NotFound:
+                    return f"{storage.url} holds no diffq run (no {layout.MANIFEST}): nothing is written there"
+            try:
+                manifest = json.loads(raw)
+                self.model_pins[storage.url] = dict(manifest.get("model_revisions") or {})
+                self.run_ids[storage.url] = str(manifest["run_id"])
+            except (ValueError, KeyError, TypeError, AttributeError):
+                return f"{storage.url}/{layout.MANIFEST} is not a diffq run manifest"
+        if self.run_ids[storage.url] != run_id:
+            return f"run id {run_id!r} is not the id of the run in {storage.url}"
+        return None
+
+    def model_problem(self, storage: Storage, model: str) -> str | None:
+        """Why this worker may not generate `model` for the run in `storage` (read by
+        `run_problem` first), or None: an object-storage model the run pinned must be
+        loaded at that revision. One not loaded yet is loaded at it, or refused then."""
+        pinned = self.model_pins.get(storage.url, {}).get(model)
+        if pinned is None:
+            return None
+        loaded = self.host.revisions.get(model)
+        if loaded is None:
+            self.host.pins[model] = pinned
+            return None
+        if loaded != pinned:
+            return (f"model {model} is loaded at revision {loaded}, but run {self.run_ids.get(storage.url)} "
+                    f"pinned {pinned}: a worker started for that revision must take its batches")
+        return None
+
+    def storage_for(self, out: str) -> Storage:
+        if out not in self.storages:
+            # Admission refused anything outside the worker's runs or prefixes on
+            # receipt; asked again here, for deliveries that came another way.
+            if reason := self.admission.out_problem(out):
+                raise OutNotAllowed(reason)
+            self.storages[out] = open_storage(out)
+        return self.storages[out]
+
+
+def preload(rt: Runtime) -> None:
+    for model in rt.spec.models:
+        rt.host.pipeline(model, rt.spec.dtype)
