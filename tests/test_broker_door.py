@@ -306,4 +306,7 @@ def test_every_admission_check_is_a_refused_row(tmp_path):
     assert why(a_batch(out, shape=other), queue=other.queue) is Refused.UNKNOWN_MODEL
     # The schema's refusal goes the broker's way; every trust refusal leaves a letter.
     assert {Refused.UNSIGNED, Refused.WRONG_QUEUE, Refused.NOT_ITS_SCOPE, Refused.UNKNOWN_MODEL} <= LETTERED
+    # The task body's trust refusals leave their reason too, on every broker.
+    assert {Refused.NOT_ITS_RUN, Refused.OUT_NOT_ALLOWED} <= LETTERED
+    assert refusal(Refused.OUT_NOT_ALLOWED, by_broker=True) is Outcome.DEAD_LETTER
     assert Refused.NOT_A_BATCH not in LETTERED

@@ -118,7 +118,7 @@ class Refused(str, Enum):
 # written even where the broker would route a rejected delivery itself (it keeps
 # only the queue and 'rejected').
 LETTERED = frozenset({Refused.UNSIGNED, Refused.WRONG_QUEUE, Refused.NOT_ITS_SCOPE, Refused.UNKNOWN_MODEL,
-                      Refused.NOT_ITS_RUN})
+                      Refused.NOT_ITS_RUN, Refused.OUT_NOT_ALLOWED})
 
 
 def refusal(why: Refused, by_broker: bool) -> Outcome:
