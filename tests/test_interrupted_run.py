@@ -179,3 +179,13 @@ def test_resume_with_a_broker_refuses_local_worker_options(tmp_path):
                  "--threads", "2", check=False)
     assert proc.returncode == 2
     assert "--workers, --threads: options of local workers" in proc.stderr.replace("\n", "")
+
+
+def test_resume_without_a_broker_refuses_the_feeders_options(tmp_path, monkeypatch):
+    """Without a broker, resume feeds its own local workers: a --window or --feeds there would
+    be silently unused."""
+    monkeypatch.delenv("DIFFQ_BROKER_URL", raising=False)
+    proc = diffq("resume", str(tmp_path / "out"), "--window", "8", "--feeds", str(tmp_path / "feeds"), check=False)
+    assert proc.returncode == 2
+    assert "--window, --feeds: options of a resume with a broker" in proc.stderr.replace("\n", "")
+    assert not (tmp_path / "out").exists() and not (tmp_path / "feeds").exists()

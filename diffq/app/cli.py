@@ -418,6 +418,9 @@ def resume(
                  "(the fleet's workers serve what it re-enqueues)")
         _requeue("resume", out_dir, broker, window, feeds)
         return
+    if given := [name for name, set_ in (("--window", window != str(DEFAULT_WINDOW)), ("--feeds", feeds)) if set_]:
+        fail(f"{', '.join(given)}: options of a resume with a broker (a fleet's feeder); without one the local "
+             "workers are fed here, as `diffq run` feeds its own")
     try:
         result = resume_embedded(out_dir, progress=progress, console=err, **local.kwargs())
     except (NotARun, PlanIncomplete, ModelUnavailable, RunFailed, ValueError) as exc:
