@@ -409,3 +409,19 @@ def test_the_s3_check_over_streamed_bytes(algorithm, part_size):
     damaged = bytearray(data)
     damaged[-1] ^= 1
     assert (problem := check(bytes(damaged))) and problem.startswith("ETag" if algorithm == "MD5" else algorithm)
+
+
+@pytest.mark.parametrize(("pays_up_to", "most", "settles_at"), [(4, 16, 4), (2, 16, 2), (64, 16, 16)])
+def test_s3_streams_double_while_it_pays(pays_up_to, most, settles_at, monkeypatch):
+    """The whole-object streams double while a doubling raises the rate by a quarter,
+    and go back when one makes it slower (a store that is slower with more streams)."""
+    clock = [0.0]
+    monkeypatch.setattr(model_fetch, "time", type("Clock", (), {"perf_counter": staticmethod(lambda: clock[0])}))
+    streams = model_fetch._Streams(most)
+    for _ in range(20):  # windows of STREAMS_WINDOW seconds
+        limit = streams.limit
+        # 100 MB/s per stream up to `pays_up_to`, then slower with each stream more
+        rate = 100e6 * min(limit, pays_up_to) * (0.8 if limit > pays_up_to else 1.0)
+        clock[0] += model_fetch.STREAMS_WINDOW
+        streams.moved(int(rate * model_fetch.STREAMS_WINDOW))
+    assert streams.settled and streams.limit == settles_at

@@ -304,7 +304,7 @@ class _Streams:
             log.debug("model fetch: %d streams, %.0f MB/s", self.limit, rate / 1e6)
             if self.previous and rate < self.previous[1] * 1.25:
                 # The doubling did not pay: back to the count before, for good.
-                self.limit = self.previous[0] if rate < self.previous[1] else self.limit
+                self.limit = self.previous[0]
                 self.settled = True
             else:
                 self.previous = (self.limit, rate)
