@@ -223,13 +223,13 @@ _ALGORITHMS = ("CRC32C", "CRC32", "SHA1", "SHA256")
 
 def _fetch_s3(storage, files: list[RemoteFile], entry: Path, threads: int, url: str) -> None:
     client = storage._get_client()
-    heads = _s3_heads(storage, files, threads)
-    finisher = _Finisher(entry, url, threads, lambda f, part: _s3_problem(heads[f.key], part))
     whole = sorted((f for f in files if f.size <= WHOLE_BYTES), key=lambda f: -f.size)  # longest first
     big = [f for f in files if f.size > WHOLE_BYTES]
+    heads = _s3_heads(storage, big, threads) if big else {}
+    finisher = _Finisher(entry, url, threads, lambda f, part: _s3_problem(heads[f.key], part))
     try:
         if whole:
-            _stream_s3(client, storage, whole, heads, entry, threads, url, finisher)
+            _stream_s3(client, storage, whole, entry, threads, url, finisher)
         if big:
             _transfer_s3(client, storage, big, entry, threads, url, finisher)
     except BaseException:
@@ -293,38 +293,48 @@ class _Streams:
             self.gate.notify_all()
 
     def moved(self, n: int) -> None:
-        if self.settled:
+        """`n` bytes more: the count may change, and a stream over it pauses here
+        (its connection idle, resumed by a Range if the store drops it)."""
+        if self.settled and self.running <= self.limit:
             return
         with self.gate:
-            self.window_bytes += n
-            elapsed = time.perf_counter() - self.window_start
-            if elapsed < STREAMS_WINDOW or self.settled:
-                return
-            rate = self.window_bytes / elapsed
-            log.debug("model fetch: %d streams, %.0f MB/s", self.limit, rate / 1e6)
-            if self.previous and rate < self.previous[1] * 1.25:
-                # The doubling did not pay: back to the count before, for good.
-                self.limit = self.previous[0]
-                self.settled = True
-            else:
-                self.previous = (self.limit, rate)
-                self.limit = min(self.limit * 2, self.most)
-                self.settled = self.limit >= self.most and self.previous[0] >= self.most
-            self.window_bytes, self.window_start = 0, time.perf_counter()
-            self.gate.notify_all()
+            if not self.settled:
+                self._measure(n)
+            if self.running > self.limit:  # after a step back: until another stream ends
+                self.running -= 1
+                self.gate.wait_for(lambda: self.running < self.limit)
+                self.running += 1
+
+    def _measure(self, n: int) -> None:
+        self.window_bytes += n
+        elapsed = time.perf_counter() - self.window_start
+        if elapsed < STREAMS_WINDOW:
+            return
+        rate = self.window_bytes / elapsed
+        log.debug("model fetch: %d streams, %.0f MB/s", self.limit, rate / 1e6)
+        if self.previous and rate < self.previous[1] * 1.25:
+            # The doubling did not pay: back to the count before, for good.
+            self.limit = self.previous[0]
+            self.settled = True
+        else:
+            self.previous = (self.limit, rate)
+            self.limit = min(self.limit * 2, self.most)
+            self.settled = self.limit >= self.most and self.previous[0] >= self.most
+        self.window_bytes, self.window_start = 0, time.perf_counter()
+        self.gate.notify_all()
 
 
-STREAMS_START = 2
-STREAMS_WINDOW = 0.5  # seconds
+STREAMS_START = 1
+STREAMS_WINDOW = 0.25  # seconds
 
 
-def _stream_s3(client, storage, files: list[RemoteFile], heads: dict, entry: Path, threads: int, url: str,
-               finisher) -> None:
+def _stream_s3(client, storage, files: list[RemoteFile], entry: Path, threads: int, url: str, finisher) -> None:
     streams = _Streams(threads)
 
     def one(file: RemoteFile) -> None:
+        info = _s3_head(client, storage, file)  # while other files stream
         with streams:
-            _get_whole(client, storage, file, heads[file.key], _part(entry, file), url, streams.moved)
+            _get_whole(client, storage, file, info, _part(entry, file), url, streams.moved)
         finisher.place(file)
 
     with ThreadPoolExecutor(max(1, min(threads, len(files))), thread_name_prefix="diffq-fetch") as pool:
@@ -403,40 +413,40 @@ def _get_whole(client, storage, file: RemoteFile, info: dict, part: Path, url: s
 def _s3_heads(storage, files: list[RemoteFile], threads: int) -> dict[str, dict]:
     """Each file's stored checksums (full-object or, for a multipart upload, composite:
     over its parts' checksums) and, for a multipart ETag, its part size."""
+    client = storage._get_client()
+    with ThreadPoolExecutor(threads, thread_name_prefix="diffq-head") as pool:
+        return dict(zip((f.key for f in files), pool.map(lambda f: _s3_head(client, storage, f), files)))
+
+
+def _s3_head(client, storage, file: RemoteFile) -> dict:
     from botocore.exceptions import ClientError
 
-    client = storage._get_client()
-
-    def head(file: RemoteFile) -> tuple[str, dict]:
-        name = storage.prefix + file.key
-        try:  # the object listed, not one uploaded since: its checksums are the listed bytes'
-            response = client.head_object(Bucket=storage.bucket_name, Key=name, ChecksumMode="ENABLED",
-                                          **({"IfMatch": f'"{file.etag}"'} if file.etag else {}))
-        except ClientError as exc:
-            raise _changed(exc, storage.url, file) from exc
-        # An ETag is an MD5 only without KMS or customer-key encryption.
-        encrypted = response.get("ServerSideEncryption", "").startswith("aws:kms") or response.get("SSECustomerAlgorithm")
-        info = {"etag": response.get("ETag", "").strip('"'), "checksums": {}, "composite": {},
-                "etag_is_md5": not encrypted}
-        multipart = "-" in info["etag"]
-        full_object = response.get("ChecksumType") == "FULL_OBJECT"
-        for algorithm in _ALGORITHMS:
-            value = response.get(f"Checksum{algorithm}")
-            if not value:
-                continue
-            if "-" not in value and (full_object or not multipart):
-                info["checksums"][algorithm] = value
-            elif multipart and not full_object:
-                # A multipart upload's checksum of its parts' checksums ("…-N"; moto
-                # leaves out the "-N" and the type).
-                info["composite"][algorithm] = value
-        if multipart and not info["checksums"] and (info["composite"] or info["etag_is_md5"]):
-            info["part_size"] = client.head_object(Bucket=storage.bucket_name, Key=name,
-                                                   PartNumber=1)["ContentLength"]
-        return file.key, info
-
-    with ThreadPoolExecutor(threads, thread_name_prefix="diffq-head") as pool:
-        return dict(pool.map(head, files))
+    name = storage.prefix + file.key
+    try:  # the object listed, not one uploaded since: its checksums are the listed bytes'
+        response = client.head_object(Bucket=storage.bucket_name, Key=name, ChecksumMode="ENABLED",
+                                      **({"IfMatch": f'"{file.etag}"'} if file.etag else {}))
+    except ClientError as exc:
+        raise _changed(exc, storage.url, file) from exc
+    # An ETag is an MD5 only without KMS or customer-key encryption.
+    encrypted = response.get("ServerSideEncryption", "").startswith("aws:kms") or response.get("SSECustomerAlgorithm")
+    info = {"etag": response.get("ETag", "").strip('"'), "checksums": {}, "composite": {},
+            "etag_is_md5": not encrypted}
+    multipart = "-" in info["etag"]
+    full_object = response.get("ChecksumType") == "FULL_OBJECT"
+    for algorithm in _ALGORITHMS:
+        value = response.get(f"Checksum{algorithm}")
+        if not value:
+            continue
+        if "-" not in value and (full_object or not multipart):
+            info["checksums"][algorithm] = value
+        elif multipart and not full_object:
+            # A multipart upload's checksum of its parts' checksums ("…-N"; moto
+            # leaves out the "-N" and the type).
+            info["composite"][algorithm] = value
+    if multipart and not info["checksums"] and (info["composite"] or info["etag_is_md5"]):
+        info["part_size"] = client.head_object(Bucket=storage.bucket_name, Key=name,
+                                               PartNumber=1)["ContentLength"]
+    return info
 
 
 def _changed(exc, url: str, file: RemoteFile) -> Exception:
