@@ -214,7 +214,7 @@ class _Finisher:
 # whole object for each range), much more. Measured on loopback moto only
 # (docs/BENCHMARKS.md); a real bucket from a node with real cores is still to measure.
 WHOLE_BYTES = 512 * 1024 * 1024
-_STREAM_CHUNK = 8 * 1024 * 1024
+_STREAM_CHUNK = 1024 * 1024  # fits the caches: 8 MiB measured slower (docs/BENCHMARKS.md)
 _STREAM_ATTEMPTS = 5
 # The cheapest stored checksum first: CRC32C ~4 GB/s, CRC32 ~1.5-5 GB/s, SHA1/SHA256
 # ~2 GB/s with SHA extensions, MD5 ~0.8 GB/s per core (docs/BENCHMARKS.md).
