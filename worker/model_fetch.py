@@ -332,9 +332,8 @@ def _stream_s3(client, storage, files: list[RemoteFile], entry: Path, threads: i
     streams = _Streams(threads)
 
     def one(file: RemoteFile) -> None:
-        info = _s3_head(client, storage, file)  # while other files stream
         with streams:
-            _get_whole(client, storage, file, info, _part(entry, file), url, streams.moved)
+            _get_whole(client, storage, file, _part(entry, file), url, streams.moved)
         finisher.place(file)
 
     with ThreadPoolExecutor(max(1, min(threads, len(files))), thread_name_prefix="diffq-fetch") as pool:
@@ -348,16 +347,17 @@ def _stream_s3(client, storage, files: list[RemoteFile], entry: Path, threads: i
             raise
 
 
-def _get_whole(client, storage, file: RemoteFile, info: dict, part: Path, url: str, moved) -> None:
-    """One object into `part`, checked against the store's checksum as its bytes are
-    written; a dropped stream continues where it stopped (a Range, If-Match)."""
+def _get_whole(client, storage, file: RemoteFile, part: Path, url: str, moved) -> None:
+    """One object into `part`, checked against the store's checksum (the GET's own
+    checksum headers) as its bytes are written; a dropped stream continues where it
+    stopped (a Range, If-Match)."""
     import http.client
 
     from botocore.exceptions import ClientError
     from botocore.exceptions import ConnectionError as BotoConnectionError
     from urllib3.exceptions import HTTPError as Urllib3Error
 
-    check = _Check(info)
+    check = None
     buffer = bytearray(_STREAM_CHUNK)
     view = memoryview(buffer)
     got = 0
@@ -369,10 +369,15 @@ def _get_whole(client, storage, file: RemoteFile, info: dict, part: Path, url: s
                 args["IfMatch"] = f'"{file.etag}"'
             if got:
                 args["Range"] = f"bytes={got}-"
+            else:  # the stored checksums come with the bytes: no HEAD
+                args["ChecksumMode"] = "ENABLED"
             try:
-                body = client.get_object(**args)["Body"]
+                response = client.get_object(**args)
+                if check is None:
+                    check = _Check(_s3_info(client, storage, file, response))
             except ClientError as exc:
                 raise _changed(exc, url, file) from exc
+            body = response["Body"]
             # Straight from the socket into the buffer (http.client's readinto), past
             # urllib3's and botocore's copies; botocore's own checksum pass is skipped:
             # the check below is the same one.
@@ -405,7 +410,7 @@ def _get_whole(client, storage, file: RemoteFile, info: dict, part: Path, url: s
                 break
     if got != file.size:
         raise FetchRefused(f"model {url}: file {file.key} is {got} bytes, the store lists {file.size}")
-    if problem := check.problem(file.key):
+    if check and (problem := check.problem(file.key)):
         part.unlink(missing_ok=True)
         raise FetchRefused(f"model {url}: file {file.key} is corrupt: {problem}; not loaded")
 
@@ -427,6 +432,13 @@ def _s3_head(client, storage, file: RemoteFile) -> dict:
                                       **({"IfMatch": f'"{file.etag}"'} if file.etag else {}))
     except ClientError as exc:
         raise _changed(exc, storage.url, file) from exc
+    return _s3_info(client, storage, file, response)
+
+
+def _s3_info(client, storage, file: RemoteFile, response: dict) -> dict:
+    """What a HEAD or GET (ChecksumMode=ENABLED) of the listed object says of its
+    checksums; for a multipart ETag, its part size (a HEAD of part 1)."""
+    name = storage.prefix + file.key
     # An ETag is an MD5 only without KMS or customer-key encryption.
     encrypted = response.get("ServerSideEncryption", "").startswith("aws:kms") or response.get("SSECustomerAlgorithm")
     info = {"etag": response.get("ETag", "").strip('"'), "checksums": {}, "composite": {},
@@ -444,6 +456,8 @@ def _s3_head(client, storage, file: RemoteFile) -> dict:
             # leaves out the "-N" and the type).
             info["composite"][algorithm] = value
     if multipart and not info["checksums"] and (info["composite"] or info["etag_is_md5"]):
+        # (No If-Match: moto compares it with the part's own ETag. A part size of a newer
+        # upload fails the check below: refused as corrupt, never loaded.)
         info["part_size"] = client.head_object(Bucket=storage.bucket_name, Key=name,
                                                PartNumber=1)["ContentLength"]
     return info
