@@ -216,7 +216,6 @@ class _Finisher:
 WHOLE_BYTES = 512 * 1024 * 1024
 _STREAM_CHUNK = 1024 * 1024  # fits the caches: 8 MiB measured slower (docs/BENCHMARKS.md)
 _STREAM_ATTEMPTS = 5
-_STREAM_BUFFERS = 4
 # The cheapest stored checksum first: CRC32C ~4 GB/s, CRC32 ~1.5-5 GB/s, SHA1/SHA256
 # ~2 GB/s with SHA extensions, MD5 ~0.8 GB/s per core (docs/BENCHMARKS.md).
 _ALGORITHMS = ("CRC32C", "CRC32", "SHA1", "SHA256")
@@ -359,70 +358,56 @@ def _get_whole(client, storage, file: RemoteFile, part: Path, url: str, moved) -
     from urllib3.exceptions import HTTPError as Urllib3Error
 
     check = None
-    # The checksum runs on its own thread, a few buffers behind the socket and the
-    # file (zlib and hashlib release the GIL): the stream does not wait for it.
-    views = [memoryview(bytearray(_STREAM_CHUNK)) for _ in range(_STREAM_BUFFERS)]
-    hashed: list = [None] * _STREAM_BUFFERS
-    hashing = ThreadPoolExecutor(1, thread_name_prefix="diffq-check")
-    turn = 0
+    buffer = bytearray(_STREAM_CHUNK)
+    view = memoryview(buffer)
     got = 0
     name = storage.prefix + file.key
-    try:
-        with part.open("wb", buffering=0) as out:
-            for attempt in range(1, _STREAM_ATTEMPTS + 1):
-                args = {"Bucket": storage.bucket_name, "Key": name}
-                if file.etag:  # the object listed, never one uploaded since
-                    args["IfMatch"] = f'"{file.etag}"'
-                if got:
-                    args["Range"] = f"bytes={got}-"
-                else:  # the stored checksums come with the bytes: no HEAD
-                    args["ChecksumMode"] = "ENABLED"
-                try:
-                    response = client.get_object(**args)
-                    if check is None:
-                        check = _Check(_s3_info(client, storage, file, response))
-                except ClientError as exc:
-                    raise _changed(exc, url, file) from exc
-                body = response["Body"]
-                # Straight from the socket into the buffer (http.client's readinto), past
-                # urllib3's and botocore's copies; botocore's own checksum pass is skipped:
-                # the check below is the same one.
-                raw = getattr(body, "_raw_stream", None)
-                readinto = getattr(getattr(raw, "_fp", None), "readinto", None)
-                try:
-                    while got < file.size:
-                        if hashed[turn] is not None:  # this buffer's bytes are checked
-                            hashed[turn].result()
-                        view = views[turn]
-                        if readinto is not None:
-                            n = readinto(view)
-                            chunk = view[:n]
-                        else:
-                            chunk = memoryview(body.read(_STREAM_CHUNK))
-                            n = len(chunk)
-                        if not n:
-                            break
-                        written = 0
-                        while written < n:
-                            written += out.write(chunk[written:])
-                        hashed[turn] = hashing.submit(check.update, chunk)
-                        turn = (turn + 1) % _STREAM_BUFFERS
-                        got += n
-                        moved(n)
-                except (OSError, http.client.HTTPException, Urllib3Error, BotoConnectionError) as exc:
-                    if attempt == _STREAM_ATTEMPTS:
-                        raise
-                    log.info("%s: the stream stopped at %d of %d bytes (%s); continuing", file.key, got, file.size, exc)
-                    continue
-                finally:
-                    (raw or body).close()
-                if got >= file.size:
-                    break
-    finally:
-        hashing.shutdown(wait=True)
-    for future in hashed:
-        if future is not None:
-            future.result()
+    with part.open("wb", buffering=0) as out:
+        for attempt in range(1, _STREAM_ATTEMPTS + 1):
+            args = {"Bucket": storage.bucket_name, "Key": name}
+            if file.etag:  # the object listed, never one uploaded since
+                args["IfMatch"] = f'"{file.etag}"'
+            if got:
+                args["Range"] = f"bytes={got}-"
+            else:  # the stored checksums come with the bytes: no HEAD
+                args["ChecksumMode"] = "ENABLED"
+            try:
+                response = client.get_object(**args)
+                if check is None:
+                    check = _Check(_s3_info(client, storage, file, response))
+            except ClientError as exc:
+                raise _changed(exc, url, file) from exc
+            body = response["Body"]
+            # Straight from the socket into the buffer (http.client's readinto), past
+            # urllib3's and botocore's copies; botocore's own checksum pass is skipped:
+            # the check below is the same one.
+            raw = getattr(body, "_raw_stream", None)
+            readinto = getattr(getattr(raw, "_fp", None), "readinto", None)
+            try:
+                while got < file.size:
+                    if readinto is not None:
+                        n = readinto(view)
+                        chunk = view[:n]
+                    else:
+                        chunk = memoryview(body.read(_STREAM_CHUNK))
+                        n = len(chunk)
+                    if not n:
+                        break
+                    written = 0
+                    while written < n:
+                        written += out.write(chunk[written:])
+                    check.update(chunk)
+                    got += n
+                    moved(n)
+            except (OSError, http.client.HTTPException, Urllib3Error, BotoConnectionError) as exc:
+                if attempt == _STREAM_ATTEMPTS:
+                    raise
+                log.info("%s: the stream stopped at %d of %d bytes (%s); continuing", file.key, got, file.size, exc)
+                continue
+            finally:
+                (raw or body).close()
+            if got >= file.size:
+                break
     if got != file.size:
         raise FetchRefused(f"model {url}: file {file.key} is {got} bytes, the store lists {file.size}")
     if check and (problem := check.problem(file.key)):
