@@ -5,8 +5,10 @@ The folder is the tiny pipeline plus padding safetensors shards of random bytes
 (--size-gb in all, --shard-mb each), uploaded in 8 MiB parts as the AWS CLI does.
 Three fetches of it, each into an empty folder:
 
-  diffq       worker/device/model_fetch.py `fetch` (one transfer manager for all files and parts,
-              each file checked against its ETag / stored checksum, renamed into place)
+  diffq       worker/device/model_fetch.py `fetch`: files up to WHOLE_BYTES one GET each, checked
+              against the stored checksum as the bytes are written, as many streams side
+              by side as pay; bigger files in ranged parts by boto3's transfer manager,
+              checked after; each renamed into place once checked
   tuned       boto3 `download_file` per file, one file after another, with a tuned
               TransferConfig (the same threads and part size as diffq's)
   sequential  one `get_object` stream per file, one file after another
@@ -15,6 +17,9 @@ Goal: diffq ≥ 0.9 × the best anchor's MB/s. On loopback the emulator (one Pyt
 process) is the bottleneck of all three, which is why only the ratio counts.
 
     python bench/model_fetch.py [--size-gb 1.0] [--shard-mb 256] [--threads 16] [--part-mb 64,256]
+
+--part-mb sets the tuned anchor's threshold and part size, and diffq's PART_BYTES (its
+parts of files bigger than WHOLE_BYTES).
 """
 
 from __future__ import annotations
@@ -77,8 +82,8 @@ def main(argv: list[str] | None = None) -> dict:
                         help="comma-separated part sizes (MiB) for diffq and the tuned anchor, each a round on "
                              "the same server and upload; default diffq's PART_BYTES")
     parser.add_argument("--upload", choices=("parts", "whole"), default="parts",
-                        help="parts: 8 MiB multipart uploads (checked by the multipart ETag rule: MD5); whole: one "
-                             "PUT per file (boto3 stores a CRC32, which diffq checks instead)")
+                        help="parts: 8 MiB multipart uploads (boto3 stores a composite CRC32, over the parts' "
+                             "CRC32s, which diffq checks); whole: one PUT per file (a full-object CRC32)")
     parser.add_argument("--repeats", type=int, default=3,
                         help="rounds of the three per part size, the order rotated each time; medians shown")
     parser.add_argument("--json", type=Path, help="also write the figures here")
@@ -93,6 +98,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     parts = [int(mb) * MiB for mb in args.part_mb.split(",") if mb] or [model_fetch.PART_BYTES]
     rounds = []
+    load_before = round(os.getloadavg()[0], 2)
     with tempfile.TemporaryDirectory(prefix="diffq-bench-fetch-") as tmp:
         root = Path(tmp)
         folder = root / "model"
@@ -156,7 +162,8 @@ def main(argv: list[str] | None = None) -> dict:
                 print(f"  diffq / best anchor ({best['name']}): {ratio:.2f}  (goal ≥ 0.9)", flush=True)
                 rounds.append({"part_mib": part // MiB, "rows": rows, "ratio": round(ratio, 3), "best": best["name"]})
     result = {"bytes": total, "files": len(files), "threads": args.threads, "shard_mib": args.shard_mb,
-              "upload": args.upload,
+              "upload": args.upload, "whole_mib": model_fetch.WHOLE_BYTES // MiB,
+              "load_average": [load_before, round(os.getloadavg()[0], 2)],
               "cpus": os.cpu_count(), "rounds": rounds,
               "command": "python bench/model_fetch.py " + " ".join(
                   a for a in (argv if argv is not None else sys.argv[1:]) if a != "--json" and a != str(args.json))}
@@ -172,12 +179,21 @@ def render(result: dict | None) -> list[str]:
     lines = ["## A model from object storage into the node cache", "",
              f"`{result['command'].strip()}`: {result['files']} files, {result['bytes'] / 1e9:.2f} GB (the tiny "
              f"pipeline and {result['shard_mib']} MiB padding shards, uploaded "
-             + ("in 8 MiB parts: checked by the multipart ETag rule, MD5" if result.get("upload", "parts") == "parts"
+             + (("in 8 MiB parts: checked by the stored composite CRC32" if result.get("whole_mib") else
+                 "in 8 MiB parts: checked by the multipart ETag rule, MD5") if result.get("upload", "parts") == "parts"
                 else "one PUT per file: checked by the stored CRC32") + ") from moto on "
-             f"loopback, {result['threads']} threads, {result['cpus']} cores, each fetch into an empty folder. "
-             "diffq: `worker/device/model_fetch.py` (one transfer manager for every file and part, each file checked "
-             "against its ETag or stored checksum before its rename); tuned: boto3 `download_file` per file "
-             "with the same TransferConfig; sequential: one `get_object` stream per file.", "",
+             f"loopback, {result['threads']} threads, {result['cpus']} cores"
+             + (f" (load average {result['load_average'][0]} → {result['load_average'][1]})"
+                if result.get("load_average") else "") + ", each fetch into an empty folder. "
+             + ("diffq: `worker/device/model_fetch.py` (files up to "
+                f"{result['whole_mib']} MiB one GET each, checked against the store's checksum as the bytes are "
+                "written, as many streams side by side as pay; bigger files in ranged parts by boto3's transfer "
+                "manager, checked after; each renamed into place once checked)"
+                if result.get("whole_mib") else
+                "diffq: `worker/device/model_fetch.py` (one transfer manager for every file and part, each file checked "
+                "against its ETag or stored checksum before its rename)")
+             + "; tuned: boto3 `download_file` per file with the TransferConfig of the round (the part size as "
+             f"threshold and part, {result['threads']} threads); sequential: one `get_object` stream per file.", "",
              "| part MiB | diffq MB/s | tuned MB/s | sequential MB/s | diffq / best anchor |", "|---|---|---|---|---|"]
     for one in result["rounds"]:
         rate = {row["name"]: row["mb_per_s"] for row in one["rows"]}

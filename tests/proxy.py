@@ -104,7 +104,9 @@ class CorruptingProxy:
                 for name, value in response.getheaders():
                     if name.lower() not in ("transfer-encoding", "connection", "content-length"):
                         self.send_header(name, value)
-                self.send_header("Content-Length", str(len(data)))
+                # A HEAD has no body: its Content-Length is the object's (or the part's).
+                length = response.getheader("Content-Length") if self.command == "HEAD" else None
+                self.send_header("Content-Length", length or str(len(data)))
                 self.end_headers()
                 if self.command != "HEAD":
                     self.wfile.write(data)

@@ -83,6 +83,7 @@ def _same_files(fetched: Path, folder: Path) -> None:
 def test_fetch_verifies_caches_and_hits(store, parts, model_cache, model_folder, request, monkeypatch):
     if parts:  # the padding shard fetched in ranged parts / chunks side by side
         monkeypatch.setattr(model_fetch, "PART_BYTES", 2 * 2**20)
+        monkeypatch.setattr(model_fetch, "WHOLE_BYTES", 2 * 2**20)
     url = (upload_s3(request.getfixturevalue("s3_server"), model_folder) if store == "s3"
            else upload_gcs(request.getfixturevalue("gcs_server"), model_folder))
     first = fetch(url)
@@ -128,11 +129,16 @@ def test_a_fetch_killed_half_way_resumes_without_refetching(model_cache, model_f
     _same_files(entry, model_folder)
 
 
-# A small object's stored CRC32 is checked by botocore on the wire; the multipart
-# padding shard's parts are checked against its ETag after the download.
-@pytest.mark.parametrize(("key", "found_by"), [("scheduler/scheduler_config.json", "Expected checksum"),
-                                               (PADDING, "ETag")])
-def test_a_corrupt_object_is_refused_naming_the_file(key, found_by, model_cache, model_folder, s3_server):
+# A small object's stored CRC32 and the multipart padding shard's composite CRC32 (over
+# its parts' CRC32s) are checked as the bytes stream in; with the shard in ranged parts
+# (boto3's transfer manager), after its download.
+@pytest.mark.parametrize(("key", "ranged"), [("scheduler/scheduler_config.json", False), (PADDING, False),
+                                             (PADDING, True)], ids=["small", "multipart-whole", "multipart-ranged"])
+def test_a_corrupt_object_is_refused_naming_the_file(key, ranged, model_cache, model_folder, s3_server, monkeypatch):
+    found_by = "CRC32"
+    if ranged:
+        monkeypatch.setattr(model_fetch, "PART_BYTES", 2 * 2**20)
+        monkeypatch.setattr(model_fetch, "WHOLE_BYTES", 2 * 2**20)
     url = upload_s3(s3_server, model_folder)
     with CorruptingProxy(s3_server.endpoint, corrupt=key) as proxy:
         # The model bucket's own endpoint (DIFFQ_MODEL_STORE_ENDPOINT): here, the proxy.
@@ -359,3 +365,63 @@ def test_a_start_clock_says_its_phases_once_in_a_log_line_metrics_and_the_run_fo
     assert json.loads(said)["time_to_first_image_s"] == start.time_to_first_image_s
     assert metrics.REGISTRY.get_sample_value("diffq_time_to_first_image_seconds_count") == before + 1
     assert metrics.REGISTRY.get_sample_value("diffq_model_fetch_bytes_total", {"hit": "false"}) >= 10
+
+
+@pytest.mark.parametrize("algorithm", ["MD5", "CRC32", "CRC32C", "SHA256"])
+@pytest.mark.parametrize("part_size", [None, 5 * 2**20], ids=["single-part", "multipart"])
+def test_the_s3_check_over_streamed_bytes(algorithm, part_size):
+    """Each way an S3 object's bytes are checked (stored full-object or composite
+    checksum, single-part or multipart ETag), fed in chunks that cross part boundaries."""
+    import base64
+    import zlib
+
+    import google_crc32c
+
+    data = os.urandom(12 * 2**20 + 7)
+    pieces = [data[i:i + part_size] for i in range(0, len(data), part_size)] if part_size else [data]
+
+    def raw(body: bytes, name: str) -> bytes:
+        if name == "CRC32":
+            return zlib.crc32(body).to_bytes(4, "big")
+        if name == "CRC32C":
+            return google_crc32c.Checksum(body).digest()
+        return hashlib.new(name.lower(), body).digest()
+
+    combined = raw(b"".join(raw(p, algorithm) for p in pieces), algorithm) if part_size else raw(data, algorithm)
+    suffix = f"-{len(pieces)}" if part_size else ""
+    if algorithm == "MD5":  # no stored checksum: the ETag rule
+        info = {"etag": combined.hex() + suffix, "checksums": {}, "composite": {}, "etag_is_md5": True}
+    else:
+        value = base64.b64encode(combined).decode() + suffix
+        info = {"etag": "0" * 32 + suffix, "etag_is_md5": True, "checksums": {} if part_size else {algorithm: value},
+                "composite": {algorithm: value} if part_size else {}}
+    if part_size:
+        info["part_size"] = part_size
+
+    def check(body: bytes) -> str | None:
+        one = model_fetch._Check(info)
+        view = memoryview(body)
+        for i in range(0, len(body), 3 * 2**20 + 1):  # chunks that straddle the parts
+            one.update(view[i:i + 3 * 2**20 + 1])
+        return one.problem("x")
+
+    assert check(data) is None
+    damaged = bytearray(data)
+    damaged[-1] ^= 1
+    assert (problem := check(bytes(damaged))) and problem.startswith("ETag" if algorithm == "MD5" else algorithm)
+
+
+@pytest.mark.parametrize(("pays_up_to", "most", "settles_at"), [(4, 16, 4), (2, 16, 2), (64, 16, 16)])
+def test_s3_streams_double_while_it_pays(pays_up_to, most, settles_at, monkeypatch):
+    """The whole-object streams double while a doubling raises the rate by a quarter,
+    and go back when one makes it slower (a store that is slower with more streams)."""
+    clock = [0.0]
+    monkeypatch.setattr(model_fetch, "time", type("Clock", (), {"perf_counter": staticmethod(lambda: clock[0])}))
+    streams = model_fetch._Streams(most)
+    for _ in range(20):  # windows of STREAMS_WINDOW seconds
+        limit = streams.limit
+        # 100 MB/s per stream up to `pays_up_to`, then slower with each stream more
+        rate = 100e6 * min(limit, pays_up_to) * (0.8 if limit > pays_up_to else 1.0)
+        clock[0] += model_fetch.STREAMS_WINDOW
+        streams.moved(int(rate * model_fetch.STREAMS_WINDOW))
+    assert streams.settled and streams.limit == settles_at

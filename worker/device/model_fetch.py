@@ -4,10 +4,13 @@
     DiffusionPipeline.from_pretrained(fetched.path)
 
 One cache entry per model URL and revision (core/model_store.py): a model changed
-under the same prefix is another entry. Files are downloaded by the storage
-libraries' own transfer managers (boto3's, with a TransferConfig; google-cloud-
-storage's `transfer_manager`, threads), each to a part name, checked against its
-listed size and the store's checksum, then renamed into place: a file at its name is
+under the same prefix is another entry. Each file is downloaded to a part name,
+checked against its listed size and the store's checksum, then renamed into place.
+S3: a file up to WHOLE_BYTES is one GET (If-Match its listed ETag), checked as its
+bytes are written (no second read), with as many streams side by side as raise the
+rate (_Streams); a bigger one goes to boto3's transfer manager (a TransferConfig of
+PART_BYTES parts) and is checked after. GCS: google-cloud-storage's
+`transfer_manager` (threads), checked after. A file at its name is
 complete and verified, so a fetch killed part-way resumes with what is missing. The
 `.complete` marker is written last; nothing loads an entry without it.
 
@@ -43,7 +46,8 @@ log = logging.getLogger("diffq.worker")
 COMPLETE = ".complete"
 PART_PREFIX = ".diffq-part-"
 _HASH_CHUNK = 8 * 1024 * 1024
-# A file bigger than this is fetched in ranged parts of this size (S3), several at once.
+# A file bigger than this (GCS) or than WHOLE_BYTES (S3) is fetched in ranged parts of
+# this size, several at once.
 PART_BYTES = 64 * 1024 * 1024
 # Each process keeps the `use` lock of every entry it loaded (fd) until it exits.
 _IN_USE: dict[Path, int] = {}
@@ -160,7 +164,8 @@ def _part(entry: Path, file: RemoteFile) -> Path:
 
 class _Finisher:
     """Checks each downloaded part (size, checksum) in a thread pool and renames it into
-    place; the first corrupt file refuses the fetch, naming it."""
+    place; the first corrupt file refuses the fetch, naming it. (S3's whole-object
+    streams check as they write, and only `place`.)"""
 
     def __init__(self, entry: Path, url: str, threads: int, check):
         self.entry, self.url, self.check = entry, url, check
@@ -180,7 +185,11 @@ class _Finisher:
         if problem := self.check(file, part):
             part.unlink(missing_ok=True)
             raise FetchRefused(f"model {self.url}: file {file.key} is corrupt: {problem}; not loaded")
-        os.replace(part, self.entry / file.key)
+        self.place(file)
+
+    def place(self, file: RemoteFile) -> None:
+        """A checked part renamed into place."""
+        os.replace(_part(self.entry, file), self.entry / file.key)
         with self._count:
             self.done += 1
             faults.fetch_progress(self.done)
@@ -194,19 +203,51 @@ class _Finisher:
 
 
 # S3 --------------------------------------------------------------------------------
+# Files up to WHOLE_BYTES are fetched whole: one GET each, If-Match the listed ETag,
+# read straight into a buffer, written and checked as the bytes arrive (no second read).
+# Bigger files go to boto3's transfer manager in ranged parts of PART_BYTES, side by
+# side, and are checked after. Streams run side by side, as many as pay (_Streams).
+# Why 512 MiB: one stream of S3 or GCS carries ~100 MB/s, so a 512 MiB file alone is
+# ~5 s; files side by side fill the link, the biggest go first so the last is short,
+# and bigger files (a diffusers model's 5-10 GB shards) are split so that the tail
+# stays short too. A ranged part costs a request and, on some servers (moto reads the
+# whole object for each range), much more. Measured on loopback moto only
+# (docs/BENCHMARKS.md); a real bucket from a node with real cores is still to measure.
+WHOLE_BYTES = 512 * 1024 * 1024
+_STREAM_CHUNK = 1024 * 1024  # fits the caches: 8 MiB measured slower (docs/BENCHMARKS.md)
+_STREAM_ATTEMPTS = 5
+# The cheapest stored checksum first: CRC32C ~4 GB/s, CRC32 ~1.5-5 GB/s, SHA1/SHA256
+# ~2 GB/s with SHA extensions, MD5 ~0.8 GB/s per core (docs/BENCHMARKS.md).
+_ALGORITHMS = ("CRC32C", "CRC32", "SHA1", "SHA256")
+
+
 def _fetch_s3(storage, files: list[RemoteFile], entry: Path, threads: int, url: str) -> None:
+    client = storage.client()
+    whole = sorted((f for f in files if f.size <= WHOLE_BYTES), key=lambda f: -f.size)  # longest first
+    big = [f for f in files if f.size > WHOLE_BYTES]
+    heads = _s3_heads(storage, big, threads) if big else {}
+    finisher = _Finisher(entry, url, threads, lambda f, part: _s3_problem(heads[f.key], part))
+    try:
+        if whole:
+            _stream_s3(client, storage, whole, entry, threads, url, finisher)
+        if big:
+            _transfer_s3(client, storage, big, entry, threads, url, finisher)
+    except BaseException:
+        finisher.pool.shutdown(cancel_futures=True)
+        raise
+    finisher.wait()
+
+
+def _transfer_s3(client, storage, files: list[RemoteFile], entry: Path, threads: int, url: str, finisher) -> None:
     from boto3.s3.transfer import TransferConfig, create_transfer_manager
     from botocore.exceptions import FlexibleChecksumError
 
-    client = storage.client()
-    heads = _s3_heads(storage, files, threads)
-    # One pool for whole files and parts of big ones; bigger parts and I/O chunks than
-    # the defaults (8 MiB, 256 KiB) cut per-request overhead (docs/BENCHMARKS.md).
+    # Ranged parts of PART_BYTES side by side; bigger parts and I/O chunks than the
+    # defaults (8 MiB, 256 KiB) cut per-request overhead.
     config = TransferConfig(max_concurrency=threads, multipart_threshold=PART_BYTES,
                             multipart_chunksize=PART_BYTES, io_chunksize=2**20, num_download_attempts=5)
-    finisher = _Finisher(entry, url, threads, lambda f, part: _s3_problem(heads[f.key], part))
     with create_transfer_manager(client, config) as manager:
-        # (s3transfer takes no If-Match: bytes of an upload since the HEAD below fail its
+        # (s3transfer takes no If-Match: bytes of an upload since the HEAD fail its
         # checksums, and are refused as corrupt.)
         futures = [(f, manager.download(storage.bucket_name, storage.prefix + f.key, str(_part(entry, f))))
                    for f in files]
@@ -220,41 +261,206 @@ def _fetch_s3(storage, files: list[RemoteFile], entry: Path, threads: int, url: 
         except BaseException:
             for _, future in futures:
                 future.cancel()
-            finisher.pool.shutdown(cancel_futures=True)
             raise
-    finisher.wait()
+
+
+class _Streams:
+    """How many whole-object GETs run at once. It starts at STREAMS_START and doubles
+    while a doubling raises the bytes per second by a quarter or more (measured over
+    STREAMS_WINDOW), up to `most`; when one does not, it goes back and stays. A real
+    store gives each stream ~100 MB/s and wants many; an emulator or a small node is
+    slower with more: neither is oversubscribed."""
+
+    def __init__(self, most: int):
+        self.most = max(1, most)
+        self.limit = min(STREAMS_START, self.most)
+        self.running = 0
+        self.settled = self.limit >= self.most
+        self.gate = threading.Condition()
+        self.window_bytes = 0
+        self.window_start = time.perf_counter()
+        self.previous: tuple[int, float] | None = None  # (limit, bytes/s) of the window before
+
+    def __enter__(self):
+        with self.gate:
+            self.gate.wait_for(lambda: self.running < self.limit)
+            self.running += 1
+        return self
+
+    def __exit__(self, *exc):
+        with self.gate:
+            self.running -= 1
+            self.gate.notify_all()
+
+    def moved(self, n: int) -> None:
+        """`n` bytes more: the count may change, and a stream over it pauses here
+        (its connection idle, resumed by a Range if the store drops it)."""
+        if self.settled and self.running <= self.limit:
+            return
+        with self.gate:
+            if not self.settled:
+                self._measure(n)
+            if self.running > self.limit:  # after a step back: until another stream ends
+                self.running -= 1
+                self.gate.wait_for(lambda: self.running < self.limit)
+                self.running += 1
+
+    def _measure(self, n: int) -> None:
+        self.window_bytes += n
+        elapsed = time.perf_counter() - self.window_start
+        if elapsed < STREAMS_WINDOW:
+            return
+        rate = self.window_bytes / elapsed
+        log.debug("model fetch: %d streams, %.0f MB/s", self.limit, rate / 1e6)
+        if self.previous and rate < self.previous[1] * 1.25:
+            # The doubling did not pay: back to the count before, for good.
+            self.limit = self.previous[0]
+            self.settled = True
+        else:
+            self.previous = (self.limit, rate)
+            self.limit = min(self.limit * 2, self.most)
+            self.settled = self.limit >= self.most and self.previous[0] >= self.most
+        self.window_bytes, self.window_start = 0, time.perf_counter()
+        self.gate.notify_all()
+
+
+STREAMS_START = 1
+STREAMS_WINDOW = 0.25  # seconds
+
+
+def _stream_s3(client, storage, files: list[RemoteFile], entry: Path, threads: int, url: str, finisher) -> None:
+    streams = _Streams(threads)
+
+    def one(file: RemoteFile) -> None:
+        with streams:
+            _get_whole(client, storage, file, _part(entry, file), url, streams.moved)
+        finisher.place(file)
+
+    with ThreadPoolExecutor(max(1, min(threads, len(files))), thread_name_prefix="diffq-fetch") as pool:
+        futures = [pool.submit(one, f) for f in files]
+        try:
+            for future in futures:
+                future.result()
+        except BaseException:
+            for future in futures:
+                future.cancel()
+            raise
+
+
+def _get_whole(client, storage, file: RemoteFile, part: Path, url: str, moved) -> None:
+    """One object into `part`, checked against the store's checksum (the GET's own
+    checksum headers) as its bytes are written; a dropped stream continues where it
+    stopped (a Range, If-Match)."""
+    import http.client
+
+    from botocore.exceptions import ClientError
+    from botocore.exceptions import ConnectionError as BotoConnectionError
+    from urllib3.exceptions import HTTPError as Urllib3Error
+
+    check = None
+    buffer = bytearray(_STREAM_CHUNK)
+    view = memoryview(buffer)
+    got = 0
+    name = storage.prefix + file.key
+    with part.open("wb", buffering=0) as out:
+        for attempt in range(1, _STREAM_ATTEMPTS + 1):
+            args = {"Bucket": storage.bucket_name, "Key": name}
+            if file.etag:  # the object listed, never one uploaded since
+                args["IfMatch"] = f'"{file.etag}"'
+            if got:
+                args["Range"] = f"bytes={got}-"
+            else:  # the stored checksums come with the bytes: no HEAD
+                args["ChecksumMode"] = "ENABLED"
+            try:
+                response = client.get_object(**args)
+                if check is None:
+                    check = _Check(_s3_info(client, storage, file, response))
+            except ClientError as exc:
+                raise _changed(exc, url, file) from exc
+            body = response["Body"]
+            # Straight from the socket into the buffer (http.client's readinto), past
+            # urllib3's and botocore's copies; botocore's own checksum pass is skipped:
+            # the check below is the same one.
+            raw = getattr(body, "_raw_stream", None)
+            readinto = getattr(getattr(raw, "_fp", None), "readinto", None)
+            try:
+                while got < file.size:
+                    if readinto is not None:
+                        n = readinto(view)
+                        chunk = view[:n]
+                    else:
+                        chunk = memoryview(body.read(_STREAM_CHUNK))
+                        n = len(chunk)
+                    if not n:
+                        break
+                    written = 0
+                    while written < n:
+                        written += out.write(chunk[written:])
+                    check.update(chunk)
+                    got += n
+                    moved(n)
+            except (OSError, http.client.HTTPException, Urllib3Error, BotoConnectionError) as exc:
+                if attempt == _STREAM_ATTEMPTS:
+                    raise
+                log.info("%s: the stream stopped at %d of %d bytes (%s); continuing", file.key, got, file.size, exc)
+                continue
+            finally:
+                (raw or body).close()
+            if got >= file.size:
+                break
+    if got != file.size:
+        raise FetchRefused(f"model {url}: file {file.key} is {got} bytes, the store lists {file.size}")
+    if check and (problem := check.problem(file.key)):
+        part.unlink(missing_ok=True)
+        raise FetchRefused(f"model {url}: file {file.key} is corrupt: {problem}; not loaded")
 
 
 def _s3_heads(storage, files: list[RemoteFile], threads: int) -> dict[str, dict]:
-    """Each file's stored checksum (full-object only) and, for a multipart ETag, its part size."""
+    """Each file's stored checksums (full-object or, for a multipart upload, composite:
+    over its parts' checksums) and, for a multipart ETag, its part size."""
+    client = storage.client()
+    with ThreadPoolExecutor(threads, thread_name_prefix="diffq-head") as pool:
+        return dict(zip((f.key for f in files), pool.map(lambda f: _s3_head(client, storage, f), files)))
+
+
+def _s3_head(client, storage, file: RemoteFile) -> dict:
     from botocore.exceptions import ClientError
 
-    client = storage.client()
+    name = storage.prefix + file.key
+    try:  # the object listed, not one uploaded since: its checksums are the listed bytes'
+        response = client.head_object(Bucket=storage.bucket_name, Key=name, ChecksumMode="ENABLED",
+                                      **({"IfMatch": f'"{file.etag}"'} if file.etag else {}))
+    except ClientError as exc:
+        raise _changed(exc, storage.url, file) from exc
+    return _s3_info(client, storage, file, response)
 
-    def head(file: RemoteFile) -> tuple[str, dict]:
-        name = storage.prefix + file.key
-        try:  # the object listed, not one uploaded since: its checksums are the listed bytes'
-            response = client.head_object(Bucket=storage.bucket_name, Key=name, ChecksumMode="ENABLED",
-                                          **({"IfMatch": f'"{file.etag}"'} if file.etag else {}))
-        except ClientError as exc:
-            raise _changed(exc, storage.url, file) from exc
-        # An ETag is an MD5 only without KMS or customer-key encryption.
-        encrypted = response.get("ServerSideEncryption", "").startswith("aws:kms") or response.get("SSECustomerAlgorithm")
-        info = {"etag": response.get("ETag", "").strip('"'), "checksums": {}, "etag_is_md5": not encrypted}
-        full_object = response.get("ChecksumType") == "FULL_OBJECT"
-        for algorithm in ("SHA256", "SHA1", "CRC32C", "CRC32"):
-            value = response.get(f"Checksum{algorithm}")
-            # A composite checksum ("-N", or a multipart object's without a type) is
-            # over the parts: the ETag rule checks those.
-            if value and "-" not in value and (full_object or "-" not in info["etag"]):
-                info["checksums"][algorithm] = value
-        if "-" in info["etag"] and not info["checksums"] and info["etag_is_md5"]:
-            info["part_size"] = client.head_object(Bucket=storage.bucket_name, Key=name,
-                                                   PartNumber=1)["ContentLength"]
-        return file.key, info
 
-    with ThreadPoolExecutor(threads, thread_name_prefix="diffq-head") as pool:
-        return dict(pool.map(head, files))
+def _s3_info(client, storage, file: RemoteFile, response: dict) -> dict:
+    """What a HEAD or GET (ChecksumMode=ENABLED) of the listed object says of its
+    checksums; for a multipart ETag, its part size (a HEAD of part 1)."""
+    name = storage.prefix + file.key
+    # An ETag is an MD5 only without KMS or customer-key encryption.
+    encrypted = response.get("ServerSideEncryption", "").startswith("aws:kms") or response.get("SSECustomerAlgorithm")
+    info = {"etag": response.get("ETag", "").strip('"'), "checksums": {}, "composite": {},
+            "etag_is_md5": not encrypted}
+    multipart = "-" in info["etag"]
+    full_object = response.get("ChecksumType") == "FULL_OBJECT"
+    for algorithm in _ALGORITHMS:
+        value = response.get(f"Checksum{algorithm}")
+        if not value:
+            continue
+        if "-" not in value and (full_object or not multipart):
+            info["checksums"][algorithm] = value
+        elif multipart and not full_object:
+            # A multipart upload's checksum of its parts' checksums ("…-N"; moto
+            # leaves out the "-N" and the type).
+            info["composite"][algorithm] = value
+    if multipart and not info["checksums"] and (info["composite"] or info["etag_is_md5"]):
+        # (No If-Match: moto compares it with the part's own ETag. A part size of a newer
+        # upload fails the check below: refused as corrupt, never loaded.)
+        info["part_size"] = client.head_object(Bucket=storage.bucket_name, Key=name,
+                                               PartNumber=1)["ContentLength"]
+    return info
 
 
 def _changed(exc, url: str, file: RemoteFile) -> Exception:
@@ -266,38 +472,113 @@ def _changed(exc, url: str, file: RemoteFile) -> Exception:
     return exc
 
 
+class _Crc32:
+    def __init__(self):
+        self.value = 0
+
+    def update(self, data) -> None:
+        self.value = zlib.crc32(data, self.value)  # releases the GIL over 5 KiB
+
+    def digest(self) -> bytes:
+        return self.value.to_bytes(4, "big")
+
+
+class _Crc32c:
+    def __init__(self):
+        import google_crc32c
+
+        self.checksum = google_crc32c.Checksum()
+
+    def update(self, data) -> None:
+        self.checksum.update(bytes(data))  # it takes read-only buffers only
+
+    def digest(self) -> bytes:
+        return self.checksum.digest()
+
+
+def _hasher(algorithm: str):
+    if algorithm == "CRC32":
+        return _Crc32()
+    if algorithm == "CRC32C":
+        return _Crc32c()
+    return hashlib.new(algorithm.lower())  # SHA1, SHA256, MD5: release the GIL over 2 KiB
+
+
+class _Check:
+    """The store's checksum of one S3 object, computed over its bytes in order: the
+    cheapest stored full-object checksum, else the stored composite one (over each
+    part's), else the ETag (a single-part upload's MD5, or a multipart upload's MD5 of
+    its parts' MD5s), else none (KMS with no stored checksum: the size only)."""
+
+    def __init__(self, info: dict):
+        self.etag = info["etag"]
+        self.part_size = None
+        self.parts: list[bytes] = []
+        if full := next(((a, info["checksums"][a]) for a in _ALGORITHMS if a in info["checksums"]), None):
+            self.kind, (self.algorithm, self.expected) = "full", full
+        elif composite := next(((a, info["composite"][a]) for a in _ALGORITHMS if a in info.get("composite", {})),
+                               None):
+            self.kind, (self.algorithm, self.expected) = "composite", composite
+            self.part_size = info["part_size"]
+        elif info["etag_is_md5"]:
+            self.kind, self.algorithm, self.expected = "etag", "MD5", self.etag
+            if "-" in self.etag:
+                self.part_size = info["part_size"]
+        else:
+            self.kind = None
+        self.hasher = _hasher(self.algorithm) if self.kind else None
+        self.left = self.part_size
+
+    def update(self, data: memoryview) -> None:
+        if self.hasher is None:
+            return
+        if not self.part_size:
+            self.hasher.update(data)
+            return
+        while len(data):
+            take = min(len(data), self.left)
+            self.hasher.update(data[:take])
+            self.left -= take
+            data = data[take:]
+            if not self.left:
+                self.parts.append(self.hasher.digest())
+                self.hasher, self.left = _hasher(self.algorithm), self.part_size
+
+    def problem(self, name: str) -> str | None:
+        if self.kind is None:
+            log.warning("%s: KMS-encrypted with no stored checksum: only its size is checked (upload it with "
+                        "a checksum, e.g. boto3 >= 1.36's default CRC32)", name)
+            return None
+        if self.part_size and self.left < self.part_size:  # the last, shorter part
+            self.parts.append(self.hasher.digest())
+        if not self.part_size:
+            raw = self.hasher.digest()
+        else:
+            combined = _hasher(self.algorithm)
+            combined.update(b"".join(self.parts))
+            raw = combined.digest()
+        if self.kind == "etag":
+            got = raw.hex() + (f"-{len(self.parts)}" if self.part_size else "")
+            return None if got == self.expected else f"ETag {got}, the store's {self.expected}"
+        got = base64.b64encode(raw).decode()
+        if self.kind == "composite":
+            value, _, count = self.expected.partition("-")
+            got += f"-{len(self.parts)}"
+            ok = got.partition("-")[0] == value and (not count or int(count) == len(self.parts))
+        else:
+            ok = got == self.expected
+        return None if ok else f"{self.algorithm} {got}, the store's {self.expected}"
+
+
 def _s3_problem(info: dict, path: Path) -> str | None:
-    for algorithm, expected in info["checksums"].items():
-        got = _digest(path, algorithm)
-        return None if got == expected else f"{algorithm} {got}, the store's {expected}"
-    if not info["etag_is_md5"]:
-        log.warning("%s: KMS-encrypted with no stored checksum: only its size is checked (upload it with "
-                    "a checksum, e.g. boto3 >= 1.36's default CRC32)", path.name)
-        return None
-    etag = info["etag"]
-    if "-" in etag:  # multipart: the MD5 of the parts' MD5s, then "-<parts>"
-        parts = []
-        with path.open("rb") as f:
-            while chunk := f.read(info["part_size"]):
-                parts.append(hashlib.md5(chunk).digest())
-        got = f"{hashlib.md5(b''.join(parts)).hexdigest()}-{len(parts)}"
-    else:  # a single-part upload's ETag is the MD5 of its bytes
-        got = _file_hash(path, hashlib.md5()).hexdigest()
-    return None if got == etag else f"ETag {got}, the store's {etag}"
-
-
-def _digest(path: Path, algorithm: str) -> str:
-    if algorithm in ("SHA256", "SHA1"):
-        raw = _file_hash(path, hashlib.new(algorithm.lower())).digest()
-    elif algorithm == "CRC32":
-        crc = 0
-        with path.open("rb") as f:
-            while chunk := f.read(_HASH_CHUNK):
-                crc = zlib.crc32(chunk, crc)
-        raw = crc.to_bytes(4, "big")
-    else:
-        raw = _crc32c(path)
-    return base64.b64encode(raw).decode()
+    """The check of a file already on disk (one the transfer manager wrote)."""
+    check = _Check(info)
+    buffer = bytearray(_HASH_CHUNK)
+    view = memoryview(buffer)
+    with path.open("rb", buffering=0) as f:
+        while n := f.readinto(view):
+            check.update(view[:n])
+    return check.problem(path.name)
 
 
 def _file_hash(path: Path, hasher):
