@@ -57,10 +57,31 @@ POLL_S = 2.0  # between two looks at a run's progress: a window drains in minute
 _HEAD = b'{"batch_id":"'  # a canonical batch line starts so (sorted keys: core/signing.py)
 
 
-def parse_window(value: str | int | None) -> int | None:
-    """`--window`: a number of batches, or `all` (None: every batch in the broker)."""
+# The default window: a window where a feeds folder lists the run for a fleet's feeder,
+# else every batch (without a feeder, the rest of a windowed run would wait in OUT).
+AUTO = "auto"
+
+
+def feeds_setting() -> str | None:
+    from diffq.core.settings import get_settings
+
+    return get_settings().feeds
+
+
+def resolve_window(window: int | str | None, feeds: str | None) -> int | None:
+    """`window` as given; AUTO: DEFAULT_WINDOW where a feeds folder (`feeds` or DIFFQ_FEEDS)
+    is set, else None (every batch in the broker)."""
+    if window != AUTO:
+        return window
+    return DEFAULT_WINDOW if (feeds or feeds_setting()) else None
+
+
+def parse_window(value: str | int | None) -> int | str | None:
+    """`--window`: a number of batches, `all` (None: every batch in the broker) or `auto`."""
     if value is None or (isinstance(value, str) and value.strip().lower() == "all"):
         return None
+    if isinstance(value, str) and value.strip().lower() == AUTO:
+        return AUTO
     try:
         window = int(value)
     except ValueError:

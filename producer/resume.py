@@ -32,7 +32,7 @@ from diffq.core.runfolder import failed_items, read_cancel, read_failures, read_
 from diffq.core.settings import get_settings
 from diffq.core.storage import NotFound, Storage, open_storage
 from diffq.producer.bucketing import RunOptions
-from diffq.producer.feed import DEFAULT_WINDOW, RunFeed, register, start_feed
+from diffq.producer.feed import AUTO, RunFeed, register, resolve_window, start_feed
 from diffq.producer.messages import EncodedBatch, batch_id_prefix
 from diffq.producer.sources import Defaults, read_prompts
 from diffq.producer.submit import (CeleryPublisher, Plan, RunExists, encode_plan, manifest_defaults, plan_parts,
@@ -66,11 +66,12 @@ class Requeued:
 
 
 def _publish(storage: Storage, messages: Iterator[BatchMessage], broker_url: str,
-             transport_options: dict | None, tag: str, window: int | None = DEFAULT_WINDOW,
+             transport_options: dict | None, tag: str, window: int | str | None = AUTO,
              feeds: str | None = None) -> Requeued:
     """Through the feeder: what is re-planned is stored as a feed source of its own,
     then a window of it published (`window` None: all of it); the rest waits for the
     feeder, the run listed in the `feeds` folder (DIFFQ_FEEDS) as `submit` lists it."""
+    window = resolve_window(window, feeds)
     manifest = read_manifest(storage)
     source = f"{tag}-{time.time_ns()}"
     prefix = layout.feed_parts_prefix(source)
@@ -161,7 +162,7 @@ def check_plan(storage: Storage, manifest: RunManifest) -> None:
 
 
 def resume(out: str, broker_url: str, transport_options: dict | None = None, *,
-           window: int | None = DEFAULT_WINDOW, feeds: str | None = None) -> Requeued:
+           window: int | str | None = AUTO, feeds: str | None = None) -> Requeued:
     """Re-enqueue exactly the items that are neither done nor failed (a cancelled run
     is un-cancelled first), through the feeder."""
     storage = open_storage(out)
@@ -177,7 +178,7 @@ class RunCancelled(RuntimeError):
 
 
 def retry_failed(out: str, broker_url: str, transport_options: dict | None = None, *,
-                 window: int | None = DEFAULT_WINDOW, feeds: str | None = None) -> Requeued:
+                 window: int | str | None = AUTO, feeds: str | None = None) -> Requeued:
     """Re-enqueue the items that failed (and are not done since), through the feeder."""
     storage = open_storage(out)
     recorded = scan(storage)

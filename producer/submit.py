@@ -6,10 +6,11 @@ passed (nothing is written or enqueued if any row is bad) are the manifest, the
 plan and the messages sent. Each plan part is stored before its batches are
 published, so the run folder always knows every batch the broker might hold.
 
-By default only a window of the run goes to the broker, per shape queue
-(`window`, producer/feed.py): the whole plan is stored first, then the feeder's
-first pass publishes the window; the feeder publishes the rest as it drains.
-`window=None` (`--window all`) publishes every batch as the plan is written.
+Where a feeds folder lists the run for a fleet's feeder, only a window of the run
+goes to the broker, per shape queue (`window`, producer/feed.py): the whole plan is
+stored first, then the feeder's first pass publishes the window; the feeder publishes
+the rest as it drains. `window=None` (`--window all`, and the default without a feeds
+folder) publishes every batch as the plan is written.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from diffq.core.profile import SpeedupProfile
 from diffq.core.records import RequestedSize, RunDefaults, RunManifest, ShapeSummary, parse_plan_part, plan_part
 from diffq.core.storage import Storage, open_storage
 from diffq.producer.bucketing import RunOptions, bucket, group_key, shape_for
-from diffq.producer.feed import DEFAULT_WINDOW, RunFeed, register, start_feed
+from diffq.producer.feed import AUTO, RunFeed, feeds_setting, register, resolve_window, start_feed
 from diffq.producer.messages import BatchEncoder, EncodedBatch, batch_id_prefix
 from diffq.producer.publish import CeleryPublisher
 from diffq.producer.sizes import parse_buckets
@@ -316,19 +317,21 @@ def submit(
     size_multiple: int = 16,
     on_published: Callable[[int], None] | None = None,
     plan: Plan | None = None,
-    window: int | None = DEFAULT_WINDOW,
+    window: int | str | None = AUTO,
     feeds: str | None = None,
     **generation,
 ) -> SubmitResult:
     """Validate `prompts`, write the run folder's manifest and plan, publish batches:
-    a `window` of batches per shape queue (None: all of them); a run with more is
-    listed in the `feeds` folder (DIFFQ_FEEDS) for the fleet's feeder.
+    a `window` of batches per shape queue (None: all of them; AUTO: a window where a
+    feeds folder is set, else all); a run with more is listed in the `feeds` folder
+    (DIFFQ_FEEDS) for the fleet's feeder.
     `generation`: the generation options (core/options.py), their defaults where absent.
 
     Raises `InputError` (nothing written, nothing enqueued) on any bad row and
     `RunExists` if OUT already holds a run: nothing produced is ever overwritten.
     """
     chosen = GenerationOptions.of(**generation)
+    window = resolve_window(window, feeds)
     keep_columns = chosen.keep_columns
     options, defaults = make_options(model=model, size_multiple=size_multiple, **chosen.kwargs())
     storage = open_storage(out)
@@ -370,14 +373,8 @@ def _publish_window(storage: Storage, plan: Plan, parts: Iterable[list[EncodedBa
     result.queues = {queue: n for queue, n in feed.published.items() if n}
     result.batches = sum(feed.published.values())
     result.unpublished = sum(feed.unpublished.values())
-    if result.unpublished and (feeds := feeds or _feeds_setting()):
+    if result.unpublished and (feeds := feeds or feeds_setting()):
         register(feeds, storage.url, run_id)
-
-
-def _feeds_setting() -> str | None:
-    from diffq.core.settings import get_settings
-
-    return get_settings().feeds
 
 
 class _Encoding:

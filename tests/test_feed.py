@@ -63,7 +63,8 @@ def test_2m_prompts_raise_redis_memory_by_at_most_64_mb(make_redis_server, tmp_p
     prompts = write_prompts(tmp_path / "p.jsonl", 2_000_000)
     client = redis.Redis.from_url(url)
     before = int(client.info("memory")["used_memory"])
-    result = submit(prompts, str(tmp_path / "out"), model="/models/m", broker_url=url, batch_size=4)
+    result = submit(prompts, str(tmp_path / "out"), model="/models/m", broker_url=url, batch_size=4,
+                    feeds=str(tmp_path / "feeds"))
     grown = int(client.info("memory")["used_memory"]) - before
     assert result.total == 2_000_000
     assert result.batches == DEFAULT_WINDOW and result.unpublished == 500_000 - DEFAULT_WINDOW
@@ -83,6 +84,25 @@ def test_window_all_puts_every_batch_in_the_broker(make_redis_server, tmp_path):
     [queue] = result.queues
     assert (result.batches, result.unpublished, redis.Redis.from_url(url).llen(queue)) == (100, 0, 100)
     assert read_pointer(open_storage(str(tmp_path / "out"))) is None  # nothing to feed
+
+
+def test_the_default_window_needs_a_feeder(make_redis_server, tmp_path, monkeypatch):
+    """On defaults a run larger than the window goes whole into the broker unless a feeds
+    folder lists it for a feeder: a window with nobody to feed the rest would stall."""
+    url = make_redis_server().url
+    client = redis.Redis.from_url(url)
+    prompts = write_prompts(tmp_path / "p.jsonl", 4 * (DEFAULT_WINDOW + 10))
+    monkeypatch.delenv("DIFFQ_FEEDS", raising=False)
+    bare = submit(prompts, str(tmp_path / "bare"), model="/models/m", broker_url=url, batch_size=4)
+    assert (bare.batches, bare.unpublished) == (DEFAULT_WINDOW + 10, 0)
+    [queue] = bare.queues
+    assert client.llen(queue) == DEFAULT_WINDOW + 10
+    client.delete(queue)
+    monkeypatch.setenv("DIFFQ_FEEDS", str(tmp_path / "feeds"))  # read fresh: settings are not cached
+    fed = submit(prompts, str(tmp_path / "fed"), model="/models/m", broker_url=url, batch_size=4)
+    assert (fed.batches, fed.unpublished) == (DEFAULT_WINDOW, 10)
+    assert client.llen(queue) == DEFAULT_WINDOW
+    assert len(list(open_storage(str(tmp_path / "feeds")).list())) == 1  # listed for the feeder
 
 
 def test_the_feeder_keeps_the_window_and_marks_only_what_it_published(make_redis_server, tmp_path):

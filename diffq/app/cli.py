@@ -18,7 +18,7 @@ from diffq.app.options import (DEFAULT_ON_DEGENERATE, AllowFallback, Broker, Com
                                RunId, Routing, SeedBase, Threads, Warmup, Window, check_compile, device_options, err,
                                fail, generation_options, local_worker_options, out)
 from diffq.core.settings import get_settings
-from diffq.producer.feed import DEFAULT_WINDOW, POLL_S, parse_window
+from diffq.producer.feed import AUTO, DEFAULT_WINDOW, POLL_S, parse_window
 from diffq.worker.process.spec import DRAIN_TIMEOUT_S
 
 app = typer.Typer(no_args_is_help=True, add_completion=False,
@@ -105,12 +105,13 @@ def submit(
     run_id: RunId = None,
     seed_base: SeedBase = None,
     rates: plan.KeepRates = None,
-    window: Window = str(DEFAULT_WINDOW),
+    window: Window = AUTO,
     feeds: Feeds = None,
     generation: Generation = None,
 ) -> None:
-    """Validate the whole file, write the run manifest and plan to OUT, publish a window of
-    batches per shape queue (the feeder publishes the rest as it drains)."""
+    """Validate the whole file, write the run manifest and plan to OUT, publish its batches:
+    with a feeds folder (--feeds, DIFFQ_FEEDS) a window per shape queue, the feeder
+    publishing the rest as it drains; without one, every batch."""
     from diffq.producer.sources import InputError
     from diffq.producer.submit import RunExists, submit as submit_run
 
@@ -131,6 +132,10 @@ def submit(
     out.print(result.out)
     out.print(f"run {result.run_id}: {result.summary()}")
     _say_feeder(result.unpublished, result.out, feeds)
+    if window == AUTO and result.batches > DEFAULT_WINDOW and not (feeds or get_settings().feeds):
+        err.print(f"every batch is in the broker: with a feeds folder (--feeds or DIFFQ_FEEDS, and `diffq fleet "
+                  f"manifests --feeds`) it would hold {DEFAULT_WINDOW} per shape queue, the feeder the rest",
+                  highlight=False, markup=False)
 
 
 def _say_feeder(unpublished: int, out_dir: str, feeds: str | None) -> None:
@@ -377,7 +382,7 @@ def fetch(
 
 
 
-def _requeue(kind: str, out_dir: str, broker: str | None, window: str = str(DEFAULT_WINDOW),
+def _requeue(kind: str, out_dir: str, broker: str | None, window: str = AUTO,
              feeds: str | None = None) -> None:
     from diffq.producer import resume as requeue
     from diffq.core.runfolder import NotARun
@@ -399,7 +404,7 @@ def resume(
     out_dir: Annotated[str, typer.Argument(metavar="OUT", help="Run folder")],
     broker: Broker = None,
     progress: Annotated[bool, typer.Option("--progress/--no-progress", help="Show a progress bar (without a broker)")] = True,
-    window: Window = str(DEFAULT_WINDOW),
+    window: Window = AUTO,
     feeds: Feeds = None,
     local: LocalWorkers = None,
 ) -> None:
@@ -418,7 +423,7 @@ def resume(
                  "(the fleet's workers serve what it re-enqueues)")
         _requeue("resume", out_dir, broker, window, feeds)
         return
-    if given := [name for name, set_ in (("--window", window != str(DEFAULT_WINDOW)), ("--feeds", feeds)) if set_]:
+    if given := [name for name, set_ in (("--window", window != AUTO), ("--feeds", feeds)) if set_]:
         fail(f"{', '.join(given)}: options of a resume with a broker (a fleet's feeder); without one the local "
              "workers are fed here, as `diffq run` feeds its own")
     try:
@@ -435,7 +440,7 @@ def resume(
 def retry_failed(
     out_dir: Annotated[str, typer.Argument(metavar="OUT", help="Run folder")],
     broker: Broker = None,
-    window: Window = str(DEFAULT_WINDOW),
+    window: Window = AUTO,
     feeds: Feeds = None,
 ) -> None:
     """Re-enqueue the items that failed after every retry (a window at once, as submit)."""

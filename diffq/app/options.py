@@ -19,6 +19,7 @@ from rich.console import Console
 
 from diffq.app.choices import CompileMode, Device, Dtype
 from diffq.core.options import GenerationOptions
+from diffq.producer.feed import DEFAULT_WINDOW
 from diffq.worker.device import backends
 from diffq.worker.process.spec import DEFAULT_DEGENERATE_POLICY, DEGENERATE_POLICIES
 
@@ -150,7 +151,8 @@ def device_options(what: str = ", one process each", workers_help: str | None = 
 Broker = Annotated[Optional[str], typer.Option("--broker", help="Broker URL (or DIFFQ_BROKER_URL)")]
 Window = Annotated[str, typer.Option("--window", help=(
     f"Batches of the run each shape queue holds in the broker at once; the feeder publishes the rest "
-    f"from OUT as they drain (`diffq fleet backlog --feeds`, `diffq feed OUT`). 'all': every batch now"))]
+    f"from OUT as they drain (`diffq fleet backlog --feeds`, `diffq feed OUT`). 'all': every batch now. "
+    f"'auto' (default): {DEFAULT_WINDOW} where a feeds folder is set (--feeds, DIFFQ_FEEDS), else all"))]
 Feeds = Annotated[Optional[str], typer.Option("--feeds", help="Feeds folder (path, s3://, gs://; or DIFFQ_FEEDS): where runs with batches still in OUT are listed for the fleet's feeder")]
 
 
