@@ -250,7 +250,8 @@ class SimWorker:
         from celery.worker.heartbeat import Heart
 
         from diffq.core.settings import get_settings
-        from diffq.worker.delivery.lease import LeaseKeeper, held_deliveries
+        from diffq.worker.delivery.door import held_deliveries
+        from diffq.worker.delivery.lease import LeaseKeeper
         from diffq.worker.delivery.routing import Discovery, Router
 
         k = cell.dilate

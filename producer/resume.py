@@ -29,10 +29,9 @@ from diffq.core.contract import BatchMessage
 from diffq.core.progress import reconcile
 from diffq.core.records import CancelMarker, RunDefaults, RunManifest, parse_plan_part, plan_part
 from diffq.core.runfolder import failed_items, read_cancel, read_failures, read_manifest, recorded_batches
-from diffq.core.settings import get_settings
 from diffq.core.storage import NotFound, Storage, open_storage
 from diffq.producer.bucketing import RunOptions
-from diffq.producer.feed import AUTO, RunFeed, register, resolve_window, start_feed
+from diffq.producer.feed import AUTO, RunFeed, feeds_setting, register, resolve_window, start_feed
 from diffq.producer.messages import EncodedBatch, batch_id_prefix
 from diffq.producer.sources import Defaults, read_prompts
 from diffq.producer.submit import (CeleryPublisher, Plan, RunExists, encode_plan, manifest_defaults, plan_parts,
@@ -99,7 +98,7 @@ def _publish(storage: Storage, messages: Iterator[BatchMessage], broker_url: str
         feed.feed_once()
     finally:
         publisher.close()
-    if not feed.finished and (feeds := feeds or get_settings().feeds):
+    if not feed.finished and (feeds := feeds or feeds_setting()):
         register(feeds, storage.url, manifest.run_id)
     return Requeued(out=storage.url, items=items, batches=batches, unpublished=sum(feed.unpublished.values()))
 

@@ -37,7 +37,7 @@ from diffq.core.profile import SpeedupProfile
 from diffq.core.records import RequestedSize, RunDefaults, RunManifest, ShapeSummary, parse_plan_part, plan_part
 from diffq.core.storage import Storage, open_storage
 from diffq.producer.bucketing import RunOptions, bucket, group_key, shape_for
-from diffq.producer.feed import AUTO, RunFeed, feeds_setting, register, resolve_window, start_feed
+from diffq.producer.feed import AUTO as AUTO_WINDOW, RunFeed, feeds_setting, register, resolve_window, start_feed
 from diffq.producer.messages import BatchEncoder, EncodedBatch, batch_id_prefix
 from diffq.producer.publish import CeleryPublisher
 from diffq.producer.sizes import parse_buckets
@@ -317,7 +317,7 @@ def submit(
     size_multiple: int = 16,
     on_published: Callable[[int], None] | None = None,
     plan: Plan | None = None,
-    window: int | str | None = AUTO,
+    window: int | str | None = AUTO_WINDOW,
     feeds: str | None = None,
     **generation,
 ) -> SubmitResult:

@@ -11,7 +11,8 @@ from types import SimpleNamespace
 from kombu import Connection, Consumer, Producer, Queue
 
 from diffq.core.transports import transport_for
-from diffq.worker.delivery.lease import LeaseKeeper, held_deliveries
+from diffq.worker.delivery.door import held_deliveries
+from diffq.worker.delivery.lease import LeaseKeeper
 
 
 def two_deliveries(connection):

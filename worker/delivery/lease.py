@@ -23,9 +23,7 @@ from collections.abc import Callable
 
 from diffq.core.transports import Transport
 from diffq.worker.delivery.outcomes import Outcome
-from diffq.worker.delivery.door import Overdue, end, held_deliveries
-
-__all__ = ["LeaseKeeper", "held_deliveries"]
+from diffq.worker.delivery.door import Overdue, end
 
 log = logging.getLogger(__name__)
 

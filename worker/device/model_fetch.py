@@ -226,7 +226,7 @@ def _fetch_s3(storage, files: list[RemoteFile], entry: Path, threads: int, url: 
     whole = sorted((f for f in files if f.size <= WHOLE_BYTES), key=lambda f: -f.size)  # longest first
     big = [f for f in files if f.size > WHOLE_BYTES]
     heads = _s3_heads(storage, big, threads) if big else {}
-    finisher = _Finisher(entry, url, threads, lambda f, part: _s3_problem(heads[f.key], part))
+    finisher = _Finisher(entry, url, threads, lambda f, part: _s3_problem(heads[f.key], part, f.key))
     try:
         if whole:
             _stream_s3(client, storage, whole, entry, threads, url, finisher)
@@ -570,7 +570,7 @@ class _Check:
         return None if ok else f"{self.algorithm} {got}, the store's {self.expected}"
 
 
-def _s3_problem(info: dict, path: Path) -> str | None:
+def _s3_problem(info: dict, path: Path, key: str) -> str | None:
     """The check of a file already on disk (one the transfer manager wrote)."""
     check = _Check(info)
     buffer = bytearray(_HASH_CHUNK)
@@ -578,7 +578,7 @@ def _s3_problem(info: dict, path: Path) -> str | None:
     with path.open("rb", buffering=0) as f:
         while n := f.readinto(view):
             check.update(view[:n])
-    return check.problem(path.name)
+    return check.problem(key)
 
 
 def _file_hash(path: Path, hasher):
@@ -591,11 +591,7 @@ def _file_hash(path: Path, hasher):
 def _crc32c(path: Path) -> bytes:
     import google_crc32c
 
-    checksum = google_crc32c.Checksum()
-    with path.open("rb") as f:
-        while chunk := f.read(_HASH_CHUNK):
-            checksum.update(chunk)
-    return checksum.digest()
+    return _file_hash(path, google_crc32c.Checksum()).digest()
 
 
 # GCS -------------------------------------------------------------------------------
@@ -660,7 +656,7 @@ def _make_room(root: Path, needed: int, settings: Settings, keep: Path) -> None:
                            f"({settings.model_cache_max_gb} GB)")
     entries = [p for p in root.iterdir() if p.is_dir() and p != keep]
     sizes = {p: _tree_size(p) for p in entries}
-    used = sum(sizes.values()) + (_tree_size(keep) if keep.exists() else 0)
+    used = sum(sizes.values())  # what `keep` holds already is part of `needed`
     for entry in sorted(entries, key=_last_used):
         if used + needed <= cap:
             return
