@@ -81,9 +81,8 @@ def _same_files(fetched: Path, folder: Path) -> None:
 @pytest.mark.parametrize("store", ["s3", "gs"])
 @pytest.mark.parametrize("parts", [False, True], ids=["whole-files", "big-files-in-parts"])
 def test_fetch_verifies_caches_and_hits(store, parts, model_cache, model_folder, request, monkeypatch):
-    if parts:  # the padding shard fetched in ranged parts / chunks side by side
+    if parts:  # the padding shard fetched in ranged pieces side by side
         monkeypatch.setattr(model_fetch, "PART_BYTES", 2 * 2**20)
-        monkeypatch.setattr(model_fetch, "WHOLE_BYTES", 2 * 2**20)
     url = (upload_s3(request.getfixturevalue("s3_server"), model_folder) if store == "s3"
            else upload_gcs(request.getfixturevalue("gcs_server"), model_folder))
     first = fetch(url)
@@ -130,15 +129,13 @@ def test_a_fetch_killed_half_way_resumes_without_refetching(model_cache, model_f
 
 
 # A small object's stored CRC32 and the multipart padding shard's composite CRC32 (over
-# its parts' CRC32s) are checked as the bytes stream in; with the shard in ranged parts
-# (boto3's transfer manager), after its download.
+# its parts' CRC32s) are checked from the pieces' digests, kept as the bytes stream in.
 @pytest.mark.parametrize(("key", "ranged"), [("scheduler/scheduler_config.json", False), (PADDING, False),
                                              (PADDING, True)], ids=["small", "multipart-whole", "multipart-ranged"])
 def test_a_corrupt_object_is_refused_naming_the_file(key, ranged, model_cache, model_folder, s3_server, monkeypatch):
     found_by = "CRC32"
     if ranged:
         monkeypatch.setattr(model_fetch, "PART_BYTES", 2 * 2**20)
-        monkeypatch.setattr(model_fetch, "WHOLE_BYTES", 2 * 2**20)
     url = upload_s3(s3_server, model_folder)
     with CorruptingProxy(s3_server.endpoint, corrupt=key) as proxy:
         # The model bucket's own endpoint (DIFFQ_MODEL_STORE_ENDPOINT): here, the proxy.
@@ -320,8 +317,9 @@ def test_qualify_reports_the_weights_fetch_of_an_object_storage_model(tmp_path, 
         assert any(says in note for note in plan["fleet"]["notes"]), plan["fleet"]["notes"]
 
 
-def test_a_file_changed_between_the_listing_and_its_fetch_is_refused(model_cache, model_folder, s3_server):
+def test_a_file_changed_between_the_listing_and_its_fetch_is_refused(model_cache, model_folder, s3_server, tmp_path):
     from diffq.core.model_store import model_storage
+    from diffq.worker.device.fetch_patience import Patience
 
     url = upload_s3(s3_server, model_folder)
     storage = model_storage(url)
@@ -330,7 +328,8 @@ def test_a_file_changed_between_the_listing_and_its_fetch_is_refused(model_cache
     s3_server.client.put_object(Bucket=bucket, Key=f"{prefix}/scheduler/scheduler_config.json", Body=b"{}")
     # The checksums looked up are the listed object's (If-Match its ETag), never a newer one's.
     with pytest.raises(FetchRefused, match=r"file scheduler/scheduler_config\.json changed since the model was listed"):
-        model_fetch._s3_heads(storage, list(listing.files), 4)
+        model_fetch._fetch_files(model_fetch._S3(storage, url), list(listing.files), tmp_path, 4,
+                                 Patience("S3", url, 60.0, total=listing.size))
 
 
 def test_a_start_clock_says_its_phases_once_in_a_log_line_metrics_and_the_run_folder(tmp_path, caplog):
@@ -367,43 +366,47 @@ def test_a_start_clock_says_its_phases_once_in_a_log_line_metrics_and_the_run_fo
     assert metrics.REGISTRY.get_sample_value("diffq_model_fetch_bytes_total", {"hit": "false"}) >= 10
 
 
-@pytest.mark.parametrize("algorithm", ["MD5", "CRC32", "CRC32C", "SHA256"])
-@pytest.mark.parametrize("part_size", [None, 5 * 2**20], ids=["single-part", "multipart"])
-def test_the_s3_check_over_streamed_bytes(algorithm, part_size):
-    """Each way an S3 object's bytes are checked (stored full-object or composite
-    checksum, single-part or multipart ETag), fed in chunks that cross part boundaries."""
+@pytest.mark.parametrize("algorithm", ["MD5", "CRC32", "CRC32C", "CRC64NVME", "SHA256", "XXHASH3"])
+@pytest.mark.parametrize("parts", [None, (5 * 2**20, 7 * 2**20 + 3, 5 * 2**20, 4)],
+                         ids=["single-part", "uneven-multipart"])
+def test_the_s3_check_from_the_pieces_digests(algorithm, parts, tmp_path):
+    """Each way an S3 object is checked (stored full-object or composite checksum,
+    single-part or multipart ETag), from the digests of the pieces it was fetched in:
+    pieces of 3 MiB + 1 (CRCs combined), or its real, uneven parts."""
     import base64
-    import zlib
 
-    import google_crc32c
+    from awscrt import checksums
+    from diffq.worker.device import store_checksums
 
-    data = os.urandom(12 * 2**20 + 7)
-    pieces = [data[i:i + part_size] for i in range(0, len(data), part_size)] if part_size else [data]
+    size = sum(parts) if parts else 12 * 2**20 + 7
+    data = os.urandom(size)
+    path = tmp_path / "object"
+    path.write_bytes(data)
 
     def raw(body: bytes, name: str) -> bytes:
-        if name == "CRC32":
-            return zlib.crc32(body).to_bytes(4, "big")
-        if name == "CRC32C":
-            return google_crc32c.Checksum(body).digest()
-        return hashlib.new(name.lower(), body).digest()
+        h = store_checksums.hasher(name)
+        h.update(body)
+        return h.digest()
 
-    combined = raw(b"".join(raw(p, algorithm) for p in pieces), algorithm) if part_size else raw(data, algorithm)
-    suffix = f"-{len(pieces)}" if part_size else ""
+    if algorithm == "CRC64NVME":
+        assert raw(data, algorithm) == checksums.crc64nvme(data).to_bytes(8, "big")
+    pieces_of = [data[sum(parts[:i]):sum(parts[:i + 1])] for i in range(len(parts))] if parts else [data]
+    combined = raw(b"".join(raw(p, algorithm) for p in pieces_of), algorithm) if parts else raw(data, algorithm)
+    suffix = f"-{len(parts)}" if parts else ""
+    head = {"ETag": '"' + "0" * 32 + suffix + '"'}
     if algorithm == "MD5":  # no stored checksum: the ETag rule
-        info = {"etag": combined.hex() + suffix, "checksums": {}, "composite": {}, "etag_is_md5": True}
+        head["ETag"] = combined.hex() + suffix
+    elif parts and algorithm == "CRC64NVME":  # full-object only, multipart or not
+        head[f"Checksum{algorithm}"] = base64.b64encode(raw(data, algorithm)).decode()
     else:
-        value = base64.b64encode(combined).decode() + suffix
-        info = {"etag": "0" * 32 + suffix, "etag_is_md5": True, "checksums": {} if part_size else {algorithm: value},
-                "composite": {algorithm: value} if part_size else {}}
-    if part_size:
-        info["part_size"] = part_size
+        head[f"Checksum{algorithm}"] = base64.b64encode(combined).decode() + suffix
+    expect = store_checksums.s3_expectation(head, parts or ())
+    assert expect.algorithm == algorithm
 
     def check(body: bytes) -> str | None:
-        one = model_fetch._Check(info)
-        view = memoryview(body)
-        for i in range(0, len(body), 3 * 2**20 + 1):  # chunks that straddle the parts
-            one.update(view[i:i + 3 * 2**20 + 1])
-        return one.problem("x")
+        path.write_bytes(body)
+        pieces = expect.pieces(len(body), 3 * 2**20 + 1)
+        return expect.problem([raw(body[o:o + n], algorithm) for o, n in pieces], pieces, path, "x")
 
     assert check(data) is None
     damaged = bytearray(data)
