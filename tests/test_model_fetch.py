@@ -428,3 +428,137 @@ def test_s3_streams_double_while_it_pays(pays_up_to, most, settles_at, monkeypat
         clock[0] += model_fetch.STREAMS_WINDOW
         streams.moved(int(rate * model_fetch.STREAMS_WINDOW))
     assert streams.settled and streams.limit == settles_at
+
+
+# Patience, resume inside a file, the checksums the stores keep ------------------------
+def _folder_with(tmp_path: Path, model_folder: Path, size: int) -> Path:
+    """A copy of the model folder whose padding shard is `size` random bytes."""
+    import shutil
+
+    folder = tmp_path / "tiny"
+    shutil.copytree(model_folder, folder)
+    (folder / PADDING).write_bytes(os.urandom(size))
+    return folder
+
+
+def _put(s3_server, url: str, key: str, data: bytes, parts: tuple[int, ...] = (), algorithm: str | None = None):
+    """`key` of the model at `url` uploaded again: one PUT, or a multipart upload of
+    exactly these part sizes (uneven); with `algorithm` as its checksum, else none (the
+    ETag rule: botocore adds no checksum when not required)."""
+    import boto3
+    from botocore.config import Config
+
+    client = boto3.client("s3", endpoint_url=s3_server.endpoint,
+                          config=Config(request_checksum_calculation="when_required"))
+    bucket, _, prefix = url.removeprefix("s3://").partition("/")
+    name, extra = f"{prefix}/{key}", ({"ChecksumAlgorithm": algorithm} if algorithm else {})
+    if not parts:
+        client.put_object(Bucket=bucket, Key=name, Body=data, **extra)
+        return
+    upload = client.create_multipart_upload(Bucket=bucket, Key=name, **extra)["UploadId"]
+    done, at = [], 0
+    for number, length in enumerate(parts, 1):
+        answer = client.upload_part(Bucket=bucket, Key=name, UploadId=upload, PartNumber=number,
+                                    Body=data[at:at + length], **extra)
+        done.append({"PartNumber": number, "ETag": answer["ETag"],
+                     **{k: v for k, v in answer.items() if k.startswith("Checksum")}})
+        at += length
+    client.complete_multipart_upload(Bucket=bucket, Key=name, UploadId=upload, MultipartUpload={"Parts": done})
+
+
+UNEVEN = (5 * 2**20 + 17, 7 * 2**20, 5 * 2**20, 123)
+
+
+@pytest.mark.parametrize(("parts", "algorithm", "found_by"), [
+    (UNEVEN, None, "ETag"), (UNEVEN, "CRC32", "CRC32"), ((), "CRC64NVME", "CRC64NVME")],
+    ids=["uneven-parts-etag", "uneven-parts-composite-crc32", "crc64nvme-only"])
+def test_the_checksum_the_store_keeps_accepts_the_object_and_refuses_a_flipped_byte(
+        parts, algorithm, found_by, tmp_path, model_cache, model_folder, s3_server):
+    folder = _folder_with(tmp_path, model_folder, sum(parts) or 9 * 2**20 + 5)
+    url = upload_s3(s3_server, folder)
+    _put(s3_server, url, PADDING, (folder / PADDING).read_bytes(), parts, algorithm)
+    bucket, _, prefix = url.removeprefix("s3://").partition("/")
+    head = s3_server.client.head_object(Bucket=bucket, Key=f"{prefix}/{PADDING}", ChecksumMode="ENABLED")
+    stored = sorted(k for k in head if k.startswith("Checksum") and k != "ChecksumType")
+    assert stored == ([f"Checksum{algorithm}"] if algorithm else [])
+    from diffq.worker.device.store_checksums import s3_expectation
+
+    expect = model_fetch._S3(model_fetch.model_storage(url), url).expectation(
+        next(f for f in list_model(url).files if f.key == PADDING))
+    assert (expect.algorithm, expect.parts) == ({"ETag": "MD5"}.get(found_by, found_by), parts)
+    assert s3_expectation(head, parts).kind == ("etag" if not algorithm else "composite" if parts else "full")
+    with CorruptingProxy(s3_server.endpoint, corrupt=PADDING) as proxy:
+        settings = Settings(model_store_endpoint=proxy.endpoint, model_cache=str(model_cache))
+        with pytest.raises(FetchRefused, match=f"file {re.escape(PADDING)} is corrupt: {found_by} "):
+            fetch(url, settings=settings)
+    fetched = fetch(url)  # the real bytes: accepted
+    _same_files(Path(fetched.path), folder)
+
+
+@pytest.mark.parametrize(("status", "code", "heals"), [(503, "SlowDown", True), (403, "AccessDenied", False)])
+def test_what_may_heal_is_waited_out_and_what_cannot_fails_at_once_naming_the_file(
+        status, code, heals, model_cache, model_folder, s3_server, caplog):
+    url = upload_s3(s3_server, model_folder)
+    key = "scheduler/scheduler_config.json"
+    # 6 answers: botocore's own 3 attempts twice, the fetch waiting in between.
+    with CorruptingProxy(s3_server.endpoint, corrupt=key, status=status, code=code, times=6) as proxy:
+        settings = Settings(model_store_endpoint=proxy.endpoint, model_cache=str(model_cache))
+        with caplog.at_level("WARNING", logger="diffq.worker"):
+            if heals:
+                _same_files(Path(fetch(url, settings=settings).path), model_folder)
+            else:
+                with pytest.raises(model_fetch.ModelStoreError, match=f"file {re.escape(key)}: .*\\(403\\)"):
+                    fetch(url, settings=settings)
+    waits = [r.getMessage() for r in caplog.records if "retrying S3" in r.getMessage()]
+    if heals:
+        assert proxy.answered == 6 and waits and all(f"retrying S3 ({status}" in w and ") for 0:" in w for w in waits)
+    else:
+        assert proxy.answered == 1 and not waits
+
+
+def test_a_fetch_cut_mid_file_waits_and_resumes_inside_it(model_cache, model_folder, s3_server, tmp_path, caplog,
+                                                          monkeypatch):
+    from tests.proxy import CuttableProxy
+
+    monkeypatch.setattr(model_fetch, "PART_BYTES", 4 * 2**20)
+    folder = _folder_with(tmp_path, model_folder, 24 * 2**20 + 3)
+    url = upload_s3(s3_server, folder)
+    _put(s3_server, url, PADDING, (folder / PADDING).read_bytes(), algorithm="CRC64NVME")
+    size = list_model(url).size
+    proxy = CuttableProxy(int(s3_server.endpoint.rpartition(":")[2]))
+    proxy.start()
+    proxy.cut_after(size // 3, 3.0)
+    settings = Settings(model_store_endpoint=proxy.endpoint, model_cache=str(model_cache))
+    with caplog.at_level("WARNING", logger="diffq.worker"):
+        fetched = fetch(url, settings=settings)
+    _same_files(Path(fetched.path), folder)
+    assert proxy.cuts == 1 and proxy.sent <= 1.1 * size
+    assert any("retrying S3 (connection" in r.getMessage() for r in caplog.records)
+
+
+def test_a_fetch_sigkilled_mid_file_resumes_inside_it(model_cache, model_folder, s3_server, tmp_path, monkeypatch):
+    from tests.proxy import CuttableProxy
+
+    folder = _folder_with(tmp_path, model_folder, 12 * 2**20 + 5)
+    url = upload_s3(s3_server, folder)
+    _put(s3_server, url, PADDING, (folder / PADDING).read_bytes(), algorithm="CRC32")
+    code = ("import sys; from diffq.worker.device import model_fetch as m; m.PART_BYTES = 2**20; "
+            "m.fetch(sys.argv[1])")
+    # One stream: the padding (the biggest file) goes first, piece by piece.
+    killed = subprocess.run([sys.executable, "-c", code, url], timeout=300,
+                            env={**os.environ, "DIFFQ_FAULT_FETCH_KILL_AFTER_PIECES": "5",
+                                 "DIFFQ_MODEL_FETCH_THREADS": "1"})
+    assert killed.returncode == -9
+    (entry,) = [p for p in model_cache.iterdir() if p.is_dir()]
+    part = (entry / PADDING).with_name(".diffq-part-padding.safetensors")
+    ranges = json.loads(part.with_name(part.name + ".ranges").read_text())
+    assert len(ranges["done"]) == 5 and not (entry / PADDING).exists()
+
+    monkeypatch.setattr(model_fetch, "PART_BYTES", 2**20)
+    proxy = CuttableProxy(int(s3_server.endpoint.rpartition(":")[2]))
+    proxy.start()
+    resumed = fetch(url, settings=Settings(model_store_endpoint=proxy.endpoint, model_cache=str(model_cache)))
+    assert resumed.path == str(entry) and PADDING in resumed.files
+    _same_files(entry, folder)
+    # The five pieces in were not fetched again (the listing, HEADs and the rest were).
+    assert proxy.sent <= list_model(url).size - 5 * 2**20 + 200_000

@@ -59,7 +59,8 @@ def transient(exc: BaseException) -> str | None:
         code = exc.response.get("Error", {}).get("Code", "")
         slow = code in ("SlowDown", "Throttling", "ThrottlingException", "RequestTimeout", "InternalError",
                         "ServiceUnavailable")
-        return f"{status} {code}".strip() if slow or status in (408, 429) or status >= 500 else None
+        said = f"{status} {code}" if code and code != str(status) else str(status)  # a HEAD's has no body
+        return said if slow or status in (408, 429) or status >= 500 else None
     if isinstance(exc, google.GoogleAPICallError):
         code = exc.code or 0
         return f"{int(code)} {type(exc).__name__}" if code in (408, 429) or code >= 500 else None

@@ -214,12 +214,12 @@ class _Ranges:
     keeps the page cache; a node that loses power loses its node-local cache anyway.)"""
 
     def __init__(self, part: Path, layout: dict):
-        self.part, self.layout = part, layout
+        self.part, self.layout = part, json.loads(json.dumps(layout))  # as it reads back: lists
         self.digests: dict[int, bytes] = {}
         self._lock = threading.Lock()
         try:
             saved = json.loads(self.path(part).read_text())
-            if saved.get("layout") == layout and part.is_file():
+            if saved.get("layout") == self.layout and part.is_file():
                 self.digests = {int(i): bytes.fromhex(d) for i, d in saved["done"].items()}
         except (OSError, ValueError, KeyError, AttributeError):
             pass
