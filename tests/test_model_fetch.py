@@ -562,3 +562,55 @@ def test_a_fetch_sigkilled_mid_file_resumes_inside_it(model_cache, model_folder,
     _same_files(entry, folder)
     # The five pieces in were not fetched again (the listing, HEADs and the rest were).
     assert proxy.sent <= list_model(url).size - 5 * 2**20 + 200_000
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("store", ["s3", "gs"])
+def test_a_run_rides_out_a_20_s_cut_of_a_1_gb_file_and_resumes_inside_it(store, tmp_path, model_cache, model_folder,
+                                                                         request):
+    """On defaults: the link to the store cut for 20 s once a third of the model has
+    arrived; `diffq run` waits, says so, resumes inside the big file and makes the local
+    folder's images."""
+    from tests.proxy import CuttableProxy
+
+    big = 1_000_000_007  # ≥ 1 GB, not a multiple of any piece
+    folder = _folder_with(tmp_path, model_folder, 16)
+    with (folder / PADDING).open("wb") as f:
+        for _ in range(big // (64 * 2**20)):
+            f.write(os.urandom(64 * 2**20))
+        f.write(os.urandom(big % (64 * 2**20)))
+    server = request.getfixturevalue("s3_server" if store == "s3" else "gcs_server")
+    env = dict(os.environ)  # with the server's
+    if store == "s3":
+        url = upload_s3(server, model_folder)  # the small files; the big one below
+        # Uneven parts with a composite CRC32 (each part one ranged GET: moto reads the
+        # whole object for each, so few and big).
+        _put(server, url, PADDING, (folder / PADDING).read_bytes(), (300_000_000, 250_000_000, 450_000_007),
+             "CRC32")
+        proxy = CuttableProxy(int(server.endpoint.rpartition(":")[2]))
+        env["DIFFQ_MODEL_STORE_ENDPOINT"] = proxy.endpoint
+    else:
+        url = upload_gcs(server, folder)
+        proxy = CuttableProxy(int(server.endpoint.rpartition(":")[2]))
+        env["STORAGE_EMULATOR_HOST"] = proxy.endpoint
+    size = sum(p.stat().st_size for p in _files(folder).values())
+    proxy.start()
+    proxy.cut_after(size // 3, 20.0)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"i{i}", "prompt": f"a prompt {i}", "seed": 7 + i,
+                                           "height": 64, "width": 64}) + "\n" for i in range(2)))
+    images = {}
+    for name, model in (("local", str(folder)), ("remote", url)):
+        out = tmp_path / name
+        proc = subprocess.run([sys.executable, "-m", "diffq", "run", str(prompts), "--model", model, "--out", str(out),
+                               "--batch-size", "2", "--steps", "2", "--format", "png", "--no-progress"],
+                              capture_output=True, text=True, timeout=600, env=env)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        images[name] = {p.name: Image.open(p).tobytes() for p in (out / "images").rglob("*.png")}
+    assert len(images["local"]) == 2 and images["local"] == images["remote"]
+    assert proxy.cuts == 1 and proxy.sent <= 1.1 * size, (proxy.sent, size)
+    said = proc.stdout + proc.stderr
+    assert re.search(rf"fetching weights: [\d.]+ of [\d.]+ GB, retrying {'S3' if store == 's3' else 'GCS'} "
+                     r"\(connection (refused|dropped)\) for 0:\d\d", said), said[-3000:]
+    (entry,) = [p for p in model_cache.iterdir() if p.is_dir()]
+    _same_files(entry, folder)

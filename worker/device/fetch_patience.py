@@ -28,12 +28,13 @@ from pathlib import Path
 
 from google.api_core.retry import exponential_sleep_generator
 
+from diffq.core.progress import FETCH_NOTE, TROUBLE_DIR_ENV
+
 log = logging.getLogger("diffq.worker")
 
 BACKOFF_FIRST_S = 0.5
-BACKOFF_MOST_S = 30.0  # a stream tries again at least this often while it waits
+BACKOFF_MOST_S = 15.0  # a stream tries again at least this often while it waits (docs/fleet.md)
 NOTE_EVERY_S = 1.0
-FETCH_NOTE = "fetch-{pid}.txt"
 
 
 class FetchGaveUp(Exception):
@@ -87,7 +88,7 @@ class Patience:
         self.reason = ""
         self._lock = threading.Lock()
         self._noted = 0.0
-        folder = os.environ.get("DIFFQ_TROUBLE_DIR")
+        folder = os.environ.get(TROUBLE_DIR_ENV)
         self.note_path = Path(folder) / FETCH_NOTE.format(pid=os.getpid()) if folder else None
 
     def moved(self, n: int, *, counted: bool = True) -> None:
@@ -154,14 +155,3 @@ class Patience:
 def _clock(seconds: float) -> str:
     minutes, seconds = divmod(int(seconds), 60)
     return f"{minutes}:{seconds:02d}"
-
-
-def fetch_notes(folder: Path) -> list[str]:
-    """The fetch lines the workers of this node left in `folder` (the runner's bar)."""
-    notes = []
-    for path in sorted(folder.glob(FETCH_NOTE.format(pid="*"))):
-        try:
-            notes.append(path.read_text().strip())
-        except OSError:
-            pass
-    return [n for n in notes if n]
