@@ -614,3 +614,37 @@ def test_a_run_rides_out_a_20_s_cut_of_a_1_gb_file_and_resumes_inside_it(store, 
                      r"\(connection (refused|dropped)\) for 0:\d\d", said), said[-3000:]
     (entry,) = [p for p in model_cache.iterdir() if p.is_dir()]
     _same_files(entry, folder)
+
+
+def test_a_wait_is_said_in_the_log_and_on_the_runs_bar_and_patience_is_a_time_budget(tmp_path, monkeypatch, caplog):
+    from diffq.app.runner import _TroubleView
+    from diffq.worker.device import fetch_patience
+    from diffq.worker.device.fetch_patience import FetchGaveUp, Patience
+
+    monkeypatch.setenv("DIFFQ_TROUBLE_DIR", str(tmp_path / "notes"))
+    (tmp_path / "notes").mkdir()
+    clock = [1000.0]
+    monkeypatch.setattr(fetch_patience, "time", type("Clock", (), {"monotonic": staticmethod(lambda: clock[0]),
+                                                                   "sleep": staticmethod(lambda s: None)}))
+    patience = Patience("S3", "s3://m/x", 600.0, total=2_000_000_000, done=500_000_000)
+    view = _TroubleView(open_storage(str(tmp_path / "out")), tmp_path / "notes")
+    with caplog.at_level("WARNING", logger="diffq.worker"):
+        patience.wait(ConnectionRefusedError("[Errno 111] Connection refused"), "big.safetensors", iter([0.0] * 9))
+        clock[0] += 20
+        patience.wait(ConnectionRefusedError("[Errno 111] Connection refused"), "big.safetensors", iter([0.0] * 9))
+    line = "fetching weights: 0.50 of 2.00 GB, retrying S3 (connection refused) for 0:20"
+    assert any(r.getMessage().startswith(line) for r in caplog.records)
+    view.look(0.0, pending=1)
+    assert view.fetching == line  # what the bar shows while the worker starts
+    patience.moved(1_000_000)  # a byte arrived: the outage is over, its clock restarts
+    assert patience.since is None and patience.line() == "fetching weights: 0.50 of 2.00 GB"
+    with pytest.raises(PermissionError):  # what cannot heal is raised as it is, at once
+        patience.wait(PermissionError("403"), "big.safetensors", iter([0.0]))
+    patience.wait(TimeoutError("read timed out"), "big.safetensors", iter([0.0]))
+    clock[0] += 600
+    with pytest.raises(FetchGaveUp, match=r"file big\.safetensors: no byte from S3 for 10:00 \(timed out"):
+        patience.wait(TimeoutError("read timed out"), "big.safetensors", iter([0.0]))
+    patience.close()
+    view._next_look = 0.0
+    view.look(0.0, pending=1)
+    assert view.fetching is None
