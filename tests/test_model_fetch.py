@@ -81,8 +81,9 @@ def _same_files(fetched: Path, folder: Path) -> None:
 @pytest.mark.parametrize("store", ["s3", "gs"])
 @pytest.mark.parametrize("parts", [False, True], ids=["whole-files", "big-files-in-parts"])
 def test_fetch_verifies_caches_and_hits(store, parts, model_cache, model_folder, request, monkeypatch):
-    if parts:  # the padding shard fetched in ranged pieces side by side
+    if parts:  # the padding shard fetched in ranged pieces, runs of them side by side
         monkeypatch.setattr(model_fetch, "PART_BYTES", 2 * 2**20)
+        monkeypatch.setattr(model_fetch, "RUN_BYTES", 4 * 2**20)
     url = (upload_s3(request.getfixturevalue("s3_server"), model_folder) if store == "s3"
            else upload_gcs(request.getfixturevalue("gcs_server"), model_folder))
     first = fetch(url)

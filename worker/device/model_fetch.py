@@ -6,7 +6,8 @@
 One cache entry per model URL and revision (core/model_store.py): a model changed
 under the same prefix is another entry. Each file is fetched into a part name in
 pieces (byte ranges of PART_BYTES, or its multipart upload's parts where the check is
-over parts), as many streams side by side as raise the rate (_Streams), each piece
+over parts), consecutive pieces one GET up to RUN_BYTES, as many streams side by side
+as raise the rate (_Streams), each piece
 hashed as it is written (no second read); each completed piece is recorded next to
 the part file (`_Ranges`), so a cut, a worker restart or a SIGKILL resumes inside the
 file. The whole file is checked against the store's checksum (worker/device/
@@ -48,11 +49,16 @@ log = logging.getLogger("diffq.worker")
 
 COMPLETE = ".complete"
 PART_PREFIX = ".diffq-part-"
-# A file is fetched in pieces of this size (or its upload's parts), several at once; a
-# piece is what a restart may fetch again, and one request each. Why 64 MiB: one stream
-# of S3 or GCS carries ~100 MB/s, so a piece is ~0.6 s of a stream; 16 streams in flight
-# leave ~1 GB to refetch after a SIGKILL at most, a cut within a process none.
+# A file is recorded in pieces of this size (or its upload's parts) as they come in: a
+# piece in flight is what a restart fetches again. Why 64 MiB: one stream of S3 or GCS
+# carries ~100 MB/s, so a piece is ~0.6 s of a stream, and 16 streams leave ~1 GB to
+# fetch again after a SIGKILL at most (a cut within a process: nothing).
 PART_BYTES = 64 * 1024 * 1024
+# Consecutive pieces of one file are one GET up to this size: few requests (a ranged GET
+# costs a request and, on some servers, much more: moto reads the whole object for each
+# range), and still a big file's tail side by side. One stream of S3 or GCS carries
+# ~100 MB/s: a run is ~5 s. Measured on loopback moto only (docs/BENCHMARKS.md).
+RUN_BYTES = 512 * 1024 * 1024
 # Each process keeps the `use` lock of every entry it loaded (fd) until it exits.
 _IN_USE: dict[Path, int] = {}
 
@@ -306,8 +312,7 @@ def _fetch_files(store, files: list[RemoteFile], entry: Path, threads: int, pati
         counts = {"placed": 0, "pieces": 0}
         count_lock = threading.Lock()
 
-        def one(fetch: _FileFetch, index: int) -> None:
-            digest = _fetch_piece(store, fetch, index, patience, streams)
+        def piece_done(fetch: _FileFetch, index: int, digest: bytes) -> None:
             placed = fetch.piece_done(index, digest)
             with count_lock:
                 counts["pieces"] += 1
@@ -316,12 +321,14 @@ def _fetch_files(store, files: list[RemoteFile], entry: Path, threads: int, pati
                     counts["placed"] += 1
                     faults.fetch_progress(counts["placed"])
 
-        work = [(f, i) for f in sorted(fetches, key=lambda f: -f.file.size) for i in f.todo()]
+        def one(fetch: _FileFetch, run: list[int]) -> None:
+            _fetch_run(store, fetch, run, patience, streams, piece_done)
+
         for fetch in fetches:  # every piece in already (a kill before the rename)
             if not fetch.todo():
                 fetch.ranges.digests.pop(len(fetch.pieces) - 1)
-                work.append((fetch, len(fetch.pieces) - 1))
-        futures = [pool.submit(one, f, i) for f, i in work]
+        work = [(f, run) for f in sorted(fetches, key=lambda f: -f.file.size) for run in _runs(f)]
+        futures = [pool.submit(one, f, run) for f, run in work]
         try:
             for future in futures:
                 future.result()
@@ -348,35 +355,65 @@ def _patiently(patience: Patience, store, file: RemoteFile, call):
             patience.wait(exc, file.key, sleeps)
 
 
-def _fetch_piece(store, fetch: _FileFetch, index: int, patience: Patience, streams: _Streams) -> bytes:
-    """One piece into its place in the partial file, hashed as it is written; a dropped
-    stream continues from its last byte after a wait (Patience)."""
-    offset, length = fetch.pieces[index]
+def _runs(fetch: _FileFetch) -> list[list[int]]:
+    """The file's missing pieces as runs of consecutive pieces up to RUN_BYTES: one GET
+    each (a file up to RUN_BYTES is one GET; a bigger one several side by side)."""
+    runs: list[list[int]] = []
+    for index in fetch.todo():
+        length = fetch.pieces[index][1]
+        last = runs[-1] if runs else None
+        if (last and last[-1] == index - 1
+                and sum(fetch.pieces[i][1] for i in last) + length <= max(RUN_BYTES, length)):
+            last.append(index)
+        else:
+            runs.append([index])
+    return runs
+
+
+def _fetch_run(store, fetch: _FileFetch, run: list[int], patience: Patience, streams: _Streams, piece_done) -> None:
+    """Consecutive pieces, one ranged GET, into their place in the partial file; each
+    piece hashed as it is written and recorded (`piece_done`) as soon as it is in. A
+    dropped stream continues from its last byte after a wait (Patience)."""
+    start = fetch.pieces[run[0]][0]
+    end = fetch.pieces[run[-1]][0] + fetch.pieces[run[-1]][1]
+    at = 0  # which piece of the run is being hashed
     hasher = fetch.expect.hasher()
+    into = 0  # bytes of that piece hashed
     got = 0
     sleeps, stalled_at = None, -1
 
+    def next_piece() -> None:
+        nonlocal at, hasher, into
+        while at < len(run) and into == fetch.pieces[run[at]][1]:  # (a 0-byte piece is in at once)
+            piece_done(fetch, run[at], hasher.digest() if hasher is not None else b"")
+            at, hasher, into = at + 1, fetch.expect.hasher(), 0
+
     def sink(chunk: memoryview) -> None:
-        nonlocal got
+        nonlocal got, into
         n = len(chunk)
-        if got + n > length:
-            raise FetchRefused(f"model {store.url}: file {fetch.file.key}: the store sent more than its "
-                               f"{fetch.file.size} bytes")
+        if start + got + n > end:
+            raise FetchRefused(f"model {store.url}: file {fetch.file.key}: the store sent more than asked for")
         written = 0
         while written < n:
-            written += os.pwrite(fetch.fd, chunk[written:], offset + got + written)
-        if hasher is not None:
-            hasher.update(chunk)
+            written += os.pwrite(fetch.fd, chunk[written:], start + got + written)
         got += n
+        while len(chunk):
+            take = min(len(chunk), fetch.pieces[run[at]][1] - into)
+            if hasher is not None:
+                hasher.update(chunk[:take])
+            into += take
+            chunk = chunk[take:]
+            next_piece()
         patience.moved(n)
         streams.moved(n)
 
-    while got < length:
+    next_piece()
+    while start + got < end:
         try:
             with streams:
-                store.read(fetch.file, offset + got, offset + length - 1, sink)
-            if got < length:
-                raise ConnectionResetError(f"the stream ended at {offset + got} of {offset + length} bytes")
+                store.read(fetch.file, start + got, end - 1, sink)
+            if start + got < end:
+                raise ConnectionResetError(f"the stream ended at {start + got} of {end} bytes")
         except Exception as exc:
             if isinstance(exc, FetchRefused):
                 raise
@@ -385,7 +422,6 @@ def _fetch_piece(store, fetch: _FileFetch, index: int, patience: Patience, strea
             if got != stalled_at:  # bytes came since the last wait: the backoff starts over
                 sleeps, stalled_at = backoff(), got
             patience.wait(exc, fetch.file.key, sleeps)
-    return hasher.digest() if hasher is not None else b""
 
 
 def _changed(exc, url: str, file: RemoteFile) -> Exception:
