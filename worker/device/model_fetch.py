@@ -127,7 +127,7 @@ def fetch(url: str, revision: str | None = None, *, settings: Settings | None = 
 
 def _list(url: str, settings: Settings, storage) -> ModelListing:
     """The model's listing, waited out while the store cannot be reached."""
-    patience = Patience(storage.scheme.upper().replace("GS", "GCS"), url, settings.model_fetch_patience_s, total=0)
+    patience = Patience(_store_of(storage).name, url, settings.model_fetch_patience_s, total=0)
     sleeps = None
     try:
         while True:
@@ -172,7 +172,7 @@ def _fetch_entry(storage, listing: ModelListing, entry: Path, settings: Settings
     _clear_stale(entry, missing)
     if not missing:
         return ()
-    store = _S3(storage, listing.url) if storage.scheme == "s3" else _GCS(storage, listing.url)
+    store = _store_of(storage)(storage, listing.url)
     resumed = sum(_Ranges.bytes_done(_part(entry, f)) for f in missing)
     patience = Patience(store.name, listing.url, settings.model_fetch_patience_s,
                         total=sum(f.size for f in missing), done=resumed)
@@ -584,6 +584,10 @@ class _GCS:
         blob = self.bucket.blob(self.storage.prefix + file.key, generation=int(file.version) if file.version else None)
         # retry=None: a failure comes back here, and the stream continues from its last byte.
         blob.download_to_file(_Sink(sink), start=first, end=last, raw_download=True, checksum=None, retry=None)
+
+
+def _store_of(storage):
+    return _S3 if storage.scheme == "s3" else _GCS
 
 
 class _Sink:
