@@ -517,24 +517,32 @@ def test_what_may_heal_is_waited_out_and_what_cannot_fails_at_once_naming_the_fi
         assert proxy.answered == 1 and not waits
 
 
-def test_a_fetch_cut_mid_file_waits_and_resumes_inside_it(model_cache, model_folder, s3_server, tmp_path, caplog,
-                                                          monkeypatch):
+@pytest.mark.parametrize("store", ["s3", "gs"])
+def test_a_fetch_cut_mid_file_waits_and_resumes_inside_it(store, model_cache, model_folder, tmp_path, caplog,
+                                                          monkeypatch, request):
     from tests.proxy import CuttableProxy
 
     monkeypatch.setattr(model_fetch, "PART_BYTES", 4 * 2**20)
     folder = _folder_with(tmp_path, model_folder, 24 * 2**20 + 3)
-    url = upload_s3(s3_server, folder)
-    _put(s3_server, url, PADDING, (folder / PADDING).read_bytes(), algorithm="CRC64NVME")
+    server = request.getfixturevalue("s3_server" if store == "s3" else "gcs_server")
+    if store == "s3":
+        url = upload_s3(server, folder)
+        _put(server, url, PADDING, (folder / PADDING).read_bytes(), algorithm="CRC64NVME")
+    else:
+        url = upload_gcs(server, folder)
     size = list_model(url).size
-    proxy = CuttableProxy(int(s3_server.endpoint.rpartition(":")[2]))
+    proxy = CuttableProxy(int(server.endpoint.rpartition(":")[2]))
     proxy.start()
     proxy.cut_after(size // 3, 3.0)
     settings = Settings(model_store_endpoint=proxy.endpoint, model_cache=str(model_cache))
+    if store == "gs":
+        monkeypatch.setenv("STORAGE_EMULATOR_HOST", proxy.endpoint)
     with caplog.at_level("WARNING", logger="diffq.worker"):
         fetched = fetch(url, settings=settings)
     _same_files(Path(fetched.path), folder)
     assert proxy.cuts == 1 and proxy.sent <= 1.1 * size
-    assert any("retrying S3 (connection" in r.getMessage() for r in caplog.records)
+    said = "S3" if store == "s3" else "GCS"
+    assert any(f"retrying {said} (connection" in r.getMessage() for r in caplog.records)
 
 
 def test_a_fetch_sigkilled_mid_file_resumes_inside_it(model_cache, model_folder, s3_server, tmp_path, monkeypatch):
