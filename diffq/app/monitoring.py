@@ -135,7 +135,7 @@ ALERTS: tuple[Alert, ...] = (
     Alert("DiffqDeadLettersGrowing", "warning", "0m",
           """delta(diffq_dead_letters_queued{{ns}}[15m]) > 0""",
           "Dead letters are growing",
-          "Workers refused messages in the last 15 minutes ({{ $value }} more dead letters): unsigned, "
+          "Workers refused messages in the last 15 minutes (more dead letters in diffq.dead): unsigned, "
           "for another run or model, or not diffq batches.",
           "diffq queues"),
     Alert("DiffqItemsFailing", "warning", "10m",
@@ -345,3 +345,12 @@ def dashboard_json(namespace: str, price: float | None = None) -> str:
                                       .legend_format(legend).datasource(source))
         board = board.with_panel(panel)
     return json.dumps(json.loads(JSONEncoder(sort_keys=True).encode(board.build())), indent=2, sort_keys=True) + "\n"
+
+
+if __name__ == "__main__":  # regenerates infra/k8s/monitoring/diffq-dashboard.json
+    import sys
+    from pathlib import Path
+
+    target = Path(sys.argv[1] if len(sys.argv) > 1 else f"infra/k8s/monitoring/{DASHBOARD_FILE}")
+    target.write_text(dashboard_json("diffq"))
+    print(target)

@@ -176,8 +176,13 @@ def backlog(
     if feeds:
         feeder = Feeder(CeleryPublisher(broker), feeds)
         threading.Thread(target=feeder.serve, args=(stop,), name="diffq-feeder", daemon=True).start()
+    from diffq.app.queues import queue_report
+    from diffq.app.run_metrics import RunMetrics, registry
+
+    run_metrics = RunMetrics(feeder.runs if feeder else list, feeder=feeder, queues=lambda: queue_report(
+        broker, timeout=0, rabbitmq_api=api, unpublished=feeder.unpublished() if feeder else None))
     server = serve(Backlog(lambda: model_backlogs(broker, api, feeder.unpublished() if feeder else None)),
-                   host, port)
+                   host, port, metrics=registry(run_metrics))
     typer.echo(f"backlog on http://{host}:{server.server_address[1]}/backlog"
                + (f", feeding the runs listed in {feeds}" if feeds else ""), err=True)
     try:
