@@ -415,7 +415,8 @@ def test_rules_and_panels_name_only_what_a_real_worker_and_backlog_service_expor
     # Series with labels appear once observed: those a tiny run does not make are checked
     # by their declared label names (the same process's registry, by the exported family).
     declared = {
-        "diffq_recompiles_total": metrics.RECOMPILES, "diffq_graph_fallbacks_total": metrics.GRAPH_FALLBACKS,
+        "diffq_compiles_total": metrics.COMPILES, "diffq_recompiles_total": metrics.RECOMPILES,
+        "diffq_graph_fallbacks_total": metrics.GRAPH_FALLBACKS,
         "diffq_failures_total": metrics.FAILURES, "diffq_degenerate_images_total": metrics.DEGENERATE,
         "diffq_upload_failures_total": metrics.UPLOAD_FAILURES, "diffq_redeliveries_total": metrics.REDELIVERIES,
         "diffq_lease_lapses_total": metrics.LEASE_LAPSES}
