@@ -436,3 +436,106 @@ def test_rules_and_panels_name_only_what_a_real_worker_and_backlog_service_expor
             assert labels <= exported[name] | target | {"le"}, (name, labels - exported[name] - target)
         available = set().union(*(exported.get(n, set()) for n in selectors)) | target | {"le"}
         assert grouped <= available, (expr, grouped - available)
+
+
+# --- the run metrics and the worker's side, in process ------------------------------------
+
+def samples(registry) -> dict[tuple[str, tuple], float]:
+    from prometheus_client.exposition import generate_latest
+
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(generate_latest(registry).decode())
+            for s in family.samples}
+
+
+def test_run_metrics_count_as_status_does_and_see_progress_move(make_redis_server, tmp_path):
+    """A windowed run: items pending, batches in the broker and in OUT per queue; a
+    credit moves done and the last-progress time; the broker away leaves the run
+    series; a finished run no longer listed is reported once more, then dropped."""
+    from diffq.app.queues import queue_report
+    from diffq.app.run_metrics import RunMetrics, registry
+    from diffq.core.progress import ProgressLog
+    from diffq.core.runfolder import read_manifest
+    from diffq.core.storage import open_storage
+    from diffq.producer.feed import registered, waiting
+    from diffq.producer.messages import batch_id
+    from diffq.producer.submit import submit
+
+    broker = make_redis_server().url
+    out, feeds = str(tmp_path / "run"), str(tmp_path / "feeds")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"i{i}", "prompt": "x", "height": 64, "width": 64}) + "\n"
+                               for i in range(12)))
+    result = submit(prompts, out, model="/models/m", broker_url=broker, batch_size=2, window=2, feeds=feeds)
+    [queue] = result.queues
+    listed = [out]
+    broker_up = [True]
+    now = [1000.0]
+
+    def queues():
+        if not broker_up[0]:
+            raise ConnectionError("broker away")
+        return queue_report(broker, timeout=0, unpublished=waiting(feeds))
+
+    assert [e.out for e in registered(open_storage(feeds))] == [out]
+    reg = registry(RunMetrics(lambda: listed, queues=queues, clock=lambda: now[0]))
+    first = samples(reg)
+    run_id = result.run_id
+    key = lambda state: ("diffq_run_items", (("out", out), ("run", run_id), ("state", state)))  # noqa: E731
+    assert (first[key("pending")], first[key("done")], first[key("failed")]) == (12, 0, 0)
+    assert first[("diffq_run_batches_waiting", (("out", out), ("queue", queue), ("run", run_id)))] == 4
+    assert first[("diffq_queue_batches", (("queue", queue), ("where", "broker")))] == 2
+    assert first[("diffq_queue_batches", (("queue", queue), ("where", "out")))] == 4
+    assert first[("diffq_dead_letters_queued", ())] == 0
+    moved = ("diffq_run_last_progress_timestamp_seconds", (("out", out), ("run", run_id)))
+    assert first[moved] == 1000.0
+
+    now[0] = 1060.0
+    assert samples(reg)[moved] == 1000.0  # nothing moved
+    shape = read_manifest(open_storage(out)).shapes[0].shape
+    log = ProgressLog(open_storage(out), writer="w")
+    log.add(batch_id(shape, 0), queue, ["i0", "i1"])
+    log.flush()
+    now[0] = 1120.0
+    broker_up[0] = False
+    second = samples(reg)
+    assert (second[key("done")], second[key("pending")]) == (2, 10) and second[moved] == 1120.0
+    assert not any(name == "diffq_queue_batches" for name, _ in second)  # the broker's part left out
+
+    listed.clear()  # no longer listed, not finished: still reported
+    assert samples(reg)[key("pending")] == 10
+
+
+def test_each_worker_process_serves_on_its_place_in_the_pod_and_says_its_restarts(monkeypatch):
+    """Ports are DIFFQ_METRICS_PORT + 0..n-1 whatever devices the plugin allocated (the
+    pod's named ports); a restarted unit's processes carry their restart count."""
+    from diffq.worker.process import supervisor as sup_module
+    from diffq.worker.process.supervisor import Supervisor, plan_children
+
+    specs = plan_children(device="cpu", devices=[4, 6, 7], broker_url="memory://", queues=["q"])
+    assert [(s.slot, s.position, s.restarts) for s in specs] == [(4, 0, 0), (6, 1, 0), (7, 2, 0)]
+    started = []
+
+    class Dead:
+        exitcode = 1
+        pid = 0
+
+        def is_alive(self):
+            return False
+
+    supervisor = Supervisor(specs[:1])
+
+    def start(child):
+        started.append(child.spec.restarts)
+        child.process = Dead()
+
+    monkeypatch.setattr(supervisor, "_start", start)
+    supervisor.start()
+    supervisor.poll()  # the death seen: a restart after the backoff
+    supervisor.units[0].next_start = sup_module.time.monotonic() - 1
+    supervisor.poll()
+    supervisor.units[0].next_start = 0.0
+    supervisor.poll()
+    supervisor.units[0].next_start = sup_module.time.monotonic() - 1
+    supervisor.poll()
+    assert started == [0, 1, 2]
