@@ -22,13 +22,14 @@ ls -d /usr/lib/rabbitmq/lib/rabbitmq_server-*/plugins/rabbitmq_management-*
 { chromium --version || chromium-browser --version; } 2>/dev/null
 # promtool: the prometheus package's, unpacked under .tools/ rather than installed
 # (installing it would start a Prometheus server).
-if ! command -v promtool >/dev/null 2>&1 && [ ! -x .tools/prometheus/usr/bin/promtool ]; then
-  echo "unpacking promtool (Debian's prometheus package) into .tools/prometheus"
+tools="$(cd "$(dirname "$0")/.." && pwd)/.tools"  # tests/test_monitoring.py looks there
+if ! command -v promtool >/dev/null 2>&1 && [ ! -x "$tools/prometheus/usr/bin/promtool" ]; then
+  echo "unpacking promtool (Debian's prometheus package) into $tools/prometheus"
   tmp="$(mktemp -d)"
   $SUDO apt-get update -qq
   (cd "$tmp" && apt-get download -qq prometheus)
-  mkdir -p .tools/prometheus
-  dpkg -x "$tmp"/prometheus_*.deb .tools/prometheus
+  mkdir -p "$tools/prometheus"
+  dpkg -x "$tmp"/prometheus_*.deb "$tools/prometheus"
   rm -rf "$tmp"
 fi
-{ command -v promtool >/dev/null 2>&1 && promtool --version || .tools/prometheus/usr/bin/promtool --version; } | head -1
+{ command -v promtool >/dev/null 2>&1 && promtool --version || "$tools/prometheus/usr/bin/promtool" --version; } 2>&1 | sed -n 1p
