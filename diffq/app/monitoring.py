@@ -289,9 +289,10 @@ def attach(rendered: dict[str, list[dict]], fleet_options, options: MonitoringOp
 
 # The dashboard: (title, unit, [(legend, PromQL)]) per panel, {ns} the namespace matcher.
 def _panels(price: float | None) -> list[tuple[str, str, list[tuple[str, str]]]]:
-    # A device is a worker process (one per device); without a price, device-hours.
+    # A device is a worker process (one per device, a TP group's followers included);
+    # without a price, device-hours.
     cost = ("USD per 1,000 images" if price is not None else "device-hours per 1,000 images",
-            """{price} * count by (namespace) (diffq_device_busy_ratio{{ns}})
+            """{price} * count by (namespace) (process_start_time_seconds{{ns}, container="worker"})
                / (sum by (namespace) (rate(diffq_images_total{{ns}}[15m])) * 3600) * 1000""")
     return [
         ("Images per second by pool and shape", "short",

@@ -163,6 +163,12 @@ def observe_restarts(restarts: int) -> None:
     RESTARTS.set(restarts)
 
 
+def follower() -> None:
+    """A tensor-parallel rank that follows its leader: the group's device time is the
+    leader's series; a follower's 0 would pull a pool's mean busy ratio down."""
+    REGISTRY.unregister(BUSY)
+
+
 def start_server(port: int, addr: str = "0.0.0.0") -> int:
     """Serve /metrics from a daemon thread; returns the bound port (0 picks a free one)."""
     server, _thread = start_http_server(port, addr=addr, registry=REGISTRY)

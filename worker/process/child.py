@@ -111,6 +111,7 @@ def child_main(spec_json: str) -> None:
         metrics.observe_restarts(spec.restarts)
     group = _join_group(spec) if spec.world_size > 1 else None
     if group is not None and not group.leader:
+        metrics.follower()
         _exit_without_teardown(_follow(spec, group))
     try:
         _consume(spec, group)
