@@ -110,7 +110,7 @@ class Alert:
                 "annotations": {"summary": _fill(self.summary, values),
                                 "description": _fill(self.description, values),
                                 "runbook": f"Run `{self.command}` to see more.",
-                                "runbook_url": f"{RUNBOOK}-{self.name.lower()}"}}
+                                "runbook_url": RUNBOOK}}
 
 
 def _fill(text: str, values: dict[str, str]) -> str:
