@@ -161,6 +161,10 @@ class Metrics(BatchHook):
     """What a generated batch did on the device, as Prometheus series. Failure and
     degenerate counts are observed where their records are written (worker/delivery/failures.py)."""
 
+    def on_received(self, batch: Batch) -> None:
+        if batch.delivery.returned:  # another holder lost it (a lapsed lease: a lost host) or handed it back
+            metrics.observe_redelivery(batch.message.shape.queue)
+
     def after_generate(self, batch: Batch, generated) -> None:
         shape = batch.message.shape
         metrics.observe_batch(shape.queue, len(batch.message.items), generated.generate_s)
