@@ -183,6 +183,35 @@ def test_the_scaffold_goes_in_before_any_compile(flux, loras):
     layout = A.layout([A.inspect(loras[8])])
     with pytest.raises(AdapterOrderError, match="before compiling"):
         AdapterSlot.install(pipe, layout, AdapterCache())
+    # diffusers' compile_repeated_blocks (module.compile() per block) is seen too.
+    fresh = FluxPipeline.from_pretrained(flux, local_files_only=True)
+    fresh.transformer.compile_repeated_blocks()
+    assert "transformer_blocks.0" in compiled_modules(fresh.transformer)
+    with pytest.raises(AdapterOrderError, match="before compiling"):
+        AdapterSlot.install(fresh, layout, AdapterCache())
+
+
+def test_a_model_loaded_without_a_slot_refuses_adapters(served, flux, loras):
+    host, _ = served
+    with pytest.raises(AdapterOrderError, match="before compiling"):
+        host.use_adapters(flux, A.AdapterLayout(targets=("transformer_blocks.0.attn.to_q",), rank=32))
+    plain = PipelineHost(backend=get_backend("cpu"), compile_mode="none")
+    shape = ShapeKey(model=flux, height=SIDE, width=SIDE, batch_size=BATCH, max_sequence_length=16, cfg=False,
+                     dtype="float32")
+    params = BatchParams(num_inference_steps=1, guidance_scale=1.0, adapters=(AdapterRef(path=loras[8]),))
+    with pytest.raises(ValueError, match="without an adapter slot"):
+        plain.generate(shape, params, _items())
+
+
+def test_the_adapter_cache_keeps_the_most_recent_within_its_bytes(loras):
+    cache = AdapterCache()
+    sizes = {rank: cache.get(AdapterRef(path=path)).nbytes for rank, path in loras.items()}
+    small = AdapterCache(capacity=sizes[16] + sizes[8])
+    for rank in (4, 8, 16, 8):
+        small.get(AdapterRef(path=loras[rank]))
+    assert (small.hits, small.misses) == (1, 3)
+    small.get(AdapterRef(path=loras[4]))  # evicted by 16: read again
+    assert small.misses == 4
 
 
 def test_devices_without_evidence_refuse_adapters(flux):

@@ -113,8 +113,13 @@ _INDUCTOR_HOTSWAP = {
     "none": Hotswap(True, "eager: nothing compiled"),
     "regional": Hotswap(True, "Inductor: parameters and peft's scaling tensors are graph inputs; "
                               "tested on CPU (tests/test_lora.py: 0 graphs compiled across swaps)"),
-    "full": Hotswap(True, "Inductor, the transformer one graph: the same graph inputs as regional"),
+    "full": Hotswap(True, "Inductor, the transformer one graph: graph inputs as in regional (not tested separately)"),
 }
+# CUDA: the same dynamo front and Inductor; not yet run on a GPU by diffq's tests. diffusers'
+# own suite hot-swaps compiled models under error_on_recompile on its CI device
+# (tests/models/testing_utils, LoraHotSwappingForModelTesterMixin).
+_CUDA_HOTSWAP = {mode: Hotswap(True, f"{known.why}; on CUDA not yet run by diffq (diffusers' hotswap tests are)")
+                 for mode, known in _INDUCTOR_HOTSWAP.items()}
 _NEURON_HOTSWAP = Hotswap(False, (
     "unverified on Neuron: torch-neuronx's dynamo backend (neuron_dynamo_backend/backend.py, fx/fx_importer.py, "
     "read at parmoham-aws/test-repo-parmoham @ 98154b86 and 67d8dc4a) lowers each graph to StableHLO through "
@@ -609,6 +614,7 @@ BACKENDS: dict[str, Backend] = {
         device_option="--gpus",
         device_noun="GPUs",
         cache_packages=("triton",),
+        hotswap=_CUDA_HOTSWAP,
         k8s=K8sPod(resource="nvidia.com/gpu",
                    tolerations=({"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"},),
                    devices_per_pod=1, grace_seconds=900, cpu="8", memory="32Gi", compile="full",
