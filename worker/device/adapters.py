@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from diffq.core.adapters import AdapterLayout, inspect, is_remote, local_file
+from diffq.core.adapters import AdapterError, AdapterLayout, inspect, is_remote, local_file
 from diffq.core.contract import AdapterRef
 
 log = logging.getLogger(__name__)
@@ -95,7 +95,10 @@ def _read(ref: AdapterRef) -> Loaded:
         raise AdapterUnsupported(f"adapter {ref.path}: adapters from object storage are not fetched yet; "
                                  f"give a local file")
     path = str(local_file(ref.path))
-    info = inspect(path)  # the same checks as the producer's, in case the file changed since
+    try:
+        info = inspect(path)  # the producer's checks again: the file may have changed since
+    except AdapterError as exc:
+        raise AdapterUnsupported(f"adapter {exc.message}") from None
     state_dict = load_file(path)
     alpha = info.config.get("lora_alpha")
     scalings = {module: (alpha if alpha is not None else rank) / rank for module, (rank, _, _) in info.modules.items()}

@@ -22,7 +22,8 @@ from diffq.core.contract import BatchItem, BatchParams, ShapeKey
 from diffq.core.families import Family, FamilyError, family_for_class
 from diffq.core.records import DEGENERATE_CHECKS, FLAT_MAX_LEVELS
 from diffq.worker.device import dynamo_quirks
-from diffq.worker.device.adapters import AdapterCache, AdapterOrderError, AdapterSlot, AdapterUnsupported
+from diffq.worker.device.adapters import (AdapterCache, AdapterOrderError,  # noqa: F401 (hooks: permanent errors)
+                                          AdapterSlot, AdapterUnsupported)
 from diffq.worker.delivery import faults
 from diffq.worker.device.backends import COMPILING_MODES, DTYPES, Backend, GraphFallback, resolve
 from diffq.worker.device.models import local_model
