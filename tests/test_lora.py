@@ -307,3 +307,30 @@ def test_specs_parse_with_the_field_named():
         A.parse_spec(["a.safetensors", "a.safetensors@0.5"])
     with pytest.raises(AdapterError, match="one adapter per row"):
         A.check_set(A.parse_spec(["a.safetensors", "b.safetensors"]))
+
+
+def test_an_item_is_the_same_pixels_beside_other_neighbours(served, loras):
+    host, out = served
+    first = next(p for r, s, p, _ in out if (r, s) == (16, 0.5))
+    shape = ShapeKey(model=next(iter(host.adapter_layouts)), height=SIDE, width=SIDE, batch_size=BATCH,
+                     max_sequence_length=16, cfg=False, dtype="float32")
+    neighbours = [_items()[0], BatchItem(id="other", prompt="another prompt entirely", seed=99)]
+    generated = host.generate(shape, BatchParams(num_inference_steps=STEPS, guidance_scale=1.0,
+                                                 adapters=(AdapterRef(path=loras[16], scale=0.5),)), neighbours)
+    assert generated.graphs == 0
+    assert np.array_equal(_pixels(generated.images)[0], first[0])
+
+
+def test_tiny_lora_command(flux, tmp_path):
+    from typer.testing import CliRunner
+
+    from diffq.app.cli import app
+
+    result = CliRunner().invoke(app, ["tiny-lora", flux, str(tmp_path / "x.safetensors"), "--rank", "2",
+                                      "--targets", "to_q"])
+    assert result.exit_code == 0, result.output
+    info = A.inspect(str(tmp_path / "x.safetensors"))
+    assert info.ranks == {2} and {name.rsplit(".", 1)[-1] for name in info.targets} == {"to_q"}
+    A.check_against(info, A.transformer_weights(flux), flux)
+    bad = CliRunner().invoke(app, ["tiny-lora", flux, str(tmp_path / "x.bin"), "--rank", "2"])
+    assert bad.exit_code != 0 and ".safetensors" in bad.output
