@@ -114,6 +114,7 @@ def live(batch: Batch, hooks: list[BatchHook]) -> End:
         generate_started_at=round(generated.started_at, 4),
         generate_ended_at=round(generated.ended_at, 4),
         graph_fallbacks=generated.graph_fallbacks,
+        graphs_compiled=generated.graphs,
         degenerate=flagged or {},
         **generated.record_extra,
     ))

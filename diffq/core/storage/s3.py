@@ -135,6 +135,15 @@ class S3Storage(BucketStorage):
             response = self._get_client().get_object(Bucket=self.bucket_name, Key=name)
             return response["Body"].read()
 
+    def get_range(self, key, start, length):
+        if length <= 0:
+            return b""
+        name = self._name(key)
+        with self._errors("get", key):
+            response = self._get_client().get_object(Bucket=self.bucket_name, Key=name,
+                                                     Range=f"bytes={start}-{start + length - 1}")
+            return response["Body"].read()
+
     def exists(self, key):
         name = self._name(key)
         try:
