@@ -720,10 +720,13 @@ def render(result: dict | None) -> list[str]:
              "second process's time to first image from the compile cache; (c) every speed-up qualify offers on "
              "CUDA: s/image and PSNR/SSIM against full compute at the same batch size, and whether an item's "
              "pixels are identical in another composition of the same batch size and, apart, at batch size 1; "
-             "(d) `diffq qualify --speedups` on the shape, its profile then driving a `diffq run`.", "",
+             "(d) `diffq qualify --speedups` on the shape, its profile then driving a `diffq run` (judged against "
+             "(c)'s full-compute images saved as its `--reference`: qualify's default CPU float32 reference of a "
+             "12B-parameter transformer would need ~48 GB of host memory and outlast the call).", "",
              "To run it (a session lent the `device` tool's H200; 15 minutes of device time in all):", "",
              "1. here: `.venv/bin/python -m bench.gpu --wheels .whl` (the cp312 wheels the device machine lacks, "
-             "at the versions the suite ran; it checks that the tree and wheels fit the 64 MiB a call carries);",
+             "at the versions the suite ran, and a check that the tree and wheels fit the 64 MiB a call carries: "
+             "on 2026-12-04, 23 wheels, 11.8 MiB, with the tree 14.9 MiB);",
              "2. the device tool's `run` with `command: bash bench/gpu_device.sh`, `carry: [\".whl\"]`, "
              "`timeout_s: 420` (bench.gpu stops itself at 330 s and writes `gpu.json`, `gpu.png` and `gpu.log` "
              "under `$OUT` after each figure); what the deadline cut, in the second call: "

@@ -24,7 +24,7 @@ def gpu_bench(out: Path, *args: str, timeout: float = 400) -> subprocess.Complet
 @pytest.mark.slow
 def test_tiny_dry_run_writes_every_part(tmp_path):
     out = tmp_path / "gpu"
-    proc = gpu_bench(out, "--items", "2")
+    proc = gpu_bench(out, "--items", "2", "--deadline", "540", timeout=580)  # a deadline: the test below
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads((out / "gpu.json").read_text())
     figures = result["figures"]
