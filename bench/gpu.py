@@ -1,7 +1,7 @@
 """Real-size figures on one accelerator: a FLUX.1-dev-sized pipeline with random weights,
 the whole `diffq run` against the bare diffusers loop, compile, speed-ups and qualify.
 
-    python -m bench.gpu --out DIR [--tiny] [--deadline S] [--parts a,b,c,d] [--items N]
+    python -m bench.gpu --out DIR [--tiny] [--deadline S] [--parts a,b,c,d] [--items N] [--keep-model]
     python -m bench.gpu --wheels DIR      # here: the cp312 wheels the device machine lacks
 
 No weights exist on the device machine and nothing can be fetched there, so step 0
@@ -130,13 +130,26 @@ CARRY_LIMIT_MB = 64
 class Bench:
     """The measurements in order, each against the deadline, the JSON rewritten after each."""
 
-    def __init__(self, scale: Scale, out: Path, deadline_s: float, parts: tuple[str, ...], items: int):
+    def __init__(self, scale: Scale, out: Path, deadline_s: float, parts: tuple[str, ...], items: int,
+                 keep_model: bool = False):
         self.scale, self.out, self.parts, self.items = scale, out, parts, items
+        # --keep-model: a second call on the same (still warm) machine loads the first's
+        # pipeline instead of building and saving it again, and carries on its figures
+        # (the parts it does not run again, and (a)'s best batch size).
+        self.kept = Path(tempfile.gettempdir()) / f"diffq-bench-gpu-{scale.name}" if keep_model else None
         self.deadline = time.monotonic() + deadline_s
         self.work = Path(tempfile.mkdtemp(prefix="diffq-bench-gpu-"))
         self.rows = prompts(max(2 * max(scale.batch_sizes), items * max(scale.batch_sizes)))
         self.result: dict = {"scale": dataclasses.asdict(scale), "deadline_s": deadline_s, "parts": list(parts),
                              "items": items, "anchors": list(ANCHORS), "cut": [], "figures": {}}
+        earlier = self.kept / RESULT if self.kept else None
+        if earlier and earlier.is_file():
+            before = json.loads(earlier.read_text())
+            self.result["figures"] = {step: found for step, found in before["figures"].items()
+                                      if step not in parts and step != "build"}
+            self.result["earlier"] = {k: before.get(k) for k in ("parts", "cut", "wall_s")}
+            if "probe" in before["figures"].get("a", {}):
+                self.best = before["figures"]["a"]["probe"]["best_batch_size"]
         out.mkdir(parents=True, exist_ok=True)
         # Processes run in the work folder; this module's children find bench/ after
         # whatever PYTHONPATH holds first (on the device: the installed diffq).
@@ -154,6 +167,8 @@ class Bench:
         tmp = self.out / f".{RESULT}.tmp"
         tmp.write_text(body)
         tmp.replace(self.out / RESULT)
+        if self.kept and self.kept.is_dir():
+            (self.kept / RESULT).write_text(body)
         chart(self.result, self.out / CHART)
 
     def left(self) -> float:
@@ -206,13 +221,19 @@ class Bench:
                     break
         self.result["wall_s"] = round(time.monotonic() - started, 1)
         self.save()
-        shutil.rmtree(self.work, ignore_errors=True)  # the model: tens of GB at real size
+        shutil.rmtree(self.work, ignore_errors=True)  # the model too, unless kept: tens of GB at real size
         return self.result
 
     # --- step 0: the pipeline, saved once ------------------------------------------
 
     def build(self) -> None:
-        built = self.child("build", "build", {"scale": self.scale.name, "out": str(self.work / "model")})
+        marker = self.kept / "built.json" if self.kept else None
+        if marker and marker.is_file():
+            built = {**json.loads(marker.read_text()), "reused": str(self.kept)}
+        else:
+            built = self.child("build", "build", {"scale": self.scale.name, "out": str(self.kept or self.work / "model")})
+            if marker:
+                marker.write_text(json.dumps(built))
         self.model = built.pop("model")
         self.result["device"] = built.pop("device")
         self.result["versions"] = built.pop("versions")
@@ -729,8 +750,9 @@ def render(result: dict | None) -> list[str]:
              "on 2026-12-04, 23 wheels, 11.8 MiB, with the tree 14.9 MiB);",
              "2. the device tool's `run` with `command: bash bench/gpu_device.sh`, `carry: [\".whl\"]`, "
              "`timeout_s: 420` (bench.gpu stops itself at 330 s and writes `gpu.json`, `gpu.png` and `gpu.log` "
-             "under `$OUT` after each figure); what the deadline cut, in the second call: "
-             "`PARTS=b,c,d bash bench/gpu_device.sh`;",
+             "under `$OUT` after each figure); what the deadline cut, in a second call right after (the machine "
+             "still warm: the pipeline kept under /tmp is loaded, not built again, and the first call's figures "
+             "carry on into the second's `gpu.json`): `PARTS=b,c,d bash bench/gpu_device.sh`;",
              "3. copy `gpu.json` and `gpu.png` into docs/ and `python -m bench --render`.", "",
              "Published anchors on the same work (same model, resolution and steps):", ""]
     lines += [f"- {anchor}" for anchor in ANCHORS] + [
@@ -818,6 +840,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--deadline", type=float, default=330.0, help="seconds for everything (default 330)")
     parser.add_argument("--parts", default=",".join(PARTS), help="which of a,b,c,d to run, in order")
     parser.add_argument("--items", type=int, help="images per process in (a), per batch size (x the batch size)")
+    parser.add_argument("--keep-model", action="store_true",
+                        help="keep the built pipeline under the temp dir, and load it from there if a run kept it")
     parser.add_argument("--wheels", type=Path, metavar="DIR", help="download the wheels the device lacks into DIR")
     parser.add_argument("--child", nargs=2, metavar=("ROLE", "SPEC"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -835,7 +859,7 @@ def main(argv: list[str] | None = None) -> dict:
     if unknown := set(parts) - set(PARTS):
         parser.error(f"--parts: unknown {', '.join(sorted(unknown))} (a, b, c, d)")
     scale = TINY if args.tiny else REAL
-    return Bench(scale, args.out, args.deadline, parts, args.items or scale.items).run()
+    return Bench(scale, args.out, args.deadline, parts, args.items or scale.items, args.keep_model).run()
 
 
 if __name__ == "__main__":

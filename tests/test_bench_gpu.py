@@ -74,3 +74,23 @@ def test_the_deadline_cuts_cleanly(tmp_path):
     assert result["cut"][1:] == steps[steps.index(stopped) + 1:]
     assert result["wall_s"] < 30  # stopped, not waited for
     assert (out / "gpu.png").is_file()
+
+
+@pytest.mark.slow
+def test_a_second_call_loads_the_kept_model_and_carries_the_first_calls_figures_on(tmp_path):
+    env_tmp = tmp_path / "tmp"  # where --keep-model keeps the pipeline (the temp dir)
+    env_tmp.mkdir()
+    first, second = tmp_path / "first", tmp_path / "second"
+    for out, parts in ((first, "a"), (second, "c")):
+        proc = subprocess.run([sys.executable, "-m", "bench.gpu", "--tiny", "--out", str(out), "--parts", parts,
+                               "--items", "1", "--keep-model"], cwd=ROOT, capture_output=True, text=True,
+                              timeout=400, env={**os.environ, "TMPDIR": str(env_tmp)})
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    before = json.loads((first / "gpu.json").read_text())
+    after = json.loads((second / "gpu.json").read_text())
+    assert "reused" not in before["figures"]["build"]
+    assert after["figures"]["build"]["reused"] == str(env_tmp / "diffq-bench-gpu-tiny-flux")
+    assert after["figures"]["a"] == before["figures"]["a"]  # carried on, not measured again
+    assert after["earlier"]["parts"] == ["a"] and after["cut"] == []
+    best = before["figures"]["a"]["probe"]["best_batch_size"]
+    assert after["figures"]["c"]["speedups"]["batch_size"] == max(2, best)
