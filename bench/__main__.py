@@ -311,6 +311,7 @@ def render(results: dict) -> str:
     lines += figures_section(results.get("figures", []))
     lines += degenerate_section(results.get("degenerate"))
     lines += model_fetch_section(results.get("model_fetch"), results.get("notes", {}).get("model_fetch"))
+    lines += gpu_section()
     lines += goals(results) + ["", LIMITS]
     return "\n".join(lines)
 
@@ -329,6 +330,13 @@ def model_fetch_section(result: dict | None, text: str | None) -> list[str]:
     from bench.model_fetch import render as render_fetch
 
     return render_fetch(result) + (note(text) if result else [])
+
+
+def gpu_section() -> list[str]:
+    """bench/gpu.py: real-size figures on a lent H200, from the device run's docs/gpu.json (run by hand there)."""
+    from bench.gpu import SAVED, render as render_gpu
+
+    return render_gpu(json.loads(SAVED.read_text()) if SAVED.is_file() else None)
 
 
 def warm_section(warm: dict | None, text: str | None) -> list[str]:

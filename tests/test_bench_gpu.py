@@ -1,0 +1,96 @@
+"""bench/gpu.py, the one prepared run on a lent accelerator, dry-run here on the CPU
+with `--tiny`: every part (a)-(d) writes its figures into gpu.json and the chart,
+and a deadline stops it cleanly with what is left listed as cut."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def gpu_bench(out: Path, *args: str, timeout: float = 400) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "bench.gpu", "--tiny", "--out", str(out), *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+@pytest.mark.slow
+def test_tiny_dry_run_writes_every_part(tmp_path):
+    out = tmp_path / "gpu"
+    proc = gpu_bench(out, "--items", "2", "--deadline", "540", timeout=580)  # a deadline: the test below
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads((out / "gpu.json").read_text())
+    figures = result["figures"]
+    assert result["cut"] == [] and not any("error" in figures[step] for step in figures), figures
+    assert result["device"]["torch_device"] == "cpu" and result["versions"]["diffusers"]
+
+    # (a): both batch sizes, each a whole diffq run and a bare loop over the same items.
+    best = figures["a"]["probe"]["best_batch_size"]
+    assert best in (1, 2)
+    for batch in sorted({1, best}):
+        a = figures["a"][f"batch {batch}"]
+        assert a["items"] == 2 * batch
+        assert a["diffq_images_per_s"] == pytest.approx(a["items"] / a["diffq_process_s"], rel=1e-3)
+        assert a["bare_process_s"] > a["bare_load_s"] > 0
+        assert a["diffq_start"]["time_to_first_image_s"] > 0
+    # (b): regional only on the CPU; the second process started from the first's cache.
+    b = figures["b"]
+    assert set(b) == {"regional"}
+    assert b["regional"]["warm_first_call_s"] < b["regional"]["cold_first_call_s"]
+    # (c): full compute, then every speed-up offered on the CPU, each measured.
+    rows = figures["c"]["speedups"]["rows"]
+    assert rows[0]["speedup"] == "none (full compute)" and rows[0]["same_in_other_composition"]
+    measured = {row["speedup"] for row in rows[1:] if "s_per_image" in row}
+    assert {"attention:_native_math", "mag:mag_ratios=flux,threshold=0.06"} <= measured
+    native = next(row for row in rows if row["speedup"] == "attention:_native_math")
+    assert native["psnr_min"] > 40 and 0.99 < native["ssim_min"] <= 1
+    # (d): qualify chose from its own candidates, and the run took the profile's choice.
+    d = figures["d"]
+    chosen = d["qualify"]["chosen"][0]
+    assert d["qualify"]["checks"]["parity"] == "pass"  # against (c)'s full compute, on the same device
+    run = d["run with the profile"]
+    assert run["images"] == 2 * max(2, best) and run["speedups"] == [str(chosen["speedup"])]
+    assert run["batch_sizes"] == [chosen["batch_size"]]
+
+    with Image.open(out / "gpu.png") as chart:
+        assert chart.format == "PNG" and chart.size[0] > 600
+
+
+def test_the_deadline_cuts_cleanly(tmp_path):
+    out = tmp_path / "gpu"
+    proc = gpu_bench(out, "--deadline", "4", timeout=120)  # mid-build or mid-(a): a process is stopped
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads((out / "gpu.json").read_text())
+    steps = ["build", "a", "b", "c", "d"]
+    stopped = result["cut"][0].split(":")[0]
+    assert stopped in ("build", "a") and "stopped at the deadline" in result["cut"][0]
+    assert result["cut"][1:] == steps[steps.index(stopped) + 1:]
+    assert result["wall_s"] < 30  # stopped, not waited for
+    assert (out / "gpu.png").is_file()
+
+
+@pytest.mark.slow
+def test_a_second_call_loads_the_kept_model_and_carries_the_first_calls_figures_on(tmp_path):
+    env_tmp = tmp_path / "tmp"  # where --keep-model keeps the pipeline (the temp dir)
+    env_tmp.mkdir()
+    first, second = tmp_path / "first", tmp_path / "second"
+    for out, parts in ((first, "a"), (second, "c")):
+        proc = subprocess.run([sys.executable, "-m", "bench.gpu", "--tiny", "--out", str(out), "--parts", parts,
+                               "--items", "1", "--keep-model"], cwd=ROOT, capture_output=True, text=True,
+                              timeout=400, env={**os.environ, "TMPDIR": str(env_tmp)})
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    before = json.loads((first / "gpu.json").read_text())
+    after = json.loads((second / "gpu.json").read_text())
+    assert "reused" not in before["figures"]["build"]
+    assert after["figures"]["build"]["reused"] == str(env_tmp / "diffq-bench-gpu-tiny-flux")
+    assert after["figures"]["a"] == before["figures"]["a"]  # carried on, not measured again
+    assert after["earlier"]["parts"] == ["a"] and after["cut"] == []
+    best = before["figures"]["a"]["probe"]["best_batch_size"]
+    assert after["figures"]["c"]["speedups"]["batch_size"] == max(2, best)
