@@ -249,3 +249,25 @@ def test_a_bare_worker_on_a_network_broker_refuses_without_a_scope(make_redis_se
         assert "warning" in line and "writes wherever" in line, line
     finally:
         stop(anywhere)
+
+
+def test_a_worker_told_no_models_loads_only_those_its_runs_manifest_names(tmp_path):
+    from diffq.worker.device.backends import get_backend
+    from diffq.worker.device.pipeline_host import PipelineHost
+    from diffq.worker.process.runtime import Runtime
+    from diffq.worker.process.spec import ChildSpec
+    from diffq.worker.sink.store import Sink
+
+    run = open_storage(str(tmp_path / "run"))
+    run.put_bytes("manifest.json", json.dumps({"run_id": "r1", "models": ["/models/a"]}).encode())
+
+    def runtime(**spec) -> Runtime:
+        return Runtime(spec=ChildSpec(name="w", broker_url="memory://", queues=["q"], **spec),
+                       host=PipelineHost(backend=get_backend("cpu")), sink=Sink())
+
+    bare = runtime()
+    assert bare.run_problem(run, "r1") is None
+    assert bare.model_problem(run, "/models/a") is None
+    assert "is not one run r1's manifest names" in bare.model_problem(run, "/models/b")
+    told = runtime(models=["/models/b"])  # told a model list: that list decides (admission, on receipt)
+    assert told.run_problem(run, "r1") is None and told.model_problem(run, "/models/b") is None

@@ -94,7 +94,8 @@ class Runtime:
             try:
                 manifest = json.loads(raw)
                 self.model_pins[storage.url] = dict(manifest.get("model_revisions") or {})
-                self.run_models[storage.url] = frozenset(manifest.get("models") or [manifest["defaults"]["model"]])
+                self.run_models[storage.url] = frozenset(
+                    manifest.get("models") or [(manifest.get("defaults") or {}).get("model")]) - {None}
                 self.run_ids[storage.url] = str(manifest["run_id"])
             except (ValueError, KeyError, TypeError, AttributeError):
                 return f"{storage.url}/{layout.MANIFEST} is not a diffq run manifest"
@@ -107,7 +108,8 @@ class Runtime:
         `run_problem` first), or None: a worker told no models loads only those its
         run's manifest names; an object-storage model the run pinned must be loaded at
         that revision. One not loaded yet is loaded at it, or refused then."""
-        if not self.admission.models and model not in self.run_models.get(storage.url, ()):
+        named = self.run_models.get(storage.url)
+        if not self.admission.models and named and model not in named:
             return (f"model {model[:200]!r} is not one run {self.run_ids.get(storage.url)}'s manifest names, "
                     "and this worker was told no models (--model, --models, DIFFQ_ALLOWED_MODELS)")
         pinned = self.model_pins.get(storage.url, {}).get(model)
