@@ -157,7 +157,7 @@ def whole_processes(model: str, workers: int, n: int, repeats: int, workdir: Pat
     """
     diffq = str(Path(sys.executable).with_name("diffq"))
     log = workdir / "whole-processes.log"
-    raw_s, hand_s, diffq_s = [], [], []
+    raw_s, hand_s, diffq_s, busy = [], [], [], []
     for repeat in range(repeats):
         raw_pair, hand_pair, diffq_pair = [], [], []
         for items in (n, 2 * n):
@@ -172,6 +172,7 @@ def whole_processes(model: str, workers: int, n: int, repeats: int, workdir: Pat
                                      str(WORKLOAD["steps"]), "--height", str(WORKLOAD["height"]), "--width",
                                      str(WORKLOAD["width"]), "--max-sequence-length",
                                      str(WORKLOAD["max_sequence_length"])], log))
+        busy.append(busy_ratio(str(out)))  # the 2N run's
         raw_s.append(raw_pair)
         hand_s.append(hand_pair)
         diffq_s.append(diffq_pair)
@@ -187,6 +188,8 @@ def whole_processes(model: str, workers: int, n: int, repeats: int, workdir: Pat
         "workers": workers, "items": n, "repeats": repeats,
         "marginal_ratio": statistics.median(marginal), "marginal_ratios": [round(x, 3) for x in marginal],
         "whole_ratio": statistics.median(whole), "whole_ratios": [round(x, 3) for x in whole],
+        # The device's busy share of the steady span (records), beside the wall ratio.
+        "busy_ratio": statistics.median(busy), "busy_ratios": [round(x, 3) for x in busy],
         # Against the hand-written loop that saves its images (the anchor: ≥ 1 is the goal).
         "hand_marginal_ratio": statistics.median(hand_marginal),
         "hand_marginal_ratios": [round(x, 3) for x in hand_marginal],
@@ -217,10 +220,14 @@ def render_whole(rows: list[dict]) -> list[str]:
         "The hand-written loop is the anchor a user would write instead of diffq: the same loop,",
         "saving each batch's images (diffq's default format and encoder settings) right after its",
         "call, in series; diffq overlaps that work with the next call.", "",
-        "| workers | N | marginal × bare (range) | whole-process × bare at 2N (range) "
+        "The device busy ratio is the share of the diffq run's steady span (each worker's first call's",
+        "end to its last call's end) its device was generating, from the image records'",
+        "`generate_started_at` / `generate_ended_at` (bench/e2e.py `busy_ratio`): host work between two",
+        "calls lowers it, a neighbour slowing the machine does not.", "",
+        "| workers | N | marginal × bare (range) | whole-process × bare at 2N (range) | device busy at 2N (range) "
         "| whole-process × hand-written at 2N (range) | marginal × hand-written (range) "
         "| start-up s bare / hand-written / diffq | spread of N-item runs s, bare / diffq | marginal work s, bare "
-        "| load | command |", "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| load | command |", "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         def spread(key: str) -> str:
@@ -233,7 +240,7 @@ def render_whole(rows: list[dict]) -> list[str]:
         work = statistics.median(pair[1] - pair[0] for pair in row["raw_s"])
         hand_startup = f"{row['hand_startup_s']:.1f}" if "hand_startup_s" in row else "—"
         lines.append(f"| {row['workers']} | {row['items']} | {spread('marginal')} | {spread('whole')} | "
-                     f"{spread('hand_whole')} | {spread('hand_marginal')} | "
+                     f"{spread('busy')} | {spread('hand_whole')} | {spread('hand_marginal')} | "
                      f"{row['raw_startup_s']:.1f} / {hand_startup} / {row['diffq_startup_s']:.1f} | "
                      f"{max(raw_n) - min(raw_n):.1f} / {max(diffq_n) - min(diffq_n):.1f} | {work:.1f} | "
                      f"{row.get('load_average', '—')} | `{row['command']}` |")
@@ -277,6 +284,28 @@ def timeline(out: str) -> tuple[list[float], float]:
         ordered = sorted(worker_spans)
         gaps += [b[0] - a[1] for a, b in zip(ordered, ordered[1:])]
     return gaps, last_stored - first_start
+
+
+def busy_ratio(out: str) -> float:
+    """The share of a run's steady span its devices were generating, from the records'
+    `generate_started_at` / `generate_ended_at`: per worker, the calls after its first
+    (compile, warm-up) over the span from the first call's end to the last call's end.
+    It does not swing with the machine as wall time does: a call slowed by a neighbour
+    is still a busy device; only host work between two calls lowers it."""
+    from diffq.core.runfolder import iter_records
+    from diffq.core.storage import open_storage
+
+    spans: dict[str, set] = {}
+    for record in iter_records(open_storage(out)):
+        spans.setdefault(record.worker, set()).add((record.generate_started_at, record.generate_ended_at))
+    busy = span = 0.0
+    for worker_spans in spans.values():
+        ordered = sorted(worker_spans)
+        if len(ordered) < 2:
+            continue
+        busy += sum(end - start for start, end in ordered[1:])
+        span += ordered[-1][1] - ordered[0][1]
+    return busy / span if span else float("nan")
 
 
 def marginal(items: int, seconds_n: float, seconds_2n: float) -> tuple[float, float]:

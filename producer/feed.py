@@ -21,10 +21,16 @@ under `feed/<source>/`); `feed.json` names the current one and is written only b
 those, so a feeder's late mark cannot undo a resume. A cancelled run is not fed
 (`diffq cancel` stops its feeder; `resume` un-cancels and feeds again).
 
-Which runs a fleet's feeder serves: the feeds folder (`DIFFQ_FEEDS`), one small file
-per run that still has batches to publish, written by `submit` and `resume`; the
-feeder runs in the backlog service (`diffq fleet backlog`), which reports each model's
-and queue's unpublished batches beside the broker's depths (app/backlog.py).
+Which runs a fleet's feeder serves: a feeds folder, one small file per run that still
+has batches to publish, written by `submit` and `resume`; the feeder runs in the
+backlog service (`diffq fleet backlog`), which reports each model's and queue's
+unpublished batches beside the broker's depths (app/backlog.py). A fleet's feeder
+keeps a feeds folder under each run-folder prefix it was rendered with
+(`feeds_under`: PREFIX/.diffq-feeds) and a heartbeat in each; `submit` looks for a
+live one in the folders above its OUT (`find_feeder`) and registers the run there, so
+on defaults (`fleet manifests --out-prefix P`, `submit --out P/run`) the run gets a
+window with no feeds setting on either side. With none live it publishes every batch:
+a window nobody feeds would stall. `--feeds` / `DIFFQ_FEEDS` name one outright.
 """
 
 from __future__ import annotations
@@ -33,12 +39,14 @@ import hashlib
 import logging
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import orjson
 from pydantic import ValidationError
 
 from diffq.core import layout
 from diffq.core.progress import ProgressSummary
+from diffq.core.feeds import HEARTBEAT_S, RunFeedCounts, beat, find_feeder, read_pointer, read_state, run_feed_counts
 from diffq.core.records import FeedEntry, FeedPointer, FeedQueue, FeedState
 from diffq.core.runfolder import read_cancel
 from diffq.core.storage import NotFound, Storage, open_storage
@@ -68,12 +76,30 @@ def feeds_setting() -> str | None:
     return get_settings().feeds
 
 
-def resolve_window(window: int | str | None, feeds: str | None) -> int | None:
-    """`window` as given; AUTO: DEFAULT_WINDOW where a feeds folder (`feeds` or DIFFQ_FEEDS)
-    is set, else None (every batch in the broker)."""
+@dataclass
+class FeedChoice:
+    """Where a submit's run is fed: its window (None: every batch in the broker), the
+    feeds folder that lists it (None: nobody's) and, without one, the line saying why."""
+
+    window: int | None
+    feeds: str | None
+    why: str | None = None
+
+
+def choose_feed(window: int | str | None, feeds: str | None, out: str) -> FeedChoice:
+    """`--window` and `--feeds` as given, DIFFQ_FEEDS, else a live fleet feeder found above
+    `out` (`find_feeder`); AUTO without any of them: every batch in the broker, and why."""
+    feeds = feeds or feeds_setting()
+    if window is None:
+        return FeedChoice(None, None)
+    found = feeds or find_feeder(out)
     if window != AUTO:
-        return window
-    return DEFAULT_WINDOW if (feeds or feeds_setting()) else None
+        return FeedChoice(window, found)
+    if found:
+        return FeedChoice(DEFAULT_WINDOW, found)
+    return FeedChoice(None, None, (
+        f"every batch published: no live feeder above {out} (a fleet rendered with `diffq fleet manifests "
+        f"--out-prefix` over it keeps one there; or --feeds / DIFFQ_FEEDS)"))
 
 
 def parse_window(value: str | int | None) -> int | str | None:
@@ -105,26 +131,16 @@ def source_batches(storage: Storage, source: str, queue: str, id_prefix: str) ->
                 raise ValueError(f"{storage.key_url(key)}: a line that is not a batch in its canonical form")
 
 
-def start_feed(storage: Storage, run_id: str, source: str, queues: dict[str, tuple[str, int]], window: int) -> FeedState:
+def start_feed(storage: Storage, run_id: str, source: str, queues: dict[str, tuple[str, int]], window: int,
+               feeds: str | None = None) -> FeedState:
     """Make `source` the run's current one, nothing of it published yet: its state
     first, then the pointer (a feeder follows the pointer only to a state it can read).
     `queues`: queue -> (batch id prefix, batches in the source)."""
-    state = FeedState(run_id=run_id, window=window,
+    state = FeedState(run_id=run_id, window=window, feeds=feeds,
                       queues={q: FeedQueue(prefix=prefix, total=total) for q, (prefix, total) in sorted(queues.items())})
     _put(storage, layout.feed_state_key(source), state.model_dump_json().encode())
     _put(storage, layout.FEED, FeedPointer(run_id=run_id, source=source).model_dump_json().encode())
     return state
-
-
-def read_pointer(storage: Storage) -> FeedPointer | None:
-    try:
-        return FeedPointer.model_validate_json(storage.get_bytes(layout.FEED))
-    except NotFound:
-        return None
-
-
-def read_state(storage: Storage, source: str) -> FeedState:
-    return FeedState.model_validate_json(storage.get_bytes(layout.feed_state_key(source)))
 
 
 def _put(storage: Storage, key: str, body: bytes) -> None:
@@ -247,6 +263,29 @@ def registered(feeds: Storage) -> list[FeedEntry]:
     return entries
 
 
+def waiting_runs(folders: list[str]) -> list[tuple[FeedEntry, RunFeedCounts]]:
+    """Each run the feeds folders list: its batches in the broker (about) and in OUT, and
+    whether a live feeder serves it (read, nothing fed)."""
+    from diffq.core.runfolder import read_manifest
+
+    found = []
+    for folder in folders:
+        for entry in registered(open_storage(folder)):
+            storage = open_storage(entry.out)
+            try:
+                manifest = read_manifest(storage)
+                summary = ProgressSummary(storage).refresh()
+                left = {s.queue: (max(0, s.items - summary.done_per_queue.get(s.queue, 0)), s.shape.batch_size)
+                        for s in manifest.shapes}
+                counts = run_feed_counts(storage, left)
+            except Exception as exc:  # one run unreadable: the others still shown
+                log.warning("feeds folder %s: %s: %s", folder, entry.out, exc)
+                continue
+            if counts is not None:
+                found.append((entry, counts))
+    return found
+
+
 def waiting(feeds: str) -> dict[str, int]:
     """queue -> batches the feeds folder's runs still hold in OUT (read, nothing fed)."""
     unpublished: dict[str, int] = {}
@@ -264,25 +303,45 @@ def waiting(feeds: str) -> dict[str, int]:
 
 
 class Feeder:
-    """Feeds every run of the feeds folder (and `outs`, named) through one publisher:
-    a pass publishes what each run's window has room for. A run leaves the folder once
+    """Feeds every run of its feeds folders (and `outs`, named) through one publisher:
+    a pass publishes what each run's window has room for. A run leaves its folder once
     its source is all published; a cancelled one once seen cancelled (resume lists it
-    again). `unpublished()` is queue -> batches waiting in OUT over every run fed."""
+    again). `unpublished()` is queue -> batches waiting in OUT over every run fed.
+    While it serves, each feeds folder holds its heartbeat (`beat`)."""
 
-    def __init__(self, publisher, feeds: str | None = None, outs: tuple[str, ...] = ()):
+    def __init__(self, publisher, feeds: str | list[str] | tuple[str, ...] | None = None,
+                 outs: tuple[str, ...] = ()):
         self.publisher = publisher
-        self.feeds = open_storage(feeds) if feeds else None
+        folders = [feeds] if isinstance(feeds, str) else list(feeds or ())
+        self.feeds = [open_storage(folder) for folder in dict.fromkeys(folders)]
         self.outs = list(outs)
         self._runs: dict[str, RunFeed] = {}
+        self._listed: dict[str, Storage] = {}  # out -> the feeds folder listing it
         self._unpublished: dict[str, int] = {}
         # Wall-clock times of the last finished pass and the last batch published
         # (the backlog service's metrics: diffq/app/run_metrics.py).
         self.last_pass: float | None = None
         self.last_publish: float | None = None
+        self._beaten = float("-inf")
 
     def runs(self) -> list[str]:
-        listed = [entry.out for entry in registered(self.feeds)] if self.feeds is not None else []
-        return list(dict.fromkeys(self.outs + listed))
+        listed = {}
+        for folder in self.feeds:
+            for entry in registered(folder):
+                listed.setdefault(entry.out, folder)
+        self._listed = listed
+        return list(dict.fromkeys(self.outs + list(listed)))
+
+    def beat(self, clock=time.monotonic) -> None:
+        """The heartbeat in every feeds folder, at most every HEARTBEAT_S."""
+        if clock() - self._beaten < HEARTBEAT_S:
+            return
+        for folder in self.feeds:
+            try:
+                beat(folder)
+            except Exception as exc:  # that folder away: the others still say so
+                log.warning("feeder heartbeat in %s: %s: %s", folder.url, type(exc).__name__, exc)
+        self._beaten = clock()
 
     def pass_once(self) -> int:
         sent = 0
@@ -316,16 +375,25 @@ class Feeder:
         self._runs.pop(out, None)
         if out in self.outs:
             self.outs.remove(out)
-        if self.feeds is not None:
-            self.feeds.delete(feed_key(out))
+        folder = self._listed.pop(out, None)
+        if folder is not None:
+            folder.delete(feed_key(out))
 
     def unpublished(self) -> dict[str, int]:
         return dict(self._unpublished)
+
+    def runs_fed(self) -> list[dict]:
+        """Per run fed: its batches in the broker (published, not settled) and in OUT."""
+        return [{"out": out, "run_id": run.state.run_id,
+                 "in_broker": sum(len(batches) for batches in run._outstanding.values()),
+                 "in_out": sum(run.unpublished.values())}
+                for out, run in list(self._runs.items()) if not run.cancelled]
 
     def serve(self, stop, poll_s: float = POLL_S) -> None:
         """Passes every `poll_s` until `stop` (a threading.Event) is set."""
         while not stop.is_set():
             started = time.monotonic()
+            self.beat()
             try:
                 self.pass_once()
             except Exception as exc:  # the feeds folder away: try again next pass

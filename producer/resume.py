@@ -31,7 +31,7 @@ from diffq.core.records import CancelMarker, RunDefaults, RunManifest, parse_pla
 from diffq.core.runfolder import failed_items, read_cancel, read_failures, read_manifest, recorded_batches
 from diffq.core.storage import NotFound, Storage, open_storage
 from diffq.producer.bucketing import RunOptions
-from diffq.producer.feed import AUTO, RunFeed, feeds_setting, register, resolve_window, start_feed
+from diffq.producer.feed import AUTO, RunFeed, choose_feed, register, start_feed
 from diffq.producer.messages import EncodedBatch, batch_id_prefix
 from diffq.producer.sources import Defaults, read_prompts
 from diffq.producer.submit import (CeleryPublisher, Plan, RunExists, encode_plan, manifest_defaults, plan_parts,
@@ -62,6 +62,7 @@ class Requeued:
     items: int
     batches: int
     unpublished: int = 0  # batches the feeder publishes as the window drains
+    feeds: str | None = None  # the feeds folder that lists the run for that feeder
 
 
 def _publish(storage: Storage, messages: Iterator[BatchMessage], broker_url: str,
@@ -69,8 +70,10 @@ def _publish(storage: Storage, messages: Iterator[BatchMessage], broker_url: str
              feeds: str | None = None) -> Requeued:
     """Through the feeder: what is re-planned is stored as a feed source of its own,
     then a window of it published (`window` None: all of it); the rest waits for the
-    feeder, the run listed in the `feeds` folder (DIFFQ_FEEDS) as `submit` lists it."""
-    window = resolve_window(window, feeds)
+    feeder, the run listed in the `feeds` folder (DIFFQ_FEEDS, or a live feeder's found
+    above the run folder) as `submit` lists it; with no feeder, all of it."""
+    chosen = choose_feed(window, feeds, storage.url)
+    window, feeds = chosen.window, chosen.feeds
     manifest = read_manifest(storage)
     source = f"{tag}-{time.time_ns()}"
     prefix = layout.feed_parts_prefix(source)
@@ -91,16 +94,18 @@ def _publish(storage: Storage, messages: Iterator[BatchMessage], broker_url: str
     queues = {queue: (id_prefixes[queue], n) for queue, n in per_queue.items()}
     if not batches:
         return Requeued(out=storage.url, items=0, batches=0)
-    start_feed(storage, manifest.run_id, source, queues, window or batches)
+    start_feed(storage, manifest.run_id, source, queues, window or batches, feeds)
     publisher = CeleryPublisher(broker_url, transport_options)
     try:
         feed = RunFeed(storage, publisher)
         feed.feed_once()
     finally:
         publisher.close()
-    if not feed.finished and (feeds := feeds or feeds_setting()):
-        register(feeds, storage.url, manifest.run_id)
-    return Requeued(out=storage.url, items=items, batches=batches, unpublished=sum(feed.unpublished.values()))
+    listed = feeds if not feed.finished and feeds else None
+    if listed:
+        register(listed, storage.url, manifest.run_id)
+    return Requeued(out=storage.url, items=items, batches=batches, unpublished=sum(feed.unpublished.values()),
+                    feeds=listed)
 
 
 @dataclass

@@ -6,11 +6,12 @@ passed (nothing is written or enqueued if any row is bad) are the manifest, the
 plan and the messages sent. Each plan part is stored before its batches are
 published, so the run folder always knows every batch the broker might hold.
 
-Where a feeds folder lists the run for a fleet's feeder, only a window of the run
-goes to the broker, per shape queue (`window`, producer/feed.py): the whole plan is
-stored first, then the feeder's first pass publishes the window; the feeder publishes
-the rest as it drains. `window=None` (`--window all`, and the default without a feeds
-folder) publishes every batch as the plan is written.
+Where a feeds folder lists the run for a fleet's feeder (`--feeds`, DIFFQ_FEEDS, or
+found by the live feeder's heartbeat above OUT: producer/feed.py `choose_feed`), only
+a window of the run goes to the broker, per shape queue: the whole plan is stored
+first, then the feeder's first pass publishes the window; the feeder publishes the
+rest as it drains. `window=None` (`--window all`, and the default with no feeder to
+be found) publishes every batch as the plan is written.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from diffq.core.profile import SpeedupProfile
 from diffq.core.records import RequestedSize, RunDefaults, RunManifest, ShapeSummary, parse_plan_part, plan_part
 from diffq.core.storage import Storage, open_storage
 from diffq.producer.bucketing import RunOptions, bucket, group_key, shape_for
-from diffq.producer.feed import AUTO as AUTO_WINDOW, RunFeed, feeds_setting, register, resolve_window, start_feed
+from diffq.producer.feed import AUTO as AUTO_WINDOW, RunFeed, choose_feed, register, start_feed
 from diffq.producer.messages import BatchEncoder, EncodedBatch, batch_id_prefix
 from diffq.producer.publish import CeleryPublisher
 from diffq.producer.sizes import parse_buckets
@@ -64,6 +65,8 @@ class SubmitResult:
     queues: dict[str, int] = field(default_factory=dict)  # queue -> batches published
     # Batches stored in OUT's plan that the feeder publishes as the window drains.
     unpublished: int = 0
+    feeds: str | None = None  # the feeds folder that lists the run for a feeder
+    why: str | None = None  # why every batch went to the broker on the default window
 
     @property
     def shapes(self) -> int:
@@ -323,18 +326,18 @@ def submit(
 ) -> SubmitResult:
     """Validate `prompts`, write the run folder's manifest and plan, publish batches:
     a `window` of batches per shape queue (None: all of them; AUTO: a window where a
-    feeds folder is set, else all); a run with more is listed in the `feeds` folder
-    (DIFFQ_FEEDS) for the fleet's feeder.
+    feeder will feed the rest, else all); a run with more is listed in the `feeds`
+    folder (DIFFQ_FEEDS, else a live fleet feeder's above OUT) for that feeder.
     `generation`: the generation options (core/options.py), their defaults where absent.
 
     Raises `InputError` (nothing written, nothing enqueued) on any bad row and
     `RunExists` if OUT already holds a run: nothing produced is ever overwritten.
     """
     chosen = GenerationOptions.of(**generation)
-    window = resolve_window(window, feeds)
     keep_columns = chosen.keep_columns
     options, defaults = make_options(model=model, size_multiple=size_multiple, **chosen.kwargs())
     storage = open_storage(out)
+    feed = choose_feed(window, feeds, storage.url)
     run_id = run_id or new_run_id()
     seed_base = seed_base or run_id
 
@@ -353,11 +356,11 @@ def submit(
                 raise ValueError("submit needs a broker URL (--broker or DIFFQ_BROKER_URL)")
             publisher = CeleryPublisher(broker_url, transport_options)
             stack.callback(publisher.close)  # sends what is still buffered
-        result = SubmitResult(out=manifest.out, run_id=run_id, total=plan.total, batches=0)
-        if window is None:
+        result = SubmitResult(out=manifest.out, run_id=run_id, total=plan.total, batches=0, why=feed.why)
+        if feed.window is None:
             _publish_parts(storage, parts, publisher, result, on_published)
         else:
-            _publish_window(storage, plan, parts, publisher, result, on_published, window, run_id, feeds)
+            _publish_window(storage, plan, parts, publisher, result, on_published, feed.window, run_id, feed.feeds)
     return result
 
 
@@ -367,14 +370,15 @@ def _publish_window(storage: Storage, plan: Plan, parts: Iterable[list[EncodedBa
     for index, part in enumerate(parts):
         write_plan_part(storage, index, part)
     start_feed(storage, run_id, layout.PLAN_SOURCE,
-               {s.queue: (batch_id_prefix(s.shape), s.batches) for s in plan.shapes}, window)
+               {s.queue: (batch_id_prefix(s.shape), s.batches) for s in plan.shapes}, window, feeds)
     feed = RunFeed(storage, _Encoding(publisher), on_published)
     feed.feed_once()
     result.queues = {queue: n for queue, n in feed.published.items() if n}
     result.batches = sum(feed.published.values())
     result.unpublished = sum(feed.unpublished.values())
-    if result.unpublished and (feeds := feeds or feeds_setting()):
+    if result.unpublished and feeds:
         register(feeds, storage.url, run_id)
+        result.feeds = feeds
 
 
 class _Encoding:

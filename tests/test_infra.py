@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import json
+import urllib.parse
 import re
 import shlex
 import shutil
@@ -117,7 +118,7 @@ def test_compose_services_run_real_diffq_commands(compose):
         seen.add(command)
         if command == "worker":
             assert params["model"] == "/models/tiny"
-    assert seen == {"tiny-pipeline", "worker", "submit"}
+    assert seen == {"tiny-pipeline", "worker", "submit", "fleet"}
 
 
 def compose_env(service: dict) -> dict[str, str]:
@@ -163,8 +164,15 @@ def test_compose_fleet_wiring(compose):
     assert any(v.endswith(":/data") for v in redis["volumes"])
     assert "mc mb" in " ".join(services["minio-init"]["command"])
     assert "s3://diffq/" in " ".join(services["producer"]["command"])
-    for name in ("redis", "minio", "worker", "flower"):
+    for name in ("redis", "minio", "worker", "flower", "feeder"):
         assert "healthcheck" in services[name], name
+    # The producer's run folder lies under the feeder's prefix, and it waits for the feeder:
+    # its submit finds the heartbeat and keeps a window in Redis (producer/feed.py).
+    feeder = diffq_argv(services["feeder"])
+    prefix = feeder[feeder.index("--out-prefix") + 1]
+    _, submit = parse_cli(diffq_argv(services["producer"]))
+    assert submit["out_"].startswith(prefix + "/") and feeder[1:3] == ["fleet", "backlog"]
+    assert services["producer"]["depends_on"]["feeder"]["condition"] == "service_healthy"
     worker = services["worker"]
     assert worker["deploy"]["replicas"] >= 2
     assert worker["depends_on"]["redis"]["condition"] == "service_healthy"
@@ -336,8 +344,11 @@ def test_rendered_shape_pools_validate_and_match_queue_names(device):
     deployments, scaled = worker_deployments(docs), by_kind(docs, "ScaledObject")
     assert len(deployments) == len(scaled) == 2
     for queue, dep, so in zip(flux2_queues(device), deployments, scaled):
-        [trigger] = so["spec"]["triggers"]
+        # The queue's list, and its whole backlog (the feeder under --out-prefix holds the rest in OUT).
+        [trigger, backlog] = so["spec"]["triggers"]
         assert trigger["type"] == "redis" and trigger["metadata"]["listName"] == queue
+        assert backlog["type"] == "metrics-api" and backlog["metadata"]["url"].endswith(
+            "/backlog?" + urllib.parse.urlencode({"queue": queue}))
         assert so["spec"]["minReplicaCount"] == 0
         assert so["spec"]["scaleTargetRef"]["name"] == dep["metadata"]["name"]
         container = dep["spec"]["template"]["spec"]["containers"][0]
@@ -457,8 +468,9 @@ def test_shared_objects_fit_together():
         assert ref["name"] == secret["metadata"]["name"] and ref["key"] in secret["stringData"]
     for dep in by_kind(docs, "Deployment"):
         pod = dep["spec"]["template"]["spec"]
-        assert pod["volumes"][0]["persistentVolumeClaim"]["claimName"] == pvc["metadata"]["name"]
-        assert "replicas" not in dep["spec"], "KEDA owns the replica count"
+        if dep in worker_deployments(docs):  # the backlog service mounts nothing and keeps one replica
+            assert pod["volumes"][0]["persistentVolumeClaim"]["claimName"] == pvc["metadata"]["name"]
+            assert "replicas" not in dep["spec"], "KEDA owns the replica count"
         env = {e["name"]: e for e in pod["containers"][0]["env"]}
         assert env["DIFFQ_BROKER_URL"]["valueFrom"]["secretKeyRef"]["key"] in secret["stringData"]
         # Every Secret a pod reads has its example, with the keys it needs.
@@ -565,7 +577,8 @@ def test_any_out_renders_no_prefix_and_says_so(tmp_path):
 def test_every_worker_pod_carries_the_prefix_models_and_signing_keys(device, broker):
     """Every worker container of every device kind and broker: the fleet's prefixes
     (JSON, as the settings read them), its pool's model, the optional signing Secret;
-    the backlog service gets none of them."""
+    the backlog service gets no prefix or model list (it writes no images), only the
+    signing keys (its feeder signs what it publishes)."""
     from diffq.core.settings import Settings
 
     docs = render_cli("--model", "/models/flux2", "--shapes", "1024x1024,768x1344", "--batch-size", "2",
@@ -587,9 +600,10 @@ def test_every_worker_pod_carries_the_prefix_models_and_signing_keys(device, bro
             assert env[name]["valueFrom"]["secretKeyRef"] == {"name": fleet.SIGNING_SECRET, "key": key,
                                                               "optional": True}
     for dep in by_kind(docs, "Deployment"):
-        if dep not in deployments:  # the backlog service: reads queues, writes nothing
+        if dep not in deployments:  # the backlog service and feeder
             names = set(container_env(dep))
-            assert not names & {"DIFFQ_ALLOWED_OUT_PREFIXES", "DIFFQ_ALLOWED_MODELS", "DIFFQ_SIGNING_KEY"}
+            assert not names & {"DIFFQ_ALLOWED_OUT_PREFIXES", "DIFFQ_ALLOWED_MODELS"}
+            assert {name for name, _ in fleet.SIGNING_ENV} <= names
 
 
 @pytest.mark.parametrize("given, prefixes", [

@@ -32,13 +32,14 @@ def write_prompts(path, n, **row):
 
 
 class WorkerCLI:
-    """`diffq worker` in its own process group (so a test can kill the whole tree)."""
+    """`diffq worker` in its own process group (so a test can kill the whole tree), writing
+    only under the test's folder (its runs' prefix: a network broker's worker needs one)."""
 
     def __init__(self, tmp_path, broker: str, queues, model: str, *args: str, env: dict | None = None):
         self.log = open(tmp_path / f"worker-{time.monotonic_ns()}.log", "wb")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "diffq", "worker", "--broker", broker, "--queues", ",".join(queues),
-             "--model", model, "--loglevel", "ERROR", *args],
+             "--model", model, "--out-prefix", str(tmp_path), "--loglevel", "ERROR", *args],
             stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
             env={**os.environ, **(env or {})})
 

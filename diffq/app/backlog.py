@@ -67,8 +67,9 @@ class Backlog:
     """The latest listing, refreshed at most every `refresh_s` (one broker listing for
     every pool's poll); when a refresh fails, the last good listing and its age."""
 
-    def __init__(self, list_backlogs, refresh_s: float = REFRESH_S, clock=time.monotonic):
+    def __init__(self, list_backlogs, refresh_s: float = REFRESH_S, clock=time.monotonic, runs=None):
         self._list = list_backlogs
+        self._runs = runs  # the feeder's runs: each one's batches in the broker and in OUT
         self.refresh_s = refresh_s
         self._clock = clock
         self._lock = threading.Lock()
@@ -102,7 +103,8 @@ class Backlog:
             return {"queue": queue, "backlog": backlogs.get(queue_slug(queue) or "", {}).get(queue, 0), **fresh}
         if model is None:
             totals = Counter({slug: sum(queues.values()) for slug, queues in backlogs.items()})
-            return {"backlog": sum(totals.values()), "models": dict(totals), **fresh}
+            runs = {"runs": self._runs()} if self._runs is not None else {}
+            return {"backlog": sum(totals.values()), "models": dict(totals), **runs, **fresh}
         # A model reference or its slug (what the rendered trigger URL carries).
         slug = model if model in backlogs else model_slug(model)
         queues = backlogs.get(slug, {})

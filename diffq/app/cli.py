@@ -18,7 +18,7 @@ from diffq.app.options import (DEFAULT_ON_DEGENERATE, AllowFallback, Broker, Com
                                RunId, Routing, SeedBase, Threads, Warmup, Window, check_compile, device_options, err,
                                fail, generation_options, local_worker_options, out)
 from diffq.core.settings import get_settings
-from diffq.producer.feed import AUTO, DEFAULT_WINDOW, POLL_S, parse_window
+from diffq.producer.feed import AUTO, POLL_S, parse_window
 from diffq.worker.process.spec import DRAIN_TIMEOUT_S
 
 app = typer.Typer(no_args_is_help=True, add_completion=False,
@@ -131,8 +131,8 @@ def submit(
     generation: Generation = None,
 ) -> None:
     """Validate the whole file, write the run manifest and plan to OUT, publish its batches:
-    with a feeds folder (--feeds, DIFFQ_FEEDS) a window per shape queue, the feeder
-    publishing the rest as it drains; without one, every batch."""
+    where a feeder will feed the run (a fleet's, live above OUT; or --feeds, DIFFQ_FEEDS) a
+    window per shape queue, the feeder publishing the rest as it drains; without one, every batch."""
     from diffq.producer.sources import InputError
     from diffq.producer.submit import RunExists, submit as submit_run
 
@@ -152,20 +152,18 @@ def submit(
         fail(str(exc))
     out.print(result.out)
     out.print(f"run {result.run_id}: {result.summary()}")
-    _say_feeder(result.unpublished, result.out, feeds)
-    if window == AUTO and result.batches > DEFAULT_WINDOW and not (feeds or get_settings().feeds):
-        err.print(f"every batch is in the broker: with a feeds folder (--feeds or DIFFQ_FEEDS, and `diffq fleet "
-                  f"manifests --feeds`) it would hold {DEFAULT_WINDOW} per shape queue, the feeder the rest",
-                  highlight=False, markup=False)
+    _say_feeder(result.unpublished, result.out, result.feeds)
+    if result.why:
+        err.print(result.why, highlight=False, markup=False, soft_wrap=True)  # one line
 
 
 def _say_feeder(unpublished: int, out_dir: str, feeds: str | None) -> None:
     """Where the batches still in OUT will come from: the fleet's feeder or `diffq feed`."""
     if not unpublished:
         return
-    if feeds or get_settings().feeds:
-        err.print(f"the fleet's feeder (diffq fleet backlog --feeds) publishes the other {unpublished} batches "
-                  "as the window drains", highlight=False, markup=False)
+    if feeds:
+        err.print(f"the feeder of {feeds} publishes the other {unpublished} batches as the window drains",
+                  highlight=False, markup=False)
     else:
         err.print(f"no feeds folder (--feeds or DIFFQ_FEEDS): run `diffq feed {out_dir}` to publish the other "
                   f"{unpublished} batches as the window drains", highlight=False, markup=False)
@@ -226,6 +224,8 @@ def worker(
     allow_fallback: AllowFallback = False,
     on_degenerate: OnDegenerate = DEFAULT_ON_DEGENERATE,
     plan: Annotated[bool, typer.Option("--plan", help="Print each child's pinning and queues as JSON (no --queues needed); start nothing")] = False,
+    out_prefix: Annotated[Optional[list[str]], typer.Option("--out-prefix", help="Run folders this worker may write to: the prefix `diffq submit --out` folders live under (s3://BUCKET/runs, gs://BUCKET/runs or an absolute path; repeat or comma-separate). Default: DIFFQ_ALLOWED_OUT_PREFIXES; on a network broker, with neither and no --run, refused unless --any-out")] = None,
+    any_out: Annotated[bool, typer.Option("--any-out", help="No run-folder scope: write into whatever run folder a batch names")] = False,
     loglevel: Annotated[str, typer.Option("--loglevel", help="Celery log level")] = "INFO",
     drain_timeout: Annotated[float, typer.Option("--drain-timeout", min=0, help="On SIGTERM, seconds the batch in hand may take before it is handed back (exit 0 either way)")] = DRAIN_TIMEOUT_S,
     devices: Devices = None,
@@ -242,6 +242,7 @@ def worker(
     broker = broker or settings.broker_url
     if not broker:
         fail("no broker: pass --broker URL or set DIFFQ_BROKER_URL")
+    prefixes = _worker_prefixes(out_prefix, any_out, settings.allowed_out_prefixes)
     names, models, discovery, runs = _served_queues(broker, queues, run, model, serve_models,
                                               rabbitmq_api or settings.rabbitmq_api,
                                               devices.backend.served_dtypes, discover=not plan)
@@ -255,9 +256,11 @@ def worker(
                               warmup_only=warmup_only, routing=routing.value,
                               models=models, dtype=dtype.value, tp=tp, master_port=master_port,
                               generation=device_generation.value if device_generation else None,
-                              allowed_out_prefixes=settings.allowed_out_prefixes, loglevel=loglevel,
+                              allowed_out_prefixes=prefixes, loglevel=loglevel,
                               drain_timeout_s=drain_timeout, allow_fallback=allow_fallback,
                               on_degenerate=on_degenerate.value, runs=runs, **discovery)
+        if not plan:
+            _refuse_unscoped(broker, runs, prefixes, any_out)
         _say_what_is_admitted(broker, specs)
     except ValueError as exc:
         fail(str(exc))
@@ -298,6 +301,32 @@ def _served_queues(broker: str, queues: str | None, run: str | None, model: str 
         except ValueError as exc:
             fail(str(exc))
     return names, models, {"discover": True, "serve_models": serve, "rabbitmq_api": rabbitmq_api}, runs
+
+
+def _worker_prefixes(out_prefix: list[str] | None, any_out: bool, setting) -> list[str]:
+    """`--out-prefix`, else DIFFQ_ALLOWED_OUT_PREFIXES; none with `--any-out` (named, it wins)."""
+    from diffq.app.fleet import parse_out_prefixes
+
+    if any_out and out_prefix:
+        fail("--any-out and --out-prefix contradict each other: pass one")
+    if any_out:
+        return []
+    try:
+        return list(parse_out_prefixes(out_prefix or list(setting)))
+    except ValueError as exc:
+        fail(str(exc))
+
+
+def _refuse_unscoped(broker: str, runs: list, prefixes: list[str], any_out: bool) -> None:
+    """On a broker others can publish to, a worker serves one run (--run) or run folders
+    under a prefix, or is told `--any-out` by name, as `diffq fleet manifests` is."""
+    from diffq.core.transports import transport_for
+
+    if runs or prefixes or any_out or transport_for(broker).keda is None:  # keda: a fleet's broker
+        return
+    fail("this worker would write wherever a batch's run folder says, for anyone who can publish to the "
+         "broker: pass --out-prefix s3://BUCKET/runs (where your `diffq submit --out` folders live; or "
+         "DIFFQ_ALLOWED_OUT_PREFIXES), --run OUT (one run), or --any-out to write anywhere")
 
 
 def _say_what_is_admitted(broker: str, specs: list) -> None:
@@ -367,6 +396,10 @@ def status(
     out.print(table)
     out.print(f"{st.done}/{st.total} done, {st.failed} failed, "
               + (f"{st.cancelled} cancelled, " if st.cancelled else "") + f"{st.pending} pending")
+    if st.feed:
+        out.print(f"batches: {st.feed.in_broker} in the broker (about), {st.feed.in_out} in OUT for the feeder"
+                  + (": waiting for a feeder (none live; `diffq resume OUT` publishes them)"
+                     if st.feed.waiting_for_feeder else ""), markup=False, highlight=False, soft_wrap=True)
     if st.trouble:
         out.print(st.trouble, style="bold yellow", markup=False, highlight=False)
 
@@ -416,7 +449,7 @@ def _requeue(kind: str, out_dir: str, broker: str | None, window: str = AUTO,
     except (NotARun, requeue.RunCancelled, requeue.PlanIncomplete, ValueError) as exc:
         fail(str(exc))
     out.print(f"{result.out}: re-enqueued {result.items} items in {result.batches} batches")
-    _say_feeder(result.unpublished, result.out, feeds)
+    _say_feeder(result.unpublished, result.out, result.feeds)
 
 
 @app.command()

@@ -215,10 +215,16 @@ class FleetOptions:
     # From a fleet plan (`diffq plan --json --rates … --deadline …`): the devices each
     # queue needs to meet the deadline; a pool's maxReplicaCount is then its pods.
     planned_devices: dict[str, int] | None = None
-    # The feeds folder (DIFFQ_FEEDS) of windowed runs: the backlog service then feeds
+    # The feeds folder (DIFFQ_FEEDS) of windowed runs, beside the one the feeder keeps
+    # under each out-prefix (producer/feed.py `feeds_under`): the backlog service feeds
     # them and counts what they still hold in OUT, and every pool, per-shape ones too,
     # scales on that backlog (a broker trigger sees only the window).
     feeds: str | None = None
+
+    @property
+    def fed(self) -> bool:
+        """Whether the backlog service runs a feeder: any out-prefix or a feeds folder."""
+        return bool(self.out_prefixes or self.feeds)
 
     def replicas_for(self, queues: list[str]) -> int:
         """A pool's maxReplicaCount: the plan's pods for its queues, else --max-replicas."""
@@ -458,7 +464,9 @@ def common(options: FleetOptions) -> list[dict]:
 
 
 def backlog_args(options: FleetOptions) -> list[str]:
-    return ["diffq", "fleet", "backlog", "--port", str(BACKLOG_PORT)] + (
+    """The service's command: it feeds the runs registered under each out-prefix (and the feeds folder)."""
+    return ["diffq", "fleet", "backlog", "--port", str(BACKLOG_PORT)] + [
+        arg for prefix in options.out_prefixes for arg in ("--out-prefix", prefix)] + (
         ["--feeds", options.feeds] if options.feeds else [])
 
 
@@ -469,8 +477,8 @@ def signing_env() -> list[dict]:
 
 
 def backlog_service(options: FleetOptions) -> list[dict]:
-    """The per-model backlog for discovery pools (and, given a feeds folder, the fleet's
-    feeder, which signs what it publishes): one small torch-free pod and its Service."""
+    """The per-model backlog (and, given out-prefixes or a feeds folder, the fleet's feeder,
+    which signs what it publishes): one small torch-free pod and its Service."""
     labels = {"app.kubernetes.io/name": BACKLOG}
     return [
         {"apiVersion": "apps/v1", "kind": "Deployment",
@@ -482,7 +490,7 @@ def backlog_service(options: FleetOptions) -> list[dict]:
                           "name": "backlog",
                           "image": options.image or DEFAULT_IMAGE.format(device=options.device),
                           "command": backlog_args(options),
-                          "env": broker_env(options) + (signing_env() if options.feeds else []),
+                          "env": broker_env(options) + (signing_env() if options.fed else []),
                           "ports": [{"name": "http", "containerPort": BACKLOG_PORT}],
                           "readinessProbe": {"httpGet": {"path": "/healthz", "port": BACKLOG_PORT}},
                           "resources": {"requests": {"cpu": "100m", "memory": "256Mi"},
@@ -498,7 +506,7 @@ def render(shapes: list[ShapeKey], options: FleetOptions) -> dict[str, list[dict
     (per model where the profile's workers serve every shape, else per shape queue)."""
     options.check_out()
     rendered = {"common": common(options)}
-    if options.profile.pool == "model" or options.feeds:
+    if options.profile.pool == "model" or options.fed:
         rendered["common"] += backlog_service(options)
     if options.profile.pool == "model":
         pools: dict[tuple[str, str], list[str]] = {}
@@ -516,7 +524,7 @@ def render(shapes: list[ShapeKey], options: FleetOptions) -> dict[str, list[dict
         name = k8s_name(shape.queue)
         annotations = {"diffq/queue": shape.queue}
         triggers = queue_triggers([shape.queue], options)
-        if options.feeds:  # the queue holds only the window: scale on the whole backlog
+        if options.fed:  # the queue holds only the window: scale on the whole backlog
             triggers.append(backlog_trigger(shape.model, options, queue=shape.queue))
         rendered[name] = [deployment(name, worker_args(shape, options), [shape.model], annotations, options),
                           scaled_object(name, [shape.queue], triggers, annotations, options)]

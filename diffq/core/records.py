@@ -147,10 +147,22 @@ class FeedState(Strict):
     # Batches of this run each shape queue may hold at once (queued or in a worker's hand).
     window: int = Field(gt=0)
     queues: dict[str, FeedQueue]
+    # The feeds folder that lists the run for a feeder (None: fed by `diffq feed` or
+    # nobody): `status` says "waiting for a feeder" while no live heartbeat is there.
+    feeds: str | None = None
 
     @property
     def unpublished(self) -> int:
         return sum(queue.unpublished for queue in self.queues.values())
+
+
+class FeedHeartbeat(Strict):
+    """A fleet feeder's heartbeat in its feeds folder: when it last said it is alive."""
+
+    at: float  # wall-clock seconds (time.time) of the feeder's host
+    host: str
+    pid: int
+    every_s: float
 
 
 class FeedEntry(Strict):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from diffq.core.feeds import RunFeedCounts, run_feed_counts
 from diffq.core.progress import ProgressSummary, storage_trouble
 from diffq.core.records import RunManifest
 from diffq.core.runfolder import NotARun, read_cancel, read_manifest
@@ -39,6 +40,8 @@ class Status:
     shapes: dict[str, ShapeStatus] = field(default_factory=dict)
     cancelled: int = 0
     trouble: str | None = None  # why storing fails, once it has for over a minute
+    # A windowed run's batches in the broker and in OUT, and whether a feeder is live.
+    feed: RunFeedCounts | None = None
 
     @property
     def pending(self) -> int:
@@ -51,6 +54,7 @@ class Status:
     def to_json(self) -> dict:
         data = asdict(self)
         data["pending"] = self.pending
+        data["feed"] = self.feed.to_json() if self.feed else None
         return data
 
 
@@ -62,9 +66,13 @@ def make_status(url: str, manifest: RunManifest, progress: ProgressSummary, *, n
     if read_cancel(progress.storage) is not None:
         cancelled = max(0, manifest.total - progress.done - progress.failed)
     pending = manifest.total - progress.done - progress.failed - cancelled
+    feed = None
+    if pending:  # failed items are not per queue: the batches in the broker are an estimate
+        left = {s.queue: (max(0, s.items - shapes[s.queue].done), s.shape.batch_size) for s in manifest.shapes}
+        feed = run_feed_counts(progress.storage, left) if not cancelled else None
     return Status(out=url, run_id=manifest.run_id, total=manifest.total,
                   done=progress.done, failed=progress.failed, shapes=shapes, cancelled=cancelled,
-                  trouble=storage_trouble(progress.storage, pending, now))
+                  trouble=storage_trouble(progress.storage, pending, now), feed=feed)
 
 
 def status(out: str) -> Status:

@@ -16,12 +16,14 @@ admits a batch only when, in this order:
             DIFFQ_ALLOWED_OUT_PREFIXES (resolved, on a path boundary: no '..', no
             '/data/runs-evil' beside '/data/runs');
 5. a known model  its model is one this worker was told about: --model, --models,
-            the --run manifest's, DIFFQ_ALLOWED_MODELS.
+            the --run manifest's, DIFFQ_ALLOWED_MODELS; told none, one its run's
+            manifest names (checked in the task body, where the manifest is read:
+            process/runtime.py `model_problem`).
 
 A batch that fails one is dead-lettered with the reason (worker/delivery/dead_letters.py) and
 never generated, stored or retried; each check is a `Refused` row (worker/delivery/outcomes.py). Where a worker was told nothing (no run, no
-prefixes, no models) the check passes, and the worker says so loudly at start on a
-network broker (`warnings`).
+prefixes) the check passes only where the worker was started with `--any-out` on a
+network broker (app/cli.py refuses to start it otherwise), and says so loudly (`warnings`).
 """
 
 from __future__ import annotations
@@ -145,7 +147,8 @@ class Admission:
             said.append("this worker writes wherever a batch's run folder says: anyone who can publish to the "
                         "broker chooses where it writes. Set DIFFQ_ALLOWED_OUT_PREFIXES (or serve one run with --run OUT)")
         if not self.models:
-            said.append("this worker loads any model a batch names: pass --model/--models or set DIFFQ_ALLOWED_MODELS")
+            said.append("this worker loads any model its batches' run manifests name: pass --model/--models or "
+                        "set DIFFQ_ALLOWED_MODELS")
         if self.keys is None:
             said.append("batches are not signature-checked: set DIFFQ_SIGNING_KEY on producers and workers")
         return said

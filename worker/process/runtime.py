@@ -51,6 +51,7 @@ class Runtime:
     run_ids: dict[str, str] = field(default_factory=dict)  # run folder -> the run id its manifest names
     # run folder -> its manifest's pinned object-storage model revisions
     model_pins: dict[str, dict[str, str]] = field(default_factory=dict)
+    run_models: dict[str, frozenset[str]] = field(default_factory=dict)  # run folder -> its manifest's models
 
     def __post_init__(self):
         if self.line is None:
@@ -93,6 +94,8 @@ class Runtime:
             try:
                 manifest = json.loads(raw)
                 self.model_pins[storage.url] = dict(manifest.get("model_revisions") or {})
+                self.run_models[storage.url] = frozenset(
+                    manifest.get("models") or [(manifest.get("defaults") or {}).get("model")]) - {None}
                 self.run_ids[storage.url] = str(manifest["run_id"])
             except (ValueError, KeyError, TypeError, AttributeError):
                 return f"{storage.url}/{layout.MANIFEST} is not a diffq run manifest"
@@ -102,8 +105,13 @@ class Runtime:
 
     def model_problem(self, storage: Storage, model: str) -> str | None:
         """Why this worker may not generate `model` for the run in `storage` (read by
-        `run_problem` first), or None: an object-storage model the run pinned must be
-        loaded at that revision. One not loaded yet is loaded at it, or refused then."""
+        `run_problem` first), or None: a worker told no models loads only those its
+        run's manifest names; an object-storage model the run pinned must be loaded at
+        that revision. One not loaded yet is loaded at it, or refused then."""
+        named = self.run_models.get(storage.url)
+        if not self.admission.models and named and model not in named:
+            return (f"model {model[:200]!r} is not one run {self.run_ids.get(storage.url)}'s manifest names, "
+                    "and this worker was told no models (--model, --models, DIFFQ_ALLOWED_MODELS)")
         pinned = self.model_pins.get(storage.url, {}).get(model)
         if pinned is None:
             return None

@@ -108,10 +108,11 @@ def queues(
     rabbitmq_api: Annotated[Optional[str], typer.Option("--rabbitmq-api", help="RabbitMQ management API URL (http://USER:PASS@HOST:15672): lists an AMQP broker's queues")] = None,
     timeout: Annotated[float, typer.Option("--timeout", min=0.0, help="Seconds to wait for workers' replies (0: skip)")] = 1.0,
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output")] = False,
+    out_prefix: Annotated[Optional[list[str]], typer.Option("--out-prefix", help="Run-folder prefixes a fleet's feeder serves (as `fleet manifests --out-prefix`; default DIFFQ_ALLOWED_OUT_PREFIXES): its runs' batches in OUT are counted")] = None,
     feeds: Feeds = None,
 ) -> None:
-    """Depth of each diffq shape queue, how many workers consume it, and (with a feeds folder)
-    the batches windowed runs still hold in OUT for the feeder."""
+    """Depth of each diffq shape queue, how many workers consume it, and (with an out-prefix
+    or a feeds folder) the batches windowed runs still hold in OUT for the feeder, per queue and per run."""
     from diffq.app.queues import DEAD_LETTERS, PEEKED_LETTERS, dead_letter_lines, queue_report
     from diffq.core.transports import UNREACHABLE, CannotList
 
@@ -120,15 +121,19 @@ def queues(
         typer.echo("error: no broker: pass --broker URL or set DIFFQ_BROKER_URL", err=True)
         raise typer.Exit(2)
     try:
-        feeds = feeds or get_settings().feeds
-        unpublished = None
-        if feeds:
-            from diffq.producer.feed import waiting
+        folders = _feeds_folders(out_prefix, feeds)
+        unpublished, runs = None, []
+        if folders:
+            from diffq.producer.feed import waiting, waiting_runs
 
-            unpublished = waiting(feeds)
+            unpublished = {}
+            for folder in folders:
+                for queue, n in waiting(folder).items():
+                    unpublished[queue] = unpublished.get(queue, 0) + n
+            runs = waiting_runs(folders)
         report = queue_report(broker, [q for q in (names or "").split(",") if q], timeout=timeout,
                               rabbitmq_api=rabbitmq_api, letters=PEEKED_LETTERS, unpublished=unpublished)
-    except CannotList as exc:
+    except (CannotList, ValueError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2)
     except UNREACHABLE as exc:
@@ -146,18 +151,34 @@ def queues(
         typer.echo(f"{info.queue:<{width}}  {info.depth:>7}  {info.consumers:>7}{waiting_here}{note}")
     for line in dead_letter_lines(report):
         typer.echo(line)
+    for entry, counts in runs:
+        typer.echo(f"run {entry.run_id} ({entry.out}): {counts.in_broker} batches in the broker (about), "
+                   f"{counts.in_out} in OUT for the feeder" + (": waiting for a feeder" if counts.waiting_for_feeder
+                                                              else ""))
+
+
+def _feeds_folders(out_prefix: list[str] | None, feeds: str | None) -> list[str]:
+    """The feeds folders under the out-prefixes (else DIFFQ_ALLOWED_OUT_PREFIXES) and the feeds folder."""
+    from diffq.app.fleet import parse_out_prefixes
+    from diffq.core.feeds import feeds_under
+
+    settings = get_settings()
+    prefixes = parse_out_prefixes(out_prefix or list(settings.allowed_out_prefixes))
+    folders = [feeds_under(prefix) for prefix in prefixes]
+    return folders + ([feeds or settings.feeds] if feeds or settings.feeds else [])
 
 
 def backlog(
     broker: Annotated[Optional[str], typer.Option("--broker", help="Broker URL (or DIFFQ_BROKER_URL)")] = None,
     rabbitmq_api: Annotated[Optional[str], typer.Option("--rabbitmq-api", help="RabbitMQ management API URL (or DIFFQ_RABBITMQ_API): how an AMQP broker's queues are listed")] = None,
     host: Annotated[str, typer.Option("--host", help="Address to listen on")] = "0.0.0.0",
-    port: Annotated[int, typer.Option("--port", min=1, max=65535, help="Port to listen on")] = 9500,
+    port: Annotated[int, typer.Option("--port", min=0, max=65535, help="Port to listen on (0: a free one)")] = 9500,
+    out_prefix: Annotated[Optional[list[str]], typer.Option("--out-prefix", help="Run-folder prefixes whose runs this service feeds (repeat or comma-separate; default DIFFQ_ALLOWED_OUT_PREFIXES): it keeps a feeds folder and a heartbeat under each (PREFIX/.diffq-feeds), where `diffq submit --out PREFIX/...` finds it")] = None,
     feeds: Feeds = None,
 ) -> None:
     """Serve each model's backlog over all its shape queues (GET /backlog?model=M, ?queue=Q) for
     KEDA's metrics-api scaler: queued batches plus those windowed runs still hold in OUT, which
-    this service publishes as their windows drain (the fleet's feeder, given --feeds)."""
+    this service publishes as their windows drain (the fleet's feeder, given --out-prefix or --feeds)."""
     import threading
 
     from diffq.app.backlog import Backlog, model_backlogs, serve
@@ -170,21 +191,26 @@ def backlog(
         typer.echo("error: no broker: pass --broker URL or set DIFFQ_BROKER_URL", err=True)
         raise typer.Exit(2)
     api = rabbitmq_api or settings.rabbitmq_api
-    feeds = feeds or settings.feeds
+    try:
+        folders = _feeds_folders(out_prefix, feeds)
+    except ValueError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2)
     stop = threading.Event()
     feeder = None
-    if feeds:
-        feeder = Feeder(CeleryPublisher(broker), feeds)
+    if folders:
+        feeder = Feeder(CeleryPublisher(broker), folders)
         threading.Thread(target=feeder.serve, args=(stop,), name="diffq-feeder", daemon=True).start()
     from diffq.app.queues import queue_report
     from diffq.app.run_metrics import RunMetrics, registry
 
     run_metrics = RunMetrics(feeder.runs if feeder else list, feeder=feeder, queues=lambda: queue_report(
         broker, timeout=0, rabbitmq_api=api, unpublished=feeder.unpublished() if feeder else None))
-    server = serve(Backlog(lambda: model_backlogs(broker, api, feeder.unpublished() if feeder else None)),
+    server = serve(Backlog(lambda: model_backlogs(broker, api, feeder.unpublished() if feeder else None),
+                           runs=feeder.runs_fed if feeder else None),
                    host, port, metrics=registry(run_metrics))
     typer.echo(f"backlog on http://{host}:{server.server_address[1]}/backlog"
-               + (f", feeding the runs listed in {feeds}" if feeds else ""), err=True)
+               + (f", feeding the runs listed in {', '.join(folders)}" if folders else ""), err=True)
     try:
         server.serve_forever()
     except KeyboardInterrupt:
