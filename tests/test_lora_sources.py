@@ -246,7 +246,7 @@ def test_report_and_status_group_by_adapter_and_show_a_steady_state_recompile(tm
     from typer.testing import CliRunner
 
     from diffq.app.cli import app
-    from diffq.results.report import build_report, render_text, to_json
+    from diffq.results.report import build_report, render_html, render_text, to_json
     from diffq.results.status import status
 
     url = str(tmp_path / "run")
@@ -265,6 +265,8 @@ def test_report_and_status_group_by_adapter_and_show_a_steady_state_recompile(tm
     text = render_text(report)
     assert "RECOMPILED 1 graph(s) after a worker's first batch (4 compiled in all)" in text
     assert a05 in text
+    page = render_html(report)
+    assert "<h2>Adapters</h2>" in page and "Recompiles after a worker" in page
     figures = to_json(report)
     assert sum(g["images"] for g in figures["adapters"]) == 64
     assert {a["revision"] for g in figures["adapters"] for a in g["adapters"]} == {"sha256:aaaaaaaa",

@@ -96,7 +96,7 @@ class ByAdapter:
 
     @property
     def with_adapters(self) -> bool:
-        return any(self.groups) and any(key for key in self.groups)
+        return any(self.groups)  # a key is () for rows without an adapter
 
     def rows(self) -> list[AdapterGroup]:
         return sorted(self.groups.values(), key=lambda g: (bool(g.key), g.label))

@@ -874,6 +874,16 @@ def render_html(report: Report, thumbs: list[tuple[ImageRecord, bytes]] | None =
     failures = (_table(["batch", "items", "attempts", "worker", "error"],
                        [[f.batch_id, len(f.item_ids), f.attempts, f.worker, f.error[:200]]
                         for f in report.failures[:50]]) if report.failures else "<p>none</p>")
+    by_adapter = ""
+    if report.by_adapter.with_adapters:
+        by_adapter = "<h2>Adapters</h2><div class=wide>" + _table(
+            ["adapters (path@scale (revision))", "images", "batches", "images/s", "swap s"],
+            [[g.label, g.images, g.batches, f"{g.images_per_s:.2f}", f"{g.swap_s:.3f}"]
+             for g in report.by_adapter.rows()]) + "</div>"
+    if recompiled := [(label.get(q, q), g) for q, g in sorted(report.by_adapter.graphs.items()) if g.steady]:
+        by_adapter += "<h2>Recompiles after a worker's first batch</h2>" + _table(
+            ["shape", "graphs after the first batch", "graphs in all"],
+            [[shape, g.steady, g.compiled] for shape, g in recompiled])
     planned = ""
     if report.planned:
         p = report.planned
@@ -900,6 +910,7 @@ def render_html(report: Report, thumbs: list[tuple[ImageRecord, bytes]] | None =
 <h2>What happened</h2>{story}{lost}
 {planned}
 <h2>Shapes</h2><div class=wide>{shapes}</div>
+{by_adapter}
 <h2>Worker lives</h2><div class=wide>{lives}</div>
 <h2>Time to first image</h2>{starts}
 <h2>Devices</h2>{devices}
