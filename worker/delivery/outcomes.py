@@ -110,6 +110,7 @@ class Refused(str, Enum):
     WRONG_QUEUE = "not for the queue it arrived on"
     NOT_ITS_SCOPE = "run folder or run id not served"  # --run, DIFFQ_ALLOWED_OUT_PREFIXES
     UNKNOWN_MODEL = "model not served"  # --model, --models, DIFFQ_ALLOWED_MODELS
+    UNKNOWN_ADAPTER = "adapter not allowed"  # DIFFQ_ALLOWED_ADAPTERS
     NOT_ITS_RUN = "not its run"  # the task body: no manifest of its run in its run folder
     OUT_NOT_ALLOWED = "run folder not allowed"  # the task body: Runtime.storage_for refused its run folder
 
@@ -118,6 +119,7 @@ class Refused(str, Enum):
 # written even where the broker would route a rejected delivery itself (it keeps
 # only the queue and 'rejected').
 LETTERED = frozenset({Refused.UNSIGNED, Refused.WRONG_QUEUE, Refused.NOT_ITS_SCOPE, Refused.UNKNOWN_MODEL,
+                      Refused.UNKNOWN_ADAPTER,
                       Refused.NOT_ITS_RUN, Refused.OUT_NOT_ALLOWED})
 
 
