@@ -7,8 +7,7 @@ the `unacked_mutex`) puts back every entry older than the visibility timeout
 (kombu/transport/redis.py). Renewing a lease = moving the score forward. Each queue
 is one list of its exact name (priority_steps [0]); an empty queue has no key.
 
-The worker's consumer channel (`ConsumerChannel`), what kombu's own lacks:
-The worker's Redis consumer channel: what kombu's own lacks, installed on it.
+The worker's consumer channel (`ConsumerChannel`): what kombu's own lacks, installed on it.
 
 1. A fetch that cannot lose a message: pop and record it in one step.
 
@@ -37,6 +36,11 @@ whose connection is gone settles locally: what it held stays in `unacked` and co
 back once its lease lapses (redelivered, a stored batch is credited, not generated).
 The worker decides that end (`connection lost`, worker/delivery/outcomes.py) and carries it
 out through its broker door (worker/delivery/door.py `lost_connection`, passed as `lost`).
+
+3. A close that gives back through the worker's table. kombu's close restores every
+delivery the channel still holds (`QoS.restore_unacked`); here each one goes through
+the worker's `closed` hook (`channel closed`: a requeue, carried out by kombu's own
+`restore_by_tag`, as kombu's close would).
 """
 
 from __future__ import annotations
