@@ -2,13 +2,16 @@
 would write, on the same loopback moto server, in one run.
 
 The folder is the tiny pipeline plus padding safetensors shards of random bytes
-(--size-gb in all, --shard-mb each), uploaded in 8 MiB parts as the AWS CLI does.
-Three fetches of it, each into an empty folder:
+(--size-gb in all, --shard-mb each), uploaded as --upload says: by default one PUT per
+file with a CRC64NVME checksum, the one S3 keeps of every object uploaded without a
+checksum of its own (the path real objects take). Three fetches of it, each into an
+empty folder:
 
-  diffq       worker/device/model_fetch.py `fetch`: files up to WHOLE_BYTES one GET each, checked
-              against the stored checksum as the bytes are written, as many streams side
-              by side as pay; bigger files in ranged parts by boto3's transfer manager,
-              checked after; each renamed into place once checked
+  diffq       worker/device/model_fetch.py `fetch`: every file in ranged pieces of
+              PART_BYTES (or its upload's parts where the check is over parts), as many
+              streams side by side as pay, each piece hashed as it is written and its
+              digest recorded; the file's checksum from the pieces' (CRCs combined), then
+              renamed into place
   tuned       boto3 `download_file` per file, one file after another, with a tuned
               TransferConfig (the same threads and part size as diffq's)
   sequential  one `get_object` stream per file, one file after another
@@ -18,8 +21,7 @@ process) is the bottleneck of all three, which is why only the ratio counts.
 
     python bench/model_fetch.py [--size-gb 1.0] [--shard-mb 256] [--threads 16] [--part-mb 64,256]
 
---part-mb sets the tuned anchor's threshold and part size, and diffq's PART_BYTES (its
-parts of files bigger than WHOLE_BYTES).
+--part-mb sets the tuned anchor's threshold and part size, and diffq's PART_BYTES.
 """
 
 from __future__ import annotations
@@ -81,9 +83,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--part-mb", default="",
                         help="comma-separated part sizes (MiB) for diffq and the tuned anchor, each a round on "
                              "the same server and upload; default diffq's PART_BYTES")
-    parser.add_argument("--upload", choices=("parts", "whole"), default="parts",
-                        help="parts: 8 MiB multipart uploads (boto3 stores a composite CRC32, over the parts' "
-                             "CRC32s, which diffq checks); whole: one PUT per file (a full-object CRC32)")
+    parser.add_argument("--upload", choices=("crc64nvme", "parts", "whole"), default="crc64nvme",
+                        help="crc64nvme: one PUT per file with a CRC64NVME checksum (what S3 keeps of objects "
+                             "uploaded without one); parts: 8 MiB multipart uploads (boto3 stores a composite "
+                             "CRC32, over the parts' CRC32s); whole: one PUT per file (a full-object CRC32)")
     parser.add_argument("--repeats", type=int, default=3,
                         help="rounds of the three per part size, the order rotated each time; medians shown")
     parser.add_argument("--json", type=Path, help="also write the figures here")
@@ -116,7 +119,8 @@ def main(argv: list[str] | None = None) -> dict:
                     client.upload_file(str(path), bucket, f"m/{key}", Config=upload)
                 else:
                     with path.open("rb") as body:
-                        client.put_object(Bucket=bucket, Key=f"m/{key}", Body=body)
+                        client.put_object(Bucket=bucket, Key=f"m/{key}", Body=body,
+                                          ChecksumAlgorithm="CRC64NVME" if args.upload == "crc64nvme" else "CRC32")
             shutil.rmtree(folder)
             url = f"s3://{bucket}/m"
             print(f"{len(files)} files, {total / 1e9:.2f} GB from moto on loopback, {args.threads} threads, "
@@ -162,7 +166,7 @@ def main(argv: list[str] | None = None) -> dict:
                 print(f"  diffq / best anchor ({best['name']}): {ratio:.2f}  (goal ≥ 0.9)", flush=True)
                 rounds.append({"part_mib": part // MiB, "rows": rows, "ratio": round(ratio, 3), "best": best["name"]})
     result = {"bytes": total, "files": len(files), "threads": args.threads, "shard_mib": args.shard_mb,
-              "upload": args.upload, "whole_mib": model_fetch.WHOLE_BYTES // MiB,
+              "upload": args.upload, "pieces": True,
               "load_average": [load_before, round(os.getloadavg()[0], 2)],
               "cpus": os.cpu_count(), "rounds": rounds,
               "command": "python bench/model_fetch.py " + " ".join(
@@ -179,14 +183,21 @@ def render(result: dict | None) -> list[str]:
     lines = ["## A model from object storage into the node cache", "",
              f"`{result['command'].strip()}`: {result['files']} files, {result['bytes'] / 1e9:.2f} GB (the tiny "
              f"pipeline and {result['shard_mib']} MiB padding shards, uploaded "
-             + (("in 8 MiB parts: checked by the stored composite CRC32" if result.get("whole_mib") else
-                 "in 8 MiB parts: checked by the multipart ETag rule, MD5") if result.get("upload", "parts") == "parts"
-                else "one PUT per file: checked by the stored CRC32") + ") from moto on "
+             + (("in 8 MiB parts: checked by the stored composite CRC32" if result.get("whole_mib")
+                 or result.get("pieces") else "in 8 MiB parts: checked by the multipart ETag rule, MD5")
+                if result.get("upload", "parts") == "parts" else
+                "one PUT per file: checked by the stored CRC64NVME, the checksum S3 keeps of objects uploaded without "
+                "one" if result.get("upload") == "crc64nvme" else "one PUT per file: checked by the stored CRC32")
+             + ") from moto on "
              f"loopback, {result['threads']} threads, {result['cpus']} cores"
              + (f" (load average {result['load_average'][0]} → {result['load_average'][1]})"
                 if result.get("load_average") else "") + ", each fetch into an empty folder. "
-             + ("diffq: `worker/device/model_fetch.py` (files up to "
-                f"{result['whole_mib']} MiB one GET each, checked against the store's checksum as the bytes are "
+             + ("diffq: `worker/device/model_fetch.py` (every file in ranged pieces of the round's part size, "
+                "as many streams side by side as pay, each piece hashed as it is written and recorded for a resume; "
+                "the file's checksum made from the pieces' digests, then renamed into place)"
+                if result.get("pieces") else
+                "diffq: `worker/device/model_fetch.py` (files up to "
+                f"{result.get('whole_mib')} MiB one GET each, checked against the store's checksum as the bytes are "
                 "written, as many streams side by side as pay; bigger files in ranged parts by boto3's transfer "
                 "manager, checked after; each renamed into place once checked)"
                 if result.get("whole_mib") else

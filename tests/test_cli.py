@@ -7,6 +7,7 @@ from diffq.app.cli import app
 
 CONTRACT = {
     "tiny-pipeline": ["--family"],
+    "tiny-lora": ["--rank", "--seed", "--targets"],
     "run": ["--model", "--out", "--workers", "--batch-size", "--steps", "--guidance-scale", "--max-sequence-length",
             "--height", "--width", "--format", "--device", "--compile", "--compile-cache", "--warmup", "--offload",
             "--cores", "--chips", "--gpus", "--seed-base", "--dtype"],

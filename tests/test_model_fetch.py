@@ -81,9 +81,9 @@ def _same_files(fetched: Path, folder: Path) -> None:
 @pytest.mark.parametrize("store", ["s3", "gs"])
 @pytest.mark.parametrize("parts", [False, True], ids=["whole-files", "big-files-in-parts"])
 def test_fetch_verifies_caches_and_hits(store, parts, model_cache, model_folder, request, monkeypatch):
-    if parts:  # the padding shard fetched in ranged parts / chunks side by side
+    if parts:  # the padding shard fetched in ranged pieces, runs of them side by side
         monkeypatch.setattr(model_fetch, "PART_BYTES", 2 * 2**20)
-        monkeypatch.setattr(model_fetch, "WHOLE_BYTES", 2 * 2**20)
+        monkeypatch.setattr(model_fetch, "RUN_BYTES", 4 * 2**20)
     url = (upload_s3(request.getfixturevalue("s3_server"), model_folder) if store == "s3"
            else upload_gcs(request.getfixturevalue("gcs_server"), model_folder))
     first = fetch(url)
@@ -130,15 +130,13 @@ def test_a_fetch_killed_half_way_resumes_without_refetching(model_cache, model_f
 
 
 # A small object's stored CRC32 and the multipart padding shard's composite CRC32 (over
-# its parts' CRC32s) are checked as the bytes stream in; with the shard in ranged parts
-# (boto3's transfer manager), after its download.
+# its parts' CRC32s) are checked from the pieces' digests, kept as the bytes stream in.
 @pytest.mark.parametrize(("key", "ranged"), [("scheduler/scheduler_config.json", False), (PADDING, False),
                                              (PADDING, True)], ids=["small", "multipart-whole", "multipart-ranged"])
 def test_a_corrupt_object_is_refused_naming_the_file(key, ranged, model_cache, model_folder, s3_server, monkeypatch):
     found_by = "CRC32"
     if ranged:
         monkeypatch.setattr(model_fetch, "PART_BYTES", 2 * 2**20)
-        monkeypatch.setattr(model_fetch, "WHOLE_BYTES", 2 * 2**20)
     url = upload_s3(s3_server, model_folder)
     with CorruptingProxy(s3_server.endpoint, corrupt=key) as proxy:
         # The model bucket's own endpoint (DIFFQ_MODEL_STORE_ENDPOINT): here, the proxy.
@@ -320,8 +318,9 @@ def test_qualify_reports_the_weights_fetch_of_an_object_storage_model(tmp_path, 
         assert any(says in note for note in plan["fleet"]["notes"]), plan["fleet"]["notes"]
 
 
-def test_a_file_changed_between_the_listing_and_its_fetch_is_refused(model_cache, model_folder, s3_server):
+def test_a_file_changed_between_the_listing_and_its_fetch_is_refused(model_cache, model_folder, s3_server, tmp_path):
     from diffq.core.model_store import model_storage
+    from diffq.worker.device.fetch_patience import Patience
 
     url = upload_s3(s3_server, model_folder)
     storage = model_storage(url)
@@ -330,7 +329,8 @@ def test_a_file_changed_between_the_listing_and_its_fetch_is_refused(model_cache
     s3_server.client.put_object(Bucket=bucket, Key=f"{prefix}/scheduler/scheduler_config.json", Body=b"{}")
     # The checksums looked up are the listed object's (If-Match its ETag), never a newer one's.
     with pytest.raises(FetchRefused, match=r"file scheduler/scheduler_config\.json changed since the model was listed"):
-        model_fetch._s3_heads(storage, list(listing.files), 4)
+        model_fetch._fetch_files(model_fetch._S3(storage, url), list(listing.files), tmp_path, 4,
+                                 Patience("S3", url, 60.0, total=listing.size))
 
 
 def test_a_start_clock_says_its_phases_once_in_a_log_line_metrics_and_the_run_folder(tmp_path, caplog):
@@ -367,43 +367,47 @@ def test_a_start_clock_says_its_phases_once_in_a_log_line_metrics_and_the_run_fo
     assert metrics.REGISTRY.get_sample_value("diffq_model_fetch_bytes_total", {"hit": "false"}) >= 10
 
 
-@pytest.mark.parametrize("algorithm", ["MD5", "CRC32", "CRC32C", "SHA256"])
-@pytest.mark.parametrize("part_size", [None, 5 * 2**20], ids=["single-part", "multipart"])
-def test_the_s3_check_over_streamed_bytes(algorithm, part_size):
-    """Each way an S3 object's bytes are checked (stored full-object or composite
-    checksum, single-part or multipart ETag), fed in chunks that cross part boundaries."""
+@pytest.mark.parametrize("algorithm", ["MD5", "CRC32", "CRC32C", "CRC64NVME", "SHA256", "XXHASH3"])
+@pytest.mark.parametrize("parts", [None, (5 * 2**20, 7 * 2**20 + 3, 5 * 2**20, 4)],
+                         ids=["single-part", "uneven-multipart"])
+def test_the_s3_check_from_the_pieces_digests(algorithm, parts, tmp_path):
+    """Each way an S3 object is checked (stored full-object or composite checksum,
+    single-part or multipart ETag), from the digests of the pieces it was fetched in:
+    pieces of 3 MiB + 1 (CRCs combined), or its real, uneven parts."""
     import base64
-    import zlib
 
-    import google_crc32c
+    from awscrt import checksums
+    from diffq.worker.device import store_checksums
 
-    data = os.urandom(12 * 2**20 + 7)
-    pieces = [data[i:i + part_size] for i in range(0, len(data), part_size)] if part_size else [data]
+    size = sum(parts) if parts else 12 * 2**20 + 7
+    data = os.urandom(size)
+    path = tmp_path / "object"
+    path.write_bytes(data)
 
     def raw(body: bytes, name: str) -> bytes:
-        if name == "CRC32":
-            return zlib.crc32(body).to_bytes(4, "big")
-        if name == "CRC32C":
-            return google_crc32c.Checksum(body).digest()
-        return hashlib.new(name.lower(), body).digest()
+        h = store_checksums.hasher(name)
+        h.update(body)
+        return h.digest()
 
-    combined = raw(b"".join(raw(p, algorithm) for p in pieces), algorithm) if part_size else raw(data, algorithm)
-    suffix = f"-{len(pieces)}" if part_size else ""
+    if algorithm == "CRC64NVME":
+        assert raw(data, algorithm) == checksums.crc64nvme(data).to_bytes(8, "big")
+    pieces_of = [data[sum(parts[:i]):sum(parts[:i + 1])] for i in range(len(parts))] if parts else [data]
+    combined = raw(b"".join(raw(p, algorithm) for p in pieces_of), algorithm) if parts else raw(data, algorithm)
+    suffix = f"-{len(parts)}" if parts else ""
+    head = {"ETag": '"' + "0" * 32 + suffix + '"'}
     if algorithm == "MD5":  # no stored checksum: the ETag rule
-        info = {"etag": combined.hex() + suffix, "checksums": {}, "composite": {}, "etag_is_md5": True}
+        head["ETag"] = combined.hex() + suffix
+    elif parts and algorithm == "CRC64NVME":  # full-object only, multipart or not
+        head[f"Checksum{algorithm}"] = base64.b64encode(raw(data, algorithm)).decode()
     else:
-        value = base64.b64encode(combined).decode() + suffix
-        info = {"etag": "0" * 32 + suffix, "etag_is_md5": True, "checksums": {} if part_size else {algorithm: value},
-                "composite": {algorithm: value} if part_size else {}}
-    if part_size:
-        info["part_size"] = part_size
+        head[f"Checksum{algorithm}"] = base64.b64encode(combined).decode() + suffix
+    expect = store_checksums.s3_expectation(head, parts or ())
+    assert expect.algorithm == algorithm
 
     def check(body: bytes) -> str | None:
-        one = model_fetch._Check(info)
-        view = memoryview(body)
-        for i in range(0, len(body), 3 * 2**20 + 1):  # chunks that straddle the parts
-            one.update(view[i:i + 3 * 2**20 + 1])
-        return one.problem("x")
+        path.write_bytes(body)
+        pieces = expect.pieces(len(body), 3 * 2**20 + 1)
+        return expect.problem([raw(body[o:o + n], algorithm) for o, n in pieces], pieces, path, "x")
 
     assert check(data) is None
     damaged = bytearray(data)
@@ -425,3 +429,231 @@ def test_s3_streams_double_while_it_pays(pays_up_to, most, settles_at, monkeypat
         clock[0] += model_fetch.STREAMS_WINDOW
         streams.moved(int(rate * model_fetch.STREAMS_WINDOW))
     assert streams.settled and streams.limit == settles_at
+
+
+# Patience, resume inside a file, the checksums the stores keep ------------------------
+def _folder_with(tmp_path: Path, model_folder: Path, size: int) -> Path:
+    """A copy of the model folder whose padding shard is `size` random bytes."""
+    import shutil
+
+    folder = tmp_path / "tiny"
+    shutil.copytree(model_folder, folder)
+    (folder / PADDING).write_bytes(os.urandom(size))
+    return folder
+
+
+def _put(s3_server, url: str, key: str, data: bytes, parts: tuple[int, ...] = (), algorithm: str | None = None):
+    """`key` of the model at `url` uploaded again: one PUT, or a multipart upload of
+    exactly these part sizes (uneven); with `algorithm` as its checksum, else none (the
+    ETag rule: botocore adds no checksum when not required)."""
+    import boto3
+    from botocore.config import Config
+
+    client = boto3.client("s3", endpoint_url=s3_server.endpoint,
+                          config=Config(request_checksum_calculation="when_required"))
+    bucket, _, prefix = url.removeprefix("s3://").partition("/")
+    name, extra = f"{prefix}/{key}", ({"ChecksumAlgorithm": algorithm} if algorithm else {})
+    if not parts:
+        client.put_object(Bucket=bucket, Key=name, Body=data, **extra)
+        return
+    upload = client.create_multipart_upload(Bucket=bucket, Key=name, **extra)["UploadId"]
+    done, at = [], 0
+    for number, length in enumerate(parts, 1):
+        answer = client.upload_part(Bucket=bucket, Key=name, UploadId=upload, PartNumber=number,
+                                    Body=data[at:at + length], **extra)
+        done.append({"PartNumber": number, "ETag": answer["ETag"],
+                     **{k: v for k, v in answer.items() if k.startswith("Checksum")}})
+        at += length
+    client.complete_multipart_upload(Bucket=bucket, Key=name, UploadId=upload, MultipartUpload={"Parts": done})
+
+
+UNEVEN = (5 * 2**20 + 17, 7 * 2**20, 5 * 2**20, 123)
+
+
+@pytest.mark.parametrize(("parts", "algorithm", "found_by"), [
+    (UNEVEN, None, "ETag"), (UNEVEN, "CRC32", "CRC32"), ((), "CRC64NVME", "CRC64NVME")],
+    ids=["uneven-parts-etag", "uneven-parts-composite-crc32", "crc64nvme-only"])
+def test_the_checksum_the_store_keeps_accepts_the_object_and_refuses_a_flipped_byte(
+        parts, algorithm, found_by, tmp_path, model_cache, model_folder, s3_server):
+    folder = _folder_with(tmp_path, model_folder, sum(parts) or 9 * 2**20 + 5)
+    url = upload_s3(s3_server, folder)
+    _put(s3_server, url, PADDING, (folder / PADDING).read_bytes(), parts, algorithm)
+    bucket, _, prefix = url.removeprefix("s3://").partition("/")
+    head = s3_server.client.head_object(Bucket=bucket, Key=f"{prefix}/{PADDING}", ChecksumMode="ENABLED")
+    stored = sorted(k for k in head if k.startswith("Checksum") and k != "ChecksumType")
+    assert stored == ([f"Checksum{algorithm}"] if algorithm else [])
+    from diffq.worker.device.store_checksums import s3_expectation
+
+    expect = model_fetch._S3(model_fetch.model_storage(url), url).expectation(
+        next(f for f in list_model(url).files if f.key == PADDING))
+    assert (expect.algorithm, expect.parts) == ({"ETag": "MD5"}.get(found_by, found_by), parts)
+    assert s3_expectation(head, parts).kind == ("etag" if not algorithm else "composite" if parts else "full")
+    with CorruptingProxy(s3_server.endpoint, corrupt=PADDING) as proxy:
+        settings = Settings(model_store_endpoint=proxy.endpoint, model_cache=str(model_cache))
+        with pytest.raises(FetchRefused, match=f"file {re.escape(PADDING)} is corrupt: {found_by} "):
+            fetch(url, settings=settings)
+    fetched = fetch(url)  # the real bytes: accepted
+    _same_files(Path(fetched.path), folder)
+
+
+@pytest.mark.parametrize(("status", "code", "heals"), [(503, "SlowDown", True), (403, "AccessDenied", False)])
+def test_what_may_heal_is_waited_out_and_what_cannot_fails_at_once_naming_the_file(
+        status, code, heals, model_cache, model_folder, s3_server, caplog):
+    url = upload_s3(s3_server, model_folder)
+    key = "scheduler/scheduler_config.json"
+    # 6 answers: botocore's own 3 attempts twice, the fetch waiting in between.
+    with CorruptingProxy(s3_server.endpoint, corrupt=key, status=status, code=code, times=6) as proxy:
+        settings = Settings(model_store_endpoint=proxy.endpoint, model_cache=str(model_cache))
+        with caplog.at_level("WARNING", logger="diffq.worker"):
+            if heals:
+                _same_files(Path(fetch(url, settings=settings).path), model_folder)
+            else:
+                with pytest.raises(model_fetch.ModelStoreError, match=f"file {re.escape(key)}: .*\\(403\\)"):
+                    fetch(url, settings=settings)
+    waits = [r.getMessage() for r in caplog.records if "retrying S3" in r.getMessage()]
+    if heals:
+        assert proxy.answered == 6 and waits and all(f"retrying S3 ({status}" in w and ") for 0:" in w for w in waits)
+    else:
+        assert proxy.answered == 1 and not waits
+
+
+@pytest.mark.parametrize("store", ["s3", "gs"])
+def test_a_fetch_cut_mid_file_waits_and_resumes_inside_it(store, model_cache, model_folder, tmp_path, caplog,
+                                                          monkeypatch, request):
+    from tests.proxy import CuttableProxy
+
+    monkeypatch.setattr(model_fetch, "PART_BYTES", 4 * 2**20)
+    folder = _folder_with(tmp_path, model_folder, 24 * 2**20 + 3)
+    server = request.getfixturevalue("s3_server" if store == "s3" else "gcs_server")
+    if store == "s3":
+        url = upload_s3(server, folder)
+        _put(server, url, PADDING, (folder / PADDING).read_bytes(), algorithm="CRC64NVME")
+    else:
+        url = upload_gcs(server, folder)
+    size = list_model(url).size
+    proxy = CuttableProxy(int(server.endpoint.rpartition(":")[2]))
+    proxy.start()
+    proxy.cut_after(size // 3, 3.0)
+    settings = Settings(model_store_endpoint=proxy.endpoint, model_cache=str(model_cache))
+    if store == "gs":
+        monkeypatch.setenv("STORAGE_EMULATOR_HOST", proxy.endpoint)
+    with caplog.at_level("WARNING", logger="diffq.worker"):
+        fetched = fetch(url, settings=settings)
+    _same_files(Path(fetched.path), folder)
+    assert proxy.cuts == 1 and proxy.sent <= 1.1 * size
+    said = "S3" if store == "s3" else "GCS"
+    assert any(f"retrying {said} (connection" in r.getMessage() for r in caplog.records)
+
+
+def test_a_fetch_sigkilled_mid_file_resumes_inside_it(model_cache, model_folder, s3_server, tmp_path, monkeypatch):
+    from tests.proxy import CuttableProxy
+
+    folder = _folder_with(tmp_path, model_folder, 12 * 2**20 + 5)
+    url = upload_s3(s3_server, folder)
+    _put(s3_server, url, PADDING, (folder / PADDING).read_bytes(), algorithm="CRC32")
+    code = ("import sys; from diffq.worker.device import model_fetch as m; m.PART_BYTES = 2**20; "
+            "m.fetch(sys.argv[1])")
+    # One stream: the padding (the biggest file) goes first, piece by piece.
+    killed = subprocess.run([sys.executable, "-c", code, url], timeout=300,
+                            env={**os.environ, "DIFFQ_FAULT_FETCH_KILL_AFTER_PIECES": "5",
+                                 "DIFFQ_MODEL_FETCH_THREADS": "1"})
+    assert killed.returncode == -9
+    (entry,) = [p for p in model_cache.iterdir() if p.is_dir()]
+    part = (entry / PADDING).with_name(".diffq-part-padding.safetensors")
+    ranges = json.loads(part.with_name(part.name + ".ranges").read_text())
+    assert len(ranges["done"]) == 5 and not (entry / PADDING).exists()
+
+    monkeypatch.setattr(model_fetch, "PART_BYTES", 2**20)
+    proxy = CuttableProxy(int(s3_server.endpoint.rpartition(":")[2]))
+    proxy.start()
+    resumed = fetch(url, settings=Settings(model_store_endpoint=proxy.endpoint, model_cache=str(model_cache)))
+    assert resumed.path == str(entry) and PADDING in resumed.files
+    _same_files(entry, folder)
+    # The five pieces in were not fetched again (the listing, HEADs and the rest were).
+    assert proxy.sent <= list_model(url).size - 5 * 2**20 + 200_000
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("store", ["s3", "gs"])
+def test_a_run_rides_out_a_20_s_cut_of_a_1_gb_file_and_resumes_inside_it(store, tmp_path, model_cache, model_folder,
+                                                                         request):
+    """On defaults: the link to the store cut for 20 s once a third of the model has
+    arrived; `diffq run` waits, says so, resumes inside the big file and makes the local
+    folder's images."""
+    from tests.proxy import CuttableProxy
+
+    big = 1_000_000_007  # ≥ 1 GB, not a multiple of any piece
+    folder = _folder_with(tmp_path, model_folder, 16)
+    with (folder / PADDING).open("wb") as f:
+        for _ in range(big // (64 * 2**20)):
+            f.write(os.urandom(64 * 2**20))
+        f.write(os.urandom(big % (64 * 2**20)))
+    server = request.getfixturevalue("s3_server" if store == "s3" else "gcs_server")
+    env = dict(os.environ)  # with the server's
+    if store == "s3":
+        url = upload_s3(server, model_folder)  # the small files; the big one below
+        # Uneven parts with a composite CRC32 (each part one ranged GET: moto reads the
+        # whole object for each, so few and big).
+        _put(server, url, PADDING, (folder / PADDING).read_bytes(), (300_000_000, 250_000_000, 450_000_007),
+             "CRC32")
+        proxy = CuttableProxy(int(server.endpoint.rpartition(":")[2]))
+        env["DIFFQ_MODEL_STORE_ENDPOINT"] = proxy.endpoint
+    else:
+        url = upload_gcs(server, folder)
+        proxy = CuttableProxy(int(server.endpoint.rpartition(":")[2]))
+        env["STORAGE_EMULATOR_HOST"] = proxy.endpoint
+    size = sum(p.stat().st_size for p in _files(folder).values())
+    proxy.start()
+    proxy.cut_after(size // 3, 20.0)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"i{i}", "prompt": f"a prompt {i}", "seed": 7 + i,
+                                           "height": 64, "width": 64}) + "\n" for i in range(2)))
+    images = {}
+    for name, model in (("local", str(folder)), ("remote", url)):
+        out = tmp_path / name
+        proc = subprocess.run([sys.executable, "-m", "diffq", "run", str(prompts), "--model", model, "--out", str(out),
+                               "--batch-size", "2", "--steps", "2", "--format", "png", "--no-progress"],
+                              capture_output=True, text=True, timeout=600, env=env)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        images[name] = {p.name: Image.open(p).tobytes() for p in (out / "images").rglob("*.png")}
+    assert len(images["local"]) == 2 and images["local"] == images["remote"]
+    assert proxy.cuts == 1 and proxy.sent <= 1.1 * size, (proxy.sent, size)
+    said = proc.stdout + proc.stderr
+    assert re.search(rf"fetching weights: [\d.]+ of [\d.]+ GB, retrying {'S3' if store == 's3' else 'GCS'} "
+                     r"\(connection (refused|dropped)\) for 0:\d\d", said), said[-3000:]
+    (entry,) = [p for p in model_cache.iterdir() if p.is_dir()]
+    _same_files(entry, folder)
+
+
+def test_a_wait_is_said_in_the_log_and_on_the_runs_bar_and_patience_is_a_time_budget(tmp_path, monkeypatch, caplog):
+    from diffq.app.runner import _TroubleView
+    from diffq.worker.device import fetch_patience
+    from diffq.worker.device.fetch_patience import FetchGaveUp, Patience
+
+    monkeypatch.setenv("DIFFQ_TROUBLE_DIR", str(tmp_path / "notes"))
+    (tmp_path / "notes").mkdir()
+    clock = [1000.0]
+    monkeypatch.setattr(fetch_patience, "time", type("Clock", (), {"monotonic": staticmethod(lambda: clock[0]),
+                                                                   "sleep": staticmethod(lambda s: None)}))
+    patience = Patience("S3", "s3://m/x", 600.0, total=2_000_000_000, done=500_000_000)
+    view = _TroubleView(open_storage(str(tmp_path / "out")), tmp_path / "notes")
+    with caplog.at_level("WARNING", logger="diffq.worker"):
+        patience.wait(ConnectionRefusedError("[Errno 111] Connection refused"), "big.safetensors", iter([0.0] * 9))
+        clock[0] += 20
+        patience.wait(ConnectionRefusedError("[Errno 111] Connection refused"), "big.safetensors", iter([0.0] * 9))
+    line = "fetching weights: 0.50 of 2.00 GB, retrying S3 (connection refused) for 0:20"
+    assert any(r.getMessage().startswith(line) for r in caplog.records)
+    view.look(0.0, pending=1)
+    assert view.fetching == line  # what the bar shows while the worker starts
+    patience.moved(1_000_000)  # a byte arrived: the outage is over, its clock restarts
+    assert patience.since is None and patience.line() == "fetching weights: 0.50 of 2.00 GB"
+    with pytest.raises(PermissionError):  # what cannot heal is raised as it is, at once
+        patience.wait(PermissionError("403"), "big.safetensors", iter([0.0]))
+    patience.wait(TimeoutError("read timed out"), "big.safetensors", iter([0.0]))
+    clock[0] += 600
+    with pytest.raises(FetchGaveUp, match=r"file big\.safetensors: no byte from S3 for 10:00 \(timed out"):
+        patience.wait(TimeoutError("read timed out"), "big.safetensors", iter([0.0]))
+    patience.close()
+    view._next_look = 0.0
+    view.look(0.0, pending=1)
+    assert view.fetching is None

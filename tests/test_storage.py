@@ -223,6 +223,16 @@ def test_s3_conditional_multipart_completion(s3_bucket, tmp_path):
     assert uploads.get("Uploads", []) == []  # the refused upload was aborted
 
 
+def test_get_range(store):
+    """A ranged read returns only the bytes asked for (a safetensors header: core/adapters.py)."""
+    store.put_bytes("r/blob.bin", bytes(range(256)) * 4)
+    assert store.get_range("r/blob.bin", 0, 8) == bytes(range(8))
+    assert store.get_range("r/blob.bin", 1020, 16) == bytes(range(252, 256))  # fewer at the end
+    assert store.get_range("r/blob.bin", 300, 0) == b""
+    with pytest.raises(NotFound):
+        store.get_range("r/missing.bin", 0, 8)
+
+
 def test_get_many(store):
     records = {f"rec/{i:04d}.json": f'{{"i": {i}}}'.encode() for i in range(200)}
     with ThreadPoolExecutor(16) as pool:

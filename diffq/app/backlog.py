@@ -109,14 +109,19 @@ class Backlog:
         return {"model": slug, "backlog": sum(queues.values()), "queues": queues, **fresh}
 
 
-def serve(backlog: Backlog, host: str = "0.0.0.0", port: int = PORT) -> ThreadingHTTPServer:
-    """An HTTP server answering /backlog and /healthz; the caller runs serve_forever()."""
+def serve(backlog: Backlog, host: str = "0.0.0.0", port: int = PORT, metrics=None) -> ThreadingHTTPServer:
+    """An HTTP server answering /backlog and /healthz, and /metrics given a
+    prometheus-client registry (diffq/app/run_metrics.py); the caller runs serve_forever()."""
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self):  # noqa: N802 (http.server's name)
             url = urllib.parse.urlsplit(self.path)
             if url.path == "/healthz":
                 return self._send(200, {"ok": True})
+            if url.path == "/metrics" and metrics is not None:
+                from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+
+                return self._send_bytes(200, generate_latest(metrics), CONTENT_TYPE_LATEST)
             if url.path != "/backlog":
                 return self._send(404, {"error": f"no {url.path}: try /backlog?model=M"})
             query = urllib.parse.parse_qs(url.query)
@@ -127,9 +132,11 @@ def serve(backlog: Backlog, host: str = "0.0.0.0", port: int = PORT) -> Threadin
                 return self._send(503, {"error": f"no listing yet: {exc}"})
 
         def _send(self, code: int, body: dict) -> None:
-            data = json.dumps(body).encode()
+            self._send_bytes(code, json.dumps(body).encode(), "application/json")
+
+        def _send_bytes(self, code: int, data: bytes, content_type: str) -> None:
             self.send_response(code)
-            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Type", content_type)
             self.send_header("Content-Length", str(len(data)))
             self.end_headers()
             self.wfile.write(data)

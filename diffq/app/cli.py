@@ -55,6 +55,27 @@ def tiny_pipeline(
     out.print(f"{path} ({family.value}, {size / 1e6:.2f} MB)")
 
 
+@app.command("tiny-lora")
+def tiny_lora(
+    pipeline_dir: Annotated[Path, typer.Argument(help="A tiny pipeline's folder (diffq tiny-pipeline)")],
+    out_file: Annotated[Path, typer.Argument(help="The adapter file to write (.safetensors)")],
+    rank: Annotated[int, typer.Option("--rank", min=1, max=1024, help="LoRA rank")],
+    seed: Annotated[int, typer.Option("--seed", help="Weight seed")] = 0,
+    targets: Annotated[Optional[str], typer.Option(
+        "--targets", help="Comma-separated module names the adapter targets (default: the attention "
+                          "projections to_q,to_k,to_v,to_out.0)")] = None,
+) -> None:
+    """Write a random LoRA adapter for a tiny pipeline's transformer, in diffusers' LoRA format (tests, demo)."""
+    from diffq.app.tiny import TINY_LORA_TARGETS, build_tiny_lora
+
+    names = tuple(filter(None, (t.strip() for t in targets.split(",")))) if targets else TINY_LORA_TARGETS
+    try:
+        path = build_tiny_lora(pipeline_dir, out_file, rank=rank, seed=seed, targets=names)
+    except (OSError, ValueError) as exc:
+        fail(str(exc))
+    out.print(f"{path} (rank {rank}, {path.stat().st_size / 1e3:.1f} kB)")
+
+
 @app.command()
 @generation_options()
 @local_worker_options()

@@ -44,8 +44,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from diffq.core import layout
 from diffq.core.brokers.embedded import embedded_broker
 from diffq.core.families import compile_refusal
-from diffq.core.progress import (TROUBLE_DIR_ENV, ProgressSummary, local_troubles, observed_trouble,
-                                 recorded_troubles, trouble_message)
+from diffq.core.progress import (TROUBLE_DIR_ENV, ProgressSummary, fetch_notes, local_troubles,
+                                 observed_trouble, recorded_troubles, trouble_message)
 from diffq.core.records import RunManifest
 from diffq.core.runfolder import iter_records, read_cancel, read_manifest
 from diffq.core.storage import Storage, open_storage
@@ -339,7 +339,8 @@ def _serve(storage: Storage, local: LocalWorkers, *, queues: list[str], models: 
                 elapsed = now - started
                 trouble = troubles.look(now, pending=total - tracker.done - tracker.failed)
                 bar.update(task, completed=tracker.done, failed=tracker.failed,
-                           rate=(tracker.done - already_done) / elapsed if elapsed else 0.0, trouble=trouble or "")
+                           rate=(tracker.done - already_done) / elapsed if elapsed else 0.0,
+                           trouble=trouble or troubles.fetching or "")
                 if not progress:
                     troubles.say(bar.console, trouble, now)
                 output.forward()
@@ -399,6 +400,7 @@ class _TroubleView:
         self._next_look = self._next_notes = 0.0
         self._in_out: list = []
         self._message: str | None = None
+        self.fetching: str | None = None  # a local worker's model fetch, while it runs
         self._said: tuple[str, float] | None = None  # (reason, when) last said without a bar
 
     def look(self, now: float, pending: int) -> str | None:
@@ -409,6 +411,9 @@ class _TroubleView:
                 self._in_out = recorded_troubles(self.storage) if pending > 0 else []
             troubles = [*local_troubles(self.folder), *self._in_out, observed_trouble(self.storage, pending)]
             self._message = trouble_message(troubles) if pending > 0 else None
+            # A worker still fetching its model is starting, not failed: the bar shows its
+            # line (the workers' own log says each wait without a bar).
+            self.fetching = next(iter(fetch_notes(self.folder)), None)
         return self._message
 
     def say(self, console: Console, message: str | None, now: float) -> None:

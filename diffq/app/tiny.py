@@ -326,3 +326,39 @@ def _flux2() -> DiffusionPipeline:
     )
     return Flux2Pipeline(scheduler=_scheduler(), vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
                          transformer=transformer)
+
+
+# What `tiny-lora` targets by default: the attention projections diffusers' own FLUX.1
+# LoRA training script targets (examples/dreambooth/train_dreambooth_lora_flux.py).
+TINY_LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0")
+# lora_B is scaled by this after PEFT's random init: the tiny model's images then move
+# well above the differences compiling alone makes (tests/test_lora.py compares them).
+TINY_LORA_GAIN = 8.0
+
+
+def build_tiny_lora(pipeline_dir: str | Path, out: str | Path, rank: int, seed: int = 0,
+                    targets: tuple[str, ...] = TINY_LORA_TARGETS) -> Path:
+    """Write a random LoRA adapter for the tiny pipeline's transformer to `out` (a
+    .safetensors file in diffusers' LoRA format), built by PEFT with random A and B
+    (PEFT's default leaves B zero, which would change no image). Weights depend only on
+    `seed` and `rank`; the caller's torch RNG is left untouched."""
+    import diffusers
+    from peft import LoraConfig, get_peft_model_state_dict
+
+    out = Path(out)
+    if out.suffix != ".safetensors":
+        raise ValueError(f"{out}: the adapter file must end in .safetensors")
+    pipeline_class = getattr(diffusers, DiffusionPipeline.load_config(str(pipeline_dir))["_class_name"])
+    transformer_class = getattr(diffusers, DiffusionPipeline.load_config(str(pipeline_dir))["transformer"][1])
+    transformer = transformer_class.from_pretrained(str(pipeline_dir), subfolder="transformer")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        # init_lora_weights=False: A and B both random (PEFT's "no-op" init is B = 0).
+        # lora_alpha = rank: the scale diffusers assumes for a file without alphas.
+        transformer.add_adapter(LoraConfig(r=rank, lora_alpha=rank, target_modules=list(targets),
+                                           init_lora_weights=False))
+    layers = {key: value * TINY_LORA_GAIN if ".lora_B." in key else value
+              for key, value in get_peft_model_state_dict(transformer).items()}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    pipeline_class.save_lora_weights(str(out.parent), transformer_lora_layers=layers, weight_name=out.name)
+    return out

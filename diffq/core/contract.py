@@ -195,6 +195,20 @@ class BatchItem(Strict):
 # --fit: how a requested size other than the bucket's is stored (the one list of them).
 FITS = ("none", "resize", "crop")
 
+# A LoRA adapter's scale: diffusers sets no bound; this one catches a typo (80 for 0.8)
+# before a run of noise. Negative scales are in use (slider adapters).
+AdapterScale = Annotated[float, Field(ge=-4, le=4)]
+
+
+class AdapterRef(Strict):
+    """One LoRA adapter of a batch (core/adapters.py reads and checks it): where it is,
+    the revision the run pinned (an object-storage listing's digest; None for a local
+    file) and the scale its weights are applied at."""
+
+    path: str = Field(min_length=1, max_length=2048)
+    scale: AdapterScale = 1.0
+    revision: str | None = Field(default=None, max_length=128)
+
 
 class BatchParams(Strict):
     """Per-call arguments that do not change the graph but must be uniform in a call."""
@@ -215,6 +229,10 @@ class BatchParams(Strict):
     # The user gave up reproducibility by name (--unreproducible-speedup): a cache that
     # decides from the whole batch may run, and its records say so.
     unreproducible: bool = False
+    # The batch's LoRA adapters (one set per batch: rows are batched by it), applied by
+    # a hot-swap into the compiled graphs (worker/device/adapters.py); none by default,
+    # and then absent from the message, which stays as it was before adapters.
+    adapters: tuple[AdapterRef, ...] = Field(default=(), exclude_if=lambda adapters: not adapters)
 
     @model_validator(mode="after")
     def _speedup_canonical(self) -> BatchParams:

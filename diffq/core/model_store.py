@@ -66,8 +66,10 @@ def model_storage(url: str, settings: Settings | None = None) -> BucketStorage:
         if url.startswith("s3://"):
             from diffq.core.storage.s3 import S3Storage
 
+            # botocore's quick retries inside a call (3 attempts); the model fetch's own
+            # patience waits out longer outages, logging each wait (worker/device/fetch_patience.py).
             return S3Storage(*split_bucket_url(url), endpoint_url=settings.model_store_endpoint,
-                             profile=settings.model_store_profile)
+                             profile=settings.model_store_profile, max_attempts=3)
         if url.startswith("gs://"):
             from diffq.core.storage.gcs import GCSStorage
 

@@ -609,6 +609,22 @@ def recorded_troubles(storage: Storage) -> list[Trouble]:
         return []
 
 
+# A worker's model fetch leaves its line here while it runs ("fetching weights: 0.34 of
+# 1.07 GB, retrying S3 (connection refused) for 0:20"; worker/device/fetch_patience.py).
+FETCH_NOTE = "fetch-{pid}.txt"
+
+
+def fetch_notes(folder: Path | str) -> list[str]:
+    """The lines of the model fetches running on this node (`diffq run`'s bar)."""
+    notes = []
+    with contextlib.suppress(OSError):
+        for path in sorted(Path(folder).glob(FETCH_NOTE.format(pid="*"))):
+            with contextlib.suppress(OSError):
+                if note := path.read_text().strip():
+                    notes.append(note)
+    return notes
+
+
 def local_troubles(folder: Path | str) -> list[Trouble]:
     """The trouble notes in a local folder (`TroubleNote`'s `local`)."""
     troubles = []

@@ -216,6 +216,8 @@ class BatchMeasures(Strict):
     graph_fallbacks: int = 0
     degenerate: dict[str, str] = Field(default_factory=dict)  # item id -> the check a stored image failed
     model_revision: str | None = None  # an object-storage model's (core/model_store.py)
+    graphs_compiled: int = 0  # graphs the batch's call compiled (dynamo's unique_graphs)
+    adapter_swap_s: float = 0.0  # the batch's LoRA hot-swap (worker/device/adapters.py)
 
 
 class ImageRecord(Strict):
@@ -266,6 +268,13 @@ class ImageRecord(Strict):
     # The revision of an object-storage model the image was made with (the listing's
     # digest, core/model_store.py); null for a local folder or hub model.
     model_revision: Annotated[str | None, Dtype("string")] = None
+    # Graphs the batch's pipeline call compiled (dynamo's unique_graphs counter): a shape's
+    # first batch compiles, every later one should say 0 (a recompile otherwise).
+    graphs_compiled: int = 0
+    # The LoRA adapters the image was made with (path, scale, revision), null for none,
+    # and the seconds the batch's hot-swap took (0 when the slot already held them).
+    adapters: Annotated[list | None, JsonText("string")] = None
+    adapter_swap_s: float = 0.0
 
     @model_validator(mode="before")
     @classmethod
@@ -290,6 +299,7 @@ class ImageRecord(Strict):
             store_s=store_s, negative_prompt=item.negative_prompt, metadata=item.metadata,
             degenerate=measures.degenerate.get(item.id), speedup=params.speedup,
             reproducible=not (params.unreproducible and _batch_dependent(params.speedup)),
+            adapters=[adapter.model_dump(mode="json") for adapter in params.adapters] or None,
             **measures.model_dump(exclude={"degenerate"}))
 
     @classmethod

@@ -78,9 +78,15 @@ class Settings(BaseSettings):
     # The cache's size cap: least recently used entries not in use by any process are
     # evicted to fit a new one. Unset: no cap (the volume's own limit).
     model_cache_max_gb: float | None = Field(default=None, gt=0)
-    # Parallel transfers of one model fetch (boto3's / google-cloud-storage's transfer
-    # managers, threads); parts of a big file count as transfers too.
+    # Streams of one model fetch at most (ranged GETs side by side, threads): each file,
+    # and each piece of a big file, is one.
     model_fetch_threads: int = Field(default=16, ge=1)
+    # How long a model fetch waits out a store that moves no byte (connections dropped
+    # or refused, timeouts, 5xx, S3 SlowDown, GCS 429) before the worker gives up, in
+    # seconds. Ten minutes: a node lives hours and a failed start costs a pod restart
+    # and a fetch from scratch elsewhere; store incidents and throttling mostly pass
+    # within minutes (docs/fleet.md, "When the network drops").
+    model_fetch_patience_s: float = Field(default=600.0, gt=0)
     # The model bucket's own credentials, where they differ from the run folders':
     # an S3 endpoint URL and a named AWS profile (from AWS_SHARED_CREDENTIALS_FILE, a
     # mounted Secret), or a GCS service-account JSON file. Unset: the standard chain.

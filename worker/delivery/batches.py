@@ -207,6 +207,7 @@ class BatchLine:
             for future, delivery in ready:
                 concurrent.futures.wait([future])
                 if future.exception() is not None:
+                    metrics.observe_upload_failure("store")
                     log.error("storing batch %s failed, handing it back: %r", delivery.id, future.exception())
                 carry_out(decide(Outcome.STORED if future.exception() is None else Outcome.STORE_FAILED), delivery)
                 if self.window is not None:

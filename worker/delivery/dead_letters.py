@@ -33,6 +33,7 @@ from diffq.core.brokers.base import DEAD_LETTERS, DEAD_QUEUE
 from diffq.core.transports import transport_for
 from diffq.worker.delivery.outcomes import Outcome, Refused, refusal
 from diffq.worker.delivery.door import Received, Taken, end
+from diffq.worker.observe import metrics
 
 log = logging.getLogger("diffq.worker")
 
@@ -82,6 +83,7 @@ class DeadLetters:
         REFUSED: the broker routes it once rejected; DEAD_LETTER: its letter is
         written here (then acked)."""
         outcome = refusal(why, self.by_broker)
+        metrics.observe_dead_letter(why.name.lower())
         if outcome is Outcome.REFUSED:
             log.warning("dead letter from queue %s: %s (rejected to %s)", queue, reason, DEAD_LETTERS)
         else:
@@ -96,6 +98,7 @@ class DeadLetters:
 
     def malformed(self, queue: str, item, reason: str) -> None:
         """A broker item that is no message at all: its letter, and the `malformed` end."""
+        metrics.observe_dead_letter("malformed")
         self.send(queue, reason, item)
         end(Outcome.MALFORMED, Taken())
 

@@ -201,6 +201,12 @@ class Delivered:
         return bool((self.task.request.delivery_info or {}).get("redelivered") or self.task.request.retries)
 
     @property
+    def returned(self) -> bool:
+        """Delivered before by the broker, not a retry: a holder lost it (its lease
+        lapsed, its connection closed) or handed it back."""
+        return bool((self.task.request.delivery_info or {}).get("redelivered")) and not self.task.request.retries
+
+    @property
     def routing_key(self) -> str | None:
         """The queue its envelope names (the sender's word, not where it arrived)."""
         return (self.task.request.delivery_info or {}).get("routing_key")

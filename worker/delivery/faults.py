@@ -14,7 +14,9 @@ whose prompt contains <text> is NaN everywhere (as from an fp16 VAE overflowing)
 one flat grey (a collapsed sampler), the rest of its batch untouched.
 
 DIFFQ_FAULT_FETCH_KILL_AFTER=<files>: a model fetch (worker/device/model_fetch.py) SIGKILLs
-its process once that many files are verified and in place (the resume tests).
+its process once that many files are verified and in place (the resume tests);
+DIFFQ_FAULT_FETCH_KILL_AFTER_PIECES=<pieces>: once that many pieces (byte ranges) are
+recorded, wherever they fall (resuming inside a file).
 """
 
 from __future__ import annotations
@@ -73,4 +75,10 @@ def check_rank(rank: int, items: list[BatchItem]) -> None:
 def fetch_progress(files_done: int) -> None:
     after = os.environ.get("DIFFQ_FAULT_FETCH_KILL_AFTER")
     if after and files_done >= int(after):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def fetch_piece(pieces_done: int) -> None:
+    after = os.environ.get("DIFFQ_FAULT_FETCH_KILL_AFTER_PIECES")
+    if after and pieces_done >= int(after):
         os.kill(os.getpid(), signal.SIGKILL)

@@ -39,13 +39,15 @@ from diffq.worker.delivery.outcomes import Outcome
 from diffq.worker.delivery.door import Delivered
 from diffq.worker.delivery.failures import storage_trouble, write_failure
 from diffq.worker.device.models import ModelUnavailable
-from diffq.worker.device.pipeline_host import CompileUnsupported, FamilyUnsupported, SpeedupUnsupported
+from diffq.worker.device.pipeline_host import (AdapterOrderError, AdapterUnsupported, CompileUnsupported,
+                                               FamilyUnsupported, SpeedupUnsupported)
 from diffq.worker.process.runtime import OutNotAllowed, Runtime
 
 log = logging.getLogger("diffq.worker")
 
 # Errors no retry can fix: fail the batch's items at once.
-PERMANENT_ERRORS = (ModelUnavailable, CompileUnsupported, OutNotAllowed, FamilyUnsupported, SpeedupUnsupported)
+PERMANENT_ERRORS = (ModelUnavailable, CompileUnsupported, OutNotAllowed, FamilyUnsupported, SpeedupUnsupported,
+                    AdapterUnsupported, AdapterOrderError)
 
 # A retried batch waits base * 2**attempt seconds, capped: a device never idles long
 # on a batch whose store or model is recovering.
@@ -160,6 +162,10 @@ class Faults(BatchHook):
 class Metrics(BatchHook):
     """What a generated batch did on the device, as Prometheus series. Failure and
     degenerate counts are observed where their records are written (worker/delivery/failures.py)."""
+
+    def on_received(self, batch: Batch) -> None:
+        if batch.delivery.returned:  # another holder lost it (a lapsed lease: a lost host) or handed it back
+            metrics.observe_redelivery(batch.message.shape.queue)
 
     def after_generate(self, batch: Batch, generated) -> None:
         shape = batch.message.shape

@@ -24,6 +24,7 @@ from collections.abc import Callable
 from diffq.core.brokers.base import Broker
 from diffq.worker.delivery.outcomes import Outcome
 from diffq.worker.delivery.door import Overdue, end
+from diffq.worker.observe import metrics
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +88,7 @@ class LeaseKeeper:
             tag = message.delivery_tag
             held_s = now - self._first_seen.setdefault(tag, now)
             if held_s >= self.max_hold_s and tag not in self._lapsing and tag not in self._handed:
+                metrics.observe_lease_lapse()
                 end(Outcome.LEASE_LAPSED, Overdue(tag, held_s, self._lapsing.add))
         fresh = [m for m in messages if m.delivery_tag not in self._handed and m.delivery_tag not in self._lapsing]
         if not fresh:

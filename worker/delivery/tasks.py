@@ -34,6 +34,7 @@ from diffq.worker.delivery.failures import StorageTrouble, set_aside_degenerate,
 from diffq.worker.delivery.hooks import PERMANENT_ERRORS, Batch, BatchHook, End, default_hooks, split
 from diffq.worker.process.runtime import OutNotAllowed, Runtime, preload
 from diffq.worker.device.tensor_parallel import EXIT_GROUP_BROKEN, GroupBroken
+from diffq.worker.observe import metrics
 
 # Where they lived before the life was split into hooks (callers and tests import them here).
 __all__ = ["generate_batch", "Runtime", "OutNotAllowed", "preload", "PERMANENT_ERRORS", "split",
@@ -61,6 +62,7 @@ def _generate_batch(task, payload: dict) -> dict | None:
     try:
         end = live(batch, hooks_of(rt))
     except StorageTrouble as trouble:
+        metrics.observe_upload_failure("lookup")
         end = batch.retry(trouble.error, counted=False)
     return finish(batch, end)
 
@@ -112,6 +114,7 @@ def live(batch: Batch, hooks: list[BatchHook]) -> End:
         generate_started_at=round(generated.started_at, 4),
         generate_ended_at=round(generated.ended_at, 4),
         graph_fallbacks=generated.graph_fallbacks,
+        graphs_compiled=generated.graphs,
         degenerate=flagged or {},
         **generated.record_extra,
     ))

@@ -95,6 +95,45 @@ class EagerFallback(Fallback):
 
 
 @dataclass(frozen=True)
+class Hotswap:
+    """Whether hot-swapping a LoRA adapter (worker/device/adapters.py) keeps a compile
+    mode's graphs on a device, and the evidence. Where it is not known, adapters are
+    refused with `why` rather than recompiling silently."""
+
+    keeps: bool
+    why: str
+
+
+# CPU and CUDA: Inductor. Dynamo lifts module parameters and tensor attributes as graph
+# inputs (torch._dynamo.config.inline_inbuilt_nn_modules, on by default), so a swap
+# that writes new values into the same tensors (peft's hotswap copy_ / fill_) reuses
+# every graph; tests/test_lora.py counts 0 graphs compiled across swaps on CPU. The
+# guards and graph inputs are dynamo's, before any device code.
+_INDUCTOR_HOTSWAP = {
+    "none": Hotswap(True, "eager: nothing compiled"),
+    "regional": Hotswap(True, "Inductor: parameters and peft's scaling tensors are graph inputs; "
+                              "tested on CPU (tests/test_lora.py: 0 graphs compiled across swaps)"),
+    "full": Hotswap(True, "Inductor, the transformer one graph: graph inputs as in regional (not tested separately)"),
+}
+# CUDA: the same dynamo front and Inductor; not yet run on a GPU by diffq's tests. diffusers'
+# own suite hot-swaps compiled models under error_on_recompile on its CI device
+# (tests/models/testing_utils, LoraHotSwappingForModelTesterMixin).
+_CUDA_HOTSWAP = {mode: Hotswap(True, f"{known.why}; on CUDA not yet run by diffq (diffusers' hotswap tests are)")
+                 for mode, known in _INDUCTOR_HOTSWAP.items()}
+_NEURON_HOTSWAP = Hotswap(False, (
+    "unverified on Neuron: torch-neuronx's dynamo backend (neuron_dynamo_backend/backend.py, fx/fx_importer.py, "
+    "read at parmoham-aws/test-repo-parmoham @ 98154b86 and 67d8dc4a) lowers each graph to StableHLO through "
+    "torch-mlir's FxImporter, and the source read does not settle whether a module's parameters stay runtime "
+    "inputs of the NEFF or are imported as constants; eager Neuron compiles op by op on first use; refused "
+    "rather than recompiling silently"))
+_TPU_HOTSWAP = Hotswap(False, (
+    "unverified on TPU: torch_tpu's backend (_internal/compile/_backend.py @ 03c2f67a, aot_autograd) embeds every "
+    "get_attr tensor of a graph as an MLIR constant (_internal/compile/fx_passes/mark_embedded_constants.py "
+    "@ 15e74f41, sink_get_attr_constants.py @ 81a8ead4): a parameter reaching it as a get_attr would be baked "
+    "into the executable and a swap would not be seen; not checked on a chip, so refused"))
+
+
+@dataclass(frozen=True)
 class AllocationSource:
     """A variable in which a device plugin names the devices it gave a container (`--<option> auto`)."""
 
@@ -444,6 +483,16 @@ class Backend:
     # `native` (what full compute runs): kernels this device has. One that fails on the
     # device is shown failed, never hidden; compiling modes refuse a switch.
     attention_candidates: tuple[str, ...] = ()
+    # Per compile mode: whether a LoRA hot-swap keeps the graphs (Hotswap); a mode not
+    # listed refuses adapters.
+    hotswap: dict[str, Hotswap] = field(default_factory=lambda: dict(_INDUCTOR_HOTSWAP))
+
+    def adapter_refusal(self, compile_mode: str) -> str | None:
+        """Why LoRA adapters are refused on this device and compile mode, or None."""
+        known = self.hotswap.get(compile_mode)
+        if known is None:
+            return f"LoRA adapters on --device {self.name} --compile {compile_mode}: not known to keep the graphs"
+        return None if known.keeps else f"LoRA adapters on --device {self.name} --compile {compile_mode}: {known.why}"
 
     def speedups_offered(self, compile_mode: str) -> str:
         return self.speedups.get(compile_mode, "none")
@@ -565,6 +614,7 @@ BACKENDS: dict[str, Backend] = {
         device_option="--gpus",
         device_noun="GPUs",
         cache_packages=("triton",),
+        hotswap=_CUDA_HOTSWAP,
         k8s=K8sPod(resource="nvidia.com/gpu",
                    tolerations=({"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"},),
                    devices_per_pod=1, grace_seconds=900, cpu="8", memory="32Gi", compile="full",
@@ -598,6 +648,7 @@ BACKENDS: dict[str, Backend] = {
         eager_fallback=EagerFallback(env="TORCH_NEURONX_FALLBACK_ONLY_FOR_UNIMPLEMENTED_OPS"),
         default_cache="/tmp/neff_cache",
         cache_packages=("torch-neuronx", "neuronx-cc"),
+        hotswap={mode: _NEURON_HOTSWAP for mode in ("none", "full", "regional")},
         allocation=(
             # An aws.amazon.com/neuroncore allocation: its cores (aws-neuron-sdk
             # containers/tutorials/ks8-neuron-scheduler-flow.rst, "--env NEURON_RT_VISIBLE_CORES=2,3").
@@ -648,6 +699,7 @@ BACKENDS: dict[str, Backend] = {
         cache_companion_env={"TORCH_TPU_TIER2_COMPILATION_CACHE": "diffq",
                              "TORCH_TPU_INTERNAL_TIER2_COMPILATION_CACHE": "diffq"},
         cache_packages=("torch-tpu", "libtpu"),
+        hotswap={mode: _TPU_HOTSWAP for mode in ("none", "full", "regional", "defer-fuse")},
         native_cache_schemes=("gs",),
         generations=tuple(TPU_GENERATIONS),
         detect_generation=detect_tpu_generation,

@@ -4,15 +4,18 @@
     DiffusionPipeline.from_pretrained(fetched.path)
 
 One cache entry per model URL and revision (core/model_store.py): a model changed
-under the same prefix is another entry. Each file is downloaded to a part name,
-checked against its listed size and the store's checksum, then renamed into place.
-S3: a file up to WHOLE_BYTES is one GET (If-Match its listed ETag), checked as its
-bytes are written (no second read), with as many streams side by side as raise the
-rate (_Streams); a bigger one goes to boto3's transfer manager (a TransferConfig of
-PART_BYTES parts) and is checked after. GCS: google-cloud-storage's
-`transfer_manager` (threads), checked after. A file at its name is
-complete and verified, so a fetch killed part-way resumes with what is missing. The
-`.complete` marker is written last; nothing loads an entry without it.
+under the same prefix is another entry. Each file is fetched into a part name in
+pieces (byte ranges of PART_BYTES, or its multipart upload's parts where the check is
+over parts), consecutive pieces one GET up to RUN_BYTES, as many streams side by side
+as raise the rate (_Streams), each piece
+hashed as it is written (no second read); each completed piece is recorded next to
+the part file (`_Ranges`), so a cut, a worker restart or a SIGKILL resumes inside the
+file. The whole file is checked against the store's checksum (worker/device/
+store_checksums.py) before it is renamed into place. A file at its name is complete and
+verified. A dropped connection, a timeout, a 5xx, SlowDown or a 429 is waited out, the
+stream continuing from its last byte, for as long as DIFFQ_MODEL_FETCH_PATIENCE_S
+(worker/device/fetch_patience.py); what cannot heal fails at once, naming the file.
+The `.complete` marker is written last; nothing loads an entry without it.
 
 Two flocks per entry: `fetch` (held while fetching: the node's other processes wait
 and then find the entry complete) and `use` (shared, held for the life of each
@@ -22,7 +25,6 @@ entry in use is never evicted).
 
 from __future__ import annotations
 
-import base64
 import fcntl
 import hashlib
 import json
@@ -31,24 +33,32 @@ import os
 import shutil
 import threading
 import time
-import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 from diffq.core.contract import model_slug
-from diffq.core.model_store import ModelListing, ModelStoreError, RemoteFile, list_model, model_storage
+from diffq.core.model_store import (ModelListing, ModelStoreError, RemoteFile, StoreUnreachable, list_model,
+                                    model_storage)
 from diffq.core.settings import Settings, get_settings
 from diffq.worker.delivery import faults
+from diffq.worker.device.fetch_patience import Patience, backoff, transient
+from diffq.worker.device.store_checksums import Expectation, gcs_expectation, s3_expectation, s3_needs_parts
 
 log = logging.getLogger("diffq.worker")
 
 COMPLETE = ".complete"
 PART_PREFIX = ".diffq-part-"
-_HASH_CHUNK = 8 * 1024 * 1024
-# A file bigger than this (GCS) or than WHOLE_BYTES (S3) is fetched in ranged parts of
-# this size, several at once.
+# A file is recorded in pieces of this size (or its upload's parts) as they come in: a
+# piece in flight is what a restart fetches again. Why 64 MiB: one stream of S3 or GCS
+# carries ~100 MB/s, so a piece is ~0.6 s of a stream, and 16 streams leave ~1 GB to
+# fetch again after a SIGKILL at most (a cut within a process: nothing).
 PART_BYTES = 64 * 1024 * 1024
+# Consecutive pieces of one file are one GET up to this size: few requests (a ranged GET
+# costs a request and, on some servers, much more: moto reads the whole object for each
+# range), and still a big file's tail side by side. One stream of S3 or GCS carries
+# ~100 MB/s: a run is ~5 s. Measured on loopback moto only (docs/BENCHMARKS.md).
+RUN_BYTES = 512 * 1024 * 1024
 # Each process keeps the `use` lock of every entry it loaded (fd) until it exits.
 _IN_USE: dict[Path, int] = {}
 
@@ -87,7 +97,7 @@ def fetch(url: str, revision: str | None = None, *, settings: Settings | None = 
     settings = settings or get_settings()
     started = time.perf_counter()
     storage = model_storage(url, settings)
-    listing = list_model(url, settings, storage)
+    listing = _list(url, settings, storage)
     if revision is not None and listing.revision != revision:
         raise FetchRefused(f"model {url} changed since the run pinned it: revision {listing.revision} in the "
                            f"store, {revision} pinned; submit a new run for the new revision")
@@ -115,6 +125,24 @@ def fetch(url: str, revision: str | None = None, *, settings: Settings | None = 
                    bytes=fetched, seconds=time.perf_counter() - started, files=done)
 
 
+def _list(url: str, settings: Settings, storage) -> ModelListing:
+    """The model's listing, waited out while the store cannot be reached."""
+    patience = Patience(_store_of(storage).name, url, settings.model_fetch_patience_s, total=0)
+    sleeps = None
+    try:
+        while True:
+            try:
+                return list_model(url, settings, storage)
+            except StoreUnreachable as exc:
+                cause = exc.__cause__ or exc
+                if transient(cause) is None:
+                    raise
+                sleeps = sleeps or backoff()
+                patience.wait(cause, "the listing", sleeps)
+    finally:
+        patience.close()
+
+
 def _lock(path: Path, how: int) -> int:
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
     try:
@@ -140,13 +168,21 @@ def _write_marker(entry: Path, listing: ModelListing) -> None:
 def _fetch_entry(storage, listing: ModelListing, entry: Path, settings: Settings) -> tuple[str, ...]:
     """Download every file not already in place; the keys downloaded."""
     entry.mkdir(parents=True, exist_ok=True)
-    for stale in entry.rglob(f"{PART_PREFIX}*"):  # a killed fetch's partial files
-        stale.unlink(missing_ok=True)
     missing = [f for f in listing.files if not _in_place(entry, f)]
+    _clear_stale(entry, missing)
     if not missing:
         return ()
-    fetcher = _fetch_s3 if storage.scheme == "s3" else _fetch_gcs
-    fetcher(storage, missing, entry, settings.model_fetch_threads, listing.url)
+    store = _store_of(storage)(storage, listing.url)
+    resumed = sum(_Ranges.bytes_done(_part(entry, f)) for f in missing)
+    patience = Patience(store.name, listing.url, settings.model_fetch_patience_s,
+                        total=sum(f.size for f in missing), done=resumed)
+    if resumed:
+        log.warning("fetching weights: %.2f of %.2f GB already here from a fetch before; resuming", resumed / 1e9,
+                    patience.total / 1e9)
+    try:
+        _fetch_files(store, missing, entry, settings.model_fetch_threads, patience)
+    finally:
+        patience.close()
     return tuple(f.key for f in missing)
 
 
@@ -162,106 +198,242 @@ def _part(entry: Path, file: RemoteFile) -> Path:
     return final.with_name(PART_PREFIX + final.name)
 
 
-class _Finisher:
-    """Checks each downloaded part (size, checksum) in a thread pool and renames it into
-    place; the first corrupt file refuses the fetch, naming it. (S3's whole-object
-    streams check as they write, and only `place`.)"""
+def _clear_stale(entry: Path, missing: list[RemoteFile]) -> None:
+    """Remove a killed fetch's leftovers but the partial files of missing files whose
+    completed ranges are recorded (their `.ranges`): those are resumed."""
+    keep = set()
+    for file in missing:
+        part = _part(entry, file)
+        if _Ranges.path(part).is_file():
+            keep.update((part, _Ranges.path(part)))
+    for stale in entry.rglob(f"{PART_PREFIX}*"):
+        if stale not in keep:
+            stale.unlink(missing_ok=True)
 
-    def __init__(self, entry: Path, url: str, threads: int, check):
-        self.entry, self.url, self.check = entry, url, check
-        self.pool = ThreadPoolExecutor(max(1, min(threads, os.cpu_count() or 1)), thread_name_prefix="diffq-verify")
-        self.futures = []
-        self.done = 0
-        self._count = threading.Lock()
 
-    def submit(self, file: RemoteFile) -> None:
-        self.futures.append(self.pool.submit(self._finish, file))
+class _Ranges:
+    """A partial file's completed pieces, kept next to it (`<part>.ranges`): the pieces
+    (offset, length) it is fetched in, what check they serve, and each completed
+    piece's digest. Rewritten (write, rename) after each piece: a cut, a restart or a
+    SIGKILL keeps every completed piece, and their digests make the whole file's
+    checksum without reading them again. (Not fsynced: a SIGKILL or a pod restart
+    keeps the page cache; a node that loses power loses its node-local cache anyway.)"""
 
-    def _finish(self, file: RemoteFile) -> None:
-        part = _part(self.entry, file)
-        size = part.stat().st_size
-        if size != file.size:
-            raise FetchRefused(f"model {self.url}: file {file.key} is {size} bytes, the store lists {file.size}")
-        if problem := self.check(file, part):
-            part.unlink(missing_ok=True)
-            raise FetchRefused(f"model {self.url}: file {file.key} is corrupt: {problem}; not loaded")
-        self.place(file)
-
-    def place(self, file: RemoteFile) -> None:
-        """A checked part renamed into place."""
-        os.replace(_part(self.entry, file), self.entry / file.key)
-        with self._count:
-            self.done += 1
-            faults.fetch_progress(self.done)
-
-    def wait(self) -> None:
+    def __init__(self, part: Path, layout: dict):
+        self.part, self.layout = part, json.loads(json.dumps(layout))  # as it reads back: lists
+        self.digests: dict[int, bytes] = {}
+        self._lock = threading.Lock()
         try:
-            for future in self.futures:
-                future.result()
-        finally:
-            self.pool.shutdown(cancel_futures=True)
+            saved = json.loads(self.path(part).read_text())
+            if saved.get("layout") == self.layout and part.is_file():
+                self.digests = {int(i): bytes.fromhex(d) for i, d in saved["done"].items()}
+        except (OSError, ValueError, KeyError, AttributeError):
+            pass
+
+    @staticmethod
+    def path(part: Path) -> Path:
+        return part.with_name(part.name + ".ranges")
+
+    @classmethod
+    def bytes_done(cls, part: Path) -> int:
+        try:
+            saved = json.loads(cls.path(part).read_text())
+            pieces = saved["layout"]["pieces"]
+            return sum(pieces[int(i)][1] for i in saved["done"])
+        except (OSError, ValueError, KeyError, IndexError, TypeError):
+            return 0
+
+    def add(self, index: int, digest: bytes) -> int:
+        """Piece `index` is complete; the number of pieces complete."""
+        with self._lock:
+            self.digests[index] = digest
+            body = json.dumps({"layout": self.layout, "done": {i: d.hex() for i, d in self.digests.items()}})
+            tmp = self.part.with_name(self.part.name + ".ranges.tmp")
+            tmp.write_text(body)
+            os.replace(tmp, self.path(self.part))
+            return len(self.digests)
+
+    def remove(self) -> None:
+        self.path(self.part).unlink(missing_ok=True)
 
 
-# S3 --------------------------------------------------------------------------------
-# Files up to WHOLE_BYTES are fetched whole: one GET each, If-Match the listed ETag,
-# read straight into a buffer, written and checked as the bytes arrive (no second read).
-# Bigger files go to boto3's transfer manager in ranged parts of PART_BYTES, side by
-# side, and are checked after. Streams run side by side, as many as pay (_Streams).
-# Why 512 MiB: one stream of S3 or GCS carries ~100 MB/s, so a 512 MiB file alone is
-# ~5 s; files side by side fill the link, the biggest go first so the last is short,
-# and bigger files (a diffusers model's 5-10 GB shards) are split so that the tail
-# stays short too. A ranged part costs a request and, on some servers (moto reads the
-# whole object for each range), much more. Measured on loopback moto only
-# (docs/BENCHMARKS.md); a real bucket from a node with real cores is still to measure.
-WHOLE_BYTES = 512 * 1024 * 1024
-_STREAM_CHUNK = 1024 * 1024  # fits the caches: 8 MiB measured slower (docs/BENCHMARKS.md)
-_STREAM_ATTEMPTS = 5
-# The cheapest stored checksum first: CRC32C ~4 GB/s, CRC32 ~1.5-5 GB/s, SHA1/SHA256
-# ~2 GB/s with SHA extensions, MD5 ~0.8 GB/s per core (docs/BENCHMARKS.md).
-_ALGORITHMS = ("CRC32C", "CRC32", "SHA1", "SHA256")
+class _FileFetch:
+    """One file: its check, its pieces, the partial file they are written into."""
+
+    def __init__(self, file: RemoteFile, entry: Path, expect: Expectation, url: str):
+        self.file, self.expect, self.url = file, expect, url
+        self.final, self.part = entry / file.key, _part(entry, file)
+        self.pieces = expect.pieces(file.size, PART_BYTES)
+        self.ranges = _Ranges(self.part, {"size": file.size, "pieces": self.pieces, "kind": expect.kind,
+                                          "algorithm": expect.algorithm})
+        if not self.ranges.digests:
+            self.part.unlink(missing_ok=True)  # bytes of another layout: none kept
+        self.fd = os.open(self.part, os.O_RDWR | os.O_CREAT, 0o644)
+        os.ftruncate(self.fd, file.size)
+
+    def todo(self) -> list[int]:
+        return [i for i in range(len(self.pieces)) if i not in self.ranges.digests]
+
+    def piece_done(self, index: int, digest: bytes) -> bool:
+        """True when it was the last piece: the file is checked and renamed into place."""
+        if self.ranges.add(index, digest) < len(self.pieces):
+            return False
+        os.close(self.fd)
+        self.fd = -1
+        digests = [self.ranges.digests[i] for i in range(len(self.pieces))]
+        size = self.part.stat().st_size
+        if size != self.file.size:
+            raise FetchRefused(f"model {self.url}: file {self.file.key} is {size} bytes, the store lists "
+                               f"{self.file.size}")
+        if problem := self.expect.problem(digests, self.pieces, self.part, self.file.key):
+            self.part.unlink(missing_ok=True)
+            self.ranges.remove()
+            raise FetchRefused(f"model {self.url}: file {self.file.key} is corrupt: {problem}; not loaded")
+        os.replace(self.part, self.final)
+        self.ranges.remove()
+        return True
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
 
 
-def _fetch_s3(storage, files: list[RemoteFile], entry: Path, threads: int, url: str) -> None:
-    client = storage.client()
-    whole = sorted((f for f in files if f.size <= WHOLE_BYTES), key=lambda f: -f.size)  # longest first
-    big = [f for f in files if f.size > WHOLE_BYTES]
-    heads = _s3_heads(storage, big, threads) if big else {}
-    finisher = _Finisher(entry, url, threads, lambda f, part: _s3_problem(heads[f.key], part, f.key))
+def _fetch_files(store, files: list[RemoteFile], entry: Path, threads: int, patience: Patience) -> None:
+    """Every file's check looked up, then every missing piece fetched, the biggest files
+    first, as many streams side by side as pay (_Streams); each file checked and renamed
+    into place when its last piece is in."""
+    pool = ThreadPoolExecutor(max(1, threads), thread_name_prefix="diffq-fetch")
+    fetches: list[_FileFetch] = []
     try:
-        if whole:
-            _stream_s3(client, storage, whole, entry, threads, url, finisher)
-        if big:
-            _transfer_s3(client, storage, big, entry, threads, url, finisher)
-    except BaseException:
-        finisher.pool.shutdown(cancel_futures=True)
-        raise
-    finisher.wait()
+        expects = list(pool.map(lambda f: _patiently(patience, store, f, lambda: store.expectation(f)), files))
+        fetches = [_FileFetch(f, entry, e, store.url) for f, e in zip(files, expects)]
+        streams = _Streams(threads)
+        counts = {"placed": 0, "pieces": 0}
+        count_lock = threading.Lock()
 
+        def piece_done(fetch: _FileFetch, index: int, digest: bytes) -> None:
+            placed = fetch.piece_done(index, digest)
+            with count_lock:
+                counts["pieces"] += 1
+                faults.fetch_piece(counts["pieces"])
+                if placed:
+                    counts["placed"] += 1
+                    faults.fetch_progress(counts["placed"])
 
-def _transfer_s3(client, storage, files: list[RemoteFile], entry: Path, threads: int, url: str, finisher) -> None:
-    from boto3.s3.transfer import TransferConfig, create_transfer_manager
-    from botocore.exceptions import FlexibleChecksumError
+        def one(fetch: _FileFetch, run: list[int]) -> None:
+            _fetch_run(store, fetch, run, patience, streams, piece_done)
 
-    # Ranged parts of PART_BYTES side by side; bigger parts and I/O chunks than the
-    # defaults (8 MiB, 256 KiB) cut per-request overhead.
-    config = TransferConfig(max_concurrency=threads, multipart_threshold=PART_BYTES,
-                            multipart_chunksize=PART_BYTES, io_chunksize=2**20, num_download_attempts=5)
-    with create_transfer_manager(client, config) as manager:
-        # (s3transfer takes no If-Match: bytes of an upload since the HEAD fail its
-        # checksums, and are refused as corrupt.)
-        futures = [(f, manager.download(storage.bucket_name, storage.prefix + f.key, str(_part(entry, f))))
-                   for f in files]
+        for fetch in fetches:  # every piece in already (a kill before the rename)
+            if not fetch.todo():
+                fetch.ranges.digests.pop(len(fetch.pieces) - 1)
+        work = [(f, run) for f in sorted(fetches, key=lambda f: -f.file.size) for run in _runs(f)]
+        futures = [pool.submit(one, f, run) for f, run in work]
         try:
-            for file, future in futures:
-                try:
-                    future.result()
-                except FlexibleChecksumError as exc:  # botocore checked a stored checksum on the wire
-                    raise FetchRefused(f"model {url}: file {file.key} is corrupt: {exc}; not loaded") from exc
-                finisher.submit(file)
+            for future in futures:
+                future.result()
         except BaseException:
-            for _, future in futures:
+            for future in futures:
                 future.cancel()
             raise
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+        for fetch in fetches:
+            fetch.close()
+
+
+def _patiently(patience: Patience, store, file: RemoteFile, call):
+    """`call()`, waited out while it fails in a way that may heal."""
+    sleeps = None
+    while True:
+        try:
+            return call()
+        except Exception as exc:
+            if transient(exc) is None:
+                raise store.refusal(exc, file) from exc
+            sleeps = sleeps or backoff()
+            patience.wait(exc, file.key, sleeps)
+
+
+def _runs(fetch: _FileFetch) -> list[list[int]]:
+    """The file's missing pieces as runs of consecutive pieces up to RUN_BYTES: one GET
+    each (a file up to RUN_BYTES is one GET; a bigger one several side by side)."""
+    runs: list[list[int]] = []
+    for index in fetch.todo():
+        length = fetch.pieces[index][1]
+        last = runs[-1] if runs else None
+        if (last and last[-1] == index - 1
+                and sum(fetch.pieces[i][1] for i in last) + length <= max(RUN_BYTES, length)):
+            last.append(index)
+        else:
+            runs.append([index])
+    return runs
+
+
+def _fetch_run(store, fetch: _FileFetch, run: list[int], patience: Patience, streams: _Streams, piece_done) -> None:
+    """Consecutive pieces, one ranged GET, into their place in the partial file; each
+    piece hashed as it is written and recorded (`piece_done`) as soon as it is in. A
+    dropped stream continues from its last byte after a wait (Patience)."""
+    start = fetch.pieces[run[0]][0]
+    end = fetch.pieces[run[-1]][0] + fetch.pieces[run[-1]][1]
+    at = 0  # which piece of the run is being hashed
+    hasher = fetch.expect.hasher()
+    into = 0  # bytes of that piece hashed
+    got = 0
+    sleeps, stalled_at = None, -1
+
+    def next_piece() -> None:
+        nonlocal at, hasher, into
+        while at < len(run) and into == fetch.pieces[run[at]][1]:  # (a 0-byte piece is in at once)
+            piece_done(fetch, run[at], hasher.digest() if hasher is not None else b"")
+            at, hasher, into = at + 1, fetch.expect.hasher(), 0
+
+    def sink(chunk: memoryview) -> None:
+        nonlocal got, into
+        n = len(chunk)
+        if start + got + n > end:
+            raise FetchRefused(f"model {store.url}: file {fetch.file.key}: the store sent more than asked for")
+        written = 0
+        while written < n:
+            written += os.pwrite(fetch.fd, chunk[written:], start + got + written)
+        got += n
+        while len(chunk):
+            take = min(len(chunk), fetch.pieces[run[at]][1] - into)
+            if hasher is not None:
+                hasher.update(chunk[:take])
+            into += take
+            chunk = chunk[take:]
+            next_piece()
+        patience.moved(n)
+        streams.moved(n)
+
+    next_piece()
+    while start + got < end:
+        try:
+            with streams:
+                store.read(fetch.file, start + got, end - 1, sink)
+            if start + got < end:
+                raise ConnectionResetError(f"the stream ended at {start + got} of {end} bytes")
+        except Exception as exc:
+            if isinstance(exc, FetchRefused):
+                raise
+            if transient(exc) is None:
+                raise store.refusal(exc, fetch.file) from exc
+            if got != stalled_at:  # bytes came since the last wait: the backoff starts over
+                sleeps, stalled_at = backoff(), got
+            patience.wait(exc, fetch.file.key, sleeps)
+
+
+def _changed(exc, url: str, file: RemoteFile) -> Exception:
+    """A 412 (the object is no longer the one listed) as a refusal naming the file; a
+    403, 404 or any other error that cannot heal as a ModelStoreError naming it."""
+    status = getattr(exc, "response", None)
+    status = status.get("ResponseMetadata", {}).get("HTTPStatusCode") if isinstance(status, dict) else getattr(
+        exc, "code", None)
+    code = exc.response.get("Error", {}).get("Code") if isinstance(getattr(exc, "response", None), dict) else None
+    if status == 412 or code == "PreconditionFailed":
+        return FetchRefused(f"model {url}: file {file.key} changed since the model was listed; fetch again")
+    return ModelStoreError(f"model {url}: file {file.key}: {exc}")
 
 
 class _Streams:
@@ -328,320 +500,105 @@ STREAMS_START = 1
 STREAMS_WINDOW = 0.25  # seconds
 
 
-def _stream_s3(client, storage, files: list[RemoteFile], entry: Path, threads: int, url: str, finisher) -> None:
-    streams = _Streams(threads)
+# The stores ---------------------------------------------------------------------------
+_STREAM_CHUNK = 1024 * 1024  # fits the caches: 8 MiB measured slower (docs/BENCHMARKS.md)
 
-    def one(file: RemoteFile) -> None:
-        with streams:
-            _get_whole(client, storage, file, _part(entry, file), url, streams.moved)
-        finisher.place(file)
 
-    with ThreadPoolExecutor(max(1, min(threads, len(files))), thread_name_prefix="diffq-fetch") as pool:
-        futures = [pool.submit(one, f) for f in files]
+class _S3:
+    """Ranged GETs of the listed object (If-Match its ETag), read straight from the
+    socket into a buffer (http.client's readinto), past urllib3's and botocore's copies."""
+
+    name = "S3"
+
+    def __init__(self, storage, url: str):
+        self.storage, self.url = storage, url
+        self.client = storage.client()
+
+    def refusal(self, exc, file: RemoteFile) -> Exception:
+        return _changed(exc, self.url, file)
+
+    def _args(self, file: RemoteFile) -> dict:
+        args = {"Bucket": self.storage.bucket_name, "Key": self.storage.prefix + file.key}
+        if file.etag:  # the object listed, never one uploaded since
+            args["IfMatch"] = f'"{file.etag}"'
+        return args
+
+    def expectation(self, file: RemoteFile) -> Expectation:
+        """The stored checksums (a HEAD, ChecksumMode=ENABLED) and, where the check is
+        over parts, each part's real size (a HEAD with PartNumber=N per part: S3 leaves
+        GetObjectAttributes' parts out exactly for the ETag rule, moto always)."""
+        head = self.client.head_object(**self._args(file), ChecksumMode="ENABLED")
+        parts: tuple[int, ...] = ()
+        if s3_needs_parts(head):
+            count = int(head["ETag"].strip('"').rpartition("-")[2])
+            # (No If-Match: moto compares it with the part's own ETag. Part sizes of a
+            # newer upload fail the check: refused as corrupt, never loaded.)
+            args = {"Bucket": self.storage.bucket_name, "Key": self.storage.prefix + file.key}
+            parts = tuple(self.client.head_object(**args, PartNumber=n)["ContentLength"] for n in range(1, count + 1))
+            if sum(parts) != file.size:
+                raise FetchRefused(f"model {self.url}: file {file.key}: its parts add up to {sum(parts)} bytes, the "
+                                   f"store lists {file.size}")
+        return s3_expectation(head, parts)
+
+    def read(self, file: RemoteFile, first: int, last: int, sink) -> None:
+        response = self.client.get_object(**self._args(file), Range=f"bytes={first}-{last}")
+        body = response["Body"]
+        raw = getattr(body, "_raw_stream", None)
+        readinto = getattr(getattr(raw, "_fp", None), "readinto", None)
+        buffer = bytearray(_STREAM_CHUNK)
+        view = memoryview(buffer)
+        left = last - first + 1
         try:
-            for future in futures:
-                future.result()
-        except BaseException:
-            for future in futures:
-                future.cancel()
-            raise
+            while left > 0:
+                if readinto is not None:
+                    n = readinto(view[:min(left, _STREAM_CHUNK)])
+                    chunk = view[:n]
+                else:
+                    chunk = memoryview(body.read(min(left, _STREAM_CHUNK)))
+                    n = len(chunk)
+                if not n:
+                    return
+                sink(chunk)
+                left -= n
+        finally:
+            (raw or body).close()
 
 
-def _get_whole(client, storage, file: RemoteFile, part: Path, url: str, moved) -> None:
-    """One object into `part`, checked against the store's checksum (the GET's own
-    checksum headers) as its bytes are written; a dropped stream continues where it
-    stopped (a Range, If-Match)."""
-    import http.client
+class _GCS:
+    """Ranged downloads of the listed generation, written as they arrive."""
 
-    from botocore.exceptions import ClientError
-    from botocore.exceptions import ConnectionError as BotoConnectionError
-    from urllib3.exceptions import HTTPError as Urllib3Error
+    name = "GCS"
 
-    check = None
-    buffer = bytearray(_STREAM_CHUNK)
-    view = memoryview(buffer)
-    got = 0
-    name = storage.prefix + file.key
-    with part.open("wb", buffering=0) as out:
-        for attempt in range(1, _STREAM_ATTEMPTS + 1):
-            args = {"Bucket": storage.bucket_name, "Key": name}
-            if file.etag:  # the object listed, never one uploaded since
-                args["IfMatch"] = f'"{file.etag}"'
-            if got:
-                args["Range"] = f"bytes={got}-"
-            else:  # the stored checksums come with the bytes: no HEAD
-                args["ChecksumMode"] = "ENABLED"
-            try:
-                response = client.get_object(**args)
-                if check is None:
-                    check = _Check(_s3_info(client, storage, file, response))
-            except ClientError as exc:
-                raise _changed(exc, url, file) from exc
-            body = response["Body"]
-            # Straight from the socket into the buffer (http.client's readinto), past
-            # urllib3's and botocore's copies; botocore's own checksum pass is skipped:
-            # the check below is the same one.
-            raw = getattr(body, "_raw_stream", None)
-            readinto = getattr(getattr(raw, "_fp", None), "readinto", None)
-            try:
-                while got < file.size:
-                    if readinto is not None:
-                        n = readinto(view)
-                        chunk = view[:n]
-                    else:
-                        chunk = memoryview(body.read(_STREAM_CHUNK))
-                        n = len(chunk)
-                    if not n:
-                        break
-                    written = 0
-                    while written < n:
-                        written += out.write(chunk[written:])
-                    check.update(chunk)
-                    got += n
-                    moved(n)
-            except (OSError, http.client.HTTPException, Urllib3Error, BotoConnectionError) as exc:
-                if attempt == _STREAM_ATTEMPTS:
-                    raise
-                log.info("%s: the stream stopped at %d of %d bytes (%s); continuing", file.key, got, file.size, exc)
-                continue
-            finally:
-                (raw or body).close()
-            if got >= file.size:
-                break
-    if got != file.size:
-        raise FetchRefused(f"model {url}: file {file.key} is {got} bytes, the store lists {file.size}")
-    if check and (problem := check.problem(file.key)):
-        part.unlink(missing_ok=True)
-        raise FetchRefused(f"model {url}: file {file.key} is corrupt: {problem}; not loaded")
+    def __init__(self, storage, url: str):
+        self.storage, self.url = storage, url
+        self.bucket = storage.client().bucket(storage.bucket_name)
 
+    def refusal(self, exc, file: RemoteFile) -> Exception:
+        return _changed(exc, self.url, file)
 
-def _s3_heads(storage, files: list[RemoteFile], threads: int) -> dict[str, dict]:
-    """Each file's stored checksums (full-object or, for a multipart upload, composite:
-    over its parts' checksums) and, for a multipart ETag, its part size."""
-    client = storage.client()
-    with ThreadPoolExecutor(threads, thread_name_prefix="diffq-head") as pool:
-        return dict(zip((f.key for f in files), pool.map(lambda f: _s3_head(client, storage, f), files)))
+    def expectation(self, file: RemoteFile) -> Expectation:
+        return gcs_expectation(file.crc32c, file.md5)  # from the listing: no request
 
-
-def _s3_head(client, storage, file: RemoteFile) -> dict:
-    from botocore.exceptions import ClientError
-
-    name = storage.prefix + file.key
-    try:  # the object listed, not one uploaded since: its checksums are the listed bytes'
-        response = client.head_object(Bucket=storage.bucket_name, Key=name, ChecksumMode="ENABLED",
-                                      **({"IfMatch": f'"{file.etag}"'} if file.etag else {}))
-    except ClientError as exc:
-        raise _changed(exc, storage.url, file) from exc
-    return _s3_info(client, storage, file, response)
-
-
-def _s3_info(client, storage, file: RemoteFile, response: dict) -> dict:
-    """What a HEAD or GET (ChecksumMode=ENABLED) of the listed object says of its
-    checksums; for a multipart ETag, its part size (a HEAD of part 1)."""
-    name = storage.prefix + file.key
-    # An ETag is an MD5 only without KMS or customer-key encryption.
-    encrypted = response.get("ServerSideEncryption", "").startswith("aws:kms") or response.get("SSECustomerAlgorithm")
-    info = {"etag": response.get("ETag", "").strip('"'), "checksums": {}, "composite": {},
-            "etag_is_md5": not encrypted}
-    multipart = "-" in info["etag"]
-    full_object = response.get("ChecksumType") == "FULL_OBJECT"
-    for algorithm in _ALGORITHMS:
-        value = response.get(f"Checksum{algorithm}")
-        if not value:
-            continue
-        if "-" not in value and (full_object or not multipart):
-            info["checksums"][algorithm] = value
-        elif multipart and not full_object:
-            # A multipart upload's checksum of its parts' checksums ("…-N"; moto
-            # leaves out the "-N" and the type).
-            info["composite"][algorithm] = value
-    if multipart and not info["checksums"] and (info["composite"] or info["etag_is_md5"]):
-        # (No If-Match: moto compares it with the part's own ETag. A part size of a newer
-        # upload fails the check below: refused as corrupt, never loaded.)
-        info["part_size"] = client.head_object(Bucket=storage.bucket_name, Key=name,
-                                               PartNumber=1)["ContentLength"]
-    return info
-
-
-def _changed(exc, url: str, file: RemoteFile) -> Exception:
-    """A 412 (the object is no longer the one listed) as a refusal naming the file; any
-    other client error as it is."""
-    status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-    if status == 412 or exc.response.get("Error", {}).get("Code") == "PreconditionFailed":
-        return FetchRefused(f"model {url}: file {file.key} changed since the model was listed; fetch again")
-    return exc
-
-
-class _Crc32:
-    def __init__(self):
-        self.value = 0
-
-    def update(self, data) -> None:
-        self.value = zlib.crc32(data, self.value)  # releases the GIL over 5 KiB
-
-    def digest(self) -> bytes:
-        return self.value.to_bytes(4, "big")
-
-
-class _Crc32c:
-    def __init__(self):
-        import google_crc32c
-
-        self.checksum = google_crc32c.Checksum()
-
-    def update(self, data) -> None:
-        self.checksum.update(bytes(data))  # it takes read-only buffers only
-
-    def digest(self) -> bytes:
-        return self.checksum.digest()
-
-
-def _hasher(algorithm: str):
-    if algorithm == "CRC32":
-        return _Crc32()
-    if algorithm == "CRC32C":
-        return _Crc32c()
-    return hashlib.new(algorithm.lower())  # SHA1, SHA256, MD5: release the GIL over 2 KiB
-
-
-class _Check:
-    """The store's checksum of one S3 object, computed over its bytes in order: the
-    cheapest stored full-object checksum, else the stored composite one (over each
-    part's), else the ETag (a single-part upload's MD5, or a multipart upload's MD5 of
-    its parts' MD5s), else none (KMS with no stored checksum: the size only)."""
-
-    def __init__(self, info: dict):
-        self.etag = info["etag"]
-        self.part_size = None
-        self.parts: list[bytes] = []
-        if full := next(((a, info["checksums"][a]) for a in _ALGORITHMS if a in info["checksums"]), None):
-            self.kind, (self.algorithm, self.expected) = "full", full
-        elif composite := next(((a, info["composite"][a]) for a in _ALGORITHMS if a in info.get("composite", {})),
-                               None):
-            self.kind, (self.algorithm, self.expected) = "composite", composite
-            self.part_size = info["part_size"]
-        elif info["etag_is_md5"]:
-            self.kind, self.algorithm, self.expected = "etag", "MD5", self.etag
-            if "-" in self.etag:
-                self.part_size = info["part_size"]
-        else:
-            self.kind = None
-        self.hasher = _hasher(self.algorithm) if self.kind else None
-        self.left = self.part_size
-
-    def update(self, data: memoryview) -> None:
-        if self.hasher is None:
-            return
-        if not self.part_size:
-            self.hasher.update(data)
-            return
-        while len(data):
-            take = min(len(data), self.left)
-            self.hasher.update(data[:take])
-            self.left -= take
-            data = data[take:]
-            if not self.left:
-                self.parts.append(self.hasher.digest())
-                self.hasher, self.left = _hasher(self.algorithm), self.part_size
-
-    def problem(self, name: str) -> str | None:
-        if self.kind is None:
-            log.warning("%s: KMS-encrypted with no stored checksum: only its size is checked (upload it with "
-                        "a checksum, e.g. boto3 >= 1.36's default CRC32)", name)
-            return None
-        if self.part_size and self.left < self.part_size:  # the last, shorter part
-            self.parts.append(self.hasher.digest())
-        if not self.part_size:
-            raw = self.hasher.digest()
-        else:
-            combined = _hasher(self.algorithm)
-            combined.update(b"".join(self.parts))
-            raw = combined.digest()
-        if self.kind == "etag":
-            got = raw.hex() + (f"-{len(self.parts)}" if self.part_size else "")
-            return None if got == self.expected else f"ETag {got}, the store's {self.expected}"
-        got = base64.b64encode(raw).decode()
-        if self.kind == "composite":
-            value, _, count = self.expected.partition("-")
-            got += f"-{len(self.parts)}"
-            ok = got.partition("-")[0] == value and (not count or int(count) == len(self.parts))
-        else:
-            ok = got == self.expected
-        return None if ok else f"{self.algorithm} {got}, the store's {self.expected}"
-
-
-def _s3_problem(info: dict, path: Path, key: str) -> str | None:
-    """The check of a file already on disk (one the transfer manager wrote)."""
-    check = _Check(info)
-    buffer = bytearray(_HASH_CHUNK)
-    view = memoryview(buffer)
-    with path.open("rb", buffering=0) as f:
-        while n := f.readinto(view):
-            check.update(view[:n])
-    return check.problem(key)
-
-
-def _file_hash(path: Path, hasher):
-    with path.open("rb") as f:
-        while chunk := f.read(_HASH_CHUNK):
-            hasher.update(chunk)
-    return hasher
-
-
-def _crc32c(path: Path) -> bytes:
-    import google_crc32c
-
-    return _file_hash(path, google_crc32c.Checksum()).digest()
-
-
-# GCS -------------------------------------------------------------------------------
-def _fetch_gcs(storage, files: list[RemoteFile], entry: Path, threads: int, url: str) -> None:
-    from google.cloud.storage import transfer_manager
-
-    bucket = storage.client().bucket(storage.bucket_name)
-
-    def blob(file: RemoteFile):
+    def read(self, file: RemoteFile, first: int, last: int, sink) -> None:
         # The listed generation: exactly the revision listed, even if a newer one lands.
-        return bucket.blob(storage.prefix + file.key, generation=int(file.version) if file.version else None)
-
-    finisher = _Finisher(entry, url, threads, _gcs_problem)
-    small = [f for f in files if f.size <= PART_BYTES]
-    # Small files side by side, one stream each; a big one in chunks of PART_BYTES side by side.
-    results = transfer_manager.download_many([(blob(f), str(_part(entry, f))) for f in small], max_workers=threads,
-                                             worker_type=transfer_manager.THREAD, raise_exception=False)
-    for file, result in zip(small, results):
-        _gcs_outcome(file, result, url)
-        finisher.submit(file)
-    for file in (f for f in files if f.size > PART_BYTES):
-        try:
-            transfer_manager.download_chunks_concurrently(blob(file), str(_part(entry, file)), chunk_size=PART_BYTES,
-                                                          max_workers=threads, worker_type=transfer_manager.THREAD,
-                                                          crc32c_checksum=False)  # checked below, like the rest
-        except Exception as exc:
-            _gcs_outcome(file, exc, url)
-        finisher.submit(file)
-    finisher.wait()
+        blob = self.bucket.blob(self.storage.prefix + file.key, generation=int(file.version) if file.version else None)
+        # retry=None: a failure comes back here, and the stream continues from its last byte.
+        blob.download_to_file(_Sink(sink), start=first, end=last, raw_download=True, checksum=None, retry=None)
 
 
-def _gcs_outcome(file: RemoteFile, result, url: str) -> None:
-    """A download's exception: a corrupt file refused by name, anything else raised."""
-    if not isinstance(result, Exception):
-        return
-    from google.resumable_media.common import DataCorruption
-
-    if isinstance(result, DataCorruption):
-        raise FetchRefused(f"model {url}: file {file.key} is corrupt: {result}; not loaded") from result
-    raise result
+def _store_of(storage):
+    return _S3 if storage.scheme == "s3" else _GCS
 
 
-def _gcs_problem(file: RemoteFile, path: Path) -> str | None:
-    if file.crc32c:
-        got = base64.b64encode(_crc32c(path)).decode()
-        return None if got == file.crc32c else f"crc32c {got}, the store's {file.crc32c}"
-    if file.md5:
-        got = base64.b64encode(_file_hash(path, hashlib.md5()).digest()).decode()
-        return None if got == file.md5 else f"md5 {got}, the store's {file.md5}"
-    return None  # the store offers no checksum: the size was checked
+class _Sink:
+    """A file object for google-cloud-storage's download that hands each chunk on."""
+
+    def __init__(self, sink):
+        self.sink = sink
+
+    def write(self, data) -> int:
+        self.sink(memoryview(data))
+        return len(data)
 
 
 # The size cap ------------------------------------------------------------------------

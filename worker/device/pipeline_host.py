@@ -17,10 +17,13 @@ from pathlib import Path
 
 import torch
 
+from diffq.core.adapters import AdapterLayout
 from diffq.core.contract import BatchItem, BatchParams, ShapeKey
 from diffq.core.families import Family, FamilyError, family_for_class
 from diffq.core.records import DEGENERATE_CHECKS, FLAT_MAX_LEVELS
 from diffq.worker.device import dynamo_quirks
+from diffq.worker.device.adapters import (AdapterCache, AdapterOrderError,  # noqa: F401 (hooks: permanent errors)
+                                          AdapterSlot, AdapterUnsupported)
 from diffq.worker.delivery import faults
 from diffq.worker.device.backends import COMPILING_MODES, DTYPES, Backend, GraphFallback, resolve
 from diffq.worker.device.models import local_model
@@ -70,6 +73,10 @@ class Generated:
     ended_at: float = 0.0
     # Graphs this call compiled for a shape already served (PipelineHost.recompiles).
     recompiled: int = 0
+    # Graphs this call compiled, its shape's first or not (dynamo's unique_graphs): 0 in steady state.
+    graphs: int = 0
+    # Seconds this call's adapter hot-swap took (0 when the slot already held its adapter).
+    adapter_swap_s: float = 0.0
 
 
 class DeviceTurns:
@@ -152,6 +159,11 @@ class PipelineHost:
     _threads: threading.local = field(default_factory=threading.local, repr=False, compare=False)
     # Each pipeline set to its batch's speed-up before the call (worker/device/speedups.py).
     speedups: Speedups = field(default_factory=Speedups, repr=False, compare=False)
+    # LoRA adapters (worker/device/adapters.py): per model the layout its scaffold is built
+    # to (set before the model loads: `use_adapters`), per loaded pipeline its slot.
+    adapter_layouts: dict = field(default_factory=dict)
+    adapter_slots: dict = field(default_factory=dict, repr=False, compare=False)
+    adapter_cache: AdapterCache = field(default_factory=AdapterCache, repr=False, compare=False)
 
     @property
     def compiles(self) -> bool:
@@ -168,6 +180,18 @@ class PipelineHost:
         else:
             torch.accelerator.set_device_index(self._device_index)
         self._threads.bound = True
+
+    def use_adapters(self, model: str, layout: AdapterLayout) -> None:
+        """Serve LoRA adapters of `layout` on `model`: its scaffold goes in when the model
+        loads, before it compiles. Refused where the backend table says a swap may not keep
+        the graphs, and for a model already loaded with another layout (its graphs are made)."""
+        if reason := self.backend.adapter_refusal(self.compile_mode):
+            raise AdapterUnsupported(reason)
+        loaded = [key for key in self._pipelines if key[0] == model]
+        if loaded and self.adapter_layouts.get(model) != layout:
+            raise AdapterOrderError(f"model {model} is loaded (and compiled) without this adapter layout; the "
+                                    f"scaffold must go in before compiling: a new worker process serves it")
+        self.adapter_layouts[model] = layout
 
     def pipeline(self, model: str, dtype: str):
         self._on_this_thread()
@@ -212,6 +236,8 @@ class PipelineHost:
         else:
             pipe.to(device)
         pipe.set_progress_bar_config(disable=True)
+        if (layout := self.adapter_layouts.get(model)) is not None:
+            self.adapter_slots[(model, dtype)] = AdapterSlot.install(pipe, layout, self.adapter_cache)
         self._compile(pipe, family)
         self._families[(model, dtype)] = family
         log.info("loaded %s (%s) on %s in %.1fs", model, type(pipe).__name__,
@@ -291,6 +317,7 @@ class PipelineHost:
             graphs_before = graphs_compiled()
             fallbacks_before = fallback_count(self.backend.graph_fallback)
             self.speedups.apply(pipe, speedup, params.num_inference_steps)
+            swap_s = self._apply_adapters(pipe, shape, params)
             started = time.perf_counter()
             try:
                 with torch.inference_mode():
@@ -308,6 +335,8 @@ class PipelineHost:
             record_extra = self.group.agree(images) if leader else {}
             if shape.model in self.revisions:
                 record_extra = {**record_extra, "model_revision": self.revisions[shape.model]}
+            if swap_s:
+                record_extra = {**record_extra, "adapter_swap_s": round(swap_s, 4)}
             ended_at = time.time()
             graphs = graphs_compiled() - graphs_before
             compiled = new_shape and self.compiles
@@ -323,7 +352,19 @@ class PipelineHost:
             log.warning("shape %s compiled %d more graph(s) after its first batch", shape.label, recompiled)
         return Generated(images=images[: len(items)], generate_s=elapsed, compiled=compiled,
                          record_extra=record_extra, graph_fallbacks=fallbacks, degenerate=degenerate[: len(items)],
-                         started_at=started_at, ended_at=ended_at, recompiled=recompiled)
+                         started_at=started_at, ended_at=ended_at, recompiled=recompiled, graphs=graphs,
+                         adapter_swap_s=swap_s)
+
+    def _apply_adapters(self, pipe, shape: ShapeKey, params: BatchParams) -> float:
+        """The batch's adapter into its pipeline's slot (on the device's turn: a call may be
+        running on the other thread); the swap's seconds."""
+        slot = self.adapter_slots.get((shape.model, self.backend.dtype_for(shape.dtype)))
+        if slot is None:
+            if params.adapters:
+                raise AdapterUnsupported(f"model {shape.model} was loaded without an adapter slot: the scaffold "
+                                         f"must go in before compiling (PipelineHost.use_adapters)")
+            return 0.0
+        return slot.apply(pipe, params.adapters)
 
     def warmup(self, shapes: list[ShapeKey]) -> None:
         """Compile `shapes` before consuming, so no batch waits on a compile."""

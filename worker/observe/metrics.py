@@ -57,6 +57,21 @@ MODEL_FETCH_BYTES = Counter("diffq_model_fetch_bytes", "Bytes of models fetched 
                             ["hit"], registry=REGISTRY)
 BUSY = Gauge("diffq_device_busy_ratio", "Share of recent wall time the device spent generating",
              registry=REGISTRY)
+# What the fleet's alert rules (diffq/app/monitoring.py) watch beside the above.
+UPLOAD_FAILURES = Counter("diffq_upload_failures",
+                          "Stores into the run folder that failed (the batch handed back or retried without "
+                          "using an attempt)", ["stage"], registry=REGISTRY)
+LEASE_LAPSES = Counter("diffq_lease_lapses", "Deliveries held past DIFFQ_MAX_HOLD_S and left to lapse",
+                       registry=REGISTRY)
+REDELIVERIES = Counter("diffq_redeliveries",
+                       "Batches the broker delivered again (not retries): a holder lost them (a lost host's "
+                     "lapsed lease) or handed them back",
+                       ["queue"], registry=REGISTRY)
+DEAD_LETTERS = Counter("diffq_dead_letters", "Deliveries this process dead-lettered, by reason", ["reason"],
+                       registry=REGISTRY)
+RESTARTS = Gauge("diffq_worker_restarts",
+                 "Times the supervisor restarted this worker process (or its TP group) since the pod started",
+                 registry=REGISTRY)
 
 
 class BusyWindow:
@@ -124,6 +139,34 @@ def observe_failure(queue: str, n: int) -> None:
 def observe_degenerate(queue: str, kind: str, n: int = 1) -> None:
     """After a batch in which a check found `n` degenerate images of this kind."""
     DEGENERATE.labels(queue, kind).inc(n)
+
+
+def observe_upload_failure(stage: str) -> None:
+    """A store that failed: `store` (the sink's, the batch handed back) or `lookup`
+    (a run-folder read or write on the task's side, retried without an attempt)."""
+    UPLOAD_FAILURES.labels(stage).inc()
+
+
+def observe_lease_lapse() -> None:
+    LEASE_LAPSES.inc()
+
+
+def observe_redelivery(queue: str) -> None:
+    REDELIVERIES.labels(queue).inc()
+
+
+def observe_dead_letter(reason: str) -> None:
+    DEAD_LETTERS.labels(reason).inc()
+
+
+def observe_restarts(restarts: int) -> None:
+    RESTARTS.set(restarts)
+
+
+def follower() -> None:
+    """A tensor-parallel rank that follows its leader: the group's device time is the
+    leader's series; a follower's 0 would pull a pool's mean busy ratio down."""
+    REGISTRY.unregister(BUSY)
 
 
 def start_server(port: int, addr: str = "0.0.0.0") -> int:

@@ -43,6 +43,10 @@ class ChildSpec(BaseModel):
     name: str
     device: str = "cpu"
     slot: int = 0  # the device index this process is pinned to
+    # The process's place among its pod's processes (0..n-1, whatever devices the plugin
+    # allocated): its metrics port is DIFFQ_METRICS_PORT + this, the pod's named ports.
+    position: int = 0
+    restarts: int = 0  # times the supervisor restarted it (its metrics say so)
     threads: int = 1
     broker_url: str
     transport_options: dict = Field(default_factory=dict)

@@ -97,7 +97,8 @@ def plan_children(
             membership = ({} if tp == 1 else
                           {"rank": rank, "world_size": tp, "group": group, "group_slots": slots,
                            "master_port": master_port + group})
-            specs.append(ChildSpec(name=name, device=device, slot=slot, threads=threads, broker_url=broker_url,
+            specs.append(ChildSpec(name=name, device=device, slot=slot, position=len(specs), threads=threads,
+                                   broker_url=broker_url,
                                    queues=queues, **membership, **spec_fields))
     if specs:
         specs[0].warmup_shapes()  # an unserved --warmup size fails here, before spawning
@@ -170,6 +171,7 @@ class Supervisor:
             unit.restarts += 1
             unit.next_start = 0.0
             for child in unit.children:
+                child.spec.restarts = unit.restarts
                 self._start(child)
 
     def _tear_down(self, unit: Unit, alive: list[Child], now: float) -> None:

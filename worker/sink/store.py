@@ -138,6 +138,9 @@ def provenance(message: BatchMessage, item, size: tuple[int, int], model_revisio
         "model": message.shape.model,
         "model_revision": model_revision,  # an object-storage model's (core/model_store.py)
         "speedup": message.params.speedup,
+        # The LoRA adapters, each path, scale and pinned revision (JSON: a list).
+        "adapters": json.dumps([adapter.model_dump(mode="json") for adapter in message.params.adapters])
+        if message.params.adapters else None,
         "diffq_version": __version__,
     }
     return {key: value for key, value in fields.items() if value is not None}

@@ -45,6 +45,10 @@ def manifests(
     model_cache_gib: Annotated[int, typer.Option("--model-cache-gib", min=1, help="Pools of s3:// / gs:// models: the size of each pod's node-local model cache (an emptyDir on the node's disk)")] = 200,
     out: Annotated[Optional[str], typer.Option("--out", help="Write <name>.yaml per shape here instead of stdout")] = None,
     feeds: Feeds = None,
+    monitoring: Annotated[bool, typer.Option("--monitoring", help="Also render the Prometheus Operator's PodMonitor (every worker process and the backlog service), a PrometheusRule of alerts and a Grafana dashboard ConfigMap (kube-prometheus-stack)")] = False,
+    alert: Annotated[Optional[list[str]], typer.Option("--alert", help="With --monitoring: an alert threshold, NAME=VALUE (repeat), e.g. stall_minutes=45; docs/fleet.md lists them and their defaults")] = None,
+    price_per_device_hour: Annotated[Optional[float], typer.Option("--price-per-device-hour", min=0.0, help="With --monitoring: the dashboard's cost per 1,000 images (else device-hours per 1,000 images)")] = None,
+    monitoring_release: Annotated[str, typer.Option("--monitoring-release", help="With --monitoring: the `release` label kube-prometheus-stack's Prometheus selects monitors and rules by")] = "kube-prometheus-stack",
 ) -> None:
     """Worker Deployments + KEDA ScaledObjects from the producer's shape keys (per shape,
     or per model where workers discover their queues), the shared cache PVC, KEDA's
@@ -77,6 +81,14 @@ def manifests(
                                 max_sequence_length=max_sequence_length, guidance_scale=guidance_scale,
                                 dtype=dtype.value)
         rendered = fleet.render(keys, options)
+        if monitoring:
+            from diffq.app import monitoring as monitors
+
+            monitors.attach(rendered, options, monitors.MonitoringOptions(
+                thresholds=monitors.parse_thresholds(alert or []), release=monitoring_release,
+                price_per_device_hour=price_per_device_hour))
+        elif alert or price_per_device_hour is not None:
+            raise ValueError("--alert and --price-per-device-hour shape what --monitoring renders: add --monitoring")
     except ValueError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2)
@@ -164,8 +176,13 @@ def backlog(
     if feeds:
         feeder = Feeder(CeleryPublisher(broker), feeds)
         threading.Thread(target=feeder.serve, args=(stop,), name="diffq-feeder", daemon=True).start()
+    from diffq.app.queues import queue_report
+    from diffq.app.run_metrics import RunMetrics, registry
+
+    run_metrics = RunMetrics(feeder.runs if feeder else list, feeder=feeder, queues=lambda: queue_report(
+        broker, timeout=0, rabbitmq_api=api, unpublished=feeder.unpublished() if feeder else None))
     server = serve(Backlog(lambda: model_backlogs(broker, api, feeder.unpublished() if feeder else None)),
-                   host, port)
+                   host, port, metrics=registry(run_metrics))
     typer.echo(f"backlog on http://{host}:{server.server_address[1]}/backlog"
                + (f", feeding the runs listed in {feeds}" if feeds else ""), err=True)
     try:

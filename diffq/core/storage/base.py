@@ -105,6 +105,11 @@ class Storage(ABC):
     def get_bytes(self, key: str) -> bytes:
         """The object's content; raises NotFound."""
 
+    def get_range(self, key: str, start: int, length: int) -> bytes:
+        """`length` bytes of the object from `start` (fewer at its end); raises NotFound.
+        Object stores read only those bytes (a ranged GET): a file's header without the file."""
+        return self.get_bytes(key)[start:start + length]
+
     @abstractmethod
     def exists(self, key: str) -> bool: ...
 

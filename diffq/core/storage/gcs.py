@@ -98,6 +98,14 @@ class GCSStorage(BucketStorage):
         with self._errors("get", key):
             return blob.download_as_bytes(retry=DEFAULT_RETRY)
 
+    def get_range(self, key, start, length):
+        if length <= 0:
+            return b""
+        blob = self._blob(key)
+        with self._errors("get", key):
+            # `end` is inclusive (google-cloud-storage Blob.download_as_bytes).
+            return blob.download_as_bytes(start=start, end=start + length - 1, retry=DEFAULT_RETRY)
+
     def exists(self, key):
         blob = self._blob(key)
         with self._errors("exists", key):

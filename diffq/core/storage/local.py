@@ -80,6 +80,12 @@ class LocalStorage(Storage):
         with self._errors("get", key):
             return path.read_bytes()
 
+    def get_range(self, key, start, length):
+        path = self._path(key)
+        with self._errors("get", key), path.open("rb") as f:
+            f.seek(start)
+            return f.read(length)
+
     def exists(self, key):
         return self._path(key).is_file()
 

@@ -71,8 +71,10 @@ class S3Storage(BucketStorage):
             os.environ.get("AWS_MAX_ATTEMPTS") or DEFAULT_MAX_ATTEMPTS
         )
         self.retry_mode = retry_mode or os.environ.get("AWS_RETRY_MODE") or "standard"
-        # Defaults: 8 MiB threshold and parts, 10 threads per transfer.
-        self.transfer_config = TransferConfig()
+        # Defaults: 8 MiB threshold and parts, 10 threads per transfer. "classic": with
+        # awscrt installed (boto3[crt], for CRC64NVME) boto3 may otherwise switch to its
+        # CRT transfer manager on its own, which takes none of these settings.
+        self.transfer_config = TransferConfig(preferred_transfer_client="classic")
 
     def _make_client(self):
         config = Config(
@@ -131,6 +133,15 @@ class S3Storage(BucketStorage):
         name = self._name(key)
         with self._errors("get", key):
             response = self._get_client().get_object(Bucket=self.bucket_name, Key=name)
+            return response["Body"].read()
+
+    def get_range(self, key, start, length):
+        if length <= 0:
+            return b""
+        name = self._name(key)
+        with self._errors("get", key):
+            response = self._get_client().get_object(Bucket=self.bucket_name, Key=name,
+                                                     Range=f"bytes={start}-{start + length - 1}")
             return response["Body"].read()
 
     def exists(self, key):
