@@ -16,10 +16,10 @@ import pytest
 from kombu import Connection
 
 from diffq.app.queues import queue_report
-from diffq.core.broker import TASK_NAME, make_celery
+from diffq.core.brokers.base import TASK_NAME, make_celery
 from diffq.core.contract import BatchItem, BatchMessage, BatchParams, ShapeKey
 from diffq.core.signing import HEADER, Keys, canonical
-from diffq.core.transports import DEAD_LETTERS
+from diffq.core.brokers.base import DEAD_LETTERS
 from diffq.worker.delivery.admission import Admission, RunScope
 from tests.test_dead_letters import task_body
 

@@ -9,7 +9,7 @@ admits a batch only when, in this order:
             altered or replayed batch goes no further;
 2. a batch  it is a diffq batch (the message schema);
 3. its queue's  its shape key names the queue it arrived on, as the broker or
-            transport saw it (core/transports.py `arrival`): model, size, batch,
+            transport saw it (the broker object's `arrival`, core/brokers/): model, size, batch,
             sequence length, CFG and dtype are what the queue says;
 4. its run's  with `--run OUT` (and in `diffq run`), its run folder is that run's and
             its run id that run's; otherwise its run folder lies under
