@@ -163,6 +163,7 @@ class RunFeed:
         self._batches: dict[str, Iterator[tuple[EncodedBatch, list[str]]]] = {}
         self._outstanding: dict[str, dict[str, list[str]]] = {}  # queue -> published, not settled
         self.cancelled = False
+        self.loaded = False  # one whole pass done: its counts are known
 
     @property
     def unpublished(self) -> dict[str, int]:
@@ -193,13 +194,15 @@ class RunFeed:
         if batches is None:
             fed = self.state.queues[queue]
             batches = self._batches[queue] = source_batches(self.storage, self.source, queue, fed.prefix)
-            outstanding = self._outstanding[queue] = {}
+            outstanding = {}
             for _ in range(self.published[queue]):
                 taken = next(batches, None)
                 if taken is None:
                     break
                 if not self.summary.settled(taken[0].batch_id, taken[1]):
                     outstanding[taken[0].batch_id] = taken[1]
+            # Whole, or not at all: the backlog service reads it from another thread.
+            self._outstanding[queue] = outstanding
         return batches
 
     def feed_once(self) -> int:
@@ -231,6 +234,7 @@ class RunFeed:
         if sent:
             self.publisher.flush()  # in the broker before it is marked
             self.mark()
+        self.loaded = True
         return sent
 
     def mark(self) -> None:
@@ -383,11 +387,12 @@ class Feeder:
         return dict(self._unpublished)
 
     def runs_fed(self) -> list[dict]:
-        """Per run fed: its batches in the broker (published, not settled) and in OUT."""
+        """Per run fed, once a whole pass has counted it: its batches in the broker (published,
+        not settled) and in OUT."""
         return [{"out": out, "run_id": run.state.run_id,
                  "in_broker": sum(len(batches) for batches in run._outstanding.values()),
                  "in_out": sum(run.unpublished.values())}
-                for out, run in list(self._runs.items()) if not run.cancelled]
+                for out, run in list(self._runs.items()) if run.loaded and not run.cancelled]
 
     def serve(self, stop, poll_s: float = POLL_S) -> None:
         """Passes every `poll_s` until `stop` (a threading.Event) is set."""
