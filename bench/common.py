@@ -14,7 +14,7 @@ from pathlib import Path
 @contextlib.contextmanager
 def redis_server(workdir: Path) -> Iterator[str]:
     """A private redis-server for one benchmark; yields its URL."""
-    from tests.servers import RedisServer
+    from diffq.testing.servers import RedisServer
 
     with RedisServer(workdir / "redis") as server:
         yield server.url
@@ -23,7 +23,7 @@ def redis_server(workdir: Path) -> Iterator[str]:
 @contextlib.contextmanager
 def s3_bucket(workdir: Path, bucket: str = "bench") -> Iterator[str]:
     """moto's S3 server with one bucket; the standard AWS_* variables point at it."""
-    from tests.servers import S3Server
+    from diffq.testing.servers import S3Server
 
     with S3Server(workdir / "moto") as server:
         os.environ.update(AWS_ENDPOINT_URL=server.endpoint, AWS_ACCESS_KEY_ID="bench",

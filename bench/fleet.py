@@ -11,7 +11,7 @@ all its queues; `listing`, the fleet's shared listing (the transport table's
 `shared_depths`) with idle workers still blocking everywhere; `after`, the listing,
 and an idle worker blocks on the shapes it has compiled (worker/delivery/routing.py now).
 
-What is real: one redis-server (tests/servers.py) with diffq's broker options (the
+What is real: one redis-server (diffq/testing/servers.py) with diffq's broker options (the
 transport table, through `make_celery`), and for every simulated worker its own kombu
 Redis connection with a kombu Consumer whose BRPOPs kombu's own poller
 (MultiChannelPoller) sends and reads; worker/delivery/routing.py's `Router` and `Discovery` on

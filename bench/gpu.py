@@ -597,7 +597,7 @@ def child_speedups(spec: dict) -> dict:
     from diffq.app.qualify import Settings, fidelity, offered_speedups
     from diffq.core.contract import BatchItem, BatchParams
     from diffq.core.families import family_of
-    from diffq.worker.device.qualify import image_path
+    from diffq.worker.process.qualify import image_path
 
     host, backend, load_s = _host(spec)
     family = family_of(spec["model"])

@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     from diffq.core.settings import Settings
     from diffq.worker.device import model_fetch
-    from tests.servers import S3Server
+    from diffq.testing.servers import S3Server
 
     parts = [int(mb) * MiB for mb in args.part_mb.split(",") if mb] or [model_fetch.PART_BYTES]
     rounds = []

@@ -73,7 +73,7 @@ STEPS = [
     ("diffq.worker.delivery.celery_adapter", "generate_batch", "task"),
     ("diffq.worker.delivery.batches", "BatchLine.received", "received"),
     ("diffq.core.contract", "BatchMessage.from_json_payload", "validate message"),
-    ("diffq.worker.process.runtime", "Runtime.storage_for", "storage"),
+    ("diffq.worker.delivery.runtime", "Runtime.storage_for", "storage"),
     ("diffq.worker.delivery.hooks", "Cancel.on_received", "cancel check"),
     ("diffq.worker.delivery.hooks", "Metrics.before_generate", "metrics before"),
     ("diffq.worker.device.pipeline_host", "PipelineHost.generate", "host call"),

@@ -181,7 +181,7 @@ def install() -> None:
 def device_child_main(spec_json: str) -> None:
     """The supervisor's child entry point with the stand-in installed (spawned)."""
     from diffq.worker.process.child import child_main
-    from diffq.worker.process.spec import ChildSpec
+    from diffq.worker.delivery.spec import ChildSpec
 
     # Pin first, as child_main does, since installing imports torch.
     os.environ.update(ChildSpec.model_validate_json(spec_json).env())

@@ -2,7 +2,7 @@ import os
 
 import pytest
 
-# Real servers on loopback (redis-server, moto, fake-gcs-server, a RabbitMQ node), see tests/servers.py.
+# Real servers on loopback (redis-server, moto, fake-gcs-server, a RabbitMQ node): diffq/testing/servers.py, as fixtures by tests/servers.py.
 pytest_plugins = ["tests.servers"]
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

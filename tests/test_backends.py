@@ -20,7 +20,7 @@ from diffq.core.contract import ShapeKey, queue_name
 from diffq.worker.device import compile_cache
 from diffq.worker.device.backends import (BACKENDS, COMPILING_MODES, DTYPES, REFERENCE, Placement, RunConfig, device_count,
                                    get_backend, parse_devices)
-from diffq.worker.process.spec import ChildSpec
+from diffq.worker.delivery.spec import ChildSpec
 from diffq.worker.process.supervisor import Supervisor, plan_children
 
 WORKER_DIR = Path(__file__).resolve().parents[1] / "worker"

@@ -30,7 +30,7 @@ from diffq.worker.device import compile_cache
 from diffq.worker.device.compile_cache import CacheSync, mirrored, plan_cache
 from diffq.core.families import Family, StableDiffusion3
 from diffq.worker.device.pipeline_host import CompileUnsupported, PipelineHost
-from diffq.worker.process.spec import ChildSpec
+from diffq.worker.delivery.spec import ChildSpec
 
 GRAPHS: dict[str, list] = {"neuron": [], "tpu": []}
 
@@ -402,7 +402,7 @@ def test_cpu_vector_isa_probes_run_beside_the_load_and_import_nothing_there(tmp_
 import importlib, sys
 from diffq.worker.device.backends import BACKENDS
 from diffq.worker.process.child import _warm_in_background
-from diffq.worker.process.spec import ChildSpec
+from diffq.worker.delivery.spec import ChildSpec
 cpu = BACKENDS["cpu"]
 assert _warm_in_background(ChildSpec(name="e", broker_url="memory://", queues=["q"])) is None
 (module, name), = cpu.warm_in_background
@@ -490,7 +490,7 @@ def test_inductor_cache_second_worker_compiles_nothing_new(tiny_model, tmp_path)
     # AOTAutograd's cache too: the second process re-traces only with dynamo.
     assert warm["compile"]["cache"].get("autograd_cache_hit", 0) == cold["compile"]["cache"]["autograd_cache_saved"]
     assert warm["compile"]["graphs"] == cold["compile"]["graphs"] and warm["compile"]["recompiles"] == 0
-    # Neither start walked the whole heap (worker/process/heap.py); both serve with collection
+    # Neither start walked the whole heap (worker/observe/heap.py); both serve with collection
     # on, their start's objects kept out of its walks.
     for start in (cold, warm):
         assert start["heap"]["full_collections"] == 0 and start["heap"]["collecting"]

@@ -254,8 +254,8 @@ def test_a_bare_worker_on_a_network_broker_refuses_without_a_scope(make_redis_se
 def test_a_worker_told_no_models_loads_only_those_its_runs_manifest_names(tmp_path):
     from diffq.worker.device.backends import get_backend
     from diffq.worker.device.pipeline_host import PipelineHost
-    from diffq.worker.process.runtime import Runtime
-    from diffq.worker.process.spec import ChildSpec
+    from diffq.worker.delivery.runtime import Runtime
+    from diffq.worker.delivery.spec import ChildSpec
     from diffq.worker.sink.store import Sink
 
     run = open_storage(str(tmp_path / "run"))

@@ -4,7 +4,7 @@ what status, retry-failed, the report and the metrics say about them.
 
 The checks on synthetic tensors; the policy through the task's own step on the real
 sink (counts cross-checked against a full scan, tests/test_progress.py); the tiny
-pipeline with the NaN and flat fault hooks (worker/delivery/faults.py) in-process; and end to
+pipeline with the NaN and flat fault hooks (worker/device/faults.py) in-process; and end to
 end through real worker processes (Redis) and `diffq run`.
 """
 
@@ -31,7 +31,7 @@ from diffq.worker.observe import metrics
 from diffq.worker.device.backends import BACKENDS
 from diffq.worker.device.pipeline_host import Generated, PipelineHost, checked_arrays, to_arrays
 from diffq.worker.sink.store import DEGENERATE_KEY, Sink
-from diffq.worker.process.spec import DEGENERATE_POLICIES, ChildSpec
+from diffq.worker.delivery.spec import DEGENERATE_POLICIES, ChildSpec
 from diffq.worker.delivery.tasks import set_aside_degenerate
 from tests.helpers import MEASURED, assert_run_complete, diffq, start_workers, wait_until
 from tests.test_browser import browser, measure, screenshot  # noqa: F401 - `browser` is a fixture

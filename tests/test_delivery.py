@@ -264,8 +264,8 @@ class StubTask:
 
 @pytest.fixture
 def make_runtime(tmp_path):
-    from diffq.worker.process.spec import ChildSpec
-    from diffq.worker.process.runtime import Runtime
+    from diffq.worker.delivery.spec import ChildSpec
+    from diffq.worker.delivery.runtime import Runtime
 
     def make(host: StubHost) -> Runtime:
         spec = ChildSpec(name="w", broker_url="memory://", queues=[SHAPE.queue])

@@ -23,7 +23,7 @@ from diffq.producer.submit import submit
 from diffq.worker.delivery.routing import Discovery, startup_queues
 from diffq.worker.process.supervisor import Supervisor, plan_children
 from tests.helpers import wait_until
-from tests.servers import free_port
+from diffq.testing.servers import free_port
 
 runner = CliRunner()
 

@@ -15,11 +15,11 @@ from diffq.core.storage import open_storage
 from diffq.worker.delivery import hooks
 from diffq.worker.observe import metrics
 from diffq.worker.delivery.outcomes import Outcome
-from diffq.worker.delivery.faults import PoisonedPrompt
+from diffq.worker.device.faults import PoisonedPrompt
 from diffq.worker.delivery.hooks import Batch, BatchHook, Cancel, Faults, Metrics, Retries, backoff_s, default_hooks
 from diffq.worker.device.pipeline_host import FamilyUnsupported, Generated
-from diffq.worker.process.spec import ChildSpec
-from diffq.worker.process.runtime import Runtime
+from diffq.worker.delivery.spec import ChildSpec
+from diffq.worker.delivery.runtime import Runtime
 from diffq.worker.delivery.tasks import generate_batch
 from tests.test_delivery import SHAPE, Retried, StubHost, StubSink, StubTask, batch
 

@@ -634,7 +634,7 @@ def test_drain_timeout_ends_before_the_grace_period(device, grace):
     """SIGTERM: the worker finishes or hands back its batch within --drain-timeout and
     exits 0, so Kubernetes never has to SIGKILL it at the end of the grace period."""
     from diffq.worker.device.backends import BACKENDS
-    from diffq.worker.process.spec import DRAIN_MARGIN_S, DRAIN_TIMEOUT_S
+    from diffq.worker.delivery.spec import DRAIN_MARGIN_S, DRAIN_TIMEOUT_S
 
     docs = render_cli("--model", "m", "--shapes", "1024x1024", "--batch-size", "1", "--device", device,
                       *(["--grace-seconds", grace] if grace else []))

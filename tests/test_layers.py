@@ -7,6 +7,12 @@ between modules at module level (imports inside functions are deferred on purpos
 the CLI keeps torch and Celery out of commands that do not need them). `bench/` sits
 on top of everything; it may import any layer, but none of its modules may come back
 round to itself, not even through an import inside a function.
+
+Inside `diffq.worker` its packages are ordered too, bottom up (`WORKER_ORDER`): a
+module imports only its own package and those below it, even inside a function, so no
+two worker packages import each other. `diffq.app` reaches the worker only through
+`diffq.worker.api`. `diffq.testing` (the loopback servers) is for the suite and bench/
+only, and bench/ imports nothing from tests/.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ FOLDERS = {"diffq": ROOT / "diffq", "diffq.producer": ROOT / "producer", "diffq.
            "bench": ROOT / "bench"}
 
 LAYER = {"diffq.core": 0, "diffq.producer": 1, "diffq.worker": 1, "diffq.results": 1, "diffq.app": 2, "diffq": 3,
-         "bench": 4}
+         "bench": 4, "diffq.testing": 5}
 # What each layer may import besides itself; the root package (`diffq`, which holds
 # only `__version__`) is open to all.
 ALLOWED = {
@@ -31,10 +37,18 @@ ALLOWED = {
     "diffq.worker": {"diffq", "diffq.core"},
     "diffq.results": {"diffq", "diffq.core"},
     "diffq.app": {"diffq", "diffq.core", "diffq.producer", "diffq.worker", "diffq.results"},
-    "diffq": set(LAYER) - {"bench"},
+    "diffq": set(LAYER) - {"bench", "diffq.testing"},
     "bench": set(LAYER),
+    # The loopback servers the suite and bench/ share: outside the runtime layers (none
+    # of them may import it), importing none of them.
+    "diffq.testing": {"diffq.testing"},
 }
 OURS = ("diffq", "bench")
+# The worker's packages, bottom up: what a process says and keeps about itself; the
+# device; the sink (stores what the device made); a batch's delivery (lives a batch
+# on the device and the sink); the processes (compose the rest into a worker).
+WORKER_ORDER = ("observe", "device", "sink", "delivery", "process")
+WORKER_SURFACE = "diffq.worker.api"
 
 
 def _modules() -> dict[str, Path]:
@@ -178,3 +192,103 @@ def test_every_api_name_resolves():
 
     for name in api.__all__:
         assert callable(getattr(api, name)), name
+
+
+def worker_package(module: str) -> str | None:
+    """The worker package `module` is in (`diffq.worker.<package>...`), else None."""
+    parts = module.split(".")
+    return parts[2] if parts[:2] == ["diffq", "worker"] and len(parts) > 2 and parts[2] in WORKER_ORDER else None
+
+
+def worker_edges(graph: dict[str, set[str]]) -> set[tuple[str, str]]:
+    """The pairs (package, package it imports) between the worker's packages in `graph`."""
+    return {(worker_package(a), worker_package(b)) for a, targets in graph.items() for b in targets
+            if worker_package(a) and worker_package(b) and worker_package(a) != worker_package(b)}
+
+
+def worker_order_faults(graph: dict[str, set[str]]) -> list[str]:
+    """Every import in `graph` from a worker package to one above it, and every pair of
+    worker packages that import each other."""
+    rank = {package: i for i, package in enumerate(WORKER_ORDER)}
+    edges = worker_edges(graph)
+    faults = [f"{a} imports {b} both ways" for a, b in sorted(edges) if a < b and (b, a) in edges]
+    faults += [f"{a} -> {b}" for a, targets in sorted(graph.items()) for b in sorted(targets)
+               if worker_package(a) and worker_package(b) and rank[worker_package(a)] < rank[worker_package(b)]]
+    return faults
+
+
+def test_the_worker_packages_are_all_ordered():
+    found = {path.name for path in FOLDERS["diffq.worker"].iterdir() if (path / "__init__.py").exists()}
+    assert found == set(WORKER_ORDER)
+
+
+def test_worker_packages_import_in_one_direction():
+    graph = {module: {t for t in imports(module, path, top_level_only=False) if t in MODULES}
+             for module, path in MODULES.items() if worker_package(module)}
+    assert not (faults := worker_order_faults(graph)), faults
+
+
+def test_the_worker_order_check_can_fail():
+    """Run over edges the tree had before the order: each two-way pair is reported."""
+    before = {"diffq.worker.process.runtime": {"diffq.worker.delivery.lease", "diffq.worker.sink.helper"},
+              "diffq.worker.delivery.tasks": {"diffq.worker.process.runtime"},
+              "diffq.worker.device.pipeline_host": {"diffq.worker.delivery.faults"},
+              "diffq.worker.delivery.hooks": {"diffq.worker.device.models"},
+              "diffq.worker.sink.helper": {"diffq.worker.process.heap"},
+              "diffq.worker.device.qualify": {"diffq.worker.sink.store", "diffq.worker.process.spec"},
+              "diffq.worker.sink.store": {"diffq.worker.device.backends"},
+              "diffq.worker.process.child": {"diffq.worker.device.pipeline_host"}}
+    faults = worker_order_faults(before)
+    assert {"delivery imports process both ways", "delivery imports device both ways",
+            "device imports sink both ways", "process imports sink both ways",
+            "device imports process both ways"} <= set(faults)
+    assert "diffq.worker.delivery.tasks -> diffq.worker.process.runtime" in faults
+    assert not worker_order_faults({"diffq.worker.process.child": {"diffq.worker.delivery.runtime"}})
+
+
+def app_reaches_into_worker(module: str, path: Path) -> list[str]:
+    """The worker modules other than its public surface that `module` imports."""
+    return sorted(t for t in imports(module, path, top_level_only=False)
+                  if layer_of(t) == "diffq.worker" and t not in (WORKER_SURFACE, "diffq.worker"))
+
+
+def test_the_app_reaches_the_worker_only_through_its_surface():
+    app = {module: path for module, path in MODULES.items() if layer_of(module) == "diffq.app"}
+    bad = {module: found for module, path in app.items() if (found := app_reaches_into_worker(module, path))}
+    assert not bad, f"import the worker through {WORKER_SURFACE}: {bad}"
+
+
+def test_the_surface_check_can_fail(tmp_path):
+    path = tmp_path / "bad.py"
+    path.write_text("def f():\n    from diffq.worker.process.supervisor import Supervisor\n")
+    assert app_reaches_into_worker("diffq.app.bad", path) == ["diffq.worker.process.supervisor"]
+
+
+def test_every_worker_surface_name_resolves():
+    """The surface's names point at what exists after any move inside the worker."""
+    import importlib
+
+    from diffq.worker import api
+
+    assert set(api.__all__) == {*api.SURFACE, "QUALIFY_MAIN"}
+    for name in api.SURFACE:
+        assert getattr(api, name) is not None, name
+    assert importlib.util.find_spec(api.QUALIFY_MAIN) is not None
+
+
+def imports_of_tests(path: Path) -> list[str]:
+    """The `tests` modules `path` imports, even inside a function."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        names = ([alias.name for alias in node.names] if isinstance(node, ast.Import)
+                 else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+        found += [name for name in names if name == "tests" or name.startswith("tests.")]
+    return found
+
+
+def test_bench_imports_nothing_from_tests(tmp_path):
+    bench = {module: path for module, path in MODULES.items() if layer_of(module) == "bench"}
+    bad = {module: found for module, path in bench.items() if (found := imports_of_tests(path))}
+    assert not bad, f"bench/ shares the test servers through diffq.testing, not tests/: {bad}"
+    (tmp_path / "bad.py").write_text("def f():\n    from tests.servers import RedisServer\n")
+    assert imports_of_tests(tmp_path / "bad.py") == ["tests.servers"]  # the check can fail

@@ -20,7 +20,7 @@ from diffq.core.settings import Settings
 from diffq.core.storage import open_storage
 from tests.helpers import diffq
 from tests.proxy import CorruptingProxy
-from tests.servers import unique_bucket_name
+from diffq.testing.servers import unique_bucket_name
 from diffq.worker.device import model_fetch
 from diffq.worker.device.model_fetch import COMPLETE, FetchRefused, fetch
 
@@ -273,9 +273,9 @@ def test_a_worker_refuses_a_run_pinned_to_another_revision_than_it_loaded(tmp_pa
     from diffq.core.storage import open_storage as storage_of
     from diffq.worker.device.backends import get_backend
     from diffq.worker.device.pipeline_host import PipelineHost
-    from diffq.worker.process.runtime import Runtime
+    from diffq.worker.delivery.runtime import Runtime
     from diffq.worker.sink.store import Sink
-    from diffq.worker.process.spec import ChildSpec
+    from diffq.worker.delivery.spec import ChildSpec
 
     url = "s3://models/flux2"
     run = storage_of(str(tmp_path / "run"))
@@ -339,7 +339,7 @@ def test_a_start_clock_says_its_phases_once_in_a_log_line_metrics_and_the_run_fo
 
     from diffq.core.records import START_PHASES, WorkerStart
     from diffq.worker.observe import metrics
-    from diffq.worker.process.startup import StartClock
+    from diffq.worker.observe.startup import StartClock
 
     clock = StartClock("w0")
     for phase in ("imports", "compile_cache_pull", "load"):

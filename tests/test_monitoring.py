@@ -26,7 +26,7 @@ from typer.testing import CliRunner
 from diffq.app import monitoring
 from diffq.app.cli import app
 from diffq.worker.device.backends import get_backend
-from tests.servers import free_port, missing
+from diffq.testing.servers import free_port, missing
 
 ROOT = Path(__file__).resolve().parent.parent
 CRDS = Path(__file__).parent / "data" / "prometheus-operator-crd"

@@ -58,7 +58,7 @@ LIFELINE = r"""
 import multiprocessing, os, signal, sys, time
 
 def child(signum):
-    from diffq.worker.process.lifeline import die_with_parent
+    from diffq.worker.observe.lifeline import die_with_parent
     if signum == signal.SIGTERM:
         signal.signal(signal.SIGTERM, lambda *_: (open(sys.argv[1], "w").write("handed back"), os._exit(0)))
     assert die_with_parent(signum)
@@ -90,7 +90,7 @@ def _alive(pid: int) -> bool:
 
 
 def test_a_worker_child_ends_when_its_parent_is_killed(tmp_path):
-    """PR_SET_PDEATHSIG (worker/process/lifeline.py): SIGTERM for a consumer, which hands back
+    """PR_SET_PDEATHSIG (worker/observe/lifeline.py): SIGTERM for a consumer, which hands back
     what it holds first; SIGKILL for a tensor-parallel follower, which holds nothing."""
     import os
     import signal

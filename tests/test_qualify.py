@@ -27,7 +27,7 @@ from diffq.app.cli import app
 from diffq.app.qualify import Settings, Thresholds, _child_spec, checks, reduced
 from diffq.core.records import DEGENERATE_CHECKS
 from diffq.worker.device.backends import REFERENCE, RunConfig, get_backend
-from diffq.worker.device.qualify import percentile
+from diffq.worker.process.qualify import percentile
 
 STAND_INS = Path(__file__).parent / "stand_ins"
 SHAPE = "64x64"
@@ -213,7 +213,7 @@ def test_missing_backend_package_fails_the_run_check(tiny_model, tmp_path):
 
 
 def test_a_nan_image_fails_the_run_check(tiny_model, tmp_path):
-    # The second default prompt's output turns NaN in every call (worker/delivery/faults.py), as a
+    # The second default prompt's output turns NaN in every call (worker/device/faults.py), as a
     # miscompiled graph or an overflowing VAE would make it: counted per shape, and fatal.
     code, report, output = qualify("--model", tiny_model, "--shapes", SHAPE, "--batch-size", "2", "--repeats", "1",
                                    "--report", str(tmp_path / "r"), "--json", env={"DIFFQ_FAULT_NAN": "lighthouse"})

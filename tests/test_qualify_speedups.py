@@ -191,7 +191,7 @@ def test_the_cap_keeps_full_compute_at_every_batch_size_then_the_largest_batch()
 def test_out_of_memory_stops_larger_batch_sizes_and_a_failure_is_the_candidates(tmp_path):
     import torch
 
-    from diffq.worker.device.qualify import SpeedupCall, measure_speedups, speedup_image_path
+    from diffq.worker.process.qualify import SpeedupCall, measure_speedups, speedup_image_path
 
     calls = [SpeedupCall(index=i, speedup=s, batch_size=b) for i, (s, b) in enumerate(
         [(None, 1), ("bad", 1), ("ok", 1), (None, 2), ("ok", 2), (None, 4), ("ok", 4)])]

@@ -18,7 +18,7 @@ from diffq.app.cli import app
 from diffq.producer.submit import submit
 from diffq.app.queues import PRIORITY_SEP, queue_report
 from diffq.worker.process.supervisor import Supervisor, plan_children
-from tests.servers import free_port
+from diffq.testing.servers import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = os.path.join(ROOT, "examples", "prompts.jsonl")

@@ -13,7 +13,7 @@ import pytest
 from diffq.core.contract import BatchItem, BatchMessage, BatchParams, ShapeKey
 from diffq.results.status import status
 from diffq.producer.submit import submit
-from diffq.worker.process.spec import ChildSpec
+from diffq.worker.delivery.spec import ChildSpec
 from tests.helpers import assert_run_complete, start_workers, wait_until
 
 SECRET = "s3cr3t-Pa55w0rd"

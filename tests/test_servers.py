@@ -1,5 +1,6 @@
-"""The loopback-server helpers themselves: importable as `tests.servers` (bench uses
-them too), and a missing server fails its tests under CI=true instead of skipping."""
+"""The loopback-server helpers themselves: `diffq.testing.servers` (bench uses them
+too; their fixtures are the `tests.servers` plugin), and a missing server fails its
+tests under CI=true instead of skipping."""
 
 from __future__ import annotations
 
@@ -32,8 +33,9 @@ def test_a_missing_server_skips_locally_and_fails_under_ci(tmp_path):
 
 
 def test_bench_imports_the_servers_without_path_edits():
-    """bench runs as `python -m bench` from the root, where `tests` is a package."""
-    code = ("import sys; before = list(sys.path); import bench, bench.routing; from tests.servers import RedisServer; "
+    """bench runs as `python -m bench` from the root and takes its servers from diffq.testing."""
+    code = ("import sys; before = list(sys.path); import bench, bench.routing; "
+            "from diffq.testing.servers import RedisServer; "
             "assert sys.path == before, set(sys.path) ^ set(before); "
             "assert bench.redis_server.__wrapped__ and RedisServer.name == 'redis'")
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)

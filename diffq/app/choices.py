@@ -9,7 +9,7 @@ from __future__ import annotations
 from enum import Enum
 
 from diffq.core import families
-from diffq.worker.device import backends
+from diffq.worker.api import backends
 
 Device = Enum("Device", {name: name for name in backends.DEVICES}, type=str)
 CompileMode = Enum("CompileMode", {mode.replace("-", "_"): mode for mode in backends.COMPILE_MODES}, type=str)

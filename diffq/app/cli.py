@@ -18,8 +18,8 @@ from diffq.app.options import (DEFAULT_ON_DEGENERATE, AllowFallback, Broker, Com
                                RunId, Routing, SeedBase, Threads, Warmup, Window, check_compile, device_options, err,
                                fail, generation_options, local_worker_options, out)
 from diffq.core.settings import get_settings
-from diffq.producer.feed import AUTO, POLL_S, parse_window
-from diffq.worker.process.spec import DRAIN_TIMEOUT_S
+from diffq.producer.feed import AUTO, DEFAULT_WINDOW, POLL_S, parse_window
+from diffq.worker.api import DRAIN_TIMEOUT_S
 
 app = typer.Typer(no_args_is_help=True, add_completion=False,
                   help="Shape-bucketed diffusers image generation over Celery queues.")
@@ -96,7 +96,7 @@ def run(
     from diffq.producer.sources import InputError
     from diffq.producer.submit import RunExists
     from diffq.app.runner import RunFailed, run as run_embedded
-    from diffq.worker.device.models import ModelUnavailable
+    from diffq.worker.api import ModelUnavailable
 
     try:
         workers = local.kwargs()
@@ -236,7 +236,7 @@ def worker(
     group generates each batch together (e.g. --device neuron --cores 0-7 --tp 4:
     two groups of four NeuronCores).
     """
-    from diffq.worker.process.supervisor import Supervisor, plan_children
+    from diffq.worker.api import Supervisor, plan_children
 
     settings = get_settings()
     broker = broker or settings.broker_url
@@ -283,7 +283,7 @@ def _served_queues(broker: str, queues: str | None, run: str | None, model: str 
     if run:
         from diffq.core.runfolder import read_manifest
         from diffq.core.storage import open_storage
-        from diffq.worker.delivery.admission import RunScope
+        from diffq.worker.api import RunScope
 
         storage = open_storage(run)
         manifest = read_manifest(storage)
@@ -292,7 +292,7 @@ def _served_queues(broker: str, queues: str | None, run: str | None, model: str 
         runs = [RunScope.of(storage.url, manifest.run_id)]
     if names:
         return names, models, {}, runs
-    from diffq.worker.delivery.routing import startup_queues
+    from diffq.worker.api import startup_queues
 
     serve = [m for m in (serve_models or "").split(",") if m] or models
     if discover:
@@ -333,7 +333,7 @@ def _say_what_is_admitted(broker: str, specs: list) -> None:
     """On a broker others can publish to, say loudly what this worker lets through
     that a publisher chooses (worker/delivery/admission.py)."""
     from diffq.core.transports import transport_for
-    from diffq.worker.delivery.admission import Admission
+    from diffq.worker.api import Admission
 
     admission = Admission.of(specs[0], get_settings()) if specs else None
     if admission is None or transport_for(broker).keda is None:  # keda: a fleet's broker, reachable by others
@@ -350,7 +350,7 @@ def _child_plans(specs: list, tp: int) -> list[dict]:
 
     if tp == 1:
         return [child_plan(spec) for spec in specs]
-    from diffq.worker.device.tensor_parallel import sharding_plan
+    from diffq.worker.api import sharding_plan
 
     groups = [specs[i:i + tp] for i in range(0, len(specs), tp)]
     return [{
@@ -486,7 +486,7 @@ def resume(
     from diffq.app.runner import RunFailed, resume as resume_embedded
     from diffq.core.runfolder import NotARun
     from diffq.producer.resume import PlanIncomplete
-    from diffq.worker.device.models import ModelUnavailable
+    from diffq.worker.api import ModelUnavailable
 
     if broker or get_settings().broker_url:
         if given := local.given():

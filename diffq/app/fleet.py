@@ -34,8 +34,8 @@ from diffq.core.options import DEFAULTS
 from diffq.core.storage import StorageError, redact_url, split_bucket_url
 from diffq.core.transports import KedaFacts, KedaScaler, Transport, keda_facts, keda_scaler, transport_for
 from diffq.producer.bucketing import RunOptions, shape_of
-from diffq.worker.device.backends import Backend, K8sPod, get_backend
-from diffq.worker.process.spec import DRAIN_MARGIN_S
+from diffq.worker.api import Backend, K8sPod, get_backend
+from diffq.worker.api import DRAIN_MARGIN_S
 from diffq.producer.sources import Prompt
 
 NAMESPACE = "diffq"

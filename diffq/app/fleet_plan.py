@@ -33,7 +33,7 @@ from diffq.core.records import FleetPlanFigures, PlannedShape, UncoveredShape
 from diffq.core.storage import open_storage
 from diffq.producer.submit import Plan
 from diffq.results.report import duration_text
-from diffq.worker.device.backends import get_backend
+from diffq.worker.api import get_backend
 
 
 class RatesError(ValueError):

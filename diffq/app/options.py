@@ -20,8 +20,8 @@ from rich.console import Console
 from diffq.app.choices import CompileMode, Device, Dtype
 from diffq.core.options import GenerationOptions
 from diffq.producer.feed import DEFAULT_WINDOW
-from diffq.worker.device import backends
-from diffq.worker.process.spec import DEFAULT_DEGENERATE_POLICY, DEGENERATE_POLICIES
+from diffq.worker.api import backends
+from diffq.worker.api import DEFAULT_DEGENERATE_POLICY, DEGENERATE_POLICIES
 
 err = Console(stderr=True, soft_wrap=True)
 out = Console()

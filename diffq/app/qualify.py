@@ -2,7 +2,7 @@
 
 The parent never imports torch. It plans one pinned child exactly as `diffq worker`
 would (supervisor.plan_children: backend table, env before `import torch`, compile
-cache), runs worker/device/qualify.py in it, then the reference:
+cache), runs worker/process/qualify.py in it, then the reference:
 
 - `cpu` (default): the same pipeline, prompts and seeds in a child of the backend
   table's `REFERENCE` configuration (CPU, float32, eager, no offload). A
@@ -50,7 +50,7 @@ from pathlib import Path
 
 from diffq.core.options import DEFAULTS
 from diffq.core.records import DEGENERATE_CHECKS
-from diffq.worker.device.backends import COMPILING_MODES, REFERENCE, RunConfig, get_backend
+from diffq.worker.api import COMPILING_MODES, QUALIFY_MAIN, REFERENCE, RunConfig, get_backend
 
 REFERENCE_FILE = "reference.json"
 PSNR_CAP = 100.0
@@ -162,7 +162,7 @@ def load_reference(directory: Path) -> Settings:
 
 
 def image_file(root: str | Path, shape: tuple[int, int], index: int) -> Path:
-    from diffq.worker.device.qualify import image_path
+    from diffq.worker.api import image_path
 
     return image_path(root, shape[0], shape[1], index)
 
@@ -171,14 +171,14 @@ def image_file(root: str | Path, shape: tuple[int, int], index: int) -> Path:
 
 
 def _run_child(name: str, spec, workdir: Path, timeout: float | None) -> dict:
-    """Run worker/device/qualify.py in a fresh interpreter; its output and log stay in workdir."""
+    """Run worker/process/qualify.py in a fresh interpreter; its output and log stay in workdir."""
     out = Path(spec.out_dir)
     spec_path = workdir / f"{name}.spec.json"
     spec_path.write_text(spec.model_dump_json())
     log_path = workdir / f"{name}.log"
     with open(log_path, "wb") as log:
         try:
-            proc = subprocess.run([sys.executable, "-m", "diffq.worker.device.qualify", str(spec_path)],
+            proc = subprocess.run([sys.executable, "-m", QUALIFY_MAIN, str(spec_path)],
                                   stdout=log, stderr=subprocess.STDOUT, timeout=timeout)
         except subprocess.TimeoutExpired:
             return {"error": f"the {name} run took longer than {timeout:g} s"}
@@ -191,8 +191,8 @@ def _run_child(name: str, spec, workdir: Path, timeout: float | None) -> dict:
 
 def _child_spec(config: RunConfig, *, slot: int, threads: int, compile_cache: str | None, settings: Settings,
                 measure: bool, extra: list[tuple[int, int]], repeats: int, out_dir: Path, tuning: dict | None = None):
-    from diffq.worker.device.qualify import QualifySpec
-    from diffq.worker.process.supervisor import plan_children
+    from diffq.worker.api import QualifySpec
+    from diffq.worker.api import plan_children
 
     # The same plan `diffq worker` makes for this device, minus the queues it would serve.
     (child,) = plan_children(device=config.device, devices=[slot], broker_url="memory://", queues=[],
@@ -329,7 +329,7 @@ def offered_speedups(backend, compile_mode: str, family) -> tuple[list[str], lis
     """(specs to measure, [{speedup, reason}] refused on this device / mode / family,
     [{speedup, reason}] never tuned), all read from the tables."""
     from diffq.core.speedups import ATTENTION, BATCH, CACHES, UNREPRODUCIBLE_OPTION, canonical, parse
-    from diffq.worker.device.speedups import DEFAULT_ATTENTION, refusal
+    from diffq.worker.api import DEFAULT_ATTENTION, speedup_refusal as refusal
 
     specs, not_offered = [], []
     for name, row in CACHES.items():
@@ -454,7 +454,7 @@ def speedup_results(plan: dict, tuned: list[dict] | None, device_dir: Path, opti
     """The table per shape: every candidate (measured, below budget, refused, over the
     cap), and the fastest within the budget."""
     from diffq.core.profile import SpeedupProfile
-    from diffq.worker.device.qualify import speedup_image_path
+    from diffq.worker.api import speedup_image_path
 
     result = {"budget": {"min_psnr": options.budget_psnr, "min_ssim": options.budget_ssim},
               "max_candidates": options.max_candidates, "batch_sizes": plan["batch_sizes"],
@@ -644,7 +644,7 @@ def qualify(model: str, *, device: str = "cpu", slot: int = 0, compile: str = "n
 
     `speedups`: tune them too (`--speedups`); `announce` hears, before any child
     starts, how many candidates and compiles that costs."""
-    from diffq.worker.device.models import ModelUnavailable, resolve_model
+    from diffq.worker.api import ModelUnavailable, resolve_model
 
     backend = get_backend(device)
     dtype = backend.dtype_for(dtype or "auto")  # what an auto queue runs at on this device
@@ -966,7 +966,7 @@ def _speedups_html(found: dict, device_dir: Path) -> str:
     """The candidates' table per shape, and for each measured speed-up its first image
     beside full compute's (same prompt, seed and batch size) and their difference."""
     from diffq.results.report import _table
-    from diffq.worker.device.qualify import speedup_image_path
+    from diffq.worker.api import speedup_image_path
 
     b = found["budget"]
     parts = [f"<h2>Speed-ups</h2><p>Budget: PSNR &ge; {b['min_psnr']:g} dB and SSIM &ge; {b['min_ssim']:g} against "

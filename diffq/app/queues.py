@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass, field
 from diffq.core.brokers.base import DEAD_LETTERS, PEEKED_LETTERS, PREFIX, declared_depths, make_celery
 from diffq.core.brokers.redis import PRIORITY_SEP
 from diffq.core.transports import transport_for
-from diffq.worker.delivery.door import peeked
+from diffq.worker.api import peeked
 
 __all__ = ["DEAD_LETTERS", "PEEKED_LETTERS", "PREFIX", "PRIORITY_SEP", "QueueInfo", "dead_letter_lines",
            "queue_report", "worker_queues"]

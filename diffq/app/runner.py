@@ -52,14 +52,13 @@ from diffq.core.storage import Storage, open_storage
 from diffq.core.transports import transport_for
 from diffq.producer.resume import check_plan, continuation, missing_batches, scan, uncancel
 from diffq.producer.submit import CeleryPublisher, make_options, new_run_id, submit, validate
-from diffq.worker.delivery.admission import RunScope
-from diffq.worker.delivery.door import Republished, end
-from diffq.worker.delivery.outcomes import Outcome
-from diffq.worker.device.speedups import local_refusal
-from diffq.worker.device.backends import get_backend
-from diffq.worker.device.models import resolve_model
-from diffq.worker.process.spec import DEFAULT_DEGENERATE_POLICY
-from diffq.worker.process.supervisor import Supervisor, plan_children
+from diffq.worker.api import RunScope
+from diffq.worker.api import local_refusal
+from diffq.worker.api import get_backend
+from diffq.worker.api import resolve_model
+from diffq.worker.api import DEFAULT_DEGENERATE_POLICY
+from diffq.worker.api import Supervisor, plan_children
+from diffq.worker.api import Outcome, Republished, end
 
 
 class RunFailed(RuntimeError):
@@ -312,7 +311,7 @@ def _serve(storage: Storage, local: LocalWorkers, *, queues: list[str], models: 
     broker_url, transport_options = embedded_broker(broker_dir)
     specs = local.specs(broker_url, transport_options, queues, models, dtype, [RunScope.of(storage.url, run_id)])
     output = _WorkerOutput(broker_dir / "workers.out")
-    supervisor = _QuietSupervisor(specs, output)
+    supervisor = Supervisor(specs, spawning=output.spawning)  # each child's stdout is `output`
     troubles = _TroubleView(storage, broker_dir / "trouble")
     stop = threading.Event()
     publisher = BoundedPublisher(CeleryPublisher(broker_url, transport_options),
@@ -485,18 +484,6 @@ class _WorkerOutput:
     def close(self) -> None:
         self.forward(final=True)
         os.close(self._fd)
-
-
-class _QuietSupervisor(Supervisor):
-    """The supervisor of `diffq run`'s workers: each child's stdout is `output`."""
-
-    def __init__(self, specs, output: _WorkerOutput):
-        super().__init__(specs)
-        self.output = output
-
-    def _start(self, child) -> None:
-        with self.output.spawning():
-            super()._start(child)
 
 
 class _Submission:

@@ -178,7 +178,7 @@ START_PHASES = ("imports", "compile_cache_pull", "weights_fetch", "load", "warmu
 
 class WorkerStart(Strict):
     """Where a worker life's seconds went, from its process start to its first batch
-    stored (worker/process/startup.py), written into the run folder of that batch."""
+    stored (worker/observe/startup.py), written into the run folder of that batch."""
 
     worker: str
     pid: int
@@ -204,7 +204,7 @@ def parse_plan_part(body: bytes) -> Iterator[BatchMessage]:
 # records/<batch id>.jsonl: one ImageRecord per image of a finished batch ----------
 # What each degenerate-image check finds, in the order they take precedence (a NaN
 # image converts to a flat black one). The worker runs them (worker/device/pipeline_host.py
-# checked_arrays) and `--on-degenerate` decides what becomes of the image (worker/process/spec.py
+# checked_arrays) and `--on-degenerate` decides what becomes of the image (worker/delivery/spec.py
 # DEGENERATE_POLICIES); the key is what ImageRecord.degenerate and FailureRecord.degenerate say.
 FLAT_MAX_LEVELS = 2  # a channel whose values span at most this many 8-bit levels is flat
 DEGENERATE_CHECKS = {

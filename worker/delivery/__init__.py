@@ -1,1 +1,1 @@
-"""A batch's delivery: receipt and admission, its life (hooks, generate, store), the one decision of its end, the broker door, the lease, dead letters, and Celery behind one adapter."""
+"""A batch's delivery: a worker process's plan and state (`ChildSpec`, `Runtime`), receipt and admission, its life (hooks, generate, store), the one decision of its end, the broker door, the lease, dead letters, and Celery behind one adapter."""

@@ -44,11 +44,11 @@ from diffq.core.signing import HEADER as SIGNATURE
 from diffq.core.transports import transport_for
 from diffq.worker.delivery import door
 from diffq.worker.delivery.lease import LeaseKeeper
-from diffq.worker.process.lifeline import parent_gone
+from diffq.worker.observe.lifeline import parent_gone
 from diffq.worker.delivery.dead_letters import DeadLetters, declare_dead_letters
 from diffq.worker.delivery.outcomes import Outcome, Refused
-from diffq.worker.process.spec import ChildSpec, hostname
-from diffq.worker.process.runtime import Runtime
+from diffq.worker.delivery.spec import ChildSpec, hostname
+from diffq.worker.delivery.runtime import Runtime
 from diffq.worker.delivery.tasks import generate_batch
 
 log = logging.getLogger("diffq.worker")

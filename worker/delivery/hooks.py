@@ -14,7 +14,7 @@ and `decide` (worker/delivery/outcomes.py) says what the broker sees, as for eve
 ending. None lets the life go on. The hooks (the order of `default_hooks`):
 
     Cancel    `diffq cancel` marked the run: drop the batch unseen (cancelled)
-    Faults    DIFFQ_FAULT_* injection (worker/delivery/faults.py), inert unless set
+    Faults    DIFFQ_FAULT_* injection (worker/device/faults.py), inert unless set
     Metrics   batches, compiles, recompiles, graph fallbacks (worker/observe/metrics.py)
     Retries   generation raised: retry with backoff, then split, then a failure record
 """
@@ -33,7 +33,7 @@ from diffq.core.contract import BatchMessage
 from diffq.core.settings import get_settings
 from diffq.core.signing import HEADER as SIGNATURE
 from diffq.core.storage import Storage
-from diffq.worker.delivery import faults
+from diffq.worker.device import faults
 from diffq.worker.observe import metrics
 from diffq.worker.delivery.outcomes import Outcome
 from diffq.worker.delivery.door import Delivered
@@ -41,7 +41,7 @@ from diffq.worker.delivery.failures import storage_trouble, write_failure
 from diffq.worker.device.models import ModelUnavailable
 from diffq.worker.device.pipeline_host import (AdapterOrderError, AdapterUnsupported, CompileUnsupported,
                                                FamilyUnsupported, SpeedupUnsupported)
-from diffq.worker.process.runtime import OutNotAllowed, Runtime
+from diffq.worker.delivery.runtime import OutNotAllowed, Runtime
 
 log = logging.getLogger("diffq.worker")
 

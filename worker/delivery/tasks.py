@@ -14,7 +14,7 @@
 
 Storage trouble anywhere on the way (`StorageTrouble`) ends the life with a retry
 that uses up none of the batch's attempts. The Celery glue around this is
-worker/delivery/celery_adapter.py; the process state it runs in, worker/process/runtime.py.
+worker/delivery/celery_adapter.py; the process state it runs in, worker/delivery/runtime.py.
 """
 
 from __future__ import annotations
@@ -25,14 +25,14 @@ import logging
 from diffq.core import layout
 from diffq.core.contract import BatchMessage
 from diffq.core.records import BatchMeasures
-from diffq.worker.process import startup
+from diffq.worker.observe import startup
 from diffq.worker.delivery.admission import schema_reason
 from diffq.worker.delivery.dead_letters import dead_letters_of
 from diffq.worker.delivery.outcomes import Outcome, Refused
 from diffq.worker.delivery.door import Delivered
 from diffq.worker.delivery.failures import StorageTrouble, set_aside_degenerate, storage_trouble, write_failure
 from diffq.worker.delivery.hooks import PERMANENT_ERRORS, Batch, BatchHook, End, default_hooks, split
-from diffq.worker.process.runtime import OutNotAllowed, Runtime, preload
+from diffq.worker.delivery.runtime import OutNotAllowed, Runtime, preload
 from diffq.worker.device.tensor_parallel import EXIT_GROUP_BROKEN, GroupBroken
 from diffq.worker.observe import metrics
 

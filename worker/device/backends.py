@@ -28,10 +28,12 @@ DISTRIBUTED_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MAST
 # Compile modes that call torch.compile; the others are call-time modes (env only).
 COMPILING_MODES = ("full", "regional")
 # What speed-ups each compile mode runs (docs/speedups.md, measured on diffusers 0.42.1):
-# every cache decides in a torch.compiler.disable'd hook, so one inside a compiled
-# graph breaks it; regional compiles each repeated block's own forward (PipelineHost),
-# which leaves hooks around whole blocks outside every graph; switching the attention
-# backend recompiles every block.
+# every cache decides on the host, so one inside a compiled graph breaks it (TaylorSeer,
+# FirstBlock, Mag in a torch.compiler.disable'd function; PAB and FasterCache in their
+# hook's plain new_forward, a Python branch on the timestep tensor: diffusers
+# hooks/pyramid_attention_broadcast.py, hooks/faster_cache.py); regional compiles each
+# repeated block's own forward (PipelineHost), which leaves hooks around whole blocks
+# outside every graph; switching the attention backend recompiles every block.
 SPEEDUPS_BY_MODE = {"none": "all", "defer-fuse": "all", "regional": "whole-blocks", "full": "none"}
 # --offload values: "model" is diffusers' enable_model_cpu_offload().
 OFFLOAD_MODES = ("model",)

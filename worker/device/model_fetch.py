@@ -41,7 +41,7 @@ from diffq.core.contract import model_slug
 from diffq.core.model_store import (ModelListing, ModelStoreError, RemoteFile, StoreUnreachable, list_model,
                                     model_storage)
 from diffq.core.settings import Settings, get_settings
-from diffq.worker.delivery import faults
+from diffq.worker.device import faults
 from diffq.worker.device.fetch_patience import Patience, backoff, transient
 from diffq.worker.device.store_checksums import Expectation, gcs_expectation, s3_expectation, s3_needs_parts
 

@@ -24,7 +24,7 @@ from diffq.core.records import DEGENERATE_CHECKS, FLAT_MAX_LEVELS
 from diffq.worker.device import dynamo_quirks
 from diffq.worker.device.adapters import (AdapterCache, AdapterOrderError,  # noqa: F401 (hooks: permanent errors)
                                           AdapterSlot, AdapterUnsupported)
-from diffq.worker.delivery import faults
+from diffq.worker.device import faults
 from diffq.worker.device.backends import COMPILING_MODES, DTYPES, Backend, GraphFallback, resolve
 from diffq.worker.device.models import local_model
 from diffq.worker.device.speedups import Speedups, SpeedupUnsupported  # noqa: F401 (hooks: a permanent error)
@@ -142,7 +142,7 @@ class PipelineHost:
     # worker's --on-degenerate policy names them); none by default, at no cost.
     checks: frozenset = frozenset()
     # Object-storage models: the revision each was loaded at (image records name it),
-    # the revision a run pinned for one not loaded yet (worker/process/runtime.py), and each
+    # the revision a run pinned for one not loaded yet (worker/delivery/runtime.py), and each
     # fetch's report (bytes, seconds, cache hit), for the start's accounting.
     revisions: dict = field(default_factory=dict)
     pins: dict = field(default_factory=dict)

@@ -42,8 +42,9 @@ def refusal(speedup: Speedup | None, backend, compile_mode: str, family) -> str 
             return (f"{speedup.cache} decides from the batch's data each step (a host sync and a data-dependent "
                     f"branch): on {backend.name} that is a graph break per step")
         if offered == "none":
-            return (f"--compile {compile_mode} compiles the whole transformer: a cache's decision runs in a "
-                    "torch.compiler.disable'd hook inside it (graph break); use --compile regional or none")
+            return (f"--compile {compile_mode} compiles the whole transformer: a cache's decision runs on the "
+                    "host inside it (a torch.compiler.disable'd function, or PAB's and FasterCache's branch on the "
+                    "timestep tensor: a graph break); use --compile regional or none")
         if offered == "whole-blocks" and not speedup.whole_blocks():
             return (f"{speedup.spec}: its hooks sit inside each block, which --compile {compile_mode} compiles "
                     "whole; use a mode that caches whole blocks (taylorseer:use_lite_mode=true, mag, ...) or "

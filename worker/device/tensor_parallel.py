@@ -290,7 +290,7 @@ def follow(group: Group, host, models: list[str], dtype: str) -> int:
 
 
 def _follow_batches(group: Group, host, models: list[str], dtype: str) -> int:
-    from diffq.worker.delivery import faults
+    from diffq.worker.device import faults
 
     for model in models:  # the same loads in the same order as rank 0 (loading may be collective)
         host.pipeline(model, dtype)

@@ -1,1 +1,1 @@
-"""Observation: JSON log lines and Prometheus metrics per process."""
+"""What a worker process says and keeps about itself: JSON log lines, Prometheus metrics, its start clock, its heap, its tie to its parent. The bottom of the worker's packages (observe < device < sink < delivery < process)."""

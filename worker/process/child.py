@@ -3,7 +3,7 @@
 `child_main` runs in a *spawned* child. It sets the pinning environment from the
 backend table before anything imports torch (Neuron and TPU read it once, during
 `import torch`), then serves the spec's queues (worker/delivery/celery_adapter.py). The
-spec itself, torch-free, is worker/process/spec.py.
+spec itself, torch-free, is worker/delivery/spec.py.
 """
 
 from __future__ import annotations
@@ -20,10 +20,10 @@ from pathlib import Path
 
 from diffq.core.storage.base import atomic_write
 from diffq.worker.device import compile_cache
-from diffq.worker.process import heap
-from diffq.worker.process import startup
-from diffq.worker.process.lifeline import die_with_parent
-from diffq.worker.process.spec import EXIT_FATAL, QUIET_ENV, ChildSpec
+from diffq.worker.observe import heap
+from diffq.worker.observe import startup
+from diffq.worker.observe.lifeline import die_with_parent
+from diffq.worker.delivery.spec import EXIT_FATAL, QUIET_ENV, ChildSpec
 
 
 def _write_env_report(path: str) -> None:
@@ -36,7 +36,7 @@ def warm_start(rt) -> dict:
 
     Runs after `import torch`, on the process's runtime. Returns a JSON-able report.
     """
-    from diffq.worker.process.runtime import preload
+    from diffq.worker.delivery.runtime import preload
 
     spec, host, cache = rt.spec, rt.host, rt.spec.cache
     clock = startup.clock()
@@ -173,7 +173,7 @@ def _exit_without_teardown(code: int = 0) -> None:
 def _consume(spec: ChildSpec, group) -> None:
     """Warm start, then a Celery worker (two task threads) on the spec's queues until shutdown."""
     from diffq.worker.delivery.celery_adapter import build_app, serve
-    from diffq.worker.process.runtime import Runtime
+    from diffq.worker.delivery.runtime import Runtime
 
     rt = Runtime.start(spec, group=group)  # starts the sink's helper process
     try:

@@ -8,7 +8,7 @@ The supervisor never imports torch and never touches a device, and children are
 a forked child. SIGTERM is forwarded to every child, which finishes the batch in
 hand within its drain timeout (or hands it back), stores it, and exits 0 (Celery's
 warm shutdown, worker/delivery/celery_adapter.py); a second SIGTERM or
-SIGINT kills. Children die with the supervisor (worker/process/lifeline.py).
+SIGINT kills. Children die with the supervisor (worker/observe/lifeline.py).
 """
 
 from __future__ import annotations
@@ -20,12 +20,14 @@ import multiprocessing
 import os
 import signal
 import time
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
+from typing import Callable
 from multiprocessing import connection, resource_tracker
 
 from diffq.worker.device.backends import Allocation, get_backend
 from diffq.worker.process.child import child_main
-from diffq.worker.process.spec import EXIT_FATAL, ChildSpec
+from diffq.worker.delivery.spec import EXIT_FATAL, ChildSpec
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +114,7 @@ def plan_children(
 
 class Supervisor:
     def __init__(self, specs: list[ChildSpec], *, restart: bool = True, max_backoff: float = 30.0,
-                 group_grace: float = 60.0):
+                 group_grace: float = 60.0, spawning: Callable[[], AbstractContextManager] = nullcontext):
         self.children = [Child(spec) for spec in specs]
         units: dict[tuple, list[Child]] = {}
         for index, child in enumerate(self.children):
@@ -124,12 +126,16 @@ class Supervisor:
         # How long rank 0 of a broken group gets to hand its batch back before SIGKILL.
         self.group_grace = group_grace
         self.deaths = 0
+        # Each child's start (and restart) runs inside `spawning()`: `diffq run` hands the
+        # child its stdout there.
+        self.spawning = spawning
         self._stopping = False
 
     def _start(self, child: Child) -> None:
-        child.process = _spawn.Process(target=child_main, args=(child.spec.model_dump_json(),),
-                                       name=child.spec.name)
-        child.process.start()
+        with self.spawning():
+            child.process = _spawn.Process(target=child_main, args=(child.spec.model_dump_json(),),
+                                           name=child.spec.name)
+            child.process.start()
 
     def start(self) -> None:
         for child in self.children:

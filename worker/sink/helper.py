@@ -52,7 +52,7 @@ import numpy as np
 from diffq.core.contract import BatchMessage
 from diffq.core.settings import get_settings
 from diffq.core.storage import Storage, open_storage
-from diffq.worker.process import heap
+from diffq.worker.observe import heap
 from diffq.worker.sink.store import SINK_NICENESS, BatchOutcome, Handed, Pixels, Sink, place_on_sink_cpus
 
 log = logging.getLogger(__name__)

@@ -68,7 +68,7 @@ def register(app: typer.Typer) -> None:
 
 def _dtype_runs(dtype: str) -> dict:
     """What the queues' dtype runs as on each device (auto: the backend table's default)."""
-    from diffq.worker.device.backends import BACKENDS
+    from diffq.worker.api import BACKENDS
 
     return {"queue": dtype, "runs_at": {name: backend.dtype_for(dtype) for name, backend in BACKENDS.items()}}
 

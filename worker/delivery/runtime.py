@@ -22,7 +22,7 @@ from diffq.worker.device.pipeline_host import PipelineHost
 from diffq.worker.delivery.routing import Discovery, Router
 from diffq.worker.sink.store import Sink
 from diffq.worker.sink.helper import SinkProcess, make_sink
-from diffq.worker.process.spec import ChildSpec, hostname
+from diffq.worker.delivery.spec import ChildSpec, hostname
 
 
 class OutNotAllowed(PermissionError):

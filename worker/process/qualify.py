@@ -1,6 +1,6 @@
 """`diffq qualify`, the child side: measure one pinned process exactly as a worker runs.
 
-`python -m diffq.worker.device.qualify SPEC.json` sets the worker's environment from the
+`python -m diffq.worker.process.qualify SPEC.json` sets the worker's environment from the
 backend table (pinning, compile mode, compile cache) before `import torch`, imports
 the backend's extension, then drives the same `PipelineHost` a worker uses:
 
@@ -50,7 +50,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from diffq.core.options import DEFAULTS
 from diffq.worker.sink.store import as_image
-from diffq.worker.process.spec import QUIET_ENV, ChildSpec
+from diffq.worker.delivery.spec import QUIET_ENV, ChildSpec
 
 # Versions reported besides the backend's own packages (backends.py cache_packages).
 PACKAGES = ("torch", "diffusers", "transformers")
@@ -396,7 +396,7 @@ def _report(session: _Session, load_s: float, shapes: list[dict], revisit: int |
                                     "backend": _json_safe(_call_or_none(backend.cache_stats))}},
         "versions": versions(backend),
         "load_s": round(load_s, 4),
-        # The start phases a worker life records (worker/process/startup.py) that qualify sees: an
+        # The start phases a worker life records (worker/observe/startup.py) that qualify sees: an
         # object-storage model's fetch (bytes, seconds, MB/s, cache hit) within the load.
         "start": {"weights_fetch_s": round(sum(f["seconds"] for f in host.fetches), 4),
                   "load_s": round(load_s - sum(f["seconds"] for f in host.fetches), 4),
