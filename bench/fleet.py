@@ -19,7 +19,7 @@ the 1 s timer (and after each batch), switching queues the way Celery's consumer
 kombu's restore sweep (`QoS.restore_visible`, its mutex and ZRANGE) every
 `unacked_restore_interval`; Celery's `Heart` publishing a heartbeat every 2 s through
 Celery's event `Dispatcher`; worker/delivery/lease.py's `LeaseKeeper.renew_once` every
-`lease_renew_s` on `held_deliveries` of the real kombu QoS; in the busy scenario the
+`lease_renew_s` on the broker's `held` of the real kombu QoS; in the busy scenario the
 deliveries, acks and task events.
 
 What is simulated: the process around them. The N workers are objects in --procs
@@ -96,7 +96,7 @@ def task_queue(name: str):
 
 
 class SimConsumer:
-    """What Router and held_deliveries read of Celery's consumer: its connection, the
+    """What Router and the broker's `held` read of Celery's consumer: its connection, the
     task consumer (a real kombu Consumer on the connection's default channel) and
     queue switching as Celery's add_task_queue / cancel_task_queue do it
     (celery/worker/consumer/consumer.py). The starting queues are declared once for
@@ -144,10 +144,12 @@ class Cell:
 def cell_transport(cell: Cell):
     """The Redis row as it is, or without the shared listing (before): every worker
     LLENs its served queues each tick and SCANs for new ones."""
+    from diffq.core.brokers.redis import RedisBroker
     from diffq.core.transports import transport_for
 
     row = transport_for("redis://")
-    return row if cell.mode != "before" else dataclasses.replace(row, shared_depths=None)
+    unshared = type("UnsharedRedisBroker", (RedisBroker,), {"shared_depths": None})
+    return row if cell.mode != "before" else dataclasses.replace(row, broker=unshared())
 
 
 def listen_everywhere_when_idle() -> None:
@@ -250,7 +252,6 @@ class SimWorker:
         from celery.worker.heartbeat import Heart
 
         from diffq.core.settings import get_settings
-        from diffq.worker.delivery.door import held_deliveries
         from diffq.worker.delivery.lease import LeaseKeeper
         from diffq.worker.delivery.routing import Discovery, Router
 
@@ -274,7 +275,7 @@ class SimWorker:
                              discovery=discovery)
         self.router.interval *= k
         self.router.attach(self.consumer)
-        self.lease = LeaseKeeper(transport, self.connection.clone, lambda: held_deliveries(self.consumer),
+        self.lease = LeaseKeeper(transport.broker, self.connection.clone, lambda: transport.broker.held(self.consumer),
                                  period=settings.lease_renew_s * k, max_hold_s=settings.max_hold_s * k)
         if busy:  # its connection as in a steady state (opened at the first renewal, 15 s in)
             self.lease._channel()
@@ -330,7 +331,7 @@ def run_child(pipe, cell: Cell, url: str, indices: range, queues: list[str]) -> 
 
 def serve(pipe, cell: Cell, url: str, indices: range, queues: list[str]) -> None:
     """One process of the fleet: build its workers, wait for the start, run the loop."""
-    from diffq.core.broker import make_celery
+    from diffq.core.brokers.base import make_celery
 
     k = cell.dilate
     app = make_celery(url, dilated_options(k))
@@ -354,7 +355,7 @@ def dilated_options(k: int) -> dict:
     from diffq.core.settings import get_settings
     from diffq.core.transports import transport_for
 
-    options = transport_for("redis://").broker_options(get_settings())
+    options = transport_for("redis://").broker.options(get_settings())
     return {**options, "polling_interval": 1.0 * k, "visibility_timeout": options["visibility_timeout"] * k,
             "health_check_interval": 25 * k,  # kombu's default: redis-py PINGs a connection idle that long
             "unacked_restore_interval": options["unacked_restore_interval"] * k,

@@ -66,8 +66,8 @@ def _wrap(owner, name: str, label: str) -> bool:
 
 # (module, attribute path where the caller looks it up, label), in the order a batch meets them.
 STEPS = [
-    ("diffq.core.broker", "EmbeddedTransport.drain_events", "poll"),
-    ("diffq.core.broker", "EmbeddedChannel._get", "read message"),
+    ("diffq.core.brokers.embedded", "EmbeddedTransport.drain_events", "poll"),
+    ("diffq.core.brokers.embedded", "EmbeddedChannel._get", "read message"),
     ("kombu.messaging", "Consumer._receive_callback", "decode message"),
     ("diffq.worker.delivery.celery_adapter", "BatchRequest.execute_using_pool", "celery request"),
     ("diffq.worker.delivery.celery_adapter", "generate_batch", "task"),

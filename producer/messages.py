@@ -5,23 +5,19 @@ more than reading, checking and bucketing the rows. Here each message is one
 orjson call over plain values that were already validated: the row by its source,
 the shape and parameters by pydantic once per group. The first message of every
 queue still goes through `BatchMessage`, which catches a bad run id or OUT before
-anything is published, and every message is held to `MAX_MESSAGE_BYTES`. The Celery envelope is `as_task_v2`'s own output, taken
-once as a template (tests compare it field by field with what Celery builds).
+anything is published, and every message is held to `MAX_MESSAGE_BYTES`. The Celery
+envelope around it is the broker classes' (diffq/core/brokers/base.py `TaskMessages`).
 """
 
 from __future__ import annotations
 
 import hashlib
-import os
 from typing import NamedTuple
 
-import orjson
-from celery import Celery
 from pydantic import BaseModel
 
-from diffq.core.broker import TASK_NAME
 from diffq.core.contract import MAX_MESSAGE_BYTES, SCHEMA_VERSION, BatchMessage, ShapeKey
-from diffq.core.signing import HEADER as SIGNATURE, Keys, canonical
+from diffq.core.signing import canonical
 from diffq.producer.bucketing import Batch
 
 
@@ -85,61 +81,3 @@ class BatchEncoder:
             BatchMessage.model_validate_json(data)
             self._checked.add(queue)
         return EncodedBatch(queue, self._run_id, bid, len(batch.items), data)
-
-
-def new_task_id() -> str:
-    """`uuid.uuid4().hex` at a fraction of the cost (UUID's constructor dominates)."""
-    value = int.from_bytes(os.urandom(16), "big")
-    value = value & ~(0xF000 << 64) | (0x4000 << 64)  # version 4
-    value = value & ~(0xC000 << 48) | (0x8000 << 48)  # RFC 4122 variant
-    return f"{value:032x}"
-
-
-def dashed(hex_id: str) -> str:
-    """The canonical 8-4-4-4-12 form, as `str(uuid.uuid4())` writes it."""
-    return f"{hex_id[:8]}-{hex_id[8:12]}-{hex_id[12:16]}-{hex_id[16:20]}-{hex_id[20:]}"
-
-
-_ID = "00000000000000000000000000000000"
-_SLOT = "__diffq_batch__"
-
-
-class TaskMessages:
-    """Celery protocol 2 messages for the batch task, from one `as_task_v2` template.
-
-    What varies per message: the task id (in `id`, `root_id` and `correlation_id`),
-    `kwargsrepr` and the `batch` argument. Everything else is what Celery builds.
-    """
-
-    def __init__(self, app: Celery, keys: Keys | None = None):
-        self._keys = keys  # with keys, every message is signed (core/signing.py)
-        headers, properties, body, _ = app.amqp.as_task_v2(
-            _ID, TASK_NAME, args=(), kwargs={"batch": _SLOT},
-            # Keep stored messages lean: by default Celery adds a repr of the arguments
-            # (up to kwargsrepr_maxsize, 1024 chars; celery/app/amqp.py) to every message.
-            argsrepr="", kwargsrepr=_SLOT,
-        )
-        self._headers = dict(headers)
-        self._header_ids = [key for key, value in headers.items() if value == _ID]
-        self._properties = dict(properties)
-        self._property_ids = [key for key, value in properties.items() if value == _ID]
-        self._body_head, self._body_tail = orjson.dumps(body).split(orjson.dumps(_SLOT))
-
-    def body(self, encoded: EncodedBatch) -> bytes:
-        """The JSON task body `[args, kwargs, embed]`, with the batch as `kwargs["batch"]`."""
-        return self._body_head + encoded.json + self._body_tail
-
-    def headers(self, encoded: EncodedBatch, task_id: str) -> dict:
-        headers = self._headers.copy()
-        for key in self._header_ids:
-            headers[key] = task_id
-        headers["kwargsrepr"] = f"{encoded.run_id}/{encoded.batch_id}"
-        if self._keys is not None:
-            headers[SIGNATURE] = self._keys.sign(encoded.queue, encoded.run_id, encoded.json)
-        return headers
-
-    def properties(self, task_id: str) -> dict:
-        properties = self._properties.copy()
-        for key in self._property_ids:
-            properties[key] = task_id
-        return properties

@@ -89,3 +89,14 @@ def diffq(*args, check=True):
     if check and proc.returncode != 0:
         raise AssertionError(f"diffq {' '.join(args)} exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}")
     return proc
+
+
+def patched(obj, **attributes):
+    """A copy of `obj` with `attributes` set on it: a broker object (diffq/core/brokers/)
+    with one of its methods replaced or switched off (None)."""
+    import copy
+
+    clone = copy.copy(obj)
+    for name, value in attributes.items():
+        setattr(clone, name, value)
+    return clone

@@ -16,10 +16,10 @@ import pytest
 from kombu import Connection
 
 from diffq.app.queues import queue_report
-from diffq.core.broker import TASK_NAME, make_celery
+from diffq.core.brokers.base import TASK_NAME, make_celery
 from diffq.core.contract import BatchItem, BatchMessage, BatchParams, ShapeKey
 from diffq.core.signing import HEADER, Keys, canonical
-from diffq.core.transports import DEAD_LETTERS
+from diffq.core.brokers.base import DEAD_LETTERS
 from diffq.worker.delivery.admission import Admission, RunScope
 from tests.test_dead_letters import task_body
 
@@ -124,7 +124,8 @@ def test_a_batch_is_what_its_queue_says_and_names_a_model_the_worker_knows():
     assert "was not told to load" in reason(admission, a_batch(shape=evil), queue=evil.queue)
     assert reason(Admission(), a_batch(shape=evil), queue=evil.queue) is None  # told nothing: warned at start
     assert Admission().warnings() and not Admission(
-        runs=(RunScope(out="/r", run_id="r"),), models=frozenset({"m"}), keys=Keys(b"k")).warnings()
+        runs=(RunScope(out="/r", run_id="r"),), models=frozenset({"m"}), keys=Keys(b"k"),
+        adapters=("/loras",)).warnings()
 
 
 def test_with_a_key_the_signature_is_checked_before_anything_else():

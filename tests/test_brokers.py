@@ -74,7 +74,8 @@ def test_embedded_broker_wait_ends_when_the_worker_stops(tmp_path, monkeypatch):
     from celery.worker import state
     from kombu import Exchange, Queue
 
-    from diffq.core.broker import EmbeddedTransport, embedded_broker, make_celery
+    from diffq.core.brokers.base import make_celery
+    from diffq.core.brokers.embedded import EmbeddedTransport, embedded_broker
 
     url, options = embedded_broker(tmp_path / "broker")
     app = make_celery(url, options)
@@ -101,7 +102,8 @@ def test_embedded_consumer_looks_again_when_its_worker_rings(tmp_path):
 
     from kombu import Exchange, Queue
 
-    from diffq.core.broker import embedded_broker, make_celery, wake_consumer
+    from diffq.core.brokers.base import make_celery
+    from diffq.core.brokers.embedded import embedded_broker, wake_consumer
 
     url, options = embedded_broker(tmp_path / "broker")
     app = make_celery(url, options)
@@ -124,7 +126,8 @@ def test_a_ring_before_the_drain_begins_is_not_lost(tmp_path):
     of a fast device, bench.device)."""
     from kombu import Exchange, Queue
 
-    from diffq.core.broker import embedded_broker, make_celery, wake_consumer
+    from diffq.core.brokers.base import make_celery
+    from diffq.core.brokers.embedded import embedded_broker, wake_consumer
 
     url, options = embedded_broker(tmp_path / "broker")
     app = make_celery(url, options)

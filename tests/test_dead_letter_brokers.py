@@ -1,4 +1,4 @@
-"""Dead letters the broker's own way (core/transports.py `DeadLetterWay`), against
+"""Dead letters the broker's own way (diffq/core/brokers/: `declare_dead_letters`, `peek_dead_letters`), against
 real servers: a private RabbitMQ node with its management API (tests/servers.py,
 a fresh vhost per test), where diffq sets its policy, and moto's SQS server. A
 message refused on a shape queue ends in the broker's dead-letter place, is not
@@ -16,9 +16,11 @@ import redis
 from kombu import Connection, Exchange, Queue
 
 from diffq.app.queues import queue_report
-from diffq.core.broker import make_celery
-from diffq.core.transports import (DEAD_LETTER_POLICY, DEAD_LETTERS, DEAD_QUEUE, SQS_MAX_RECEIVES, TRANSPORTS,
-                                   rabbitmq_dead_letter_policy, sqs_entity_name, transport_for)
+from diffq.core.brokers.base import make_celery
+from diffq.core.brokers.base import DEAD_LETTERS, DEAD_QUEUE
+from diffq.core.brokers.rabbitmq import DEAD_LETTER_POLICY, rabbitmq_dead_letter_policy
+from diffq.core.brokers.sqs import SQS_MAX_RECEIVES, sqs_entity_name
+from diffq.core.transports import TRANSPORTS, transport_for
 
 SHAPE_QUEUE = "diffq.m-000000.64x64.b1.l64.nocfg.fp32"
 
@@ -26,8 +28,8 @@ SHAPE_QUEUE = "diffq.m-000000.64x64.b1.l64.nocfg.fp32"
 def test_brokers_with_fleets_keep_their_dead_letters_where_diffq_can_show_them():
     for row in TRANSPORTS:
         if row.keda is not None:
-            assert row.dead_letters.peek is not None, row.name
-    assert transport_for("redis://h").dead_letters.declare(None, [SHAPE_QUEUE]) is False  # nothing to declare
+            assert row.broker.peek_dead_letters is not None, row.name
+    assert transport_for("redis://h").broker.declare_dead_letters(None, [SHAPE_QUEUE]) is False  # nothing to declare
 
 
 def test_the_rabbitmq_policy_covers_every_diffq_queue_but_the_dead_one():
@@ -54,7 +56,7 @@ def test_rabbitmq_dead_letters_a_reject_on_an_old_queue_and_diffq_queues_shows_i
         # A shape queue declared the way diffq always has (no arguments), before the policy.
         old = Queue(SHAPE_QUEUE, Exchange(SHAPE_QUEUE), routing_key=SHAPE_QUEUE)
         old(connection.channel()).declare()
-        assert transport_for(amqp_url).dead_letters.declare(connection, [SHAPE_QUEUE], api) is True
+        assert transport_for(amqp_url).broker.declare_dead_letters(connection, [SHAPE_QUEUE], api) is True
         assert_policy_set(rabbitmq_server, amqp_url)
         # Declared again as before: no PRECONDITION_FAILED, the policy needs no arguments.
         old(connection.channel()).declare()
@@ -82,7 +84,7 @@ def test_rabbitmq_dead_letters_a_reject_on_an_old_queue_and_diffq_queues_shows_i
 
 def test_rabbitmq_without_the_api_declares_the_dead_queue_and_says_workers_write_letters(rabbitmq_vhost):
     with Connection(rabbitmq_vhost) as connection:
-        assert transport_for(rabbitmq_vhost).dead_letters.declare(connection, [SHAPE_QUEUE], None) is False
+        assert transport_for(rabbitmq_vhost).broker.declare_dead_letters(connection, [SHAPE_QUEUE], None) is False
         _depth(connection, DEAD_LETTERS)  # declared (a passive declare of a missing queue raises)
 
 
@@ -112,9 +114,9 @@ def test_sqs_redrive_policy_moves_a_batch_received_too_often_and_a_refusal_at_on
     with app.connection_for_write() as connection:
         connection.Producer().publish({"hello": 1}, exchange="", routing_key=SHAPE_QUEUE, serializer="json",
                                       declare=[app.amqp.queues[SHAPE_QUEUE]])
-        way = transport_for(broker_url).dead_letters
-        assert way.declare(connection, [SHAPE_QUEUE]) is False
-        assert way.declare(connection, [SHAPE_QUEUE]) is False  # again: the same policy, nothing changes
+        way = transport_for(broker_url).broker
+        assert way.declare_dead_letters(connection, [SHAPE_QUEUE]) is False
+        assert way.declare_dead_letters(connection, [SHAPE_QUEUE]) is False  # again: the same policy, nothing changes
     url = client.get_queue_url(QueueName=prefix + sqs_entity_name(SHAPE_QUEUE))["QueueUrl"]
     dead_url = client.get_queue_url(QueueName=prefix + sqs_entity_name(DEAD_LETTERS))["QueueUrl"]
     dead_arn = client.get_queue_attributes(QueueUrl=dead_url, AttributeNames=["QueueArn"])["Attributes"]["QueueArn"]
@@ -128,7 +130,7 @@ def test_sqs_redrive_policy_moves_a_batch_received_too_often_and_a_refusal_at_on
     other_url = client.create_queue(QueueName=prefix + sqs_entity_name(other), Attributes={"RedrivePolicy": json.dumps(
         {"deadLetterTargetArn": their_arn, "maxReceiveCount": "3"})})["QueueUrl"]
     with app.connection_for_write() as connection:
-        way.declare(connection, [other])
+        way.declare_dead_letters(connection, [other])
     kept = json.loads(client.get_queue_attributes(QueueUrl=other_url, AttributeNames=["RedrivePolicy"])
                       ["Attributes"]["RedrivePolicy"])
     assert kept["deadLetterTargetArn"] == their_arn and int(kept["maxReceiveCount"]) == 3

@@ -21,7 +21,7 @@ import redis
 from diffq.app.queues import queue_report
 from diffq.core.storage import open_storage
 from diffq.core.contract import MAX_MESSAGE_BYTES, MAX_PROMPT_CHARS, BatchMessage
-from diffq.core.transports import DEAD_LETTERS
+from diffq.core.brokers.base import DEAD_LETTERS
 from diffq.producer.submit import submit
 from tests.helpers import start_workers, wait_until
 
@@ -115,7 +115,7 @@ def test_bad_messages_are_dead_lettered_once_and_the_worker_goes_on(make_redis_s
 
 
 def test_a_dead_letter_is_logged_once_with_queue_and_reason(make_redis_server, caplog):
-    from diffq.core.broker import make_celery
+    from diffq.core.brokers.base import make_celery
     from diffq.worker.delivery.dead_letters import DeadLetters
 
     server = make_redis_server()

@@ -80,10 +80,13 @@ def line_with_window() -> tuple[BatchLine, StubWindow]:
 def test_every_outcome_has_one_decision():
     assert set(DECISIONS) == set(Outcome)
     assert {decide(o) for o in Outcome} == set(Action)
-    # Only a sink's future can hold an ack; only a failed store or a hand-back requeues.
+    # Only a sink's future can hold an ack; only a failed store or a hand-back requeues,
+    # and the broker-side ends that give a delivery back unharmed (issue 49: a closing
+    # channel's restore, a peeked dead letter, a batch lost with its embedded worker).
     assert {o for o in Outcome if decide(o) is Action.ACK_WHEN_STORED} == {Outcome.GENERATED, Outcome.ALREADY_STORED}
     assert {o for o in Outcome if decide(o) is Action.REQUEUE} == {
-        Outcome.STORE_FAILED, Outcome.HAND_BACK, Outcome.DRAINED}
+        Outcome.STORE_FAILED, Outcome.HAND_BACK, Outcome.DRAINED,
+        Outcome.CHANNEL_CLOSED, Outcome.PEEKED, Outcome.LOST_WITH_WORKER}
 
 
 @pytest.mark.parametrize("outcome", [o for o in Outcome if decide(o) is not Action.ACK_WHEN_STORED])

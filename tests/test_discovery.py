@@ -17,7 +17,8 @@ from typer.testing import CliRunner
 from diffq.app.cli import app
 from diffq.app.queues import queue_report
 from diffq.core.contract import ShapeKey, is_shape_queue, queue_from_entity_name, queue_name
-from diffq.core.transports import DEAD_LETTERS, CannotList, transport_for
+from diffq.core.brokers.base import DEAD_LETTERS, CannotList
+from diffq.core.transports import transport_for
 from diffq.producer.submit import submit
 from diffq.worker.delivery.routing import Discovery, startup_queues
 from diffq.worker.process.supervisor import Supervisor, plan_children
@@ -161,6 +162,7 @@ def test_discovery_keeps_found_queues_and_skips_failed_listings():
     """An emptied Redis queue has no key to list: what was found stays served, and a
     listing that fails keeps the known queues."""
     from diffq.worker.delivery.routing import Router
+    from tests.helpers import patched
 
     calls = iter([["diffq.m-000000.64x64.b1.l64.nocfg.fp32"], RuntimeError("broker hiccup"), []])
 
@@ -171,7 +173,7 @@ def test_discovery_keeps_found_queues_and_skips_failed_listings():
         return answer
 
     transport = transport_for("redis://x")
-    fake = dataclasses.replace(transport, list_queues=list_queues)
+    fake = dataclasses.replace(transport, broker=patched(transport.broker, list_queues=list_queues))
     router = Router([], set, fake, discovery=Discovery(fake))
     for _ in range(3):
         router._next_discovery = 0.0

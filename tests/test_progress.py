@@ -66,7 +66,7 @@ def store(sink: Sink, message: BatchMessage):
 def split(message: BatchMessage) -> list[BatchMessage]:
     """The worker's own split (tasks.split) of a failing batch: the halves as it
     publishes them, through a task whose app records what it sends."""
-    from diffq.core.broker import TASK_NAME
+    from diffq.core.brokers.base import TASK_NAME
     from diffq.worker.delivery import tasks
 
     sent = []

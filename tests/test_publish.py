@@ -14,10 +14,12 @@ import redis
 from celery.contrib.testing.worker import start_worker
 from kombu import Consumer
 
-from diffq.core.broker import TASK_NAME, embedded_broker, make_celery
+from diffq.core.brokers.base import TASK_NAME, make_celery
+from diffq.core.brokers.embedded import embedded_broker
 from diffq.core.contract import BatchItem, BatchMessage
 from diffq.producer.bucketing import RunOptions, bucket
-from diffq.producer.messages import BatchEncoder, EncodedBatch, TaskMessages, batch_id
+from diffq.core.brokers.base import TaskMessages
+from diffq.producer.messages import BatchEncoder, EncodedBatch, batch_id
 from diffq.producer.publish import CeleryPublisher
 from diffq.producer.sources import InputError, Prompt
 from diffq.producer.submit import submit

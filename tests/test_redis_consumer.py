@@ -1,4 +1,4 @@
-"""The worker's Redis fetch (diffq/core/redis_consumer.py) pops and records a message as
+"""The worker's Redis fetch (diffq/core/brokers/redis.py `ConsumerChannel`) pops and records a message as
 unacked in one step, against a private redis-server: a reply lost after the pop leaves
 the message where a lapsed lease restores it, which kombu's BRPOP-then-append cannot
 (kombu/transport/redis.py, kombu 5.7: `Channel._brpop_read`, `QoS.append`)."""
@@ -13,7 +13,7 @@ import uuid
 import pytest
 from kombu import Connection, Consumer, Queue
 
-from diffq.core.redis_consumer import redis_consumer_channel
+from diffq.core.brokers.redis import RedisBroker
 from diffq.core.transports import transport_for
 
 
@@ -29,9 +29,12 @@ def _drain(conn, timeout=0.2) -> None:
         pass
 
 
+redis_consumer_channel = RedisBroker().consumer_channel
+
+
 def test_the_redis_row_installs_the_redis_consumer_channel():
-    assert transport_for("redis://h:6379/0").consumer_channel is redis_consumer_channel
-    assert transport_for("amqp://h//").consumer_channel is None
+    assert type(transport_for("redis://h:6379/0").broker).consumer_channel is RedisBroker.consumer_channel
+    assert transport_for("amqp://h//").broker.consumer_channel is None
 
 
 def test_a_taken_message_is_recorded_unacked_by_the_same_step_and_acked_as_usual(redis_server):

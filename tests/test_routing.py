@@ -77,7 +77,7 @@ class Fleet:
     def __init__(self, url: str):
         import redis
 
-        from diffq.core.broker import make_celery
+        from diffq.core.brokers.base import make_celery
 
         self.app = make_celery(url)
         self.client = redis.Redis.from_url(url)
@@ -137,12 +137,15 @@ def ticks(router, n: int = 10):
 def test_a_router_tick_costs_the_same_whatever_the_number_of_queues(make_redis_server, state):
     """Per tick: one GET of the shared listing, plus (while another shape has work) an
     LLEN per compiled shape; the number of served queues does not enter. Without the
-    shared listing (the transport row's `shared_depths` off) every served queue is
+    shared listing (the broker's `shared_depths` off) every served queue is
     LLENed each tick."""
     import dataclasses
 
     from diffq.core.transports import transport_for
 
+    from tests.helpers import patched
+
+    row = transport_for("redis://")
     per_tick = {}
     for count in (2, 60):
         fleet = Fleet(make_redis_server().url)
@@ -155,7 +158,7 @@ def test_a_router_tick_costs_the_same_whatever_the_number_of_queues(make_redis_s
             router.update()  # takes the listing and switches queues once
             per_tick[count] = fleet.commands(ticks(router))
             old = fleet.router(queues, compiled=queues[:1],
-                               transport=dataclasses.replace(transport_for("redis://"), shared_depths=None))
+                               transport=dataclasses.replace(row, broker=patched(row.broker, shared_depths=None)))
             old.update()
             assert fleet.commands(ticks(old)).get("llen", 0) == 10 * count
         finally:
@@ -225,7 +228,7 @@ def test_a_stale_listing_never_decides_for_a_compiled_shape(fleet, seed):
 def test_discovering_routers_find_queues_in_the_shared_listing(fleet):
     """Discovery reads the same listing: the worker's models' shape queues only (not
     another model's, not the dead letters), with no SCAN of a second worker's own."""
-    from diffq.core.transports import DEAD_LETTERS
+    from diffq.core.brokers.base import DEAD_LETTERS
 
     mine, theirs = shape_queues(3, "/models/mine"), shape_queues(2, "/models/theirs")
     for queue in mine + theirs + [DEAD_LETTERS]:
@@ -256,7 +259,10 @@ def test_a_failed_listing_read_keeps_the_known_queues(caplog):
             raise answer
         return answer
 
-    fake = dataclasses.replace(transport_for("redis://"), shared_depths=shared_depths)
+    from tests.helpers import patched
+
+    row = transport_for("redis://")
+    fake = dataclasses.replace(row, broker=patched(row.broker, shared_depths=shared_depths))
     router = Router([known], set, fake, discovery=Discovery(fake), compile_aware=False)
     assert router.shared(None, set()) == {} and router.shared(None, set()) == {}
     assert router.served == [known] and caplog.text.count("listing failed") == 1

@@ -10,9 +10,11 @@ import pytest
 from kombu import Connection, Queue
 from kombu.utils.imports import symbol_by_name
 
-from diffq.core.broker import make_celery
-from diffq.core.transports import TRANSPORTS, UnknownTransport, renew_redis, transport_for
-from diffq.producer.publish import PUBLISHERS
+from diffq.core.brokers.base import make_celery
+from diffq.core.brokers.redis import RedisBroker
+from diffq.core.transports import TRANSPORTS, UnknownTransport, transport_for
+
+renew_redis = RedisBroker().renew
 
 # What kombu names each row's transport (kombu/transport/__init__.py TRANSPORT_ALIASES).
 KOMBU = {"redis": "redis", "amqp": "pyamqp", "sqs": "sqs", "embedded": "filesystem", "memory": "memory"}
@@ -37,7 +39,7 @@ def test_event_loop_column_matches_kombu(row):
     filesystem.py, memory.py: False, the base `virtual.Transport` default)."""
     from kombu.transport import TRANSPORT_ALIASES
 
-    transport = symbol_by_name(row.kombu_transport or TRANSPORT_ALIASES[KOMBU[row.name]])
+    transport = symbol_by_name(row.broker.kombu_transport or TRANSPORT_ALIASES[KOMBU[row.name]])
     assert transport.implements.asynchronous is row.event_loop
 
 
@@ -47,15 +49,15 @@ def test_only_transports_without_redelivery_lose_a_task_in_flight():
     # the others: tests/test_reliability.py, tests/test_brokers.py).
     lossy = {row.name for row in TRANSPORTS if row.loses_inflight_on_kill}
     assert lossy == {"embedded", "memory"}
-    assert all(row.renew is None for row in TRANSPORTS if row.loses_inflight_on_kill)
+    assert all(row.broker.renew is None for row in TRANSPORTS if row.loses_inflight_on_kill)
 
 
-def test_every_publisher_named_by_the_table_exists():
-    assert {row.publisher for row in TRANSPORTS} <= set(PUBLISHERS)
+def test_every_broker_has_a_publisher():
+    assert all(callable(row.broker.publisher) for row in TRANSPORTS)
 
 
 def test_embedded_row_swaps_in_diffqs_filesystem_transport(tmp_path):
-    from diffq.core.broker import EmbeddedTransport, embedded_broker
+    from diffq.core.brokers.embedded import EmbeddedTransport, embedded_broker
 
     url, options = embedded_broker(tmp_path)
     app = make_celery(url, options)
@@ -68,7 +70,7 @@ def test_monitoring_is_off_where_no_monitor_can_attach(tmp_path, monkeypatch):
     """Task events and remote control cost the worker's main thread a publish per
     event and a pidbox poll per cycle between two device calls: only brokers a
     monitor can reach get them; DIFFQ_TASK_EVENTS decides events either way."""
-    from diffq.core.broker import embedded_broker
+    from diffq.core.brokers.embedded import embedded_broker
 
     monkeypatch.delenv("DIFFQ_TASK_EVENTS", raising=False)
     embedded = make_celery(*embedded_broker(tmp_path)).conf
@@ -124,7 +126,9 @@ def test_sqs_renewal_keeps_a_held_message_hidden_and_hand_back_shows_it_at_once(
     `delivery_info['sqs_message']` and the queue URL in `delivery_info['sqs_queue']`; a
     renewal is ChangeMessageVisibility on them (moto's SQS, in the s3_server process)."""
     pytest.importorskip("pycurl", reason="kombu's SQS transport needs pycurl")
-    from diffq.core.transports import hand_back_sqs, renew_sqs
+    from diffq.core.brokers.sqs import SQSBroker
+
+    renew_sqs, hand_back_sqs = SQSBroker().renew, SQSBroker().hand_back
 
     url = f"sqs://testing:testing@127.0.0.1:{s3_server.port}"
     options = {"region": "us-east-1", "queue_name_prefix": f"t{uuid.uuid4().hex[:8]}-",

@@ -368,6 +368,7 @@ def status(
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output (with --watch: one line per refresh)")] = False,
     watch: Annotated[bool, typer.Option("--watch", "-w", help="Live progress until nothing is pending (Ctrl-C to stop)")] = False,
     interval: Annotated[float, typer.Option("--interval", min=0.1, help="Seconds between refreshes with --watch")] = 2.0,
+    by_adapter: Annotated[bool, typer.Option("--by-adapter", help="Also the images per LoRA adapter set (path, revision, scale) with their images/s, and the graphs compiled per shape after a worker's first batch (reads every image record: slower on a big run)")] = False,
 ) -> None:
     """Progress of a run, read from its run folder alone (no broker needed)."""
     from diffq.core.runfolder import NotARun
@@ -382,7 +383,7 @@ def status(
             fail(str(exc))
         return
     try:
-        st = run_status(out_dir)
+        st = run_status(out_dir, by_adapter=by_adapter)
     except NotARun as exc:
         fail(str(exc))
     if as_json:
@@ -402,6 +403,22 @@ def status(
                      if st.feed.waiting_for_feeder else ""), markup=False, highlight=False, soft_wrap=True)
     if st.trouble:
         out.print(st.trouble, style="bold yellow", markup=False, highlight=False)
+    if st.by_adapter is not None:
+        _print_by_adapter(st.by_adapter)
+
+
+def _print_by_adapter(by_adapter) -> None:
+    table = Table(title="by adapter set")
+    for column in ("adapters (path@scale (revision))", "images", "batches", "img/s", "swap_s"):
+        table.add_column(column, justify="left" if column.startswith("adapters") else "right")
+    for group in by_adapter.rows():
+        table.add_row(group.label, str(group.images), str(group.batches), f"{group.images_per_s:.2f}",
+                      f"{group.swap_s:.3f}")
+    out.print(table)
+    for queue, graphs in sorted(by_adapter.graphs.items()):
+        out.print(f"{queue}: {graphs.compiled} graph(s) compiled, {graphs.steady} after a worker's first batch"
+                  + (" (a steady-state recompile)" if graphs.steady else ""), markup=False, highlight=False,
+                  soft_wrap=True)
 
 
 @app.command()

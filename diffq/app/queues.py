@@ -8,10 +8,10 @@ the workers' replies, and each depth is a passive declare.
 
 The dead letters (`diffq.dead`: messages a worker refused, worker/delivery/dead_letters.py)
 are always reported, the same way on every broker: their count and, where the
-broker keeps them, a few letters' queue, reason and time (the transport table's
-`dead_letters.peek`: Redis's newest, RabbitMQ's oldest with the queue its
+broker keeps them, a few letters' queue, reason and time (the broker object's
+`peek_dead_letters`, diffq/core/brokers/: Redis's newest, RabbitMQ's oldest with the queue its
 `x-death` names, a sample on SQS). SQS and, given its management API URL,
-RabbitMQ list their queues too (the transport table's `list_queues`).
+RabbitMQ list their queues too (the broker object's `list_queues`).
 
 Consumers come from `inspect().active_queues()` (a worker's consumer loop answers
 while its task threads generate); a passive declare also reports the broker's own
@@ -24,8 +24,10 @@ import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 
-from diffq.core.broker import make_celery
-from diffq.core.transports import DEAD_LETTERS, PEEKED_LETTERS, PREFIX, PRIORITY_SEP, declared_depths, transport_for
+from diffq.core.brokers.base import DEAD_LETTERS, PEEKED_LETTERS, PREFIX, declared_depths, make_celery
+from diffq.core.brokers.redis import PRIORITY_SEP
+from diffq.core.transports import transport_for
+from diffq.worker.delivery.door import peeked
 
 __all__ = ["DEAD_LETTERS", "PEEKED_LETTERS", "PREFIX", "PRIORITY_SEP", "QueueInfo", "dead_letter_lines",
            "queue_report", "worker_queues"]
@@ -76,17 +78,18 @@ def queue_report(broker_url: str, queues: list[str] | None = None, *, timeout: f
             consumers = worker_queues(app, timeout)
         names = (set(queues or []) | {q for q in consumers if q.startswith(prefix)} | {DEAD_LETTERS}
                  | {q for q, n in unpublished.items() if n})
-        if transport.list_depths is None and transport.list_queues is not None \
+        broker = transport.broker
+        if broker.list_depths is None and broker.list_queues is not None \
                 and (rabbitmq_api or not transport.list_needs_api):
-            names |= set(transport.list_queues(conn, prefix, rabbitmq_api))
-        if transport.list_depths is not None:
-            depths = transport.list_depths(conn, prefix)
+            names |= set(broker.list_queues(conn, prefix, rabbitmq_api))
+        if broker.list_depths is not None:
+            depths = broker.list_depths(conn, prefix)
             names |= set(depths)
         else:
             declared = declared_depths(conn, sorted(names))
             depths = {q: d for q, (d, _) in declared.items()}
             broker_consumers = {q: c for q, (_, c) in declared.items()}
-        dead = transport.dead_letters.peek(conn, letters) if transport.dead_letters.peek and letters else None
+        dead = broker.peek_dead_letters(conn, letters, peeked=peeked) if broker.peek_dead_letters and letters else None
     report = [QueueInfo(queue=q, depth=depths.get(q, 0),
                         consumers=max(consumers.get(q, 0), broker_consumers.get(q, 0)),
                         unpublished=unpublished.get(q, 0))

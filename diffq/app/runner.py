@@ -42,7 +42,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from diffq.core import layout
-from diffq.core.broker import embedded_broker
+from diffq.core.brokers.embedded import embedded_broker
 from diffq.core.families import compile_refusal
 from diffq.core.progress import (TROUBLE_DIR_ENV, ProgressSummary, fetch_notes, local_troubles,
                                  observed_trouble, recorded_troubles, trouble_message)
@@ -54,6 +54,8 @@ from diffq.core.transports import transport_for
 from diffq.producer.resume import check_plan, continuation, missing_batches, scan, uncancel
 from diffq.producer.submit import CeleryPublisher, make_options, new_run_id, submit, validate
 from diffq.worker.delivery.admission import RunScope
+from diffq.worker.delivery.door import Republished, end
+from diffq.worker.delivery.outcomes import Outcome
 from diffq.worker.device.speedups import local_refusal
 from diffq.worker.device.backends import get_backend
 from diffq.worker.device.models import resolve_model
@@ -109,7 +111,7 @@ class BoundedPublisher:
     well within one look (16 batches of 512² JPEG at 1.2 ms an image: 0.15 s), and
     every wave that came late was a pause of the whole run (docs/BENCHMARKS.md). A deep
     backlog costs the consumers little: the embedded channel lists the queue folder
-    once per pass, not once per message (core/broker.py)."""
+    once per pass, not once per message (core/brokers/embedded.py)."""
 
     POLL_S = 0.2  # between looks at a full queue: faster only takes CPU from the workers
     MOST_BACKLOG = 4096
@@ -559,7 +561,8 @@ class _LostBatches:
         if now - self._last_progress > max(5.0, 3 * self._batch_time):
             self._deaths_seen, self._batch_time = self.supervisor.deaths, None
             for message in missing_batches(self.storage, scan(self.storage).settled):
-                self.submission.publisher.publish(message)
+                # The batch's end on this broker (`lost with worker`): published again.
+                end(Outcome.LOST_WITH_WORKER, Republished(lambda m=message: self.submission.publisher.publish(m)))
                 self.reenqueued += len(message.items)
             self._last_progress = now
 

@@ -28,11 +28,14 @@ the producer turns them into file:line:field.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
+import re
 import struct
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from enum import Enum
 from pathlib import Path
 
 from pydantic import ValidationError
@@ -116,7 +119,7 @@ def read_header(path: str, *, field: str = "lora.path") -> dict:
     if not name.endswith(".safetensors"):
         raise AdapterError(field, f"{path}: not a .safetensors file")
     try:
-        storage = open_storage(folder or ".")
+        storage = _storage(folder or ".")
         head = storage.get_range(name, 0, HEADER_LENGTH_BYTES)
         if len(head) < HEADER_LENGTH_BYTES:
             raise AdapterError(field, f"{path}: {len(head)} bytes, too short for a safetensors header")
@@ -138,6 +141,136 @@ def read_header(path: str, *, field: str = "lora.path") -> dict:
     if not isinstance(header, dict):
         raise AdapterError(field, f"{path}: corrupt header (not a JSON object)")
     return header
+
+
+def _storage(folder: str):
+    """Object storage as models are read (the model bucket's own credentials,
+    DIFFQ_MODEL_STORE_*: adapters usually live beside the models); anything else as
+    run folders are."""
+    from diffq.core.model_store import ModelStoreError, is_model_url, model_storage
+    from diffq.core.storage import StorageError, open_storage
+
+    if is_model_url(folder):
+        try:
+            return model_storage(folder)
+        except ModelStoreError as exc:
+            raise StorageError(str(exc)) from None
+    return open_storage(folder)
+
+
+# --- where an adapter is, and its revision -------------------------------------------
+
+# diffusers' file name of a LoRA's weights in a folder or Hub repo (loaders/lora_base.py,
+# LORA_WEIGHT_NAME_SAFE): what `load_lora_weights(folder)` reads when no weight_name is given.
+LORA_WEIGHT_NAME = "pytorch_lora_weights.safetensors"
+# A Hub repo id (`org/name`): what is neither a URL nor a local path that exists.
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+
+
+class Source(str, Enum):
+    STORE = "store"  # s3://, gs://: fetched into the node's model cache, pinned by its listing
+    LOCAL = "local"  # a file or folder (file:// too): pinned by a digest of its content
+    HUB = "hub"  # a Hub repo id: pinned by its commit
+
+
+def source(path: str) -> Source:
+    from diffq.core.model_store import is_model_url
+
+    if is_model_url(path):
+        return Source.STORE
+    if (path.startswith(("file://", "/", ".", "~")) or path.endswith(".safetensors")
+            or Path(path).exists() or not HUB_ID.fullmatch(path)):
+        return Source.LOCAL
+    return Source.HUB
+
+
+def weight_file(path: str) -> tuple[str, str]:
+    """(the folder, the file's name) of an adapter's weights: a `.safetensors` file itself,
+    else diffusers' default name in the folder or repo."""
+    path = path.rstrip("/")
+    if path.endswith(".safetensors"):
+        folder, _, name = path.rpartition("/")
+        return folder or ".", name
+    return path, LORA_WEIGHT_NAME
+
+
+def adapter_header(path: str, *, field: str = "lora.path", revision: str | None = None) -> dict:
+    """An adapter's safetensors header wherever it is (ranged reads; the Hub's too)."""
+    folder, name = weight_file(path)
+    if source(path) is Source.HUB:
+        return _hub_header(folder, name, revision, field)
+    if source(path) is Source.LOCAL and Path(local_file(path)).is_file() and not path.endswith(".safetensors"):
+        raise AdapterError(field, f"{path}: not a .safetensors file (nor a folder holding {LORA_WEIGHT_NAME})")
+    return read_header(f"{folder}/{name}", field=field)
+
+
+def _hub_header(repo: str, name: str, revision: str | None, field: str) -> dict:
+    # Not tested here (no Hub in the test environment); huggingface_hub reads the
+    # header by ranged requests, as read_header does on object storage.
+    from huggingface_hub import HfApi
+    from huggingface_hub.utils import HfHubHTTPError
+
+    try:
+        meta = HfApi().parse_safetensors_file_metadata(repo, name, revision=revision)
+    except (HfHubHTTPError, OSError, ValueError) as exc:
+        raise AdapterError(field, f"{repo}: cannot read {name} from the Hub ({exc})") from None
+    header = {key: {"dtype": info.dtype, "shape": list(info.shape), "data_offsets": list(info.data_offsets)}
+              for key, info in meta.tensors.items()}
+    return {**header, "__metadata__": dict(meta.metadata or {})}
+
+
+def content_revision(data: bytes) -> str:
+    """A local adapter's revision: a digest of its bytes (as a listing's digest pins a
+    model or adapter on object storage, core/model_store.py)."""
+    return "sha256:" + hashlib.sha256(data).hexdigest()[:32]
+
+
+def revision(path: str, *, field: str = "lora.path") -> str:
+    """The adapter's revision now, which a run pins at submit (`AdapterRef.revision`) and
+    a worker requires (worker/device/adapters.py): object storage, the listing's digest of
+    its one file (core/model_store.py); a local file, its content's digest; the Hub, the
+    repo's commit."""
+    from diffq.core.model_store import ModelStoreError, list_model
+
+    folder, name = weight_file(path)
+    where = source(path)
+    try:
+        if where is Source.STORE:
+            return list_model(folder, only=name).revision
+        if where is Source.HUB:  # not tested here: no Hub
+            from huggingface_hub import HfApi
+
+            return HfApi().model_info(folder).sha
+        return content_revision((local_file(folder) / name).read_bytes())
+    except ModelStoreError as exc:
+        raise AdapterError(field, str(exc)) from None
+    except FileNotFoundError:
+        raise AdapterError(field, f"{path}: no such file") from None
+    except OSError as exc:
+        raise AdapterError(field, f"{path}: cannot read ({exc})") from None
+
+
+def pin(refs: tuple[AdapterRef, ...], revisions: dict[str, str] | None = None) -> tuple[AdapterRef, ...]:
+    """The refs with their revisions filled (from `revisions` where known, else read now)."""
+    revisions = {} if revisions is None else revisions
+    return tuple(ref if ref.revision else ref.model_copy(update={
+        "revision": revisions.setdefault(ref.path, revision(ref.path))}) for ref in refs)
+
+
+def allowed(path: str, prefixes: Iterable[str]) -> bool:
+    """An adapter under one of the allow-list's prefixes (DIFFQ_ALLOWED_ADAPTERS), on a path
+    boundary: `s3://bucket/loras`, `/data/loras` (absolute), a Hub org or repo (`org`,
+    `org/name`). An empty list allows any adapter."""
+    prefixes = list(prefixes)
+    if not prefixes:
+        return True
+    spelled = _resolved(path) if source(path) is Source.LOCAL else path
+    return any(spelled == prefix or spelled.startswith(prefix + "/")
+               for prefix in (_resolved(p) if p.startswith(("/", "file://", "~")) else p.rstrip("/") for p in prefixes))
+
+
+def _resolved(path: str) -> str:
+    return str(local_file(path).expanduser().resolve())
 
 
 @dataclass(frozen=True)
@@ -166,7 +299,7 @@ class AdapterInfo:
 def inspect(path: str, *, field: str = "lora.path") -> AdapterInfo:
     """Read and check one adapter file's header: a plain LoRA of a transformer in
     diffusers' format that a hot-swap can take, or an AdapterError saying why not."""
-    header = read_header(path, field=field)
+    header = adapter_header(path, field=field)
     metadata = header.pop("__metadata__", None) or {}
     keys = list(header)
     if not keys:
@@ -308,15 +441,59 @@ def layout(infos: Iterable[AdapterInfo]) -> AdapterLayout | None:
     return AdapterLayout(targets=tuple(targets), rank=padded_rank(max(info.rank for info in infos)))
 
 
+class RunAdapters:
+    """A run's adapters as the producer meets them, row by row: each spec parsed, each
+    adapter checked once (the allow-list, its header, the model's transformer) and pinned
+    (its revision now, `revision`); the run's layout when all rows are in. Errors are
+    AdapterErrors naming the row's field; the producer adds file and line."""
+
+    def __init__(self, model: str, *, allowed_prefixes: Iterable[str] = ()):
+        self.model = model
+        self.allowed_prefixes = tuple(allowed_prefixes)
+        self.infos: dict[str, AdapterInfo] = {}
+        self.revisions: dict[str, str] = {}
+        self._weights: dict[str, list[int]] | None = None
+
+    def add(self, value, field: str = "lora") -> tuple[AdapterRef, ...]:
+        """One row's (or `--lora`'s) adapter set, checked and pinned."""
+        refs = parse_spec(value, field)
+        check_set(refs, field)
+        for index, ref in enumerate(refs):
+            where = f"{field}[{index}].path" if isinstance(value, (list, tuple)) else (
+                f"{field}.path" if isinstance(value, dict) else field)
+            if ref.path in self.infos:
+                continue
+            if not allowed(ref.path, self.allowed_prefixes):
+                raise AdapterError(where, f"{ref.path}: not under DIFFQ_ALLOWED_ADAPTERS "
+                                          f"({', '.join(self.allowed_prefixes)})")
+            info = inspect(ref.path, field=where)
+            if self._weights is None:
+                self._weights = transformer_weights(self.model)
+            check_against(info, self._weights, self.model, field=where)
+            self.revisions[ref.path] = revision(ref.path, field=where)
+            self.infos[ref.path] = info
+        return pin(refs, self.revisions)
+
+    @property
+    def layout(self) -> AdapterLayout | None:
+        return layout(self.infos.values())
+
+
+def run_layout(specs: Iterable[tuple[str, object]], model: str, *,
+               allowed_prefixes: Iterable[str] = ()) -> AdapterLayout | None:
+    """The run's layout from its specs, each given with its field (`("lora", "a.safetensors@0.8")`),
+    or the first AdapterError naming the field; None without adapters."""
+    run = RunAdapters(model, allowed_prefixes=allowed_prefixes)
+    for field_name, value in specs:
+        run.add(value, field_name)
+    return run.layout
+
+
 def check_set(refs: tuple[AdapterRef, ...], field: str = "lora") -> None:
     """An adapter set the worker can apply: one adapter per set (one hot-swap slot)."""
     if len(refs) > 1:
         raise AdapterError(field, f"{len(refs)} adapters in one set: one adapter per row is supported (stacking "
                                   f"needs a hot-swap slot per adapter)")
-
-
-def is_remote(path: str) -> bool:
-    return "://" in path and not path.startswith("file://")
 
 
 def local_file(path: str) -> Path:

@@ -228,8 +228,9 @@ AdapterScale = Annotated[float, Field(ge=-4, le=4)]
 
 class AdapterRef(Strict):
     """One LoRA adapter of a batch (core/adapters.py reads and checks it): where it is,
-    the revision the run pinned (an object-storage listing's digest; None for a local
-    file) and the scale its weights are applied at."""
+    the revision the run pinned (core/adapters.py `revision`: an object-storage listing's
+    digest, a local file's content digest, a Hub commit; None: not pinned, served as it
+    is) and the scale its weights are applied at."""
 
     path: str = Field(min_length=1, max_length=2048)
     scale: AdapterScale = 1.0

@@ -80,14 +80,24 @@ def model_storage(url: str, settings: Settings | None = None) -> BucketStorage:
     raise ModelStoreError(f"model {url}: not s3://bucket/prefix or gs://bucket/prefix ({storage.url})")
 
 
-def list_model(url: str, settings: Settings | None = None, storage: BucketStorage | None = None) -> ModelListing:
+def list_model(url: str, settings: Settings | None = None, storage: BucketStorage | None = None, *,
+               only: str | None = None) -> ModelListing:
     """Every file under the model's prefix, with what the store says of it; raises
-    ModelStoreError naming the URL when it cannot be listed or holds no pipeline."""
+    ModelStoreError naming the URL when it cannot be listed or holds no pipeline.
+
+    With `only` (a key under the prefix: a LoRA adapter's one file, core/adapters.py),
+    that file alone: listed by its own name, and no pipeline required."""
     storage = storage or model_storage(url, settings)
+    what = f"adapter {url.rstrip('/')}/{only}" if only else f"model {url}"
     try:
-        files = tuple(_list_s3(storage) if storage.scheme == "s3" else _list_gcs(storage))
+        files = tuple(_list_s3(storage, only or "") if storage.scheme == "s3" else _list_gcs(storage, only or ""))
     except Exception as exc:  # the client libraries' own errors, each different
-        raise StoreUnreachable(f"model {url}: listing failed: {exc}") from exc
+        raise StoreUnreachable(f"{what}: listing failed: {exc}") from exc
+    if only is not None:
+        files = tuple(f for f in files if f.key == only)  # not `{only}.old` beside it
+        if not files:
+            raise ModelStoreError(f"{what}: no such file")
+        return ModelListing(url=storage.url, files=files)
     for file in files:  # each key becomes a path in the node's cache: nothing may leave it
         try:
             validate_key(file.key)
@@ -98,9 +108,9 @@ def list_model(url: str, settings: Settings | None = None, storage: BucketStorag
     return ModelListing(url=storage.url, files=files)
 
 
-def _list_s3(storage):
+def _list_s3(storage, name: str = ""):
     client = storage.client()
-    pages = client.get_paginator("list_objects_v2").paginate(Bucket=storage.bucket_name, Prefix=storage.prefix)
+    pages = client.get_paginator("list_objects_v2").paginate(Bucket=storage.bucket_name, Prefix=storage.prefix + name)
     for page in pages:
         for obj in page.get("Contents", ()):
             key = obj["Key"][len(storage.prefix):]
@@ -108,8 +118,8 @@ def _list_s3(storage):
                 yield RemoteFile(key=key, size=obj["Size"], etag=obj.get("ETag", "").strip('"') or None)
 
 
-def _list_gcs(storage):
-    for blob in storage.client().list_blobs(storage.bucket_name, prefix=storage.prefix):
+def _list_gcs(storage, name: str = ""):
+    for blob in storage.client().list_blobs(storage.bucket_name, prefix=storage.prefix + name):
         key = blob.name[len(storage.prefix):]
         if key and not key.endswith("/"):
             yield RemoteFile(key=key, size=blob.size, version=str(blob.generation), md5=blob.md5_hash,

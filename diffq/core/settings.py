@@ -34,6 +34,11 @@ class Settings(BaseSettings):
     # The models a worker may load besides those it is told (--model, --models, a
     # --run manifest's); a batch naming another is refused unread (worker/delivery/admission.py).
     allowed_models: list[str] = Field(default_factory=list)
+    # The LoRA adapters a run may name and a worker may load: prefixes (s3://bucket/loras,
+    # /data/loras, a Hub org), not names, as a run's adapters are many. Their own list, not
+    # DIFFQ_ALLOWED_MODELS: an adapter is weights only, often from another place than the
+    # base models. Empty: any adapter (said at a network worker's start).
+    allowed_adapters: list[str] = Field(default_factory=list)
     # Where `submit` registers a run whose plan is not all in the broker, and the
     # fleet's feeder (`diffq fleet backlog --feeds`) finds the runs it feeds: a
     # folder (local, s3://, gs://) holding one small file per such run.

@@ -56,6 +56,7 @@ from diffq.core.records import START_PHASES, FailureRecord, FleetPlanFigures, Im
 from diffq.core.runfolder import (ItemSet, failed_items, first_records, read_failures, read_manifest, read_records,
                                   record_keys)
 from diffq.core.storage import Storage, open_storage
+from diffq.results.by_adapter import ByAdapter
 
 # A gap shorter than both is ordinary scheduling (a broker poll, a hand-over), not a wait.
 WAIT_MIN_S = 5.0
@@ -212,6 +213,8 @@ class Report:
     flagged: list[ImageRecord] = field(default_factory=list)  # the first FLAGGED_SHOWN read, sorted by id
     flagged_kinds: Counter = field(default_factory=Counter)  # check -> images it flagged
     starts: list[WorkerStart] = field(default_factory=list)  # each worker life's time to first image
+    # Images per LoRA adapter set, and graphs compiled per shape (results/by_adapter.py).
+    by_adapter: ByAdapter = field(default_factory=ByAdapter)
 
     @property
     def median_time_to_first_image_s(self) -> float | None:
@@ -563,8 +566,10 @@ def build_report(out: str, *, price_per_device_hour: float | None = None, sample
     flagged: list[ImageRecord] = []
     flagged_kinds: Counter = Counter()
     rng = random.Random(seed)
+    by_adapter = ByAdapter()
     for new in first_records((records for _, records in read_records(storage, record_keys(storage))), seen):
         head = new[0]
+        by_adapter.add(new)
         batches.append(Batch(batch_id=head.batch_id, finished_at=head.finished_at, generate_s=head.generate_s,
                              images=len(new), worker=head.worker, device=head.device, queue=head.queue,
                              started=head.generate_started_at, ended=head.generate_ended_at, steps=head.steps,
@@ -597,7 +602,7 @@ def build_report(out: str, *, price_per_device_hour: float | None = None, sample
                   rates=_rates(batches, lives, summaries),
                   planned=_planned(storage, manifest.created_at, batches, lives, price_per_device_hour),
                   flagged=sorted(flagged, key=lambda r: r.id), flagged_kinds=flagged_kinds,
-                  starts=_starts(storage))
+                  starts=_starts(storage), by_adapter=by_adapter)
 
 
 # --- text ---------------------------------------------------------------------------
@@ -634,6 +639,10 @@ def render_text(report: Report) -> str:
             lines.append(f"  {'':>11}  requested {s.requested_text()}")
         if s.speedups - {None}:
             lines.append(f"  {'':>11}  speed-up {s.speedups_text()}")
+        if (graphs := report.by_adapter.graphs.get(s.queue)) and graphs.steady:
+            lines.append(f"  {'':>11}  RECOMPILED {graphs.steady} graph(s) after a worker's first batch "
+                         f"({graphs.compiled} compiled in all)")
+    lines += report.by_adapter.lines()
     lines += ["", "worker lives          progress writer      device   images  batches  img/s  compile_s  "
                   "generate_s  waiting_s  storing/idle_s"]
     lines += [f"  {w.label:<20} {w.process[:20]:<20} {w.device:<7} {w.images:>6} {w.batches:>8} "
@@ -865,6 +874,16 @@ def render_html(report: Report, thumbs: list[tuple[ImageRecord, bytes]] | None =
     failures = (_table(["batch", "items", "attempts", "worker", "error"],
                        [[f.batch_id, len(f.item_ids), f.attempts, f.worker, f.error[:200]]
                         for f in report.failures[:50]]) if report.failures else "<p>none</p>")
+    by_adapter = ""
+    if report.by_adapter.with_adapters:
+        by_adapter = "<h2>Adapters</h2><div class=wide>" + _table(
+            ["adapters (path@scale (revision))", "images", "batches", "images/s", "swap s"],
+            [[g.label, g.images, g.batches, f"{g.images_per_s:.2f}", f"{g.swap_s:.3f}"]
+             for g in report.by_adapter.rows()]) + "</div>"
+    if recompiled := [(label.get(q, q), g) for q, g in sorted(report.by_adapter.graphs.items()) if g.steady]:
+        by_adapter += "<h2>Recompiles after a worker's first batch</h2>" + _table(
+            ["shape", "graphs after the first batch", "graphs in all"],
+            [[shape, g.steady, g.compiled] for shape, g in recompiled])
     planned = ""
     if report.planned:
         p = report.planned
@@ -891,6 +910,7 @@ def render_html(report: Report, thumbs: list[tuple[ImageRecord, bytes]] | None =
 <h2>What happened</h2>{story}{lost}
 {planned}
 <h2>Shapes</h2><div class=wide>{shapes}</div>
+{by_adapter}
 <h2>Worker lives</h2><div class=wide>{lives}</div>
 <h2>Time to first image</h2>{starts}
 <h2>Devices</h2>{devices}
@@ -939,6 +959,7 @@ def to_json(report: Report) -> dict:
             "planned": report.planned.to_json() if report.planned else None,
             "failures": dict(report.errors),
             "flagged": {"kinds": dict(report.flagged_kinds), "items": [r.id for r in report.flagged]},
+            **report.by_adapter.to_json(),
             "starts": {"median_time_to_first_image_s": report.median_time_to_first_image_s,
                        "device_seconds_starting": report.device_seconds_starting,
                        "lives": [s.model_dump(mode="json") for s in report.starts]}}

@@ -9,17 +9,22 @@ While items are pending and storing into OUT has been failing for longer than a
 minute, `trouble` says why ("storage full: No space left on device — waiting, 3
 min"): from the trouble notes the workers' sinks leave in OUT, and from a look at a
 local OUT's disk (diffq/core/progress.py `storage_trouble`).
+
+With `by_adapter` (`status --by-adapter`), the images per LoRA adapter set and the
+graphs compiled per shape, from the image records (results/by_adapter.py): every
+record is read, so it costs what `report` does on a big run.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from diffq.core.feeds import RunFeedCounts, run_feed_counts
 from diffq.core.progress import ProgressSummary, storage_trouble
 from diffq.core.records import RunManifest
-from diffq.core.runfolder import NotARun, read_cancel, read_manifest
+from diffq.core.runfolder import ItemSet, NotARun, first_records, read_cancel, read_manifest, read_records, record_keys
 from diffq.core.storage import open_storage
+from diffq.results.by_adapter import ByAdapter
 
 __all__ = ["NotARun", "ShapeStatus", "Status", "make_status", "status"]
 
@@ -42,6 +47,7 @@ class Status:
     trouble: str | None = None  # why storing fails, once it has for over a minute
     # A windowed run's batches in the broker and in OUT, and whether a feeder is live.
     feed: RunFeedCounts | None = None
+    by_adapter: ByAdapter | None = None  # with `by_adapter`
 
     @property
     def pending(self) -> int:
@@ -52,9 +58,12 @@ class Status:
         return self.pending == 0
 
     def to_json(self) -> dict:
-        data = asdict(self)
+        data = asdict(replace(self, by_adapter=None))
+        data.pop("by_adapter")
         data["pending"] = self.pending
         data["feed"] = self.feed.to_json() if self.feed else None
+        if self.by_adapter is not None:
+            data["by_adapter"] = self.by_adapter.to_json()
         return data
 
 
@@ -75,7 +84,12 @@ def make_status(url: str, manifest: RunManifest, progress: ProgressSummary, *, n
                   trouble=storage_trouble(progress.storage, pending, now), feed=feed)
 
 
-def status(out: str) -> Status:
+def status(out: str, *, by_adapter: bool = False) -> Status:
     storage = open_storage(out)
     manifest = read_manifest(storage)
-    return make_status(storage.url, manifest, ProgressSummary(storage).refresh())
+    result = make_status(storage.url, manifest, ProgressSummary(storage).refresh())
+    if by_adapter:
+        result.by_adapter = ByAdapter()
+        for new in first_records((records for _, records in read_records(storage, record_keys(storage))), ItemSet()):
+            result.by_adapter.add(new)
+    return result

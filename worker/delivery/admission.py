@@ -9,7 +9,7 @@ admits a batch only when, in this order:
             altered or replayed batch goes no further;
 2. a batch  it is a diffq batch (the message schema);
 3. its queue's  its shape key names the queue it arrived on, as the broker or
-            transport saw it (core/transports.py `arrival`): model, size, batch,
+            transport saw it (the broker object's `arrival`, core/brokers/): model, size, batch,
             sequence length, CFG and dtype are what the queue says;
 4. its run's  with `--run OUT` (and in `diffq run`), its run folder is that run's and
             its run id that run's; otherwise its run folder lies under
@@ -18,7 +18,9 @@ admits a batch only when, in this order:
 5. a known model  its model is one this worker was told about: --model, --models,
             the --run manifest's, DIFFQ_ALLOWED_MODELS; told none, one its run's
             manifest names (checked in the task body, where the manifest is read:
-            process/runtime.py `model_problem`).
+            process/runtime.py `model_problem`);
+6. allowed adapters  each LoRA adapter it names lies under DIFFQ_ALLOWED_ADAPTERS
+            (core/adapters.py `allowed`; empty: any).
 
 A batch that fails one is dead-lettered with the reason (worker/delivery/dead_letters.py) and
 never generated, stored or retried; each check is a `Refused` row (worker/delivery/outcomes.py). Where a worker was told nothing (no run, no
@@ -33,6 +35,7 @@ from dataclasses import dataclass
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from diffq.core.adapters import allowed
 from diffq.core.contract import BatchMessage
 from diffq.core.signing import Keys
 from diffq.core.storage import StorageError, open_storage
@@ -86,6 +89,7 @@ class Admission:
     out_prefixes: tuple[str, ...] = ()
     models: frozenset[str] = frozenset()
     keys: Keys | None = None
+    adapters: tuple[str, ...] = ()  # DIFFQ_ALLOWED_ADAPTERS' prefixes
 
     @classmethod
     def of(cls, spec, settings) -> Admission:
@@ -98,7 +102,7 @@ class Admission:
                 raise ValueError(f"DIFFQ_ALLOWED_OUT_PREFIXES: {exc}") from None
         models = {*getattr(spec, "models", ()), *getattr(spec, "serve_models", ()), *settings.allowed_models}
         return cls(runs=tuple(getattr(spec, "runs", ())), out_prefixes=tuple(prefixes), models=frozenset(models),
-                   keys=Keys.from_settings(settings))
+                   keys=Keys.from_settings(settings), adapters=tuple(settings.allowed_adapters))
 
     def check(self, batch, queue: str | None, signature=None) -> tuple[BatchMessage | None, Refusal | None]:
         """(the batch, None) when admitted, else (the batch if it is one, why not)."""
@@ -122,6 +126,9 @@ class Admission:
             return message, Refusal(f"batch {message.batch_id}: names model {message.shape.model[:200]!r}, which "
                                     "this worker was not told to load (--model, --models, DIFFQ_ALLOWED_MODELS)",
                                     Refused.UNKNOWN_MODEL)
+        if outside := next((ref.path for ref in message.params.adapters if not allowed(ref.path, self.adapters)), None):
+            return message, Refusal(f"batch {message.batch_id}: names adapter {outside[:200]!r}, outside "
+                                    f"DIFFQ_ALLOWED_ADAPTERS ({', '.join(self.adapters)})", Refused.UNKNOWN_ADAPTER)
         return message, None
 
     def out_problem(self, out: str, run_id: str | None = None) -> str | None:
@@ -149,6 +156,8 @@ class Admission:
         if not self.models:
             said.append("this worker loads any model its batches' run manifests name: pass --model/--models or "
                         "set DIFFQ_ALLOWED_MODELS")
+        if not self.adapters:
+            said.append("this worker loads any LoRA adapter its batches name: set DIFFQ_ALLOWED_ADAPTERS")
         if self.keys is None:
             said.append("batches are not signature-checked: set DIFFQ_SIGNING_KEY on producers and workers")
         return said

@@ -4,8 +4,9 @@ Celery is the engine: its fetch loop, its threads pool and its bootsteps. The
 worker's own logic is Celery-free where it can be: a batch's life from receipt
 to outcome and its hooks (tasks.py, hooks.py), the held ack (batches.py), the
 decision (outcomes.py) and the door that carries it out (door.py), queue choice
-(routing.py). With door.py, the only worker module that imports celery or kombu
-or reads their private attributes (tests/test_broker_door.py). Here:
+(routing.py). Beside the broker classes (diffq/core/brokers/), the only module that
+imports celery or kombu or reads their private attributes (tests/test_broker_door.py).
+Here:
 
 - the ack policy, stated once (`ACK_POLICY`, `WORKER_ARGS`);
 - `BatchRequest`: Celery's request, whose ack goes through the batch line, so it
@@ -35,7 +36,8 @@ import time
 from celery import Celery, Task, bootsteps, signals
 from celery.worker.request import Request
 
-from diffq.core.broker import TASK_NAME, make_celery, wake_consumer
+from diffq.core.brokers.base import TASK_NAME, make_celery
+from diffq.core.brokers.embedded import wake_consumer
 from diffq.core.contract import MAX_MESSAGE_BYTES
 from diffq.core.settings import get_settings
 from diffq.core.signing import HEADER as SIGNATURE
@@ -104,11 +106,13 @@ class BatchRequest(Request):
             self.failing = False
 
     def reject(self, requeue=False):
-        # Celery's failure handler requeues only for a lost worker
-        # (task_reject_on_worker_lost; diffq sets no time limits and raises no Reject):
-        # that end is a row of the table too.
-        if self.failing and requeue:
-            return door.end(Outcome.HAND_BACK, self)
+        # Inside Celery's failure handler its reject is an end of its own, a row of the
+        # table: a requeue only for a lost worker (task_reject_on_worker_lost; diffq sets
+        # no time limits and raises no Reject), a drop otherwise. Outside it, the reject
+        # is the door's (carry_out's REJECT).
+        if self.failing:
+            self.failing = False  # the door's call below is Celery's own reject
+            return door.end(Outcome.HAND_BACK if requeue else Outcome.ENGINE_REJECTED, self)
         return super().reject(requeue=requeue)
 
 
@@ -149,12 +153,14 @@ class WorkerStep(bootsteps.StartStopStep):
         # once it has seen a short call.
         line.attach(PrefetchWindow(consumer.qos), wake=wake_consumer)
         transport = transport_for(rt.spec.broker_url)
+        broker = transport.broker
         settings = get_settings()
-        rt.lease = LeaseKeeper(transport, consumer.app.connection_for_write, lambda: door.held_deliveries(consumer),
+        rt.lease = LeaseKeeper(broker, consumer.app.connection_for_write, lambda: broker.held(consumer),
                                period=settings.lease_renew_s, max_hold_s=settings.max_hold_s)
         rt.lease.start()
-        if transport.consumer_channel is not None and consumer.task_consumer is not None:
-            transport.consumer_channel(consumer.task_consumer.channel, lost=door.lost_connection)
+        if broker.consumer_channel is not None and consumer.task_consumer is not None:
+            broker.consumer_channel(consumer.task_consumer.channel, lost=door.lost_connection,
+                                    closed=door.channel_closed)
         if not transport.event_loop:
             return  # synloop: acks settle from the task body and at shutdown
         consumer.hub.call_repeatedly(self.settle_interval, line.settle)
@@ -244,7 +250,7 @@ def _hand_back(rt: Runtime) -> int:
 def build_app(rt: Runtime) -> Celery:
     app = make_celery(rt.spec.broker_url, rt.spec.transport_options)
     app.conf.update(ACK_POLICY, worker_timer_precision=TIMER_PRECISION_S)
-    arguments = transport_for(rt.spec.broker_url).consumer_arguments(get_settings())
+    arguments = transport_for(rt.spec.broker_url).broker.consumer_arguments(get_settings())
     if arguments:
         for queue in rt.spec.queues:
             app.amqp.queues[queue].consumer_arguments = arguments
@@ -317,18 +323,18 @@ class DeadLetterStep(bootsteps.StartStopStep):
         consumer.on_unknown_task = on_unknown_task
         if consumer.task_consumer is not None:
             consumer.task_consumer.on_decode_error = on_decode_error
-        transport = transport_for(consumer.app.conf.broker_url)
-        if transport.guard_deliveries is not None and consumer.task_consumer is not None:
-            transport.guard_deliveries(consumer.task_consumer.channel, lambda queue, item, reason:
-                                       dead.malformed(queue, item, reason))
-        if transport.stamp_arrivals is not None and consumer.task_consumer is not None:
-            transport.stamp_arrivals(consumer.task_consumer)
+        broker = transport_for(consumer.app.conf.broker_url).broker
+        if broker.guard_deliveries is not None and consumer.task_consumer is not None:
+            broker.guard_deliveries(consumer.task_consumer.channel, lambda queue, item, reason:
+                                    dead.malformed(queue, item, reason))
+        if broker.stamp_arrivals is not None and consumer.task_consumer is not None:
+            broker.stamp_arrivals(consumer.task_consumer)
         runtime = getattr(consumer.app.tasks.get(TASK_NAME), "runtime", None)
         strategy = consumer.strategies.get(TASK_NAME)
         if strategy is not None and not getattr(strategy, "checked_on_receipt", False):
             consumer.strategies[TASK_NAME] = checked_on_receipt(
                 strategy, dead, getattr(runtime, "admission", None),
-                lambda message: transport.arrival(message, consumer.task_consumer))
+                lambda message: broker.arrival(message, consumer.task_consumer))
 
 
 def _api(app) -> str | None:
@@ -385,3 +391,10 @@ def serve(app: Celery, spec: ChildSpec) -> None:
                      f"--hostname={spec.name}@{hostname()}", f"--loglevel={spec.loglevel}"])
     for drain in getattr(app, "diffq_drains", ()):
         drain.finish()
+
+
+def stop_consuming(exit_code: int) -> None:
+    """Ask Celery's worker to stop (its warm shutdown) and exit with `exit_code`."""
+    from celery.worker import state as worker_state
+
+    worker_state.should_stop = exit_code

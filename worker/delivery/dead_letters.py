@@ -4,7 +4,7 @@ Not JSON, a content type other than JSON (pickle is refused unread), not a diffq
 task, over the size cap (measured on receipt, before the body is parsed), a call
 that is not one batch, or a batch that fails the schema: none of these can ever succeed, so none is
 retried. Each is logged once (queue and reason) and ends in the broker's dead
-letters, its way (core/transports.py `DeadLetterWay`, shown by `diffq queues`,
+letters, its way (the broker object's `declare_dead_letters`, core/brokers/; shown by `diffq queues`,
 consumed by no worker): on RabbitMQ, once the worker has declared the policy,
 rejected without requeue for the broker to route to `diffq.dead` (it adds the
 queue and 'rejected' as `x-death`; diffq's reason is in the log only); elsewhere
@@ -18,7 +18,7 @@ through the broker door (worker/delivery/door.py). The Celery side (`DeadLetterS
 replaces Celery's own handlers for undecodable, invalid and unknown messages, and
 the receipt checks in front of the batch task's strategy) is
 worker/delivery/celery_adapter.py. A Redis list item that is not even a kombu envelope
-would end the worker inside kombu; the transport table's `guard_deliveries` catches
+would end the worker inside kombu; the broker object's `guard_deliveries` catches
 it first, and it ends as `malformed`.
 """
 
@@ -29,7 +29,8 @@ import json
 import logging
 import time
 
-from diffq.core.transports import DEAD_LETTERS, DEAD_QUEUE, transport_for
+from diffq.core.brokers.base import DEAD_LETTERS, DEAD_QUEUE
+from diffq.core.transports import transport_for
 from diffq.worker.delivery.outcomes import Outcome, Refused, refusal
 from diffq.worker.delivery.door import Received, Taken, end
 from diffq.worker.observe import metrics
@@ -56,7 +57,7 @@ def letter(queue: str, reason: str, body, content_type: str | None, headers: dic
 
 class DeadLetters:
     """`by_broker`: the broker dead-letters a delivery rejected without requeue itself
-    (what the transport's `DeadLetterWay.declare` answered); else diffq writes a letter."""
+    (what the broker's `declare_dead_letters` answered); else diffq writes a letter."""
 
     def __init__(self, app, worker: str, by_broker: bool = False):
         self.app = app
@@ -109,12 +110,12 @@ def dead_letters_of(app, worker: str) -> DeadLetters:
 
 
 def declare_dead_letters(app, queues: list[str], api: str | None) -> bool:
-    """The broker's dead letters for `queues` (core/transports.py `DeadLetterWay`):
+    """The broker's dead letters for `queues` (the broker's `declare_dead_letters`, diffq/core/brokers/):
     True where it routes rejects itself. A broker that refuses (no policy rights,
     API down) leaves the worker writing letters, logged."""
     try:
         with app.connection_for_write() as connection:
-            return transport_for(app.conf.broker_url).dead_letters.declare(connection, queues, api)
+            return transport_for(app.conf.broker_url).broker.declare_dead_letters(connection, queues, api)
     except Exception as exc:
         log.warning("could not declare the broker's dead letters (%s); refused messages are written as letters",
                     exc)

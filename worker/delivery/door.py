@@ -21,11 +21,12 @@ receipt, before it became a task), `Taken` (a Redis item that was no message: th
 read removed it), `Detached` (a delivery whose connection is gone), `Overdue` (a
 delivery held past its bound) and `AllHeld` (a drain's hand-back); `Delivered` is
 the task's side of a delivery, as a batch's life sees it. What a broker
-kind does differently (renew, hand back, the consumer channel) is its row of the
-transport table (diffq/core/transports.py).
+kind does differently (renew, hand back, the consumer channel) is its broker object
+(diffq/core/brokers/), which the transport table points at (diffq/core/transports.py).
 
-This module and worker/delivery/celery_adapter.py are the worker's only modules that import
-celery or kombu or read their private attributes (tests/test_broker_door.py).
+Outside the broker classes only worker/delivery/celery_adapter.py imports celery or
+kombu or reads their private attributes (tests/test_broker_door.py): here a
+delivery is reached through kombu's and Celery's public methods only.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from diffq.core.broker import TASK_NAME
+from diffq.core.brokers.base import TASK_NAME
 from diffq.worker.delivery.outcomes import Action, Outcome, decide
 
 log = logging.getLogger("diffq.worker")
@@ -93,8 +94,8 @@ class Received(_Only):
 
 
 class Taken(_Only):
-    """A Redis list item that is no kombu envelope (core/transports.py
-    `guard_redis_deliveries`): the read popped it and nothing recorded it as unacked,
+    """A Redis list item that is no kombu envelope (core/brokers/redis.py
+    `guard_deliveries`): the read popped it and nothing recorded it as unacked,
     so the pop was its ack; it cannot be put back for a reader that chokes on it."""
 
     def ack_now(self) -> None:
@@ -102,7 +103,7 @@ class Taken(_Only):
 
 
 class Detached(_Only):
-    """A delivery whose broker connection is gone (core/redis_consumer.py): `settle`
+    """A delivery whose broker connection is gone (core/brokers/redis.py): `settle`
     forgets it here; the broker still holds it as unacked and gives it back when its
     lease lapses."""
 
@@ -118,6 +119,39 @@ class Detached(_Only):
 def lost_connection(tag: str, settle: Callable[[], None]) -> None:
     """The consumer channel's hook for a delivery it can no longer settle on the broker."""
     end(Outcome.CONNECTION_LOST, Detached(tag, settle))
+
+
+class Closing(_Only):
+    """A delivery still held when its consumer channel closes: `restore` puts it back
+    on its queue (core/brokers/redis.py: kombu's `restore_by_tag`, as kombu's own close
+    would)."""
+
+    def __init__(self, tag: str, restore: Callable[[], None]):
+        self.tag, self.restore = tag, restore
+
+    def requeue(self) -> None:
+        self.restore()
+
+
+def channel_closed(tag: str, restore: Callable[[], None]) -> None:
+    """The consumer channel's hook for a delivery it still holds as it closes."""
+    end(Outcome.CHANNEL_CLOSED, Closing(tag, restore))
+
+
+def peeked(message) -> None:
+    """A dead letter `diffq queues` fetched to read (core/brokers/rabbitmq.py)."""
+    end(Outcome.PEEKED, Received(message))
+
+
+class Republished(_Only):
+    """A batch the embedded broker lost with its worker (its file left the queue at
+    fetch): `publish` sends it again from the run folder (diffq/app/runner.py)."""
+
+    def __init__(self, publish: Callable[[], None]):
+        self.publish = publish
+
+    def requeue(self) -> None:
+        self.publish()
 
 
 class Overdue(_Only):
@@ -188,35 +222,3 @@ class Delivered:
     def publish(self, queue: str, batch: dict, **options) -> None:
         """A batch of its own on `queue` (a split's half)."""
         self.task.app.send_task(TASK_NAME, kwargs={"batch": batch}, queue=queue, routing_key=queue, **options)
-
-
-def held_deliveries(consumer) -> list:
-    """The deliveries a Celery consumer holds unacked, or [] without one.
-
-    kombu's virtual QoS (kombu/transport/virtual/base.py, class QoS, kombu 5.7) keeps
-    every delivery in `_delivered`; `ack()` and `reject()` only add the tag to
-    `_dirty`, and `_flush()` drops dirty tags from `_delivered` on the next
-    `append()`. So an acked batch stays in `_delivered` until the next delivery:
-    renewing it is wasted and handing it back could re-queue a finished batch.
-    """
-    try:
-        qos = consumer.task_consumer.channel.qos
-        delivered, acked = qos._delivered, qos._dirty
-    except AttributeError:
-        return []
-    for _ in range(3):
-        try:
-            # `_delivered` first: an ack landing between the two copies is then seen.
-            held = list(delivered.items())
-            done = set(acked)
-        except RuntimeError:  # changed while copied: take it again
-            continue
-        return [message for tag, message in held if tag not in done]
-    return []
-
-
-def stop_consuming(exit_code: int) -> None:
-    """Ask Celery's worker to stop (its warm shutdown) and exit with `exit_code`."""
-    from celery.worker import state as worker_state
-
-    worker_state.should_stop = exit_code

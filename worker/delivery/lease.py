@@ -2,14 +2,14 @@
 
 While a worker process holds deliveries (the batch generating, compiling or being
 stored, and one prefetched), a thread renews their lease every `lease_renew_s`
-the way the transport table says (Redis: the `unacked_index` score; SQS:
-ChangeMessageVisibility). The broker then hands a batch back only when nobody
+the way its broker object does (diffq/core/brokers/; Redis: the `unacked_index`
+score; SQS: ChangeMessageVisibility). The broker then hands a batch back only when nobody
 renewed it for a visibility timeout: its holder (process or host) died. A batch
 held past `max_hold_s` is no longer renewed: its `lease lapsed` end (worker/delivery/outcomes.py),
 the outer bound for a hung holder.
 
 The thread has its own broker connection (kombu channels are not thread-safe);
-it only reads which deliveries the consumer holds (worker/delivery/door.py `held_deliveries`).
+it only reads which deliveries the consumer holds (the broker's `held`).
 `hand_back` gives them all back at once, for a drain that ran out of time or a
 parent that died (the door's `AllHeld`).
 """
@@ -21,7 +21,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from diffq.core.transports import Transport
+from diffq.core.brokers.base import Broker
 from diffq.worker.delivery.outcomes import Outcome
 from diffq.worker.delivery.door import Overdue, end
 from diffq.worker.observe import metrics
@@ -30,9 +30,9 @@ log = logging.getLogger(__name__)
 
 
 class LeaseKeeper:
-    def __init__(self, transport: Transport, connect: Callable, held: Callable[[], list],
+    def __init__(self, broker: Broker, connect: Callable, held: Callable[[], list],
                  period: float, max_hold_s: float):
-        self.transport = transport
+        self.broker = broker  # renew / hand_back, or None where the broker needs none
         self.connect = connect  # -> a new kombu Connection (the app's connection_for_write)
         self.held = held
         self.period = period
@@ -48,7 +48,7 @@ class LeaseKeeper:
 
     @property
     def renews(self) -> bool:
-        return self.transport.renew is not None
+        return self.broker.renew is not None
 
     def start(self) -> None:
         if self.renews and self._thread is None:
@@ -95,7 +95,7 @@ class LeaseKeeper:
             return 0
         with self._lock:
             try:
-                renewed = self.transport.renew(self._channel(), fresh)
+                renewed = self.broker.renew(self._channel(), fresh)
             except Exception:
                 self._release()  # a broken connection: a new one next period
                 raise
@@ -111,12 +111,12 @@ class LeaseKeeper:
 
     def hand_back(self) -> int:
         """Give every held delivery back to its queue now; how many went back."""
-        if self.transport.hand_back is None:
+        if self.broker.hand_back is None:
             return 0
         messages = [m for m in self.held() if m.delivery_tag not in self._handed]
         if not messages:
             return 0
         with self._lock:
-            handed = self.transport.hand_back(self._channel(), messages)
+            handed = self.broker.hand_back(self._channel(), messages)
         self._handed.update(m.delivery_tag for m in messages)
         return handed

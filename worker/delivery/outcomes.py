@@ -7,8 +7,9 @@ below is the whole policy; the batch line (worker/delivery/batches.py) carries i
 the task's outcomes on the consumer's main thread, the receipt checks
 (worker/delivery/dead_letters.py) for what never became a task, the drain
 (worker/delivery/celery_adapter.py) for what is still held at its timeout, the lease keeper
-(worker/delivery/lease.py) for a holder past its bound, and the consumer channel for a
-connection that is gone.
+(worker/delivery/lease.py) for a holder past its bound, the consumer channel for a
+connection that is gone and for what it holds when it closes, `diffq queues` for a
+dead letter it read, and the embedded runner for a batch lost with its worker.
 
     outcome          action            why
     generated        ack when stored   the images, record and credit are stored first (held ack)
@@ -25,6 +26,14 @@ connection that is gone.
                                        written, and the read that took it off the queue was its removal
     hand back        requeue           not a failed attempt: a tensor-parallel rank died, or Celery lost
                                        the task's worker (task_reject_on_worker_lost)
+    engine rejected  reject            Celery's failure handler drops it without requeue (a `Reject`, or
+                                       acks_on_failure off: neither is diffq's own)
+    channel closed   requeue           still held when its consumer channel closes (Redis: what kombu
+                                       restores at the close), not a failed attempt
+    peeked           requeue           a dead letter `diffq queues` read (RabbitMQ: fetched unacked): back
+                                       in its place once all are read
+    lost with worker requeue           the embedded broker removed it at fetch and its worker died: the
+                                       runner publishes it again from the run folder
     drained          requeue           SIGTERM's drain timeout passed with it in hand
     lease lapsed     let lapse         held past DIFFQ_MAX_HOLD_S: no longer renewed, the broker gives it
                                        back when its lease runs out (the outer bound on a hung holder)
@@ -54,6 +63,10 @@ class Outcome(str, Enum):
     REFUSED = "refused"
     MALFORMED = "malformed"
     HAND_BACK = "hand back"
+    ENGINE_REJECTED = "engine rejected"
+    CHANNEL_CLOSED = "channel closed"
+    PEEKED = "peeked"
+    LOST_WITH_WORKER = "lost with worker"
     DRAINED = "drained"
     LEASE_LAPSED = "lease lapsed"
     CONNECTION_LOST = "connection lost"
@@ -64,7 +77,7 @@ class Action(str, Enum):
     ACK = "ack"
     ACK_WHEN_STORED = "ack when stored"  # hold the ack until the sink's future is done
     REQUEUE = "requeue"  # back to its queue now, not counted as an attempt
-    REJECT = "reject"  # without requeue: to the broker's dead letters (core/transports.py)
+    REJECT = "reject"  # without requeue: to the broker's dead letters (core/brokers/)
     LET_LAPSE = "let lapse"  # settled here only; the broker gives it back when its lease runs out
 
 
@@ -81,6 +94,10 @@ DECISIONS: dict[Outcome, Action] = {
     Outcome.REFUSED: Action.REJECT,
     Outcome.MALFORMED: Action.ACK,
     Outcome.HAND_BACK: Action.REQUEUE,
+    Outcome.ENGINE_REJECTED: Action.REJECT,
+    Outcome.CHANNEL_CLOSED: Action.REQUEUE,
+    Outcome.PEEKED: Action.REQUEUE,
+    Outcome.LOST_WITH_WORKER: Action.REQUEUE,
     Outcome.DRAINED: Action.REQUEUE,
     Outcome.LEASE_LAPSED: Action.LET_LAPSE,
     Outcome.CONNECTION_LOST: Action.LET_LAPSE,
@@ -110,6 +127,7 @@ class Refused(str, Enum):
     WRONG_QUEUE = "not for the queue it arrived on"
     NOT_ITS_SCOPE = "run folder or run id not served"  # --run, DIFFQ_ALLOWED_OUT_PREFIXES
     UNKNOWN_MODEL = "model not served"  # --model, --models, DIFFQ_ALLOWED_MODELS
+    UNKNOWN_ADAPTER = "adapter not allowed"  # DIFFQ_ALLOWED_ADAPTERS
     NOT_ITS_RUN = "not its run"  # the task body: no manifest of its run in its run folder
     OUT_NOT_ALLOWED = "run folder not allowed"  # the task body: Runtime.storage_for refused its run folder
 
@@ -118,11 +136,12 @@ class Refused(str, Enum):
 # written even where the broker would route a rejected delivery itself (it keeps
 # only the queue and 'rejected').
 LETTERED = frozenset({Refused.UNSIGNED, Refused.WRONG_QUEUE, Refused.NOT_ITS_SCOPE, Refused.UNKNOWN_MODEL,
+                      Refused.UNKNOWN_ADAPTER,
                       Refused.NOT_ITS_RUN, Refused.OUT_NOT_ALLOWED})
 
 
 def refusal(why: Refused, by_broker: bool) -> Outcome:
     """The outcome of a refused delivery: REFUSED (rejected: the broker dead-letters it,
-    where `by_broker`, as the transport's DeadLetterWay declared) or DEAD_LETTER (diffq
+    where `by_broker`, as the broker's `declare_dead_letters` answered) or DEAD_LETTER (diffq
     writes the letter and acks)."""
     return Outcome.REFUSED if by_broker and why not in LETTERED else Outcome.DEAD_LETTER

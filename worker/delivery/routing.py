@@ -9,7 +9,7 @@ switches queues: `add_task_queue` / `cancel_task_queue`.
 Queue names parse back to shapes with `diffq.core.contract.shape_from_queue`.
 
 A worker started without --queues discovers them: every few seconds it lists the
-broker's diffq shape queues (the transport table's `list_queues`), keeps those of
+broker's diffq shape queues (the broker object's `list_queues`), keeps those of
 its models (--models; the queue name carries a model slug), and adds them to what
 it serves, so the queues of a run submitted later are served within seconds.
 
@@ -29,7 +29,8 @@ import time
 from collections.abc import Callable
 
 from diffq.core.contract import is_shape_queue
-from diffq.core.transports import PREFIX, CannotList, Transport, transport_for
+from diffq.core.brokers.base import PREFIX, CannotList
+from diffq.core.transports import Transport, transport_for
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +59,7 @@ class Discovery:
 
     def __init__(self, transport: Transport, models: list[str] | None = None, api: str | None = None,
                  prefix: str = PREFIX, dtypes: tuple[str, ...] | None = None):
-        if transport.list_queues is None:
+        if transport.broker.list_queues is None:
             raise CannotList(f"no queues: a {transport.name} broker cannot list its queues; "
                              "name them with --queues or --run")
         if transport.list_needs_api and not api:
@@ -71,7 +72,7 @@ class Discovery:
         self.dtypes = dtypes
 
     def find(self, connection) -> list[str]:
-        return self.keep(self.transport.list_queues(connection, self.prefix, self.api))
+        return self.keep(self.transport.broker.list_queues(connection, self.prefix, self.api))
 
     def keep(self, names) -> list[str]:
         """The shape queues among `names` that this worker serves."""
@@ -84,7 +85,7 @@ def startup_queues(broker_url: str, models: list[str] | None = None, api: str | 
     CannotList (saying what to pass instead) where the broker cannot list, before
     anything starts; [] while the broker is not up yet (the workers connect with
     Celery's retries and list it then)."""
-    from diffq.core.broker import make_celery
+    from diffq.core.brokers.base import make_celery
 
     discovery = Discovery(transport_for(broker_url), models, api, dtypes=dtypes)
     try:
@@ -161,7 +162,7 @@ class Router:
         which also names the queues to discover."""
         prefix = self.discovery.prefix if self.discovery is not None else PREFIX
         try:
-            depths = self.transport.shared_depths(connection, prefix, self.interval)
+            depths = self.transport.broker.shared_depths(connection, prefix, self.interval)
         except Exception as exc:  # as a failed listing: the known queues, said once until it works
             if not self._listing_failed:
                 log.warning("reading the broker's queue listing failed, serving the %d known: %s",
@@ -182,7 +183,7 @@ class Router:
             elsewhere = any(depths.get(q, 0) > 0 for q in self.served if q not in compiled)
             exact = [q for q in self.served if (elsewhere and q in compiled) or not q.startswith(prefix)]
             if exact:
-                depths.update(self.transport.queue_depths(connection, exact))
+                depths.update(self.transport.broker.queue_depths(connection, exact))
         return depths
 
     def update_soon(self) -> None:
@@ -197,7 +198,7 @@ class Router:
         if consumer is None or consumer.task_consumer is None:
             return
         compiled = self.compiled() if self.compile_aware else set()
-        if self.transport.shared_depths is not None:
+        if self.transport.broker.shared_depths is not None:
             depths = self.shared(consumer.connection, compiled)
         else:
             self.discover(consumer.connection)
@@ -206,7 +207,7 @@ class Router:
             return
         if self.compile_aware:
             if depths is None:
-                depths = self.transport.queue_depths(consumer.connection, self.served)
+                depths = self.transport.broker.queue_depths(consumer.connection, self.served)
             want = choose_queues(self.served, compiled, depths, self.rng)
         else:
             want = set(self.served)

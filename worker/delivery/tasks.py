@@ -29,7 +29,7 @@ from diffq.worker.process import startup
 from diffq.worker.delivery.admission import schema_reason
 from diffq.worker.delivery.dead_letters import dead_letters_of
 from diffq.worker.delivery.outcomes import Outcome, Refused
-from diffq.worker.delivery.door import Delivered, stop_consuming
+from diffq.worker.delivery.door import Delivered
 from diffq.worker.delivery.failures import StorageTrouble, set_aside_degenerate, storage_trouble, write_failure
 from diffq.worker.delivery.hooks import PERMANENT_ERRORS, Batch, BatchHook, End, default_hooks, split
 from diffq.worker.process.runtime import OutNotAllowed, Runtime, preload
@@ -144,6 +144,8 @@ def hooks_of(rt: Runtime) -> list[BatchHook]:
 def hand_back(batch: Batch, reason: str, exit_code: int) -> End:
     """Give the batch back to its queue at once (not a failed attempt) and stop the
     process with `exit_code`."""
+    from diffq.worker.delivery.celery_adapter import stop_consuming  # the engine's; it imports this module
+
     log.warning("%s; batch %s goes back to the queue", reason, batch.message.batch_id)
     stop_consuming(exit_code)
     return batch.end(Outcome.HAND_BACK, handed_back=reason)

@@ -27,10 +27,12 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
-from diffq.core.adapters import AdapterError, AdapterLayout, inspect, is_remote, local_file
+from diffq.core.adapters import (AdapterError, AdapterLayout, Source, content_revision, inspect, local_file, source,
+                                 weight_file)
 from diffq.core.contract import AdapterRef
 
 log = logging.getLogger(__name__)
@@ -87,23 +89,56 @@ class AdapterCache:
 
 
 def _read(ref: AdapterRef) -> Loaded:
-    from safetensors.torch import load_file
+    from safetensors.torch import load
 
-    if is_remote(ref.path):
-        # Fetching adapters from object storage through worker/device/model_fetch.py's
-        # cache is the producer side's phase (issue 50, phase 2).
-        raise AdapterUnsupported(f"adapter {ref.path}: adapters from object storage are not fetched yet; "
-                                 f"give a local file")
-    path = str(local_file(ref.path))
+    path = _local_path(ref)
+    state_dict = load(_weights(ref, path))
     try:
-        info = inspect(path)  # the producer's checks again: the file may have changed since
+        info = inspect(path)  # the producer's checks again, on the copy loaded
     except AdapterError as exc:
         raise AdapterUnsupported(f"adapter {exc.message}") from None
-    state_dict = load_file(path)
     alpha = info.config.get("lora_alpha")
     scalings = {module: (alpha if alpha is not None else rank) / rank for module, (rank, _, _) in info.modules.items()}
     return Loaded(state_dict=state_dict, scalings=scalings,
                   nbytes=sum(t.numel() * t.element_size() for t in state_dict.values()))
+
+
+def _local_path(ref: AdapterRef) -> str:
+    """The adapter's weights on this node, at the revision the run pinned: object storage
+    through the node's model cache (worker/device/model_fetch.py, refused when changed),
+    the Hub at the pinned commit, a local file or folder as it is."""
+    from diffq.core.model_store import ModelStoreError, StoreUnreachable
+
+    folder, name = weight_file(ref.path)
+    where = source(ref.path)
+    if where is Source.STORE:
+        from diffq.worker.device.model_fetch import fetch
+
+        try:
+            return str(Path(fetch(folder, ref.revision, only=name).path) / name)
+        except StoreUnreachable:
+            raise  # not permanent: the batch is retried
+        except ModelStoreError as exc:
+            raise AdapterUnsupported(str(exc)) from None
+    if where is Source.HUB:  # not tested here: no Hub
+        from huggingface_hub import hf_hub_download
+
+        return hf_hub_download(folder, name, revision=ref.revision)
+    return str(local_file(folder) / name)
+
+
+def _weights(ref: AdapterRef, path: str) -> bytes:
+    """The adapter's bytes; a local one whose content changed since the run pinned it is
+    refused, as a changed model is (model_fetch.fetch)."""
+    try:
+        data = Path(path).read_bytes()
+    except OSError as exc:
+        raise AdapterUnsupported(f"adapter {ref.path}: cannot read {path} ({exc})") from None
+    if source(ref.path) is Source.LOCAL and ref.revision is not None and (
+            now := content_revision(data)) != ref.revision:
+        raise AdapterUnsupported(f"adapter {ref.path} changed since the run pinned it: revision {now} in the file, "
+                                 f"{ref.revision} pinned; submit a new run for the new revision")
+    return data
 
 
 def compiled_modules(module: torch.nn.Module) -> list[str]:

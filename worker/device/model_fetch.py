@@ -91,15 +91,18 @@ def entry_name(url: str, revision: str) -> str:
     return f"{model_slug(url)}-{digest}"
 
 
-def fetch(url: str, revision: str | None = None, *, settings: Settings | None = None) -> Fetched:
+def fetch(url: str, revision: str | None = None, *, settings: Settings | None = None,
+          only: str | None = None) -> Fetched:
     """The model at `url` in the node-local cache, fetched unless an entry is complete.
-    With `revision` (the run's pin), the store must still hold that revision."""
+    With `revision` (the run's pin), the store must still hold that revision. With
+    `only`, the one file of that name under `url` (a LoRA adapter, core/adapters.py)."""
     settings = settings or get_settings()
     started = time.perf_counter()
     storage = model_storage(url, settings)
-    listing = _list(url, settings, storage)
+    listing = _list(url, settings, storage, only)
     if revision is not None and listing.revision != revision:
-        raise FetchRefused(f"model {url} changed since the run pinned it: revision {listing.revision} in the "
+        what = f"adapter {url.rstrip('/')}/{only}" if only else f"model {url}"
+        raise FetchRefused(f"{what} changed since the run pinned it: revision {listing.revision} in the "
                            f"store, {revision} pinned; submit a new run for the new revision")
     if clash := [f.key for f in listing.files if f.key == COMPLETE or Path(f.key).name.startswith(PART_PREFIX)]:
         raise FetchRefused(f"model {url}: {clash[0]} is a name the model cache keeps for itself")
@@ -125,14 +128,14 @@ def fetch(url: str, revision: str | None = None, *, settings: Settings | None = 
                    bytes=fetched, seconds=time.perf_counter() - started, files=done)
 
 
-def _list(url: str, settings: Settings, storage) -> ModelListing:
+def _list(url: str, settings: Settings, storage, only: str | None = None) -> ModelListing:
     """The model's listing, waited out while the store cannot be reached."""
     patience = Patience(_store_of(storage).name, url, settings.model_fetch_patience_s, total=0)
     sleeps = None
     try:
         while True:
             try:
-                return list_model(url, settings, storage)
+                return list_model(url, settings, storage, only=only)
             except StoreUnreachable as exc:
                 cause = exc.__cause__ or exc
                 if transient(cause) is None:

@@ -120,7 +120,7 @@ def queues(
     """Depth of each diffq shape queue, how many workers consume it, and (with an out-prefix
     or a feeds folder) the batches windowed runs still hold in OUT for the feeder, per queue and per run."""
     from diffq.app.queues import DEAD_LETTERS, PEEKED_LETTERS, dead_letter_lines, queue_report
-    from diffq.core.transports import UNREACHABLE, CannotList
+    from diffq.core.brokers.base import UNREACHABLE, CannotList
 
     broker = broker or get_settings().broker_url
     if not broker:

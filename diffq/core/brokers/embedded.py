@@ -1,8 +1,11 @@
-"""The Celery app factory: one place that decides how diffq talks to a broker.
+"""The embedded broker: kombu's filesystem transport, tuned (`EmbeddedBroker`), and
+kombu's in-process memory transport (`MemoryBroker`, for plans and tests that start nothing).
 
-Producers and workers build the same app from a broker URL, so serializer, queue and
-transport settings (from the transport table, core/transports.py) can never disagree
-between the two sides.
+The filesystem transport removes the message file on fetch: a task in flight when
+its worker is SIGKILLed is lost (../shared/CELERY.md), so the fetch is the delivery's
+end on this broker, and the embedded runner republishes from the run folder a batch
+a dead worker held (`lost with its worker` in worker/delivery/outcomes.py, carried out
+by diffq/app/runner.py).
 """
 
 from __future__ import annotations
@@ -17,16 +20,12 @@ import time
 from pathlib import Path
 from queue import Empty
 
-from celery import Celery
 from kombu.exceptions import ChannelError
 from kombu.transport import filesystem
 from kombu.utils.encoding import bytes_to_str
 from kombu.utils.json import loads
 
-from diffq.core.settings import get_settings
-from diffq.core.transports import transport_for
-
-TASK_NAME = "diffq.generate_batch"
+from diffq.core.brokers.base import Broker
 
 
 def embedded_broker(folder: str | Path) -> tuple[str, dict]:
@@ -146,35 +145,18 @@ def _worker_stopping() -> bool:
     return any(flag is not None and flag is not False for flag in (state.should_stop, state.should_terminate))
 
 
-def make_celery(broker_url: str, transport_options: dict | None = None) -> Celery:
-    """The app both sides build. How a worker consumes and acks (late acks, prefetch 1,
-    reject on a lost worker) is the worker's own policy: worker/delivery/celery_adapter.py."""
-    settings = get_settings()
-    transport = transport_for(broker_url)
-    options = {**transport.broker_options(settings), **settings.broker_transport_options, **(transport_options or {})}
+class EmbeddedBroker(Broker):
+    """No lease (the runner re-enqueues from the run folder), no listing: the folder's
+    queues are the runner's own."""
 
-    app = Celery("diffq", broker=broker_url, set_as_current=False)
-    if transport.kombu_transport:
-        app.conf.broker_transport = transport.kombu_transport
-    app.conf.update(
-        # JSON only: pickle is refused on both sides.
-        task_serializer="json",
-        accept_content=["json"],
-        result_serializer="json",
-        task_ignore_result=True,
-        result_backend=None,
-        broker_transport_options=options,
-        # Celery reads the visibility timeout in two more places (result backend,
-        # and the Redis `visibility_timeout` default); set all of them.
-        result_backend_transport_options={"visibility_timeout": settings.visibility_timeout},
-        visibility_timeout=settings.visibility_timeout,
-        broker_connection_retry_on_startup=True,
-        task_create_missing_queues=True,
-        task_default_queue="diffq.default",
-        worker_hijack_root_logger=False,
-        worker_redirect_stdouts=False,
-        worker_send_task_events=transport.monitored if settings.task_events is None else settings.task_events,
-        worker_enable_remote_control=transport.monitored,
-        task_send_sent_event=False,
-    )
-    return app
+    kombu_transport = "diffq.core.brokers.embedded:EmbeddedTransport"
+
+    def options(self, settings) -> dict:
+        return {}
+
+
+class MemoryBroker(Broker):
+    """kombu's in-process transport: nothing beyond kombu's API."""
+
+    def options(self, settings) -> dict:
+        return {}
