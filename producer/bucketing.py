@@ -13,7 +13,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 from diffq.core.contract import AUTO_DTYPE, BatchParams, ShapeKey
-from diffq.core.options import DEFAULTS
+from diffq.core.options import AUTO, DEFAULTS
 from diffq.producer.sources import Prompt, derive_seed
 
 
@@ -48,7 +48,7 @@ class RichItem(SizedItem):
 class RunOptions:
     model: str
     # Defaults from the generation options, declared once (core/options.py).
-    batch_size: int = DEFAULTS.batch_size
+    batch_size: int | str = DEFAULTS.batch_size  # or "auto" (core/options.py AUTO): each shape's from per_size
     max_sequence_length: int = DEFAULTS.max_sequence_length
     dtype: str = DEFAULTS.dtype
     format: str = DEFAULTS.format
@@ -58,14 +58,14 @@ class RunOptions:
     unreproducible_speedup: bool = DEFAULTS.unreproducible_speedup
     # A speed-up profile's choice per size (core/profile.py): (height, width, speedup,
     # batch size); with it, each shape's speed-up is its own, and its batch size too
-    # where batch_size is 0 (`--batch-size auto`).
+    # where batch_size is "auto".
     per_size: tuple[tuple[int, int, str | None, int], ...] = ()
 
     def choice(self, height: int, width: int) -> tuple[str | None, int]:
         """(speed-up, batch size) of a shape of this size."""
         for h, w, speedup, batch_size in self.per_size:
             if (h, w) == (height, width):
-                return speedup, batch_size if self.batch_size == 0 else self.batch_size
+                return speedup, batch_size if self.batch_size == AUTO else self.batch_size
         return self.speedup, self.batch_size
 
 

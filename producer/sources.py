@@ -23,7 +23,8 @@ from typing import NamedTuple
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from diffq.core.contract import MAX_METADATA_BYTES, MAX_PROMPT_CHARS, metadata_size
+from diffq.core.contract import (MAX_METADATA_BYTES, MAX_PROMPT_CHARS, GuidanceScale, ImageSide, InferenceSteps, ItemId,
+                                 ModelName, Seed, bounds, metadata_size)
 from diffq.core.families import Family, FamilyError, cfg_bit, family_of
 from diffq.core.options import DEFAULTS
 from diffq.core.validation import first_error
@@ -64,15 +65,16 @@ class PromptRow(BaseModel):
     model_config = ConfigDict(extra="forbid", str_strip_whitespace=False)
 
     prompt: str = Field(min_length=1, max_length=MAX_PROMPT_CHARS)
-    id: str | None = Field(default=None, min_length=1, max_length=200)
-    height: int | None = Field(default=None, gt=0, le=16384)
-    width: int | None = Field(default=None, gt=0, le=16384)
-    seed: int | None = Field(default=None, ge=0, lt=2**63)
-    num_inference_steps: int | None = Field(default=None, gt=0, le=1000)
-    guidance_scale: float | None = Field(default=None, ge=0, le=100)
+    # The bounds are the queue contract's (core/contract.py), declared there once.
+    id: ItemId | None = None
+    height: ImageSide | None = None
+    width: ImageSide | None = None
+    seed: Seed | None = None
+    num_inference_steps: InferenceSteps | None = None
+    guidance_scale: GuidanceScale | None = None
     negative_prompt: str | None = Field(default=None, max_length=MAX_PROMPT_CHARS)
     metadata: dict | None = None
-    model: str | None = Field(default=None, min_length=1, max_length=1024)
+    model: ModelName | None = None
 
     @field_validator("prompt")
     @classmethod
@@ -252,8 +254,9 @@ def generated_id(line: int) -> str:
     return f"line-{line:08d}"
 
 
-_INT_LIMITS = {"height": (1, 16384), "width": (1, 16384), "seed": (0, 2**63 - 1),
-               "num_inference_steps": (1, 1000)}
+_INT_LIMITS = {"height": bounds(ImageSide), "width": bounds(ImageSide), "seed": bounds(Seed),
+               "num_inference_steps": bounds(InferenceSteps)}
+_GUIDANCE, _ID_LENGTH, _MODEL_LENGTH = bounds(GuidanceScale), bounds(ItemId), bounds(ModelName)
 
 
 def _plain_row(raw: dict) -> dict | None:
@@ -274,17 +277,17 @@ def _plain_row(raw: dict) -> dict | None:
             if value is not None and (type(value) is not int or not limits[0] <= value <= limits[1]):
                 return None
         elif name == "id":
-            if value is not None and (type(value) is not str or not 0 < len(value) <= 200
+            if value is not None and (type(value) is not str or not _ID_LENGTH[0] <= len(value) <= _ID_LENGTH[1]
                                       or not value.isprintable()):
                 return None
         elif name == "guidance_scale":
-            if value is not None and (type(value) not in (int, float) or not 0 <= value <= 100):
+            if value is not None and (type(value) not in (int, float) or not _GUIDANCE[0] <= value <= _GUIDANCE[1]):
                 return None
         elif name == "negative_prompt":
             if value is not None and (type(value) is not str or len(value) > MAX_PROMPT_CHARS or "\x00" in value):
                 return None
         elif name == "model":
-            if value is not None and (type(value) is not str or not 0 < len(value) <= 1024):
+            if value is not None and (type(value) is not str or not _MODEL_LENGTH[0] <= len(value) <= _MODEL_LENGTH[1]):
                 return None
         elif name == "metadata":
             if value is not None and type(value) is not dict:

@@ -33,8 +33,7 @@ from diffq import __version__
 from diffq.core import layout
 from diffq.core.contract import BatchMessage, ShapeKey
 from diffq.core.model_store import revisions
-from diffq.core.options import AUTO, GenerationOptions
-from diffq.core.profile import SpeedupProfile
+from diffq.core.options import GenerationOptions
 from diffq.core.records import RequestedSize, RunDefaults, RunManifest, ShapeSummary, parse_plan_part, plan_part
 from diffq.core.storage import Storage, open_storage
 from diffq.producer.bucketing import RunOptions, bucket, group_key, shape_for
@@ -240,23 +239,17 @@ def validate(path: str | Path, options: RunOptions, defaults: Defaults, keep_col
     return validation.plan()
 
 
-def make_options(*, model: str, size_multiple: int = 16, **generation) -> tuple[RunOptions, Defaults]:
+def make_options(*, model: str, options: GenerationOptions, size_multiple: int = 16) -> tuple[RunOptions, Defaults]:
     """The run-wide options (shape and output) and the per-row defaults, from the
-    generation options (core/options.py: every default and bound declared there).
+    generation options (core/options.py: validated there, once, where they were typed).
 
     A bad `size_buckets` spec raises `BucketSpecError` before any row is read.
     """
-    o = GenerationOptions.of(**generation)
-    per_size = ()
-    if o.speedup_profile is not None:  # each shape's choice (core/profile.py)
-        profile = SpeedupProfile.load(o.speedup_profile)
-        per_size = tuple((s.height, s.width, s.chosen.speedup, s.chosen.batch_size) for s in profile.shapes)
-    if o.fit != "none" and not o.size_buckets:
-        raise ValueError(f"--fit {o.fit} needs --size-buckets: without buckets every image is "
-                         "generated at the size its row asks for")
+    o = options
+    per_size = tuple((s.height, s.width, s.chosen.speedup, s.chosen.batch_size)
+                     for s in o.profile.shapes) if o.profile is not None else ()  # each shape's choice
     return (
-        RunOptions(model=model, batch_size=0 if o.batch_size == AUTO else o.batch_size,
-                   max_sequence_length=o.max_sequence_length,
+        RunOptions(model=model, batch_size=o.batch_size, max_sequence_length=o.max_sequence_length,
                    dtype=o.dtype, format=o.format, fit=o.fit, embed_metadata=o.embed_metadata,
                    speedup=None if per_size else o.speedup, unreproducible_speedup=o.unreproducible_speedup,
                    per_size=per_size),
@@ -267,17 +260,19 @@ def make_options(*, model: str, size_multiple: int = 16, **generation) -> tuple[
     )
 
 
-def plan(prompts: str | Path, *, model: str, keep_columns=(), **generation) -> Plan:
+def plan(prompts: str | Path, *, model: str, options: GenerationOptions | None = None, **generation) -> Plan:
     """`diffq plan`: what `submit` with these options would publish (the same
-    validation pass, the same errors); nothing is written or enqueued."""
-    options, defaults = make_options(model=model, **generation)
-    return validate(prompts, options, defaults, keep_columns)
+    validation pass, the same errors); nothing is written or enqueued. `options`: the
+    generation options as built where typed, or `generation` as keyword arguments."""
+    options = GenerationOptions.given(options, generation)
+    run_options, defaults = make_options(model=model, options=options)
+    return validate(prompts, run_options, defaults, options.keep_columns)
 
 
 def manifest_defaults(options: RunOptions, defaults: Defaults, seed_base: str, keep_columns=()) -> RunDefaults:
     """The run's options as its manifest records them (a continued run must match them)."""
     return RunDefaults(
-        model=options.model, batch_size=options.batch_size or AUTO, steps=defaults.num_inference_steps,
+        model=options.model, batch_size=options.batch_size, steps=defaults.num_inference_steps,
         guidance_scale=defaults.guidance_scale, max_sequence_length=options.max_sequence_length,
         height=defaults.height, width=defaults.width, format=options.format, dtype=options.dtype,
         seed_base=seed_base, fit=options.fit,
@@ -322,20 +317,22 @@ def submit(
     plan: Plan | None = None,
     window: int | str | None = AUTO_WINDOW,
     feeds: str | None = None,
+    options: GenerationOptions | None = None,
     **generation,
 ) -> SubmitResult:
     """Validate `prompts`, write the run folder's manifest and plan, publish batches:
     a `window` of batches per shape queue (None: all of them; AUTO: a window where a
     feeder will feed the rest, else all); a run with more is listed in the `feeds`
     folder (DIFFQ_FEEDS, else a live fleet feeder's above OUT) for that feeder.
-    `generation`: the generation options (core/options.py), their defaults where absent.
+    `options`: the generation options (core/options.py) as built where they were typed;
+    or, from the Python API, `generation` as keyword arguments (their defaults where absent).
 
     Raises `InputError` (nothing written, nothing enqueued) on any bad row and
     `RunExists` if OUT already holds a run: nothing produced is ever overwritten.
     """
-    chosen = GenerationOptions.of(**generation)
+    chosen = GenerationOptions.given(options, generation)
     keep_columns = chosen.keep_columns
-    options, defaults = make_options(model=model, size_multiple=size_multiple, **chosen.kwargs())
+    options, defaults = make_options(model=model, options=chosen, size_multiple=size_multiple)
     storage = open_storage(out)
     feed = choose_feed(window, feeds, storage.url)
     run_id = run_id or new_run_id()

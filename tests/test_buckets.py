@@ -21,6 +21,7 @@ from diffq.core.runfolder import read_manifest
 from diffq.core.storage import open_storage
 from diffq.producer.sizes import PRESETS, BucketSpecError, parse_buckets
 from diffq.producer.sources import Defaults, InputError, read_prompts
+from diffq.core.options import GenerationOptions
 from diffq.producer.submit import MAX_REQUESTED_SIZES, make_options, read_plan, validate
 
 BUCKETS_DOC = Path(__file__).resolve().parents[1] / "docs" / "prompts.md"  # "Size buckets and plans"
@@ -233,7 +234,7 @@ def test_plan_of_many_nearly_distinct_sizes(tmp_path):
     with (tmp_path / "p.jsonl").open("w") as handle:
         for i, (height, width) in enumerate(sizes):
             handle.write(f'{{"prompt": "p {i}", "height": {height}, "width": {width}}}\n')
-    options, defaults = make_options(model="m", batch_size=8, size_buckets="aspect-1024")
+    options, defaults = make_options(model="m", options=GenerationOptions.of(batch_size=8, size_buckets="aspect-1024"))
     plan = validate(tmp_path / "p.jsonl", options, defaults)
     assert plan.total == 200_000 and len(plan.shapes) == 9
     assert sum(s.requested_sizes for s in plan.shapes) == len(set(sizes))  # nearly every size distinct

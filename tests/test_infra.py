@@ -28,6 +28,7 @@ from typer.testing import CliRunner
 from diffq.app import fleet
 from diffq.app.cli import app
 from diffq.core.contract import ShapeKey, is_shape_queue, queue_name
+from diffq.core.options import GenerationOptions
 from diffq.producer.submit import make_options, validate
 from diffq.worker.device.backends import BACKENDS
 
@@ -147,11 +148,11 @@ def test_compose_workers_discover_the_producers_queues(compose):
     _, worker = parse_cli(diffq_argv(compose["services"]["worker"]))
     assert worker["queues"] is None and worker["run"] is None
     assert worker["serve_models"] == worker["model"] == submit["model"]
-    options, defaults = make_options(model=submit["model"], batch_size=submit["batch_size"],
+    options, defaults = make_options(model=submit["model"], options=GenerationOptions.of(batch_size=submit["batch_size"],
                                      steps=submit["steps"], guidance_scale=submit["guidance_scale"],
                                      max_sequence_length=submit["max_sequence_length"],
                                      height=submit["height"], width=submit["width"],
-                                     dtype=submit["dtype"].value)
+                                     dtype=submit["dtype"].value))
     plan = validate(ROOT / submit["prompts"], options, defaults)
     assert all(is_shape_queue(s.queue, [worker["serve_models"]]) for s in plan.shapes)
     assert "diffq.tiny-" not in COMPOSE.read_text()  # no example queue names hard-coded

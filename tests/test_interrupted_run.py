@@ -137,6 +137,7 @@ def test_a_plan_part_a_killed_submit_never_wrote_is_restored_by_run_not_guessed_
     killed between parts, OUT lacks batches only the prompt file knows."""
     from diffq.app.runner import resume
     from diffq.producer.resume import PlanIncomplete, continuation
+    from diffq.core.options import GenerationOptions
     from diffq.producer.submit import make_options, submit, validate
 
     prompts = tmp_path / "p.jsonl"
@@ -149,7 +150,7 @@ def test_a_plan_part_a_killed_submit_never_wrote_is_restored_by_run_not_guessed_
     storage.delete(part)
     with pytest.raises(PlanIncomplete, match="holds 0 of its run's 1 plan parts"):
         resume(out)
-    options, defaults = make_options(model=tiny_model, batch_size=2)
+    options, defaults = make_options(model=tiny_model, options=GenerationOptions.of(batch_size=2))
     assert continuation(storage, read_manifest(storage), prompts=prompts, plan=validate(prompts, options, defaults),
                         options=options, defaults=defaults) == 1
     assert storage.get_bytes(part) == written  # the same batches, ids and seeds

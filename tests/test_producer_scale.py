@@ -13,6 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from diffq.producer.sources import IdChecker, InputError, generated_id, read_prompts
+from diffq.core.options import GenerationOptions
 from diffq.producer.submit import make_options, submit, validate
 
 ROWS = 3000
@@ -157,7 +158,7 @@ def test_generated_and_explicit_ids_repeat_across_runs(tmp_path):
 
 
 def test_a_repeat_in_an_earlier_run_is_named_before_a_later_bad_row(tmp_path):
-    options, defaults = make_options(model="tiny")
+    options, defaults = make_options(model="tiny", options=GenerationOptions.of())
     ids = distinct(ROWS)
     ids[1000] = ids[20]  # line 1001 repeats line 21, runs apart ...
     path = write_jsonl(tmp_path / "v.jsonl", ids, extra={1100: {"height": 100}})  # ... and line 1101 is bad
@@ -217,7 +218,7 @@ def test_csv_txt_and_parquet_name_their_own_lines(tmp_path):
 
 
 def test_an_empty_file_and_a_bad_first_row_are_named_as_such(tmp_path):
-    options, defaults = make_options(model="tiny")
+    options, defaults = make_options(model="tiny", options=GenerationOptions.of())
     path = tmp_path / "empty.jsonl"
     path.write_text("\n\n")
     with pytest.raises(InputError, match=r"empty.jsonl: no prompts in file"):

@@ -165,9 +165,10 @@ def test_manifests_written_with_untyped_defaults_still_load():
 
 
 def test_submit_records_every_default_in_the_typed_order():
+    from diffq.core.options import GenerationOptions
     from diffq.producer.submit import make_options, manifest_defaults
 
-    options, defaults = make_options(model="tiny", size_buckets="64x96", fit="crop")
+    options, defaults = make_options(model="tiny", options=GenerationOptions.of(size_buckets="64x96", fit="crop"))
     recorded = RunDefaults.model_validate(manifest_defaults(options, defaults, "r", ["style"]))
     assert list(recorded.recorded()) == list(RunDefaults.model_fields)
 

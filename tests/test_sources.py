@@ -182,13 +182,14 @@ def test_duplicates_are_found_across_runs_and_before_later_row_errors(tmp_path, 
     """Ids are sorted in runs of IdChecker.SPILL_ROWS rows: a repeat in a later run is
     still named with both lines, and a duplicate is reported before a bad row that
     follows it in the same unsorted run."""
+    from diffq.core.options import GenerationOptions
     from diffq.producer.submit import make_options, validate
 
     monkeypatch.setattr(IdChecker, "SPILL_ROWS", 4)
     rows = [{"id": f"id-{i}", "prompt": f"p{i}"} for i in range(50)]
     path = tmp_path / "many.jsonl"
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    options, defaults = make_options(model="tiny")
+    options, defaults = make_options(model="tiny", options=GenerationOptions.of())
     assert validate(path, options, defaults).total == 50
 
     rows[36]["id"] = "id-2"  # line 37 repeats line 3, three chunks later

@@ -238,6 +238,34 @@ def test_a_profile_without_a_rows_shape_or_auto_without_a_profile_is_refused(tmp
         plan(prompts, model="m", batch_size="auto")
 
 
+def test_options_built_once_are_passed_on_and_the_profile_read_once(tmp_path, monkeypatch):
+    """The options object as the command line builds it goes through submit unvalidated
+    again: the profile file is read once, and `batch_size` stays "auto" into the manifest."""
+    import json
+
+    from diffq.core.options import GenerationOptions
+    from diffq.core.profile import SpeedupProfile
+    from diffq.core.runfolder import read_manifest
+    from diffq.core.storage import open_storage
+    from diffq.producer.submit import read_plan, submit
+
+    loads = []
+    load = SpeedupProfile.load.__func__
+    monkeypatch.setattr(SpeedupProfile, "load", classmethod(lambda cls, path: loads.append(path) or load(cls, path)))
+    options = GenerationOptions.of(speedup=_profile(tmp_path / "profile.json"), batch_size="auto", steps=28)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"p{i}", "height": 64, "width": 64}) + "\n" for i in range(3)))
+    out = str(tmp_path / "run")
+    submit(prompts, out, model="m", broker_url="memory://", options=options)
+    assert len(loads) == 1
+    assert [(m.shape.batch_size, len(m.items)) for m in read_plan(open_storage(out))] == [(2, 2), (2, 1)]
+    assert read_manifest(open_storage(out)).defaults.batch_size == "auto"
+    with pytest.raises(TypeError, match="options given twice: as an object and as steps"):
+        submit(prompts, str(tmp_path / "again"), model="m", broker_url="memory://", options=options, steps=4)
+    with pytest.raises(ValueError, match="--fit crop needs --size-buckets"):
+        GenerationOptions.of(fit="crop")
+
+
 def test_plan_rates_read_a_profiles_tuned_rates(tmp_path):
     from diffq.app.fleet_plan import read_rates
 

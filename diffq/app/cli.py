@@ -104,10 +104,10 @@ def run(
             from diffq.app.fleet_plan import plan_for_run
 
             fleet = plan_for_run(prompts, out_, model=model, rates=rates, devices=len(workers["devices"]),
-                                 **generation.kwargs())
+                                 options=generation)
             err.print(fleet.summary(), highlight=False, markup=False)
         result = run_embedded(prompts, out_, model=model, progress=progress, console=err, run_id=run_id,
-                              seed_base=seed_base, **workers, **generation.kwargs())
+                              seed_base=seed_base, **workers, options=generation)
     except (InputError, RunExists, ModelUnavailable, RunFailed, ValueError) as exc:
         fail(str(exc))
     out.print(f"{result.out}")
@@ -144,10 +144,10 @@ def submit(
         if rates:  # the fleet is not known here: the report plans for the devices the run used
             from diffq.app.fleet_plan import plan_for_run
 
-            fleet = plan_for_run(prompts, out_, model=model, rates=rates, **generation.kwargs())
+            fleet = plan_for_run(prompts, out_, model=model, rates=rates, options=generation)
             err.print(fleet.summary(), highlight=False, markup=False)
         result = submit_run(prompts, out_, model=model, broker_url=broker, run_id=run_id, seed_base=seed_base,
-                            window=window_batches, feeds=feeds, **generation.kwargs())
+                            window=window_batches, feeds=feeds, options=generation)
     except (InputError, RunExists, ValueError) as exc:
         fail(str(exc))
     out.print(result.out)

@@ -30,13 +30,14 @@ from diffq.app.backlog import PORT as BACKLOG_PORT
 from diffq.core.contract import AUTO_DTYPE, ShapeKey, model_slug
 from diffq.core.families import cfg_bit, family_of
 from diffq.core.model_store import is_model_url
-from diffq.core.options import DEFAULTS
+from diffq.core.options import GenerationOptions
 from diffq.core.storage import StorageError, redact_url, split_bucket_url
 from diffq.core.transports import KedaFacts, KedaScaler, Transport, keda_facts, keda_scaler, transport_for
-from diffq.producer.bucketing import RunOptions, shape_of
+from diffq.producer.bucketing import shape_of
 from diffq.worker.api import Backend, K8sPod, get_backend
 from diffq.worker.api import DRAIN_MARGIN_S
 from diffq.producer.sources import Prompt
+from diffq.producer.submit import make_options
 
 NAMESPACE = "diffq"
 # keys: broker-url (DIFFQ_BROKER_URL) and those of the broker's KEDA scaler and
@@ -152,15 +153,14 @@ def parse_shapes(spec: str) -> list[tuple[int, int]]:
     return shapes
 
 
-def shape_keys(model: str, shapes: list[tuple[int, int]], *, batch_size: int = DEFAULTS.batch_size,
-               max_sequence_length: int = DEFAULTS.max_sequence_length,
-               guidance_scale: float = DEFAULTS.guidance_scale, dtype: str = DEFAULTS.dtype) -> list[ShapeKey]:
-    """The producer's own shape rule (`shape_of`) applied to one prompt per size."""
-    options = RunOptions(model=model, batch_size=batch_size,
-                         max_sequence_length=max_sequence_length, dtype=dtype)
-    cfg = cfg_bit(family_of(model), guidance_scale)  # as the producer decides it
+def shape_keys(model: str, shapes: list[tuple[int, int]], options: GenerationOptions | None = None,
+               **generation) -> list[ShapeKey]:
+    """The producer's own shape rule (`shape_of`) applied to one prompt per size, under
+    the generation options a submit was given (`options`, or them as keywords)."""
+    run_options, defaults = make_options(model=model, options=GenerationOptions.given(options, generation))
+    cfg = cfg_bit(family_of(model), defaults.guidance_scale)  # as the producer decides it
     return [shape_of(Prompt(line=0, id="fleet", prompt="-", height=h, width=w, seed=None,
-                            num_inference_steps=1, guidance_scale=guidance_scale, cfg=cfg), options)
+                            num_inference_steps=1, guidance_scale=defaults.guidance_scale, cfg=cfg), run_options)
             for h, w in shapes]
 
 

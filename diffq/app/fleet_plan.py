@@ -326,7 +326,8 @@ def fleet_plan(plan: Plan, rates: Sequence[Rate] | Sequence[str | Path], *, dead
 def plan_for_run(prompts: str | Path, out: str, *, model: str, rates: Sequence[str | Path],
                  devices: int | None = None, **generation) -> FleetPlan:
     """`submit`/`run --rates`: the fleet plan of this file and these options (the same
-    validation pass), kept in OUT (`keep`) for `diffq report`'s planned vs actual."""
+    validation pass), kept in OUT (`keep`) for `diffq report`'s planned vs actual.
+    `generation`: `options=` the generation options object, or them as keywords."""
     from diffq.producer.submit import plan as plan_file
 
     fleet = fleet_plan(plan_file(prompts, model=model, **generation), rates, devices=devices)

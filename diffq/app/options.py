@@ -18,6 +18,7 @@ import typer
 from rich.console import Console
 
 from diffq.app.choices import CompileMode, Device, Dtype
+from diffq.core.contract import bounds
 from diffq.core.options import GenerationOptions
 from diffq.producer.feed import DEFAULT_WINDOW
 from diffq.worker.api import backends
@@ -39,19 +40,9 @@ DEFAULT_ON_DEGENERATE = DegeneratePolicy(DEFAULT_DEGENERATE_POLICY)
 def contract_range(model, name: str, metadata=None) -> dict:
     """typer's min/max for an option from the contract field it fills, so `--steps 1200`
     is refused naming the option and its range, before any schema error."""
-    import annotated_types as at
-
-    lows, highs = [], []
-    for item in model.model_fields[name].metadata if metadata is None else metadata:
-        if isinstance(item, at.Gt):
-            lows.append(item.gt + 1 if isinstance(item.gt, int) else item.gt)
-        elif isinstance(item, at.Ge):
-            lows.append(item.ge)
-        elif isinstance(item, at.Le):
-            highs.append(item.le)
-        elif isinstance(item, at.Lt):
-            highs.append(item.lt - 1)
-    return ({"min": max(lows)} if lows else {}) | ({"max": min(highs)} if highs else {})
+    metadata = model.model_fields[name].metadata if metadata is None else metadata
+    low, high = bounds(Annotated[(int, *metadata)]) if metadata else (None, None)
+    return ({"min": low} if low is not None else {}) | ({"max": high} if high is not None else {})
 
 
 Prompts = Annotated[Path, typer.Argument(help="Prompt file: .jsonl, .csv, .txt or .parquet")]
@@ -194,6 +185,22 @@ def generation_params(fields=None) -> list[inspect.Parameter]:
                                   **contract_range(GenerationOptions, name), help=info.description)
         params.append(_option(name, Annotated[annotation, option], default))
     return params
+
+
+def generation_option(name: str, *, note: str | None = None, unset: object = None):
+    """One generation option alone, for a command that is not a run (qualify, `fleet
+    manifests`): its flag, short flag, bounds and help from the model (core/options.py),
+    an `INT | auto` option as its int; `note`: what it means to this command, in place
+    of the model's help. With `unset` (what the command uses when it is not given) the
+    option is Optional and its help says that default."""
+    info = GenerationOptions.model_fields[name]
+    annotation, limits = info.annotation, contract_range(GenerationOptions, name)
+    if words := _words_beside_int(annotation):
+        limits, annotation = words[0], int
+    help = (note or info.description) + (f" (default {unset})" if unset is not None else "")
+    option = typer.Option("--" + name.replace("_", "-"), *([SHORT_FLAGS[name]] if name in SHORT_FLAGS else []),
+                          **limits, help=help)
+    return Annotated[annotation if unset is None else Optional[annotation], option]
 
 
 def _words_beside_int(annotation):

@@ -46,6 +46,7 @@ from diffq.core.brokers.embedded import embedded_broker
 from diffq.core.families import compile_refusal
 from diffq.core.progress import (TROUBLE_DIR_ENV, ProgressSummary, fetch_notes, local_troubles,
                                  observed_trouble, recorded_troubles, trouble_message)
+from diffq.core.options import GenerationOptions
 from diffq.core.records import RunManifest
 from diffq.core.runfolder import iter_records, read_cancel, read_manifest
 from diffq.core.storage import Storage, open_storage
@@ -199,17 +200,21 @@ def run(
     console: Console | None = None,
     run_id: str | None = None,
     seed_base: str | None = None,
-    keep_columns: tuple[str, ...] | list[str] = (),
+    options: GenerationOptions | None = None,
     **generation,
 ) -> RunResult:
     """Submit `prompts` to OUT and produce it here. If OUT already holds the run these
-    would produce, finish it instead (`RunDiffers`, a `RunExists`, names what differs)."""
+    would produce, finish it instead (`RunDiffers`, a `RunExists`, names what differs).
+    `options`: the generation options as built where typed (core/options.py), or
+    `generation` as keyword arguments (the Python API)."""
     started = time.monotonic()
     local = LocalWorkers(workers=workers, device=device, devices=devices, compile=compile,
                          compile_cache=compile_cache, offload=offload, warmup=warmup, threads=threads,
                          allow_fallback=allow_fallback, on_degenerate=on_degenerate)
     resolve_model(model)
-    options, defaults = make_options(model=model, **generation)
+    chosen = GenerationOptions.given(options, generation)
+    keep_columns = chosen.keep_columns
+    options, defaults = make_options(model=model, options=chosen)
     plan = validate(prompts, options, defaults, keep_columns)
     for name in plan.models:
         if name != model:
@@ -221,7 +226,7 @@ def run(
     def publish_all(publisher) -> str:
         # Every batch to the runner's own publisher: its waves are this run's feeder.
         return submit(prompts, out, model=model, publisher=publisher, plan=plan, run_id=new_id,
-                      seed_base=seed_base, keep_columns=keep_columns, window=None, **generation).run_id
+                      seed_base=seed_base, window=None, options=chosen).run_id
 
     with _sole_runner(storage):
         if storage.exists(layout.MANIFEST):

@@ -13,7 +13,7 @@ import hashlib
 import json
 import re
 import string
-from typing import Annotated, Literal
+from typing import Annotated, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -46,6 +46,32 @@ BatchSize = Annotated[int, Field(gt=0, le=1024)]
 SequenceLength = Annotated[int, Field(gt=0, le=4096)]
 InferenceSteps = Annotated[int, Field(gt=0, le=1000)]
 GuidanceScale = Annotated[float, Field(ge=0, le=100)]
+Seed = Annotated[int, Field(ge=0, lt=2**63)]
+ItemId = Annotated[str, Field(min_length=1, max_length=200)]
+ModelName = Annotated[str, Field(min_length=1, max_length=1024)]
+
+
+def bounds(kind) -> tuple:
+    """The inclusive (low, high) of one of the bounded types above: its values' for a
+    number, its length's for a string (for checks that skip pydantic, and command
+    lines); None where unbounded. The tightest where several bounds apply."""
+    import annotated_types as at
+
+    lows, highs = [], []
+    for item in (m for info in get_args(kind)[1:] for m in getattr(info, "metadata", [info])):
+        if isinstance(item, at.Gt):
+            lows.append(item.gt + 1 if isinstance(item.gt, int) else item.gt)
+        elif isinstance(item, at.Ge):
+            lows.append(item.ge)
+        elif isinstance(item, at.MinLen):
+            lows.append(item.min_length)
+        elif isinstance(item, at.Lt):
+            highs.append(item.lt - 1 if isinstance(item.lt, int) else item.lt)
+        elif isinstance(item, at.Le):
+            highs.append(item.le)
+        elif isinstance(item, at.MaxLen):
+            highs.append(item.max_length)
+    return max(lows, default=None), min(highs, default=None)
 
 
 def effective_dtype(dtype: str, device_default: str) -> str:
@@ -62,7 +88,7 @@ class Strict(BaseModel):
 class ShapeKey(Strict):
     """Everything that forces a recompile. Steps and prompt text do not belong here."""
 
-    model: str = Field(min_length=1, max_length=1024)
+    model: ModelName
     height: ImageSide
     width: ImageSide
     batch_size: BatchSize
@@ -174,12 +200,12 @@ def metadata_size(value: dict) -> int:
 
 
 class BatchItem(Strict):
-    id: str = Field(min_length=1, max_length=200)
+    id: ItemId
     prompt: str = Field(max_length=MAX_PROMPT_CHARS)
-    seed: int = Field(ge=0, lt=2**63)
+    seed: Seed
     # Size buckets: the size the row asked for (the shape's size is what is generated).
-    requested_height: int | None = Field(default=None, gt=0, le=16384)
-    requested_width: int | None = Field(default=None, gt=0, le=16384)
+    requested_height: ImageSide | None = None
+    requested_width: ImageSide | None = None
     # Optional per-item fields; absent from messages of rows that do not set them.
     negative_prompt: str | None = Field(default=None, max_length=MAX_PROMPT_CHARS)
     metadata: dict | None = None  # the row's own object, carried unchanged into the record

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from diffq.core.contract import (AUTO_DTYPE, FITS, SHAPE_DTYPE_TAGS, BatchSize, GuidanceScale, ImageSide,
                                  InferenceSteps, SequenceLength)
@@ -64,15 +64,19 @@ class GenerationOptions(BaseModel):
         False, description="Let a cache that decides from the whole batch run (firstblock): an image then depends "
                            "on its batch neighbours, and its record says so")
 
+    # The --speedup profile FILE.json as loaded once by the validator (None for a spec).
+    _profile = PrivateAttr(None)
+
     @model_validator(mode="after")
     def _speedup(self) -> GenerationOptions:
         """The spec in canonical form, refused here (before any row is read) where diffq
-        does not offer it at all."""
+        does not offer it at all; a profile loaded and checked here, once."""
         from diffq.core.profile import SpeedupProfile, is_profile
         from diffq.core.speedups import SpeedupError, canonical
 
         if is_profile(self.speedup):
-            for shape in SpeedupProfile.load(self.speedup).shapes:  # a bad file fails here, not per row
+            self._profile = SpeedupProfile.load(self.speedup)
+            for shape in self._profile.shapes:  # a bad file fails here, not per row
                 canonical(shape.chosen.speedup, unreproducible=self.unreproducible_speedup)
         else:
             try:
@@ -83,7 +87,15 @@ class GenerationOptions(BaseModel):
         if self.batch_size == AUTO and self.speedup_profile is None:
             raise ValueError("--batch-size auto takes each shape's batch size from a --speedup profile FILE.json "
                              "(`diffq qualify --speedups --profile FILE.json`)")
+        if self.fit != "none" and not self.size_buckets:
+            raise ValueError(f"--fit {self.fit} needs --size-buckets: without buckets every image is "
+                             "generated at the size its row asks for")
         return self
+
+    @property
+    def profile(self):
+        """The loaded speed-up profile (core/profile.py `SpeedupProfile`), or None for a spec."""
+        return self._profile
 
     @property
     def speedup_profile(self) -> str | None:
@@ -103,6 +115,16 @@ class GenerationOptions(BaseModel):
         return tuple(value)
 
     @classmethod
+    def given(cls, options: GenerationOptions | None, values: dict) -> GenerationOptions:
+        """`options` as built where the user typed them, or (the Python API's keyword
+        arguments) built from `values` here; never both."""
+        if options is None:
+            return cls.of(**values)
+        if values:
+            raise TypeError(f"options given twice: as an object and as {', '.join(sorted(values))}")
+        return options
+
+    @classmethod
     def of(cls, **values) -> GenerationOptions:
         """The options from keyword arguments; a bad one raises ValueError naming its option."""
         try:
@@ -111,10 +133,6 @@ class GenerationOptions(BaseModel):
             field, message = first_error(exc)
             name = "--" + field.split(".")[0].replace("_", "-") if field else "options"
             raise ValueError(message if message.startswith("--") else f"{name}: {message}") from None
-
-    def kwargs(self) -> dict:
-        """As the producer's functions take them (`submit(..., **options.kwargs())`)."""
-        return {name: getattr(self, name) for name in type(self).model_fields}
 
 
 # The defaults, for whoever needs one value (a fleet rendered without options watches

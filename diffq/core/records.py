@@ -14,7 +14,9 @@ from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, Field, model_validator
 
-from diffq.core.contract import AUTO_DTYPE, SCHEMA_VERSION, BatchMessage, ShapeKey, Strict
+from diffq.core.contract import (AUTO_DTYPE, SCHEMA_VERSION, BatchMessage, BatchSize, GuidanceScale, ImageSide,
+                                 InferenceSteps, SequenceLength, ShapeKey, Strict)
+from diffq.core.options import AUTO
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -71,13 +73,14 @@ class RunDefaults(Strict):
     unset: `recorded` leaves it out, so nothing is compared against a value the run
     never stated."""
 
+    # The generation options' own types and bounds (core/options.py, core/contract.py).
     model: str
-    batch_size: int | str  # "auto": each shape's from the speed-up profile (core/profile.py)
-    steps: int
-    guidance_scale: float
-    max_sequence_length: int
-    height: int
-    width: int
+    batch_size: BatchSize | Literal[AUTO]  # type: ignore[valid-type]  # auto: from the speed-up profile
+    steps: InferenceSteps
+    guidance_scale: GuidanceScale
+    max_sequence_length: SequenceLength
+    height: ImageSide
+    width: ImageSide
     format: str
     dtype: str = AUTO_DTYPE
     seed_base: str

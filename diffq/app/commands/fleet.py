@@ -12,8 +12,14 @@ import typer
 
 from diffq.core.settings import get_settings
 from diffq.app.choices import CompileMode, Device, Dtype
-from diffq.app.options import Feeds
-from diffq.core.options import DEFAULTS
+from diffq.app.options import Feeds, generation_option
+from diffq.core.options import DEFAULTS, GenerationOptions
+
+# The generation options that name a shape's queue, as `diffq submit` was given them
+# (core/options.py: their bounds and defaults).
+BatchSize = generation_option("batch_size", note="Images per compiled batch (as given to submit)")
+SequenceLength = generation_option("max_sequence_length", note="Text tokens per prompt (as given to submit)")
+GuidanceScale = generation_option("guidance_scale", note="> 1 means CFG queues")
 
 fleet_app = typer.Typer(no_args_is_help=True, help="Render Kubernetes manifests for a worker fleet.")
 
@@ -21,11 +27,11 @@ fleet_app = typer.Typer(no_args_is_help=True, help="Render Kubernetes manifests 
 def manifests(
     model: Annotated[str, typer.Option("--model", "-m", help="Model the workers load (the producer's --model)")],
     shapes: Annotated[str, typer.Option("--shapes", help="HEIGHTxWIDTH list: 1024x1024,768x1344")],
-    batch_size: Annotated[int, typer.Option("--batch-size", "-b", min=1, help="Images per compiled batch (as given to submit)")] = DEFAULTS.batch_size,
+    batch_size: BatchSize = DEFAULTS.batch_size,
     device: Annotated[Device, typer.Option("--device", help="Device kind, from the backend table")] = Device("neuron"),
-    max_sequence_length: Annotated[int, typer.Option("--max-sequence-length", min=1)] = DEFAULTS.max_sequence_length,
-    guidance_scale: Annotated[float, typer.Option("--guidance-scale", min=0.0, help="> 1 means CFG queues")] = DEFAULTS.guidance_scale,
-    dtype: Annotated[Dtype, typer.Option("--dtype", help="Pipeline dtype, as `diffq submit` was given it: auto (each worker runs its device's default) or a pinned dtype")] = Dtype("auto"),
+    max_sequence_length: SequenceLength = DEFAULTS.max_sequence_length,
+    guidance_scale: GuidanceScale = DEFAULTS.guidance_scale,
+    dtype: Annotated[Dtype, typer.Option("--dtype", help="Pipeline dtype, as `diffq submit` was given it: auto (each worker runs its device's default) or a pinned dtype")] = Dtype(DEFAULTS.dtype),
     image: Annotated[Optional[str], typer.Option("--image", help="Worker image (default ghcr.io/diffq/diffq-<device>)")] = None,
     namespace: Annotated[str, typer.Option("--namespace")] = "diffq",
     devices_per_pod: Annotated[Optional[int], typer.Option("--devices-per-pod", min=1, help="Cores / chips / GPUs per pod")] = None,
@@ -77,9 +83,9 @@ def manifests(
                 options.planned_devices = fleet.planned_devices(json.loads(fleet_plan.read_text()))
             except (OSError, json.JSONDecodeError) as exc:
                 raise ValueError(f"--fleet-plan {fleet_plan}: {exc}") from None
-        keys = fleet.shape_keys(model, fleet.parse_shapes(shapes), batch_size=batch_size,
-                                max_sequence_length=max_sequence_length, guidance_scale=guidance_scale,
-                                dtype=dtype.value)
+        keys = fleet.shape_keys(model, fleet.parse_shapes(shapes), GenerationOptions.of(
+            batch_size=batch_size, max_sequence_length=max_sequence_length, guidance_scale=guidance_scale,
+            dtype=dtype.value))
         rendered = fleet.render(keys, options)
         if monitoring:
             from diffq.app import monitoring as monitors

@@ -48,7 +48,7 @@ def register(app: typer.Typer) -> None:
         if not rates and (deadline or devices or price_per_device_hour is not None or warm_cache):
             fail("--deadline, --devices, --price-per-device-hour and --warm-cache need --rates")
         try:
-            result = plan_file(prompts, model=model, **generation.kwargs())
+            result = plan_file(prompts, model=model, options=generation)
             fleet = _fleet(result, rates, deadline, devices, price_per_device_hour, warm_cache) if rates else None
         except (InputError, ValueError) as exc:
             fail(str(exc))

@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 import typer
 
 from diffq.app.choices import CompileMode, Dtype
-from diffq.app.options import Devices, Model, device_options, fail, out
+from diffq.app.options import Devices, Model, device_options, fail, generation_option, out
 
 
 def register(app: typer.Typer) -> None:
@@ -26,10 +26,11 @@ def register(app: typer.Typer) -> None:
         dtype: Annotated[Optional[Dtype], typer.Option("--dtype", help="Pipeline dtype (default auto: the backend's)")] = None,
         offload: Annotated[Optional[str], typer.Option("--offload", help="'model': enable_model_cpu_offload()")] = None,
         shapes: Annotated[Optional[str], typer.Option("--shapes", help=f"HxW[,HxW…] (default {DEFAULT_SHAPE[0]}x{DEFAULT_SHAPE[1]})")] = None,
-        batch_size: Annotated[Optional[int], typer.Option("--batch-size", "-b", min=1, help=f"Images per call (default {GEN['batch_size']})")] = None,
-        steps: Annotated[Optional[int], typer.Option("--steps", min=1, help=f"num_inference_steps (default {GEN['steps']})")] = None,
-        guidance_scale: Annotated[Optional[float], typer.Option("--guidance-scale", min=0.0, help=f"Guidance scale (default {GEN['guidance_scale']})")] = None,
-        max_sequence_length: Annotated[Optional[int], typer.Option("--max-sequence-length", min=1, help=f"Text tokens (default {GEN['max_sequence_length']})")] = None,
+        batch_size: generation_option("batch_size", note="Images per call", unset=GEN["batch_size"]) = None,
+        steps: generation_option("steps", note="num_inference_steps", unset=GEN["steps"]) = None,
+        guidance_scale: generation_option("guidance_scale", note="Guidance scale", unset=GEN["guidance_scale"]) = None,
+        max_sequence_length: generation_option("max_sequence_length", note="Text tokens",
+                                               unset=GEN["max_sequence_length"]) = None,
         prompts: Annotated[Optional[Path], typer.Option("--prompts", help="Prompt file (.jsonl/.csv/.txt/.parquet): the first rows, with their seeds")] = None,
         reference: Annotated[str, typer.Option("--reference", help=f"'cpu' (the same pipeline, run as {REFERENCE}) or a DIR from --save-reference")] = "cpu",
         save_reference: Annotated[Optional[Path], typer.Option("--save-reference", help="Store this run's images and settings in DIR, for a later --reference DIR")] = None,
