@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -347,6 +348,11 @@ class Feeder:
                 log.warning("feeder heartbeat in %s: %s: %s", folder.url, type(exc).__name__, exc)
         self._beaten = clock()
 
+    def _beating(self, stop) -> None:
+        while not stop.is_set():
+            self.beat()
+            stop.wait(HEARTBEAT_S)
+
     def pass_once(self) -> int:
         sent = 0
         unpublished: dict[str, int] = {}
@@ -396,9 +402,11 @@ class Feeder:
 
     def serve(self, stop, poll_s: float = POLL_S) -> None:
         """Passes every `poll_s` until `stop` (a threading.Event) is set."""
+        # The heartbeat on its own thread: a long pass (a restarted feeder learning a big
+        # run's outstanding batches, a slow store) must not let it age past LIVE_S.
+        threading.Thread(target=self._beating, args=(stop,), name="diffq-feeder-heartbeat", daemon=True).start()
         while not stop.is_set():
             started = time.monotonic()
-            self.beat()
             try:
                 self.pass_once()
             except Exception as exc:  # the feeds folder away: try again next pass

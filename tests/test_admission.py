@@ -113,6 +113,20 @@ def test_without_a_run_the_prefixes_bound_where_a_worker_writes(tmp_path):
         assert "outside this worker's allowed prefixes" in reason(admission, a_batch(foreign)), foreign
 
 
+def test_any_out_wins_over_the_prefixes_setting(tmp_path):
+    """`worker --any-out` passes no prefixes ([]): the setting no longer fills them in;
+    a spec that says nothing (None) still takes DIFFQ_ALLOWED_OUT_PREFIXES."""
+    from diffq.core.settings import Settings
+    from diffq.worker.delivery.spec import ChildSpec
+
+    settings = Settings(allowed_out_prefixes=[str(tmp_path / "runs")])
+    spec = ChildSpec(name="w", device="cpu", broker_url="redis://127.0.0.1:1/0", queues=["q"], allowed_out_prefixes=[])
+    assert Admission.of(spec, settings).out_prefixes == ()
+    said = ChildSpec(name="w", device="cpu", broker_url="redis://127.0.0.1:1/0", queues=["q"])
+    assert said.allowed_out_prefixes is None
+    assert Admission.of(said, settings).out_prefixes == (str(tmp_path / "runs"),)
+
+
 def test_a_batch_is_what_its_queue_says_and_names_a_model_the_worker_knows():
     admission = Admission(models=frozenset({"/models/m"}))
     assert reason(admission, a_batch()) is None

@@ -657,3 +657,34 @@ def test_a_wait_is_said_in_the_log_and_on_the_runs_bar_and_patience_is_a_time_bu
     view._next_look = 0.0
     view.look(0.0, pending=1)
     assert view.fetching is None
+
+
+def test_only_the_stores_answers_become_refusals():
+    """A 403 is the store's refusal, named with the file; a local disk full or any other
+    error of this node is raised as it is (the batch is retried, not failed for good);
+    a refusal already made keeps its type."""
+    import errno
+
+    from botocore.exceptions import ClientError
+
+    class Store:
+        def refusal(self, exc, file):
+            return model_fetch.ModelStoreError(f"model m: file {file}: {exc}")
+
+    def failing(exc):
+        def call():
+            raise exc
+        return call
+
+    disk = OSError(errno.ENOSPC, "No space left on device")
+    with pytest.raises(OSError) as raised:
+        model_fetch._patiently(None, Store(), "unet.bin", failing(disk))
+    assert raised.value is disk
+    forbidden = ClientError({"Error": {"Code": "AccessDenied"}, "ResponseMetadata": {"HTTPStatusCode": 403}},
+                            "GetObject")
+    with pytest.raises(model_fetch.ModelStoreError, match="file unet.bin: .*AccessDenied"):
+        model_fetch._patiently(None, Store(), "unet.bin", failing(forbidden))
+    refused = FetchRefused("model m: file unet.bin: its parts add up to 10 bytes, the listing says 12")
+    with pytest.raises(FetchRefused) as raised:
+        model_fetch._patiently(None, Store(), "unet.bin", failing(refused))
+    assert raised.value is refused

@@ -6,6 +6,7 @@ redelivered batch, the real task body); storage is local, moto S3 or fake GCS.""
 from __future__ import annotations
 
 import json
+import os
 import random
 from types import SimpleNamespace
 
@@ -601,3 +602,18 @@ def test_a_stream_of_batches_shares_its_segment_writes(tmp_path):
         h.credited.result(timeout=60)  # no flush: the timer writes them
     assert counts(out)[:2] == (23, 0)
     assert 1 <= storage.segment_writes < len(plan)
+
+
+def test_a_fetch_note_shows_while_its_worker_lives(tmp_path):
+    """`diffq run`'s bar shows a worker's model fetch; a worker killed mid-fetch leaves its
+    note behind, which is no fetch now."""
+    import subprocess
+    import sys
+
+    from diffq.core.progress import FETCH_NOTE, fetch_notes
+
+    (tmp_path / FETCH_NOTE.format(pid=os.getpid())).write_text("fetching weights: 1.0 of 3.0 GB")
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    (tmp_path / FETCH_NOTE.format(pid=gone.pid)).write_text("fetching weights: 2.0 of 3.0 GB")
+    assert fetch_notes(tmp_path) == ["fetching weights: 1.0 of 3.0 GB"]

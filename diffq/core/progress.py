@@ -619,10 +619,22 @@ def fetch_notes(folder: Path | str) -> list[str]:
     notes = []
     with contextlib.suppress(OSError):
         for path in sorted(Path(folder).glob(FETCH_NOTE.format(pid="*"))):
+            if not _alive(path.stem.rpartition("-")[2]):
+                continue  # a worker killed mid-fetch leaves its note behind: not a fetch now
             with contextlib.suppress(OSError):
                 if note := path.read_text().strip():
                     notes.append(note)
     return notes
+
+
+def _alive(pid: str) -> bool:
+    try:
+        os.kill(int(pid), 0)
+    except (ValueError, ProcessLookupError):
+        return False
+    except PermissionError:  # another user's process: alive
+        return True
+    return True
 
 
 def local_troubles(folder: Path | str) -> list[Trouble]:

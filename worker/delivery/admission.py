@@ -95,7 +95,8 @@ class Admission:
     def of(cls, spec, settings) -> Admission:
         """A worker process's admission, from its spec and the DIFFQ_* settings."""
         prefixes = []
-        for prefix in getattr(spec, "allowed_out_prefixes", None) or settings.allowed_out_prefixes:
+        given = getattr(spec, "allowed_out_prefixes", None)
+        for prefix in settings.allowed_out_prefixes if given is None else given:
             try:  # spelled as open_storage spells run folders (resolved local paths)
                 prefixes.append(open_storage(prefix).url)
             except StorageError as exc:

@@ -72,7 +72,8 @@ class ChildSpec(BaseModel):
     # Loaded before consuming, so a missing model fails the process at once.
     models: list[str] = Field(default_factory=list)
     dtype: str = AUTO_DTYPE
-    allowed_out_prefixes: list[str] = Field(default_factory=list)
+    # None: DIFFQ_ALLOWED_OUT_PREFIXES; [] with `--any-out` (named, it wins over the setting)
+    allowed_out_prefixes: list[str] | None = None
     # `--run OUT` / `diffq run`: the runs whose batches this worker takes (admission.py);
     # empty: any run under DIFFQ_ALLOWED_OUT_PREFIXES.
     runs: list[RunScope] = Field(default_factory=list)

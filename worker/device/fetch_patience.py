@@ -77,6 +77,16 @@ def transient(exc: BaseException) -> str | None:
     return None
 
 
+def from_store(exc: BaseException) -> bool:
+    """Whether the store answered `exc` (a refusal to name with the file); anything else
+    that cannot heal — a local disk full, a bug — is raised as it is, so the batch is
+    retried rather than failed for good."""
+    from botocore.exceptions import ClientError
+    from google.api_core.exceptions import GoogleAPICallError
+
+    return isinstance(exc, (ClientError, GoogleAPICallError))
+
+
 class Patience:
     """One fetch's bytes and its outage: shared by every stream of the fetch."""
 
@@ -102,11 +112,6 @@ class Patience:
                 self.since = None
         if self.note_path and time.monotonic() - self._noted >= NOTE_EVERY_S:
             self._note()
-
-    def uncount(self, n: int) -> None:
-        """`n` bytes counted before will be fetched again (a piece restarted)."""
-        with self._lock:
-            self.done -= n
 
     def waited(self) -> float:
         return time.monotonic() - self.since if self.since is not None else 0.0

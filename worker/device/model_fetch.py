@@ -42,7 +42,7 @@ from diffq.core.model_store import (ModelListing, ModelStoreError, RemoteFile, S
                                     model_storage)
 from diffq.core.settings import Settings, get_settings
 from diffq.worker.device import faults
-from diffq.worker.device.fetch_patience import Patience, backoff, transient
+from diffq.worker.device.fetch_patience import Patience, backoff, from_store, transient
 from diffq.worker.device.store_checksums import Expectation, gcs_expectation, s3_expectation, s3_needs_parts
 
 log = logging.getLogger("diffq.worker")
@@ -352,8 +352,12 @@ def _patiently(patience: Patience, store, file: RemoteFile, call):
         try:
             return call()
         except Exception as exc:
+            if isinstance(exc, FetchRefused):
+                raise
             if transient(exc) is None:
-                raise store.refusal(exc, file) from exc
+                if from_store(exc):
+                    raise store.refusal(exc, file) from exc
+                raise
             sleeps = sleeps or backoff()
             patience.wait(exc, file.key, sleeps)
 
@@ -421,7 +425,9 @@ def _fetch_run(store, fetch: _FileFetch, run: list[int], patience: Patience, str
             if isinstance(exc, FetchRefused):
                 raise
             if transient(exc) is None:
-                raise store.refusal(exc, fetch.file) from exc
+                if from_store(exc):
+                    raise store.refusal(exc, fetch.file) from exc
+                raise
             if got != stalled_at:  # bytes came since the last wait: the backoff starts over
                 sleeps, stalled_at = backoff(), got
             patience.wait(exc, fetch.file.key, sleeps)
