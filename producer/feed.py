@@ -31,6 +31,9 @@ live one in the folders above its OUT (`find_feeder`) and registers the run ther
 on defaults (`fleet manifests --out-prefix P`, `submit --out P/run`) the run gets a
 window with no feeds setting on either side. With none live it publishes every batch:
 a window nobody feeds would stall. `--feeds` / `DIFFQ_FEEDS` name one outright.
+`diffq feed OUT` feeds named runs by hand, with a heartbeat in each run folder (not
+in a feeds folder: no submit registers with it), so `status` and `queues` tell it from
+a run that waits for a feeder.
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ from pydantic import ValidationError
 
 from diffq.core import layout
 from diffq.core.progress import ProgressSummary
-from diffq.core.feeds import HEARTBEAT_S, RunFeedCounts, beat, find_feeder, read_pointer, read_state, run_feed_counts
+from diffq.core.feeds import HEARTBEAT, HEARTBEAT_S, RunFeedCounts, beat, find_feeder, read_pointer, read_state, run_feed_counts
 from diffq.core.records import FeedEntry, FeedPointer, FeedQueue, FeedState
 from diffq.core.runfolder import read_cancel
 from diffq.core.storage import NotFound, Storage, open_storage
@@ -312,7 +315,9 @@ class Feeder:
     a pass publishes what each run's window has room for. A run leaves its folder once
     its source is all published; a cancelled one once seen cancelled (resume lists it
     again). `unpublished()` is queue -> batches waiting in OUT over every run fed.
-    While it serves, each feeds folder holds its heartbeat (`beat`)."""
+    While it serves, each feeds folder holds its heartbeat (`beat`), and each named run
+    one of its own (layout.FEEDER: `diffq feed OUT` serves that run alone), taken away
+    when it stops or the run is done."""
 
     def __init__(self, publisher, feeds: str | list[str] | tuple[str, ...] | None = None,
                  outs: tuple[str, ...] = ()):
@@ -320,6 +325,9 @@ class Feeder:
         folders = [feeds] if isinstance(feeds, str) else list(feeds or ())
         self.feeds = [open_storage(folder) for folder in dict.fromkeys(folders)]
         self.outs = list(outs)
+        # The runs named (`diffq feed OUT`): each its own heartbeat while fed (layout.FEEDER).
+        self._own = {out: open_storage(out) for out in self.outs}
+        self._beat_lock = threading.Lock()  # a run dropped is beaten no more
         self._runs: dict[str, RunFeed] = {}
         self._listed: dict[str, Storage] = {}  # out -> the feeds folder listing it
         self._unpublished: dict[str, int] = {}
@@ -338,20 +346,35 @@ class Feeder:
         return list(dict.fromkeys(self.outs + list(listed)))
 
     def beat(self, clock=time.monotonic) -> None:
-        """The heartbeat in every feeds folder, at most every HEARTBEAT_S."""
+        """The heartbeat in every feeds folder and named run, at most every HEARTBEAT_S."""
         if clock() - self._beaten < HEARTBEAT_S:
             return
-        for folder in self.feeds:
-            try:
-                beat(folder)
-            except Exception as exc:  # that folder away: the others still say so
-                log.warning("feeder heartbeat in %s: %s: %s", folder.url, type(exc).__name__, exc)
+        with self._beat_lock:
+            for folder in self.feeds:
+                self._beat(folder, HEARTBEAT)
+            for out in self.outs:
+                if out in self._runs:  # a run it feeds: a mistyped OUT gets no folder made
+                    self._beat(self._own[out], layout.FEEDER)
         self._beaten = clock()
+
+    @staticmethod
+    def _beat(storage: Storage, key: str) -> None:
+        try:
+            beat(storage, key=key)
+        except Exception as exc:  # that folder away: the others still say so
+            log.warning("feeder heartbeat in %s: %s: %s", storage.url, type(exc).__name__, exc)
 
     def _beating(self, stop) -> None:
         while not stop.is_set():
             self.beat()
             stop.wait(HEARTBEAT_S)
+
+    def _unbeat(self, out: str) -> None:
+        """A named run's heartbeat gone with its feeding: `status` says at once it waits."""
+        try:
+            self._own[out].delete(layout.FEEDER)
+        except Exception as exc:  # it ages past LIVE_S instead
+            log.warning("feeder heartbeat in %s not removed: %s: %s", out, type(exc).__name__, exc)
 
     def pass_once(self) -> int:
         sent = 0
@@ -361,6 +384,9 @@ class Feeder:
                 run = self._runs.get(out)
                 if run is None or not run.current():
                     run = self._runs[out] = RunFeed(open_storage(out), self.publisher)
+                    if out in self._own:  # its heartbeat now, before a first pass that may be long
+                        with self._beat_lock:
+                            self._beat(self._own[out], layout.FEEDER)
                 sent += run.feed_once()
             except NotFound as exc:  # no feed (every batch went to the broker) or no run: nothing to feed
                 log.warning("not feeding %s: %s", out, exc)
@@ -384,7 +410,9 @@ class Feeder:
     def _drop(self, out: str) -> None:
         self._runs.pop(out, None)
         if out in self.outs:
-            self.outs.remove(out)
+            with self._beat_lock:
+                self.outs.remove(out)
+                self._unbeat(out)
         folder = self._listed.pop(out, None)
         if folder is not None:
             folder.delete(feed_key(out))
@@ -400,15 +428,28 @@ class Feeder:
                  "in_out": sum(run.unpublished.values())}
                 for out, run in list(self._runs.items()) if run.loaded and not run.cancelled]
 
-    def serve(self, stop, poll_s: float = POLL_S) -> None:
-        """Passes every `poll_s` until `stop` (a threading.Event) is set."""
+    def serve(self, stop, poll_s: float = POLL_S, until_done: bool = False) -> bool:
+        """Passes every `poll_s` until `stop` (a threading.Event) is set or, `until_done`,
+        until no run is left to feed (True then). The named runs' heartbeats go with it."""
         # The heartbeat on its own thread: a long pass (a restarted feeder learning a big
         # run's outstanding batches, a slow store) must not let it age past LIVE_S.
-        threading.Thread(target=self._beating, args=(stop,), name="diffq-feeder-heartbeat", daemon=True).start()
-        while not stop.is_set():
-            started = time.monotonic()
-            try:
-                self.pass_once()
-            except Exception as exc:  # the feeds folder away: try again next pass
-                log.warning("feeder pass: %s: %s", type(exc).__name__, exc)
-            stop.wait(max(0.0, poll_s - (time.monotonic() - started)))
+        beating = threading.Event()
+        heart = threading.Thread(target=self._beating, args=(beating,), name="diffq-feeder-heartbeat", daemon=True)
+        heart.start()
+        try:
+            while not stop.is_set():
+                started = time.monotonic()
+                try:
+                    self.pass_once()
+                except Exception as exc:  # the feeds folder away: try again next pass
+                    log.warning("feeder pass: %s: %s", type(exc).__name__, exc)
+                if until_done and not self.runs():
+                    return True
+                stop.wait(max(0.0, poll_s - (time.monotonic() - started)))
+            return False
+        finally:
+            beating.set()
+            heart.join()
+            with self._beat_lock:
+                for out in self.outs:
+                    self._unbeat(out)

@@ -23,13 +23,15 @@ from typer.testing import CliRunner
 
 from diffq.app.cli import app
 from diffq.core.options import DEFAULTS
-from diffq.core.feeds import FEEDS_DIR, LIVE_S, heartbeat, live, run_feed_counts
+from diffq.core import layout
+from diffq.core.feeds import FEEDS_DIR, LIVE_S, find_feeder, heartbeat, live, run_feed_counts
 from diffq.core.runfolder import iter_records
 from diffq.core.storage import open_storage
 from diffq.producer.feed import DEFAULT_WINDOW, read_pointer, read_state
+from diffq.producer.submit import submit
 from diffq.results.status import status
 from tests.helpers import assert_run_complete
-from tests.test_feed import BROKERS, broker, write_prompts  # noqa: F401 (the fixture)
+from tests.test_feed import BROKERS, broker, run_feeder, write_prompts  # noqa: F401 (the fixture)
 
 runner = CliRunner()
 BIN = str(Path(sys.executable).parent)
@@ -179,6 +181,67 @@ def test_a_default_submit_keeps_the_window_when_the_rendered_feeder_is_live(make
     [why] = [line for line in shown.output.splitlines() if "no live feeder" in line]
     assert why.startswith("every batch published") and prefix in why
     assert read_pointer(open_storage(f"{prefix}/bare")) is None
+
+
+def test_a_run_fed_by_hand_waits_for_a_feeder_only_once_its_feeder_stops(make_redis_server, tmp_path):
+    """`diffq feed OUT` keeps a heartbeat of its own in the run folder: `status` and
+    `queues` (its table and each queue row's runs in --json) do not say "waiting for a
+    feeder" while it feeds, and say it once it stops (SIGTERM: at once; SIGKILL: once
+    its heartbeat is LIVE_S old). That heartbeat is the run's alone: no submit finds it."""
+    url = make_redis_server().url
+    prefix = str(tmp_path / "runs")
+    out = f"{prefix}/hand"
+    # Listed in the fleet's feeds folder under the prefix, whose feeder is not running.
+    result = submit(write_prompts(tmp_path / "p.jsonl", 40), out, model="/models/m", broker_url=url, batch_size=4,
+                    window=2, feeds=f"{prefix}/{FEEDS_DIR}")
+    [queue] = result.queues
+    assert (result.batches, result.unpublished) == (2, 8)
+    own = open_storage(out)
+    queues = ["queues", "--broker", url, "--out-prefix", prefix, "--timeout", "0"]
+    env = {"DIFFQ_FEEDS": None, "DIFFQ_ALLOWED_OUT_PREFIXES": None}
+
+    def shown(feeder: str | None) -> None:
+        waiting = feeder is None
+        feed = status(out).feed
+        assert (feed.in_broker, feed.in_out, feed.feeder, feed.waiting_for_feeder) == (2, 8, feeder, waiting)
+        said = runner.invoke(app, ["status", out]).output
+        assert ("waiting for a feeder" in said) is waiting, said
+        table = runner.invoke(app, queues, env=env).output
+        [line] = [line for line in table.splitlines() if line.startswith(f"run {result.run_id} ")]
+        assert line.endswith("2 batches in the broker (about), 8 in OUT for the feeder"
+                             + (": waiting for a feeder" if waiting else "")), line
+        rows = {row["queue"]: row for row in json.loads(runner.invoke(app, [*queues, "--json"], env=env).stdout)}
+        assert rows[queue]["unpublished"] == 8 and rows[queue]["depth"] == 2
+        assert rows[queue]["runs"] == [{"out": own.url, "run_id": result.run_id, "in_broker": 2, "in_out": 8,
+                                        "feeder": feeder, "waiting_for_feeder": waiting}]
+
+    def started() -> subprocess.Popen:
+        hand = run_feeder(out, url)
+        deadline = time.monotonic() + 60
+        while not live(own, key=layout.FEEDER):
+            assert hand.poll() is None, hand.stderr.read()
+            assert time.monotonic() < deadline, "no heartbeat from diffq feed"
+            time.sleep(0.1)
+        return hand
+
+    shown(feeder=None)
+    hand = started()
+    try:
+        shown(feeder=own.key_url(layout.FEEDER))
+        assert find_feeder(f"{out}/nested") is None and find_feeder(f"{prefix}/other") is None
+        hand.send_signal(signal.SIGTERM)
+        assert hand.wait(timeout=60) == 0
+    finally:
+        stop(hand)
+    assert heartbeat(own, layout.FEEDER) is None
+    shown(feeder=None)
+    hand = started()
+    hand.kill()
+    hand.wait()
+    shown(feeder=own.key_url(layout.FEEDER))  # killed: not known yet
+    beat = heartbeat(own, layout.FEEDER)
+    own.put_bytes(layout.FEEDER, beat.model_copy(update={"at": beat.at - LIVE_S - 1}).model_dump_json().encode())
+    shown(feeder=None)
 
 
 @pytest.mark.slow

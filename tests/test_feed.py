@@ -260,6 +260,7 @@ def test_a_windowed_run_completes_exactly_once_with_its_feeder_killed_twice(brok
         raise
     finished(out, workers, feeder, total, timeout=900)
     storage = open_storage(out)
+    assert not storage.exists(layout.FEEDER)  # the hand feeder's heartbeat went with its run's last batch
     records = list(iter_records(storage))
     ids = sorted(record.id for record in records)
     assert ids == [f"i{i:08d}" for i in range(total)]  # each item recorded once

@@ -268,6 +268,19 @@ def test_the_runners_bar_says_it_from_the_workers_notes(tmp_path, monkeypatch):
     assert quiet.file.getvalue().count("waiting, 2 min") == 1
 
 
+def test_the_bar_is_drawn_where_it_shows_and_ends_drawn_everywhere():
+    """Redirected (not a terminal), the bar is not rendered for nobody while the run goes
+    on, and is written once as it ended; on a terminal it is redrawn as the loop updates it."""
+    redirected = Console(file=io.StringIO(), width=200, force_terminal=False)
+    with runner.progress_bar(redirected) as bar:
+        bar.add_task("run", total=10, completed=3, rate=1.5, failed=0, trouble="")
+        assert not bar.live.auto_refresh
+        assert redirected.file.getvalue() == ""
+    assert "3/10" in redirected.file.getvalue()
+    live = runner.progress_bar(Console(file=io.StringIO(), force_terminal=True)).live
+    assert live.auto_refresh and live.refresh_per_second == 1 / runner.LOOP_S
+
+
 # Celery's shutdown lines --------------------------------------------------------------
 CHILD = """
 import sys

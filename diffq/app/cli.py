@@ -176,7 +176,9 @@ def feed(
     poll: Annotated[float, typer.Option("--poll", min=0.05, help="Seconds between two looks at the runs' progress")] = POLL_S,
 ) -> None:
     """Publish what runs submitted with a window still hold in OUT, as their windows drain;
-    returns once every batch is published (or the run is cancelled)."""
+    returns once every batch is published (or the run is cancelled). While it feeds, each
+    run folder holds its heartbeat: `status` and `queues` do not show the run waiting."""
+    import signal
     import threading
 
     from diffq.producer.feed import Feeder
@@ -188,16 +190,21 @@ def feed(
     publisher = CeleryPublisher(broker)
     feeder = Feeder(publisher, outs=tuple(out_dirs))
     stop = threading.Event()
+    # SIGTERM stops it as Ctrl-C does: its heartbeats go with it, and `status` says at once
+    # that the runs' batches in OUT wait for a feeder.
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    done = False
     try:
-        while feeder.runs():
-            feeder.pass_once()
-            if feeder.runs():
-                stop.wait(poll)
+        done = feeder.serve(stop, poll, until_done=True)
     except KeyboardInterrupt:
         pass
     finally:
         publisher.close()
-    out.print(f"{len(out_dirs)} runs: nothing left to feed (every batch published, or the run cancelled)")
+    if done:
+        out.print(f"{len(out_dirs)} runs: nothing left to feed (every batch published, or the run cancelled)")
+    else:
+        err.print("stopped: what the runs still hold in OUT waits for a feeder (`diffq feed` again, or "
+                  "`diffq resume OUT`)", highlight=False, markup=False)
 
 
 @app.command()

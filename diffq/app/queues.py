@@ -30,7 +30,7 @@ from diffq.core.transports import transport_for
 from diffq.worker.api import peeked
 
 __all__ = ["DEAD_LETTERS", "PEEKED_LETTERS", "PREFIX", "PRIORITY_SEP", "QueueInfo", "dead_letter_lines",
-           "queue_report", "worker_queues"]
+           "queue_report", "with_runs", "worker_queues"]
 
 
 @dataclass
@@ -41,6 +41,10 @@ class QueueInfo:
     # Batches of windowed runs still in OUT for the feeder (producer/feed.py): the
     # broker's depth is only the window, this is the rest of the backlog.
     unpublished: int = 0
+    # Each windowed run with batches of this queue, as the feeds folders list them: its
+    # out and run id and its counts here (core/feeds.py `RunFeedCounts`: in the broker,
+    # in OUT, the live feeder, waiting for one); the table's per-run lines sum them.
+    runs: list[dict] = field(default_factory=list, compare=False)
     # The dead letters' row only: some of them, {queue, reason, at}, and which ones.
     letters: list[dict] | None = field(default=None, compare=False)
     letters_order: str | None = field(default=None, compare=False)
@@ -99,6 +103,14 @@ def queue_report(broker_url: str, queues: list[str] | None = None, *, timeout: f
             if info.queue == DEAD_LETTERS:
                 info.depth, info.letters, info.letters_order = dead.count, dead.letters, dead.order
     return report
+
+
+def with_runs(report: list[QueueInfo], runs: list) -> None:
+    """Each run's counts (`producer.feed.waiting_runs`: (entry, RunFeedCounts)) on the rows
+    of the queues it has batches of."""
+    for info in report:
+        info.runs = [{"out": entry.out, "run_id": entry.run_id, **counts.on(info.queue).to_json()}
+                     for entry, counts in runs if info.queue in counts.per_queue]
 
 
 def dead_letter_lines(report: list[QueueInfo]) -> list[str]:

@@ -361,7 +361,7 @@ def _serve(storage: Storage, local: LocalWorkers, *, queues: list[str], models: 
                     raise RunFailed("every worker failed to start; see the errors above")
                 if lost is not None:
                     lost.check(now, moved)
-                time.sleep(0.2)
+                time.sleep(LOOP_S)
     finally:
         stop.set()
         supervisor.stop()
@@ -379,13 +379,20 @@ def _serve(storage: Storage, local: LocalWorkers, *, queues: list[str], models: 
                      already_done=already_done, already_failed=already_failed)
 
 
+LOOP_S = 0.2  # between two looks of the runner's loop at the run (progress, workers, cancel)
+
+
 def progress_bar(console: Console, *, enabled: bool = True) -> Progress:
     """`diffq run`'s bar: done of total, images/s, failed, elapsed, and why storing fails
     when it has for a while (the task's `trouble` field, empty otherwise)."""
+    # Drawn as often as the run's loop updates it (every LOOP_S), and only where it shows:
+    # on a console that is not a terminal rich draws nothing until the end, and each tick
+    # of its refresh thread rendered the whole bar for nobody.
     return Progress(TextColumn("[bold]diffq run"), BarColumn(), MofNCompleteColumn(),
                     TextColumn("{task.fields[rate]:.1f} img/s · failed {task.fields[failed]}"),
                     TimeElapsedColumn(), TextColumn("{task.fields[trouble]}", style="bold yellow", markup=False),
-                    console=console, disable=not enabled, transient=False)
+                    console=console, disable=not enabled, transient=False,
+                    auto_refresh=console.is_terminal, refresh_per_second=1 / LOOP_S)
 
 
 class _TroubleView:
@@ -448,7 +455,9 @@ class _WorkerOutput:
     def __init__(self, path: Path):
         self.path = path
         self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-        self._read = 0
+        # Read through one open file, from where the last look ended (not opened and
+        # sought on every look of the loop).
+        self._reader = open(path, "rb")
         self._partial = b""
 
     @contextlib.contextmanager
@@ -472,12 +481,11 @@ class _WorkerOutput:
 
     def forward(self, final: bool = False) -> None:
         try:
-            with open(self.path, "rb") as file:
-                file.seek(self._read)
-                data = file.read()
+            data = self._reader.read()
         except OSError:
             return
-        self._read += len(data)
+        if not data and not final:
+            return
         lines = (self._partial + data).split(b"\n")
         self._partial = b"" if final else lines.pop()
         text = "".join(f"{line}\n" for line in (raw.decode(errors="replace").rstrip("\r") for raw in lines)
@@ -488,6 +496,7 @@ class _WorkerOutput:
 
     def close(self) -> None:
         self.forward(final=True)
+        self._reader.close()
         os.close(self._fd)
 
 

@@ -5,8 +5,10 @@ A fleet's feeder (producer/feed.py `Feeder`, in `diffq fleet backlog`) keeps a f
 folder under each run-folder prefix it serves (`feeds_under`: PREFIX/.diffq-feeds) and
 rewrites a heartbeat there every HEARTBEAT_S. A run folder finds it by looking in the
 folders above it (`find_feeder`), nearest first; a heartbeat older than LIVE_S is a
-dead feeder's. A run's feed state (`read_pointer`, `read_state`) says how many of its
-batches were published and how many still wait in OUT.
+dead feeder's. A run fed by hand (`diffq feed OUT`) has a heartbeat of its own in its
+run folder (layout.FEEDER), which serves that run alone: `find_feeder` never looks
+there. A run's feed state (`read_pointer`, `read_state`) says how many of its batches
+were published and how many still wait in OUT.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import os
 import posixpath
 import socket
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pydantic import ValidationError
 
@@ -56,22 +58,23 @@ def parents(out: str) -> list[str]:
         found.append(f"{scheme}{sep}{path}" if sep else path)
 
 
-def beat(feeds: Storage, clock=time.time) -> None:
-    """Say this feeder is alive (`find_feeder` reads it)."""
-    feeds.put_bytes(HEARTBEAT, FeedHeartbeat(at=clock(), host=socket.gethostname(), pid=os.getpid(),
-                                         every_s=HEARTBEAT_S).model_dump_json().encode(),
+def beat(feeds: Storage, clock=time.time, key: str = HEARTBEAT) -> None:
+    """Say this feeder is alive: in a feeds folder (`find_feeder` reads it), or with
+    `key=layout.FEEDER` in the run folder a hand feeder feeds (`run_feed_counts`)."""
+    feeds.put_bytes(key, FeedHeartbeat(at=clock(), host=socket.gethostname(), pid=os.getpid(),
+                                       every_s=HEARTBEAT_S).model_dump_json().encode(),
                     content_type="application/json")
 
 
-def heartbeat(feeds: Storage) -> FeedHeartbeat | None:
+def heartbeat(feeds: Storage, key: str = HEARTBEAT) -> FeedHeartbeat | None:
     try:
-        return FeedHeartbeat.model_validate_json(feeds.get_bytes(HEARTBEAT))
+        return FeedHeartbeat.model_validate_json(feeds.get_bytes(key))
     except (NotFound, ValidationError):
         return None
 
 
-def live(feeds: Storage, clock=time.time) -> bool:
-    beat_ = heartbeat(feeds)
+def live(feeds: Storage, clock=time.time, key: str = HEARTBEAT) -> bool:
+    beat_ = heartbeat(feeds, key)
     return beat_ is not None and clock() - beat_.at < LIVE_S
 
 
@@ -103,15 +106,25 @@ def read_state(storage: Storage, source: str) -> FeedState:
 class RunFeedCounts:
     """A windowed run's batches: published (in the broker or a worker's hand, about:
     pending items over the batch size, less those in OUT), waiting in OUT for the
-    feeder, and whether a live feeder is there to publish them."""
+    feeder, and whether a live feeder is there to publish them. The one schema of a
+    run's feed counts: `status --json`'s `feed`, each run of `queues --json`."""
 
     in_broker: int
     in_out: int
-    feeder: str | None  # the live feeder's feeds folder, None where none is found
+    # Where the live feeder's heartbeat is: a fleet's feeds folder, or the run folder's
+    # own (layout.FEEDER, `diffq feed OUT`); None where none is found.
+    feeder: str | None
+    per_queue: dict[str, tuple[int, int]] = field(default_factory=dict)  # queue -> (in_broker, in_out)
 
     @property
     def waiting_for_feeder(self) -> bool:
         return bool(self.in_out) and self.feeder is None
+
+    def on(self, queue: str) -> RunFeedCounts:
+        """The same run's counts of one shape queue."""
+        in_broker, in_out = self.per_queue.get(queue, (0, 0))
+        return RunFeedCounts(in_broker=in_broker, in_out=in_out, feeder=self.feeder,
+                             per_queue={queue: (in_broker, in_out)})
 
     def to_json(self) -> dict:
         return {"in_broker": self.in_broker, "in_out": self.in_out, "feeder": self.feeder,
@@ -128,13 +141,20 @@ def run_feed_counts(storage: Storage, pending: dict[str, tuple[int, int]]) -> Ru
         state = read_state(storage, pointer.source)
     except (NotFound, ValidationError):
         return None
-    in_out = in_broker = 0
+    per_queue = {}
     for queue, fed in state.queues.items():
         items, size = pending.get(queue, (0, 1))
-        in_out += fed.unpublished
-        in_broker += max(0, math.ceil(items / max(1, size)) - fed.unpublished)
-    feeder = None
-    if in_out:
-        listed = state.feeds
-        feeder = (listed if listed and live(open_storage(listed)) else None) if listed else find_feeder(storage.url)
-    return RunFeedCounts(in_broker=in_broker, in_out=in_out, feeder=feeder)
+        per_queue[queue] = (max(0, math.ceil(items / max(1, size)) - fed.unpublished), fed.unpublished)
+    in_out = sum(n for _, n in per_queue.values())
+    return RunFeedCounts(in_broker=sum(n for n, _ in per_queue.values()), in_out=in_out,
+                         feeder=run_feeder(storage, state.feeds) if in_out else None, per_queue=per_queue)
+
+
+def run_feeder(storage: Storage, listed: str | None) -> str | None:
+    """Where a live feeder of this run beats: its own hand feeder's (`diffq feed OUT`),
+    else the feeds folder that lists it (`listed`), else the nearest above it; None."""
+    if live(storage, key=layout.FEEDER):
+        return storage.key_url(layout.FEEDER)
+    if listed:
+        return listed if live(open_storage(listed)) else None
+    return find_feeder(storage.url)

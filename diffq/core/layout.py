@@ -20,6 +20,8 @@ file's schema is in records.py.
                                   shape queue
     feed/<source>/part-*.jsonl    batches `resume` / `retry-failed` re-planned, fed
                                   from there like the plan
+    feed/feeder.heartbeat         `diffq feed OUT`'s heartbeat while it feeds this run
+                                  (this run's alone: no submit registers with it)
 
 Batch ids: a plan batch's id has no '.'; work derived from a batch appends a
 '.'-suffix (`<id>.s0`/`.s1` halves of a failing batch, `<id>.r<hash>` resumed,
@@ -43,6 +45,7 @@ CANCEL = "cancel.json"
 FLEET_PLAN = "fleet-plan.json"
 FEED = "feed.json"
 FEED_PREFIX = "feed/"
+FEEDER = "feed/feeder.heartbeat"  # not `.json`, beside no source's state (core/feeds.py)
 # How long a worker trusts its last look at CANCEL; resume waits this long after
 # removing it before publishing, so no worker drops the resumed batches.
 CANCEL_CHECK_S = 2.0

@@ -151,7 +151,8 @@ class FeedState(Strict):
     window: int = Field(gt=0)
     queues: dict[str, FeedQueue]
     # The feeds folder that lists the run for a feeder (None: fed by `diffq feed` or
-    # nobody): `status` says "waiting for a feeder" while no live heartbeat is there.
+    # nobody): `status` says "waiting for a feeder" while no live heartbeat is there,
+    # nor in the run folder (`diffq feed`'s own, layout.FEEDER).
     feeds: str | None = None
 
     @property

@@ -31,7 +31,7 @@ network broker (app/cli.py refuses to start it otherwise), and says so loudly (`
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
@@ -43,6 +43,8 @@ from diffq.core.validation import first_error
 from diffq.worker.delivery.outcomes import Refused
 
 log = logging.getLogger("diffq.worker")
+
+MAX_URLS = 1024  # run folders whose spelling admission keeps
 
 
 class RunScope(BaseModel):
@@ -90,6 +92,10 @@ class Admission:
     models: frozenset[str] = frozenset()
     keys: Keys | None = None
     adapters: tuple[str, ...] = ()  # DIFFQ_ALLOWED_ADAPTERS' prefixes
+    # A run folder as a batch names it -> as `open_storage` spells it: every batch of a
+    # run names the same folder, and resolving a local path is a syscall per part. As
+    # lasting as the worker's own storage for that name (runtime.py `storage_for`).
+    _urls: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def of(cls, spec, settings) -> Admission:
@@ -134,10 +140,15 @@ class Admission:
 
     def out_problem(self, out: str, run_id: str | None = None) -> str | None:
         """Why a worker may not write to run folder `out` (for run `run_id`), or None."""
-        try:
-            url = open_storage(out).url
-        except StorageError as exc:
-            return str(exc)
+        url = self._urls.get(out)
+        if url is None:
+            try:
+                url = open_storage(out).url
+            except StorageError as exc:
+                return str(exc)
+            if len(self._urls) >= MAX_URLS:  # batches naming ever new folders: refused anyway
+                self._urls.clear()
+            self._urls[out] = url
         if self.runs:
             if not any(url == run.out for run in self.runs):
                 return f"run folder {url} is not the run this worker serves ({', '.join(r.out for r in self.runs)})"

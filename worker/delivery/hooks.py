@@ -21,6 +21,7 @@ ending. None lets the life go on. The hooks (the order of `default_hooks`):
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import time
@@ -82,9 +83,10 @@ class Batch:
     def runtime(self) -> Runtime:
         return self.task.runtime
 
-    @property
+    @functools.cached_property
     def delivery(self) -> Delivered:
-        """The task's side of its delivery (worker/delivery/door.py)."""
+        """The task's side of its delivery (worker/delivery/door.py): one per batch, asked
+        at every step."""
         return Delivered(self.task)
 
     @property

@@ -6,6 +6,7 @@ batch's life (worker/delivery/tasks.py) reads everything it needs of the process
 
 from __future__ import annotations
 
+import functools
 import json
 import threading
 from dataclasses import dataclass, field
@@ -77,8 +78,9 @@ class Runtime:
     def compiled_queues(self) -> set[str]:
         return {shape.queue for shape in self.host.shapes_seen}
 
-    @property
+    @functools.cached_property
     def worker(self) -> str:
+        """This process's name in records and logs (asked on every batch: made once)."""
         return f"{self.spec.name}@{hostname()}"
 
     def run_problem(self, storage: Storage, run_id: str) -> str | None:

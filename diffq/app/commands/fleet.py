@@ -118,8 +118,9 @@ def queues(
     feeds: Feeds = None,
 ) -> None:
     """Depth of each diffq shape queue, how many workers consume it, and (with an out-prefix
-    or a feeds folder) the batches windowed runs still hold in OUT for the feeder, per queue and per run."""
-    from diffq.app.queues import DEAD_LETTERS, PEEKED_LETTERS, dead_letter_lines, queue_report
+    or a feeds folder) the batches windowed runs still hold in OUT for the feeder, per queue and per run
+    (--json: each queue's row lists its runs' counts)."""
+    from diffq.app.queues import DEAD_LETTERS, PEEKED_LETTERS, dead_letter_lines, queue_report, with_runs
     from diffq.core.brokers.base import UNREACHABLE, CannotList
 
     broker = broker or get_settings().broker_url
@@ -137,8 +138,10 @@ def queues(
                 for queue, n in waiting(folder).items():
                     unpublished[queue] = unpublished.get(queue, 0) + n
             runs = waiting_runs(folders)
-        report = queue_report(broker, [q for q in (names or "").split(",") if q], timeout=timeout,
+        named = [q for q in (names or "").split(",") if q] + [q for _, counts in runs for q in counts.per_queue]
+        report = queue_report(broker, list(dict.fromkeys(named)), timeout=timeout,
                               rabbitmq_api=rabbitmq_api, letters=PEEKED_LETTERS, unpublished=unpublished)
+        with_runs(report, runs)
     except (CannotList, ValueError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2)
