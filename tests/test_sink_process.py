@@ -446,3 +446,22 @@ def test_grey_and_rgba_arrays_cross_in_slots_too(tmp_path, channels):
         assert sink.slots.counts() == (1, 1)
     finally:
         sink.close()
+
+
+def test_a_diffq_folder_where_the_worker_starts_does_not_shadow_the_helpers_package(tmp_path, monkeypatch):
+    """The helper is `python -m …`: without -P the working directory would come first on
+    its sys.path, and a checkout (or any `diffq/` folder) there would be imported instead
+    of the installed package — here one that cannot import at all."""
+    shadow = tmp_path / "cwd"
+    (shadow / "diffq").mkdir(parents=True)
+    (shadow / "diffq" / "__init__.py").write_text("raise ImportError('the shadow package was imported')\n")
+    monkeypatch.chdir(shadow)
+    out = str(tmp_path / "run")
+    sink = SinkProcess()
+    try:
+        message = batch(out, 0)
+        images = pictures(message)
+        store(sink, out, message, images, {"generate_s": 0.25})
+        assert_stored(out, message, images)
+    finally:
+        sink.close()

@@ -76,8 +76,10 @@ class _Helper:
         self._mapped: set[int] = set()  # slots whose descriptor this helper has (send thread only)
         ours, theirs = socket.socketpair()
         with theirs:
+            # -P: the working directory is not put first on sys.path, so a `diffq` folder
+            # (a checkout) where the worker was started cannot shadow the installed package.
             self.process = subprocess.Popen(
-                [sys.executable, "-m", module, str(theirs.fileno()), str(threads), str(retry_for_s)],
+                [sys.executable, "-P", "-m", module, str(theirs.fileno()), str(threads), str(retry_for_s)],
                 pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, close_fds=True)
         self._socket = ours  # for passing slot descriptors (the same socket as the Connection)
         self._conn = Connection(os.dup(ours.fileno()))
