@@ -330,7 +330,7 @@ def test_one_run_makes_every_image_once_and_compiles_only_its_first_batch(lora_r
     out, paths = lora_run
     storage = open_storage(str(out))
     lines = [json.loads(line) for key in storage.list("records/") for line in storage.get_bytes(key).splitlines()]
-    assert sorted(line["id"] for line in lines) == sorted(ROWS) and len(storage.list("images/")) == len(ROWS)
+    assert sorted(line["id"] for line in lines) == sorted(ROWS) and len(list(storage.list("images/"))) == len(ROWS)
     manifest = read_manifest(storage)
     layout = manifest.adapter_layouts[flux]
     assert layout.rank == 16 and [s.shape.lora for s in manifest.shapes] == [layout.label]
