@@ -308,12 +308,19 @@ def lora_run(flux, loras, s3_server, tmp_path_factory):
         rows.append(row if lora is None else {**row, "lora": _spelled(lora, paths)})
     prompts = _jsonl(root / "prompts.jsonl", rows)
     out = root / "out"
+    args = ("run", str(prompts), "--model", flux, "--out", str(out), "--batch-size", str(BATCH), "--steps",
+            str(STEPS), "--max-sequence-length", "16", "--compile", "regional", "--lora", f"{loras[16]}@1",
+            "--no-progress")
     with pytest.MonkeyPatch.context() as env:
         env.setenv("DIFFQ_MODEL_CACHE", str(root / "model-cache"))
-        proc = diffq("run", str(prompts), "--model", flux, "--out", str(out), "--batch-size", str(BATCH),
-                     "--steps", str(STEPS), "--max-sequence-length", "16", "--compile", "regional",
-                     "--lora", f"{loras[16]}@1", "--no-progress")
-    assert f"{len(ROWS)}/{len(ROWS)} images, 0 failed" in proc.stdout, proc.stdout + proc.stderr
+        proc = diffq(*args)
+        assert f"{len(ROWS)}/{len(ROWS)} images, 0 failed" in proc.stdout, proc.stdout + proc.stderr
+        # The same command again continues the run: the same plan (layout, pinned revisions), nothing new made.
+        again = diffq(*args)
+        assert f"{len(ROWS)}/{len(ROWS)} images, 0 failed" in again.stdout, again.stdout + again.stderr
+        other = diffq(*args[:-3], "--lora", f"{loras[16]}@0.5", "--no-progress", check=False)
+        assert other.returncode == 2, other.stdout + other.stderr
+        assert f"--lora: {loras[16]}@1 in OUT's manifest, {loras[16]}@0.5 now" in " ".join(other.stderr.split())
     return out, paths
 
 
