@@ -146,6 +146,7 @@ class RowAdapters:
         self.allowed = tuple(get_settings().allowed_adapters if allowed_prefixes is None else allowed_prefixes)
         self._runs: dict[str, RunAdapters] = {}
         self._known: dict[tuple, tuple[AdapterRef, ...]] = {}
+        self.named = False  # some row (or --lora) named an adapter: the run has a layout
 
     def refs(self, model: str, value, field: str = "lora") -> tuple[AdapterRef, ...]:
         """A row's adapter set (`value`: its `lora` field), checked and pinned; an
@@ -166,6 +167,7 @@ class RowAdapters:
             if run is None:
                 run = self._runs[model] = RunAdapters(model, allowed_prefixes=self.allowed)
             refs = self._known[key] = run.add(value, field)
+            self.named = True
         return refs
 
     def layouts(self) -> dict[str, AdapterLayout]:

@@ -17,6 +17,7 @@ be found) publishes every batch as the plan is written.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import math
 import pickle
@@ -461,8 +462,14 @@ def _validated_parts(prompts, options: RunOptions, defaults: Defaults, keep_colu
     name the adapter layout, which only the last row settles."""
     validation = Validation(prompts, options, defaults.adapters)
     spill = stack.enter_context(PlanSpill())
-    for part in plan_parts(encoded(validation.check(read_prompts(prompts, defaults, keep_columns)), {})):
+    checked = validation.check(read_prompts(prompts, defaults, keep_columns))
+    batches = encoded(checked, {})
+    if defaults.adapters is not None:  # encoding stops at the first adapter: those batches would be discarded
+        batches = itertools.takewhile(lambda _: not defaults.adapters.named, batches)
+    for part in plan_parts(batches):
         spill.add(part)
+    for _ in checked:  # the rows after it: validated, not encoded
+        pass
     plan = validation.plan()
     if plan.adapter_layouts:
         return plan, plan_parts(encoded(read_prompts(prompts, defaults, keep_columns), plan.adapter_layouts))

@@ -83,6 +83,14 @@ def test_rows_are_batched_by_adapter_set_under_one_shape_naming_the_layout(tmp_p
     assert [s.shape.lora for s in manifest.shapes] == [layout.label]
 
 
+def test_an_adapter_first_named_late_in_the_file_still_labels_every_batch(tmp_path, flux, loras):
+    rows = [{"id": f"plain-{k}", "prompt": "p"} for k in range(7)] + [{"id": "late", "prompt": "p", "lora": loras[4]}]
+    messages, _ = _submitted(tmp_path, rows, flux)
+    assert sorted(item.id for m in messages for item in m.items) == sorted(row["id"] for row in rows)
+    assert {m.shape.lora for m in messages} == {A.layout([A.inspect(loras[4])]).label}
+    assert sorted(len(m.items) for m in messages) == [1, 1, 2, 2, 2]  # 7 without: 4 batches; 1 with: 1
+
+
 def test_plan_shows_the_adapter_groups_and_what_grouping_costs_in_padding(tmp_path, flux, loras):
     from typer.testing import CliRunner
 
