@@ -130,7 +130,7 @@ def test_a_run_without_adapters_is_as_before(tmp_path, flux):
         "total", "batches", "compiles", "models", "padded_slots", "shapes"}
 
 
-def test_csv_and_parquet_rows_take_the_shorthand_or_json(tmp_path, flux, loras):
+def test_csv_parquet_and_txt_rows_take_the_shorthand_json_or_the_default(tmp_path, flux, loras):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -150,6 +150,17 @@ def test_csv_and_parquet_rows_take_the_shorthand_or_json(tmp_path, flux, loras):
     recording = Recording()
     submit(parquet, str(tmp_path / "pq-out"), model=flux, publisher=recording, window=None, lora=loras[16], **ARGS)
     assert _adapter_of(recording.published) == want
+    structs = tmp_path / "structs.parquet"  # a struct column: the object form
+    pq.write_table(pa.table({"id": ["s"], "prompt": ["p"], "lora": [{"path": loras[8], "scale": 0.25}]}), structs)
+    recording = Recording()
+    submit(structs, str(tmp_path / "struct-out"), model=flux, publisher=recording, window=None, **ARGS)
+    assert _adapter_of(recording.published) == {"s": ((loras[8], 0.25),)}
+    text = tmp_path / "prompts.txt"  # TXT rows take --lora
+    text.write_text("a\nb\n")
+    recording = Recording()
+    submit(text, str(tmp_path / "txt-out"), model=flux, publisher=recording, window=None, lora=f"{loras[4]}@-1",
+           **ARGS)
+    assert set(_adapter_of(recording.published).values()) == {((loras[4], -1.0),)}
 
 
 def _bad(kind: str, tmp_path: Path) -> tuple[str, str]:
