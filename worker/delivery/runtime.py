@@ -159,7 +159,7 @@ class Runtime:
 
 
 def preload(rt: Runtime) -> None:
-    for model, adapters in rt.spec.adapter_layouts.items():  # before the model loads and compiles
-        rt.host.use_adapters(model, adapters)
+    for model, layout_ in rt.spec.adapter_layouts.items():  # before the model loads and compiles
+        rt.host.use_adapters(model, layout_)
     for model in rt.spec.models:
         rt.host.pipeline(model, rt.spec.dtype)
