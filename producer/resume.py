@@ -198,8 +198,9 @@ class RunDiffers(RunExists):
 
 
 def _shown(value) -> str:
-    if isinstance(value, list):
-        return ",".join(map(str, value)) or "none"
+    if isinstance(value, list):  # an adapter (--lora) as it is typed: PATH@SCALE
+        return ",".join(f"{v['path']}@{v['scale']:g}" if isinstance(v, dict) and "path" in v else str(v)
+                        for v in value) or "none"
     return "none" if value is None else str(value)
 
 
