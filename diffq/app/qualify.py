@@ -178,7 +178,8 @@ def _run_child(name: str, spec, workdir: Path, timeout: float | None) -> dict:
     log_path = workdir / f"{name}.log"
     with open(log_path, "wb") as log:
         try:
-            proc = subprocess.run([sys.executable, "-P", "-m", QUALIFY_MAIN, str(spec_path)]  # -P: see worker/sink/helper.py,
+            # -P: see worker/sink/helper.py
+            proc = subprocess.run([sys.executable, "-P", "-m", QUALIFY_MAIN, str(spec_path)],
                                   stdout=log, stderr=subprocess.STDOUT, timeout=timeout)
         except subprocess.TimeoutExpired:
             return {"error": f"the {name} run took longer than {timeout:g} s"}
