@@ -59,7 +59,6 @@ import tempfile
 import time
 from collections import Counter
 from pathlib import Path
-from queue import Empty
 
 from bench.common import redis_server
 
@@ -86,43 +85,6 @@ def shape_queues(count: int, model: str = MODEL) -> list[str]:
 
     return [ShapeKey(model=model, height=256 + 16 * (i // 10), width=256 + 16 * (i % 10), batch_size=4,
                      max_sequence_length=512, cfg=False).queue for i in range(count)]
-
-
-def task_queue(name: str):
-    """The kombu Queue Celery's consumer makes for a queue name it is told to add."""
-    from kombu import Exchange, Queue
-
-    return Queue(name, Exchange(name), routing_key=name)
-
-
-class SimConsumer:
-    """What Router and the broker's `held` read of Celery's consumer: its connection, the
-    task consumer (a real kombu Consumer on the connection's default channel) and
-    queue switching as Celery's add_task_queue / cancel_task_queue do it
-    (celery/worker/consumer/consumer.py). The starting queues are declared once for
-    the whole fleet (`declare`), not by each worker: a start-up cost, not measured."""
-
-    def __init__(self, connection, queues: list[str], on_message=None, prefetch: int = 1):
-        from kombu import Consumer
-
-        self.connection = connection
-        channel = connection.default_channel
-        channel.basic_qos(0, prefetch, False)
-        self.task_consumer = Consumer(channel, [task_queue(q) for q in queues], on_message=on_message,
-                                      accept=["json"], auto_declare=False)
-        self.task_consumer.consume()
-
-    def add_task_queue(self, queue: str) -> None:
-        if not self.task_consumer.consuming_from(queue):
-            task_queue(queue)(self.task_consumer.channel).declare()  # Celery's consumer auto-declares
-            self.task_consumer.add_queue(task_queue(queue))
-            self.task_consumer.consume()
-
-    def cancel_task_queue(self, queue: str) -> None:
-        self.task_consumer.cancel_by_queue(queue)
-
-    def consuming(self) -> set[str]:
-        return {q.name for q in self.task_consumer.queues if self.task_consumer.consuming_from(q.name)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,17 +129,16 @@ def listen_everywhere_when_idle() -> None:
 
 class Loop:
     """One process's event loop over its workers, as Celery's hub runs one worker's:
-    kombu's poller registers BRPOPs (`on_poll_start`) and reads replies
-    (`handle_event`) on one epoll; timers run in between."""
+    kombu's poller registers BRPOPs at each poll start and reads replies on one epoll
+    (core/brokers/redis.py `HandPoller`); timers run in between."""
 
     def __init__(self):
-        from kombu.utils.eventio import poll
+        from diffq.core.brokers.redis import HandPoller
 
-        self.poller = poll()
+        self.polls = HandPoller()
         self.timers: list = []
         self.busy: list = []  # (until, seq, worker)
         self.dirty: set = set()  # workers whose cycle must re-register its BRPOP
-        self.owner: dict = {}  # fd -> worker
         self._seq = 0
         self.window = (0.0, 0.0)
         self.late: list[float] = []  # how late each timer in the window ran, s
@@ -195,23 +156,13 @@ class Loop:
     def run(self, until: float) -> None:
         while True:
             for worker in self.dirty:
-                worker.cycle.on_poll_start()
-                for fd in worker.cycle._fd_to_chan:
-                    self.owner[fd] = worker
+                self.polls.start(worker.connection, worker)
             self.dirty.clear()
             now = time.time()
             if now >= until:
                 return
             due = min([until] + [heap[0][0] for heap in (self.timers, self.busy) if heap])
-            for fd, event in self.poller.poll(max(0.0, due - now)) or ():
-                worker = self.owner.get(fd)
-                if worker is None:
-                    continue
-                try:
-                    worker.cycle.handle_event(fd, event)
-                except Empty:  # BRPOP timed out: nothing queued
-                    pass
-                self.dirty.add(worker)
+            self.dirty.update(self.polls.wait(max(0.0, due - now)))
             now = time.time()
             while self.busy and self.busy[0][0] <= now:
                 _, _, worker = heapq.heappop(self.busy)
@@ -249,9 +200,8 @@ class SimWorker:
     lease keeper, restore sweep and heartbeat, on its process's loop."""
 
     def __init__(self, index: int, app, transport, queues: list[str], cell: Cell, loop: Loop, stats: dict):
-        from celery.worker.heartbeat import Heart
-
         from diffq.core.settings import get_settings
+        from diffq.worker.delivery.celery_adapter import HandConsumer
         from diffq.worker.delivery.lease import LeaseKeeper
         from diffq.worker.delivery.routing import Discovery, Router
 
@@ -264,11 +214,10 @@ class SimWorker:
         self.compiled: set[str] = set() if busy else {queues[index % len(queues)]}
         self.holding: float | None = None
         self.message = None
-        self.consumer = SimConsumer(self.connection, queues, on_message=self.received if busy else None)
-        self.cycle = self.connection.transport.cycle
+        self.consumer = HandConsumer(self.connection, queues, on_message=self.received if busy else None)
         # The worker's loop polls on the process's poller (register_with_event_loop
         # does this with Celery's hub, and one restore sweep).
-        self.cycle.on_poll_init(loop.poller)
+        loop.polls.add(self.connection)
         discovery = Discovery(transport, [MODEL])
         discovery.interval *= k
         self.router = Router(list(queues), lambda: self.compiled, transport, rng=random.Random(index),
@@ -278,18 +227,19 @@ class SimWorker:
         self.lease = LeaseKeeper(transport.broker, self.connection.clone, lambda: transport.broker.held(self.consumer),
                                  period=settings.lease_renew_s * k, max_hold_s=settings.max_hold_s * k)
         if busy:  # its connection as in a steady state (opened at the first renewal, 15 s in)
-            self.lease._channel()
+            self.lease.channel()
         # Celery's event dispatcher (task events on: the transport row's `monitored`).
         self.events = app.events.Dispatcher(self.connection, hostname=f"sim-{index}@fleet", enabled=True)
-        self.heart = Heart(None, self.events, interval=2.0 * k)
         channel = self.consumer.task_consumer.channel
         self.sweep_period = channel.unacked_restore_interval  # dilated_options' already
 
     def start(self, at: float) -> None:
         """Begin at `at` (workers start at random moments, so their timers spread)."""
+        from diffq.worker.delivery.celery_adapter import heart
+
         loop = self.loop
-        self.heart.timer = SimTimer(loop, self, at)
-        loop.at(at, self, self.heart.start, math.inf)
+        beat = heart(self.events, SimTimer(loop, self, at), interval=2.0 * self.cell.dilate)
+        loop.at(at, self, beat.start, math.inf)
         loop.at(at + random.uniform(0, self.router.interval), self, self.route, self.router.interval)
         loop.at(at + random.uniform(0, self.sweep_period), self, self.sweep, self.sweep_period)
         loop.at(at + random.uniform(0, self.lease.period), self, self.lease.renew_once, self.lease.period, main=False)
@@ -374,10 +324,11 @@ def redis_counters(client) -> tuple[dict[str, tuple[int, int]], float]:
 
 def declare(url: str, queues: list[str], per_queue: int = 0) -> None:
     """Declare the queues (their bindings) once and put `per_queue` messages in each."""
-    from kombu import Connection, Producer
+    from diffq.core.brokers.base import make_celery
+    from diffq.worker.delivery.celery_adapter import task_queue
 
-    with Connection(url) as connection:
-        producer = Producer(connection.default_channel)
+    with make_celery(url).connection_for_write() as connection:
+        producer = connection.Producer()
         for queue in queues:
             task_queue(queue)(connection.default_channel).declare()
             for n in range(per_queue):

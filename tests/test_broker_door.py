@@ -31,10 +31,6 @@ from tests.test_layers import LAYER, MODULES, layer_of
 # one class per broker, and the engine (Celery's fetch loop, pool, bootsteps).
 BROKER_CLASSES = {m for m in MODULES if m == "diffq.core.brokers" or m.startswith("diffq.core.brokers.")}
 DOORS = BROKER_CLASSES | {"diffq.worker.delivery.celery_adapter"}
-# The fleet benchmark simulates N Celery workers' consumers in a few processes (kombu's
-# poller, Consumer and restore sweep, Celery's Heart, on one loop): it is kombu and Celery
-# driven by hand, measured, not diffq reaching past its door. Still on the list (issue 49).
-SIMULATORS = {"bench.fleet"}
 # Where Celery's task object (`Delivered`, worker/delivery/door.py) is read for a batch's life.
 TASK_DOORS = DOORS | {"diffq.worker.delivery.door"}
 BROKER_PACKAGES = ("celery", "kombu")
@@ -108,7 +104,7 @@ def broker_reach(source: str, filename: str = "<test>") -> list[str]:
     return found
 
 
-GUARDED = sorted(m for m in MODULES if m not in DOORS | SIMULATORS)
+GUARDED = sorted(m for m in MODULES if m not in DOORS)
 
 
 def test_the_doors_exist_and_the_guarded_modules_are_read():
@@ -118,7 +114,7 @@ def test_the_doors_exist_and_the_guarded_modules_are_read():
     assert {"diffq.worker.delivery.batches", "diffq.worker.delivery.lease", "diffq.worker.delivery.dead_letters",
             "diffq.worker.delivery.tasks", "diffq.worker.delivery.hooks", "diffq.worker.delivery.door",
             "diffq.app.commands.fleet", "diffq.core.transports", "diffq.core.settings", "diffq.producer.publish",
-            "diffq.producer.messages", "diffq.producer.feed", "bench.producer", "bench.stamps"} <= set(GUARDED)
+            "diffq.producer.messages", "diffq.producer.feed", "bench.producer", "bench.stamps", "bench.fleet"} <= set(GUARDED)
     assert {layer_of(m) for m in GUARDED} == set(LAYER)
     assert {"_delivered", "_dirty", "_quick_ack", "_brpop_start", "_active_tags"} <= PRIVATE
 
@@ -270,16 +266,56 @@ def test_a_delivery_past_its_bound_is_left_to_lapse(caplog):
     assert sum("past DIFFQ_MAX_HOLD_S" in r.getMessage() for r in caplog.records) == 2  # once per delivery
 
 
-def test_a_lost_connection_settles_here_and_leaves_the_rest_to_the_lease():
+class _Answered:
+    """A task's delivery as the door sees it: its ack or requeue runs on the consumer
+    channel (later, on Celery's loop), which answers what it met."""
+
+    def __init__(self, consumer, tag: str):
+        self.consumer, self.tag, self.runs = consumer, tag, []
+
+    def answer(self):
+        return self.consumer.answer(self.tag)
+
+    def ack_now(self) -> None:
+        self.runs.append(lambda: self.consumer.ack(self.tag))
+
+    def requeue(self) -> None:
+        self.runs.append(lambda: self.consumer.reject(self.tag, requeue=True))
+
+
+def test_a_lost_connection_settles_here_and_leaves_the_rest_to_the_lease(caplog):
+    """A decided ack or requeue the broker can no longer be told about: the consumer
+    channel answers `ConnectionLost` where the call runs, and the door ends it
+    `connection lost` (let lapse), a row of the table like every other."""
+    from diffq.core.brokers.base import ConnectionLost
     from diffq.core.brokers.redis import ConsumerChannel
 
     settled: list[str] = []
     qos = SimpleNamespace(append=None, ack=None, reject=None, restore_unacked=None, _quick_ack=settled.append)
     channel = SimpleNamespace(qos=qos, _brpop_start=None, connection=None)  # the transport let go of it
-    installed = ConsumerChannel(channel, lost=door.lost_connection)
-    installed.ack("t1")
-    installed.reject("t2", requeue=True)
+    installed = ConsumerChannel(channel)
+    acked, requeued = _Answered(installed, "t1"), _Answered(installed, "t2")
+    door.carry_out(Action.ACK, acked)
+    door.carry_out(Action.REQUEUE, requeued)
+    assert settled == []  # nothing runs before Celery's loop runs the calls
+    with caplog.at_level(logging.WARNING, logger="diffq.worker"):
+        for run in acked.runs + requeued.runs:
+            run()
     assert settled == ["t1", "t2"] and installed.left_held == 2
+    assert sum("connection is gone" in r.getMessage() for r in caplog.records) == 2
+    assert decide(Outcome.CONNECTION_LOST) is Action.LET_LAPSE
+    # An ack no one asked the answer of (kombu's own use) is settled here too.
+    installed.ack("t3")
+    assert settled == ["t1", "t2", "t3"] and installed.left_held == 3
+    # A live channel answers None: acked, no end of its own.
+    told: list[str] = []
+    live = ConsumerChannel(SimpleNamespace(qos=SimpleNamespace(append=None, ack=told.append, reject=None,
+                                                               restore_unacked=None),
+                                           _brpop_start=None, connection=SimpleNamespace(client=object())))
+    answer = live.answer("t4")
+    live.ack("t4")
+    assert told == ["t4"] and answer.result() is None and live.left_held == 0
+    assert not isinstance(answer.result(), ConnectionLost)
 
 
 def test_a_lost_worker_hands_the_batch_back_through_the_table(monkeypatch):
@@ -345,10 +381,24 @@ def test_what_a_redis_channel_holds_as_it_closes_goes_back_through_the_table():
                           restore_by_tag=lambda tag, client=None: restored.append(tag))
     channel = SimpleNamespace(qos=qos, _brpop_start=None, connection=SimpleNamespace(client=object()),
                               conn_or_acquire=lambda client=None: contextlib.nullcontext(client))
-    installed = ConsumerChannel(channel, lost=door.lost_connection, closed=door.channel_closed)
+    installed = ConsumerChannel(channel, closed=door.channel_closed)
     installed.restore_unacked()
     assert decide(Outcome.CHANNEL_CLOSED) is Action.REQUEUE
     assert restored == ["t1", "t2"] and qos._delivered == {}
+
+
+def test_what_a_redis_channel_holds_as_it_closes_without_its_connection_is_left_to_its_lease():
+    """The close of a channel whose connection is already gone: each delivery it holds
+    is reported `ConnectionLost`, and the door ends it `connection lost` (let lapse)."""
+    from diffq.core.brokers.redis import ConsumerChannel
+
+    settled: list[str] = []
+    qos = SimpleNamespace(append=None, ack=None, reject=None, restore_unacked=None,
+                          _delivered={"t1": object(), "t2": object()}, _quick_ack=settled.append)
+    channel = SimpleNamespace(qos=qos, _brpop_start=None, connection=None)
+    installed = ConsumerChannel(channel, closed=door.channel_closed)
+    installed.restore_unacked()
+    assert settled == ["t1", "t2"] and installed.left_held == 2 and qos._delivered == {}
 
 
 def test_a_peeked_dead_letter_goes_back_through_the_table():

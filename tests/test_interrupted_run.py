@@ -163,12 +163,12 @@ class _Discard:
 
 def test_a_second_runner_on_an_out_being_produced_is_refused(tmp_path, tiny_model):
     """Continuing a run another runner still produces would make its batches twice."""
-    from diffq.app.runner import _sole_runner
+    from diffq.app.run_out import RunOut
 
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"id": "a", "prompt": "ok", "height": 64, "width": 64}\n')
     out = tmp_path / "out"
-    with _sole_runner(open_storage(str(out))):  # as a live `diffq run` holds it
+    with RunOut(str(out)).sole_runner():  # as a live `diffq run` holds it
         proc = diffq(*_args(prompts, out, tiny_model), check=False)
         assert proc.returncode == 2 and "another diffq run or resume is producing" in proc.stderr
     assert not out.exists()  # the lock left nothing behind

@@ -626,7 +626,7 @@ def test_a_run_rides_out_a_20_s_cut_of_a_1_gb_file_and_resumes_inside_it(store, 
 
 
 def test_a_wait_is_said_in_the_log_and_on_the_runs_bar_and_patience_is_a_time_budget(tmp_path, monkeypatch, caplog):
-    from diffq.app.runner import _TroubleView
+    from diffq.app.run_out import TroubleView
     from diffq.worker.device import fetch_patience
     from diffq.worker.device.fetch_patience import FetchGaveUp, Patience
 
@@ -636,7 +636,7 @@ def test_a_wait_is_said_in_the_log_and_on_the_runs_bar_and_patience_is_a_time_bu
     monkeypatch.setattr(fetch_patience, "time", type("Clock", (), {"monotonic": staticmethod(lambda: clock[0]),
                                                                    "sleep": staticmethod(lambda s: None)}))
     patience = Patience("S3", "s3://m/x", 600.0, total=2_000_000_000, done=500_000_000)
-    view = _TroubleView(open_storage(str(tmp_path / "out")), tmp_path / "notes")
+    view = TroubleView(open_storage(str(tmp_path / "out")), tmp_path / "notes")
     with caplog.at_level("WARNING", logger="diffq.worker"):
         patience.wait(ConnectionRefusedError("[Errno 111] Connection refused"), "big.safetensors", iter([0.0] * 9))
         clock[0] += 20

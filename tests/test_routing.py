@@ -9,10 +9,11 @@ import time
 
 import pytest
 
-from bench.fleet import SimConsumer, redis_counters, shape_queues
+from bench.fleet import redis_counters, shape_queues
 from diffq.core.runfolder import iter_records
 from diffq.producer.submit import submit
 from diffq.core.storage import open_storage
+from diffq.worker.delivery.celery_adapter import HandConsumer
 from diffq.worker.delivery.routing import choose_queues
 from tests.helpers import start_workers, wait_until
 
@@ -66,10 +67,11 @@ def test_an_idle_worker_listens_on_the_shapes_it_compiled():
 
 
 # --- the control plane at fleet size: routers on a real Redis ------------------------
-# Routers drive the stand-in consumer bench/fleet.py's simulator drives (a real kombu
-# Consumer switched the way Celery switches queues). A router's interval is also the
-# shared listing's max age; tests that count commands use an hour, so the listing
-# taken at the first tick is the one read until the end.
+# Routers drive the stand-in consumer bench/fleet.py's simulator drives (the Celery
+# adapter's HandConsumer: a real kombu Consumer switched the way Celery switches
+# queues). A router's interval is also the shared listing's max age; tests that count
+# commands use an hour, so the listing taken at the first tick is the one read until
+# the end.
 
 class Fleet:
     """Routers of one fleet, each with its own broker connection, on one Redis."""
@@ -91,7 +93,7 @@ class Fleet:
         transport = transport or transport_for("redis://")
         connection = self.app.connection_for_read()
         self.connections.append(connection)
-        consumer = SimConsumer(connection, list(queues))
+        consumer = HandConsumer(connection, list(queues))
         compiled = set(compiled)
         discovery = Discovery(transport, discover_models) if discover_models is not None else None
         router = Router(list(queues), lambda: compiled, transport, rng=random.Random(seed), discovery=discovery)

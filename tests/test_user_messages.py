@@ -25,6 +25,7 @@ from PIL import Image
 from rich.console import Console
 
 from diffq.app import runner
+from diffq.app.run_out import TroubleView
 from diffq.core import layout, progress
 from diffq.core.progress import TROUBLE_AFTER_S, Trouble, TroubleNote, trouble_reason
 from diffq.core.storage import StorageError, open_storage
@@ -249,7 +250,7 @@ def test_the_runners_bar_says_it_from_the_workers_notes(tmp_path, monkeypatch):
     url = str(tmp_path / "run")
     make_plan(url)
     folder = tmp_path / "broker" / "trouble"
-    view = runner._TroubleView(open_storage(url), folder)
+    view = TroubleView(open_storage(url), folder)
     assert view.look(0.0, pending=5) is None
     now = time.time()
     (folder / "w.json").write_bytes(Trouble(FULL, since=now - 125, at=now - 1).to_json())

@@ -26,7 +26,6 @@ folder; every other line there is passed on to the runner's stdout, and their st
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import os
 import re
 import shutil
@@ -41,17 +40,14 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from diffq.core import layout
+from diffq.app.run_out import RunBusy, RunFailed, RunOut
 from diffq.core.brokers.embedded import embedded_broker
 from diffq.core.families import compile_refusal
-from diffq.core.progress import (TROUBLE_DIR_ENV, ProgressSummary, fetch_notes, local_troubles,
-                                 observed_trouble, recorded_troubles, trouble_message)
+from diffq.core.progress import TROUBLE_DIR_ENV
 from diffq.core.options import GenerationOptions
 from diffq.core.records import RunManifest
-from diffq.core.runfolder import iter_records, read_cancel, read_manifest
-from diffq.core.storage import Storage, open_storage
 from diffq.core.transports import transport_for
-from diffq.producer.resume import check_plan, continuation, missing_batches, scan, uncancel
+from diffq.producer.resume import check_plan, continuation, uncancel
 from diffq.producer.submit import CeleryPublisher, make_options, new_run_id, submit, validate
 from diffq.worker.api import RunScope
 from diffq.worker.api import local_refusal
@@ -61,13 +57,7 @@ from diffq.worker.api import DEFAULT_DEGENERATE_POLICY
 from diffq.worker.api import Supervisor, plan_children
 from diffq.worker.api import Outcome, Republished, end
 
-
-class RunFailed(RuntimeError):
-    pass
-
-
-class RunBusy(RunFailed):
-    pass
+__all__ = ["RunBusy", "RunFailed", "RunResult", "LocalWorkers", "run", "resume"]
 
 
 @dataclass
@@ -222,7 +212,7 @@ def run(
         if name != model:
             resolve_model(name)
     local.check(plan.models, speedups_of(options), adapters=bool(plan.adapter_layouts))
-    storage = open_storage(out)
+    folder = RunOut(out)
     new_id = run_id or new_run_id()  # known before submitting: the workers serve this run only
 
     def publish_all(publisher) -> str:
@@ -230,17 +220,16 @@ def run(
         return submit(prompts, out, model=model, publisher=publisher, plan=plan, run_id=new_id,
                       seed_base=seed_base, window=None, options=chosen).run_id
 
-    with _sole_runner(storage):
-        if storage.exists(layout.MANIFEST):
-            manifest = read_manifest(storage)
-            continuation(storage, manifest, prompts=prompts, plan=plan,
+    with folder.sole_runner():
+        if (manifest := folder.manifest()) is not None:
+            continuation(folder.storage, manifest, prompts=prompts, plan=plan,
                          options=options.with_layouts(plan.adapter_layouts), defaults=defaults,
                          run_id=run_id, seed_base=seed_base, keep_columns=keep_columns)
-            return _finish(storage, manifest, local, progress=progress, console=console, started=started)
-        return _serve(storage, local, queues=[shape.queue for shape in plan.shapes], models=plan.models,
+            return _finish(folder, manifest, local, progress=progress, console=console, started=started)
+        return _serve(folder, local, queues=[shape.queue for shape in plan.shapes], models=plan.models,
                       adapter_layouts=plan.adapter_layouts,
                       run_id=new_id, dtype=options.dtype, total=plan.total, publish_all=publish_all,
-                      tracker=ProgressSummary(storage), progress=progress, console=console, started=started)
+                      progress=progress, console=console, started=started)
 
 
 def resume(out: str, *, progress: bool = True, console: Console | None = None, **workers) -> RunResult:
@@ -249,89 +238,59 @@ def resume(out: str, *, progress: bool = True, console: Console | None = None, *
     `workers`: the worker options `run` takes (`LocalWorkers`' fields)."""
     started = time.monotonic()
     local = LocalWorkers(**workers)
-    storage = open_storage(out)
-    manifest = read_manifest(storage)
+    folder = RunOut(out)
+    manifest = folder.read_manifest()
     for name in manifest.models:
         resolve_model(name)
     local.check(manifest.models, adapters=bool(manifest.adapter_layouts))
-    check_plan(storage, manifest)
-    with _sole_runner(storage):
-        return _finish(storage, manifest, local, progress=progress, console=console, started=started)
+    check_plan(folder.storage, manifest)
+    with folder.sole_runner():
+        return _finish(folder, manifest, local, progress=progress, console=console, started=started)
 
 
-@contextlib.contextmanager
-def _sole_runner(storage: Storage) -> Iterator[None]:
-    """One embedded runner at a time on a local OUT: a second one continuing the run
-    would produce what the first has in hand again, under other batch ids. The lock
-    (flock on the folder) goes with its process, `kill -9` included. An object store
-    has no such lock: there, finishing a run that is still running is the user's call."""
-    path = storage.local_path(layout.MANIFEST)
-    if path is None:
-        yield
-        return
-    folder = path.parent
-    created = not folder.exists()
-    folder.mkdir(parents=True, exist_ok=True)
-    fd = os.open(folder, os.O_RDONLY)  # not inherited by the workers (PEP 446)
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise RunBusy(f"another diffq run or resume is producing {storage.url} now: "
-                          "wait for it to end, or stop it first") from None
-        yield
-    finally:
-        os.close(fd)
-        if created:
-            with contextlib.suppress(OSError):  # left only if nothing was written
-                folder.rmdir()
-
-
-def _finish(storage: Storage, manifest: RunManifest, local: LocalWorkers, *, progress: bool,
+def _finish(folder: RunOut, manifest: RunManifest, local: LocalWorkers, *, progress: bool,
             console: Console | None, started: float) -> RunResult:
     """Produce what OUT's plan holds and its records lack, under the run's own ids."""
-    # `scan` also credits batches recorded but never credited (killed in between).
-    settled = scan(storage).settled
-    tracker = ProgressSummary(storage).refresh()
+    settled = folder.settled()  # before the summary: it credits what records show and credits lack
+    tracker = folder.progress.refresh()
     if len(settled) >= manifest.total:  # a finished run: nothing is started
-        return RunResult(out=storage.url, run_id=manifest.run_id, total=manifest.total, done=tracker.done,
+        return RunResult(out=folder.url, run_id=manifest.run_id, total=manifest.total, done=tracker.done,
                          failed=tracker.failed, seconds=time.monotonic() - started, reenqueued=0,
                          already_done=tracker.done, already_failed=tracker.failed)
-    uncancel(storage)  # as `diffq resume` does: running it again means finishing it
+    uncancel(folder.storage)  # as `diffq resume` does: running it again means finishing it
 
     def publish_all(publisher) -> str:
-        for message in missing_batches(storage, settled):
+        for message in folder.missing(settled):
             publisher.publish(message)
         return manifest.run_id
 
-    return _serve(storage, local, queues=[shape.queue for shape in manifest.shapes], models=manifest.models,
-                  adapter_layouts=manifest.adapter_layouts, run_id=manifest.run_id, dtype=manifest.defaults.dtype,
-                  total=manifest.total, publish_all=publish_all,
-                  tracker=tracker, progress=progress, console=console, started=started)
+    return _serve(folder, local, queues=[shape.queue for shape in manifest.shapes], models=manifest.models,
+                  adapter_layouts=manifest.adapter_layouts,
+                  run_id=manifest.run_id, dtype=manifest.defaults.dtype, total=manifest.total, publish_all=publish_all,
+                  progress=progress, console=console, started=started)
 
 
-def _serve(storage: Storage, local: LocalWorkers, *, queues: list[str], models: list[str], run_id: str,
-           dtype: str, total: int, adapter_layouts: dict,
-           publish_all, tracker: ProgressSummary, progress: bool, console: Console | None,
+def _serve(folder: RunOut, local: LocalWorkers, *, queues: list[str], models: list[str], run_id: str,
+           dtype: str, total: int, adapter_layouts: dict, publish_all, progress: bool, console: Console | None,
            started: float) -> RunResult:
     """Embedded broker, local workers and `publish_all(publisher)` (it returns the run
     id) in a thread; waits until the run folder holds `total` items done or failed."""
-    already_done, already_failed = tracker.done, tracker.failed
+    already_done, already_failed = folder.progress.done, folder.progress.failed
     broker_dir = Path(tempfile.mkdtemp(prefix="diffq-broker-"))
     broker_url, transport_options = embedded_broker(broker_dir)
-    specs = local.specs(broker_url, transport_options, queues, models, dtype, [RunScope.of(storage.url, run_id)],
+    specs = local.specs(broker_url, transport_options, queues, models, dtype, [RunScope.of(folder.url, run_id)],
                         adapter_layouts)
     output = _WorkerOutput(broker_dir / "workers.out")
     supervisor = Supervisor(specs, spawning=output.spawning)  # each child's stdout is `output`
-    troubles = _TroubleView(storage, broker_dir / "trouble")
     stop = threading.Event()
     publisher = BoundedPublisher(CeleryPublisher(broker_url, transport_options),
                                  broker_dir / "queue", max(16, 4 * len(specs)), stop)
     submission = _Submission(publish_all, publisher)
     # This transport loses a batch in flight when its worker dies (the table says
     # so): the runner re-enqueues from the run folder instead.
-    lost = _LostBatches(storage, supervisor, submission) if transport_for(broker_url).loses_inflight_on_kill else None
+    lost = _LostBatches(folder, supervisor, submission) if transport_for(broker_url).loses_inflight_on_kill else None
     # The workers and their sink helpers inherit where to leave their trouble notes.
+    troubles = folder.watch(broker_dir / "trouble")
     previous_notes_dir = os.environ.get(TROUBLE_DIR_ENV)
     os.environ[TROUBLE_DIR_ENV] = str(troubles.folder)
     bar = progress_bar(console or Console(stderr=True), enabled=progress)
@@ -341,32 +300,27 @@ def _serve(storage: Storage, local: LocalWorkers, *, queues: list[str], models: 
         with bar:
             task = bar.add_task("run", total=total, completed=already_done, rate=0.0, failed=already_failed,
                                 trouble="")
-            next_cancel_check = 0.0
             while True:
-                before = tracker.done + tracker.failed
-                moved = tracker.refresh().done + tracker.failed != before
                 now = time.monotonic()
+                look = folder.look(now, total)
                 elapsed = now - started
-                trouble = troubles.look(now, pending=total - tracker.done - tracker.failed)
-                bar.update(task, completed=tracker.done, failed=tracker.failed,
-                           rate=(tracker.done - already_done) / elapsed if elapsed else 0.0,
-                           trouble=trouble or troubles.fetching or "")
+                bar.update(task, completed=look.done, failed=look.failed,
+                           rate=(look.done - already_done) / elapsed if elapsed else 0.0,
+                           trouble=look.trouble or look.fetching or "")
                 if not progress:
-                    troubles.say(bar.console, trouble, now)
+                    troubles.say(bar.console, look.trouble, now)
                 output.forward()
-                if tracker.done + tracker.failed >= total:
+                if look.finished(total):
                     break
                 # `diffq cancel` from elsewhere: the workers drop what is queued.
-                if now >= next_cancel_check:
-                    next_cancel_check = now + layout.CANCEL_CHECK_S
-                    if submission.published() and read_cancel(storage) is not None:
-                        break
+                if submission.published() and folder.cancelled(now):
+                    break
                 submission.raise_error()
                 supervisor.poll()
                 if supervisor.all_fatal:
                     raise RunFailed("every worker failed to start; see the errors above")
                 if lost is not None:
-                    lost.check(now, moved)
+                    lost.check(now, look.moved)
                 time.sleep(LOOP_S)
     finally:
         stop.set()
@@ -379,8 +333,8 @@ def _serve(storage: Storage, local: LocalWorkers, *, queues: list[str], models: 
         else:
             os.environ[TROUBLE_DIR_ENV] = previous_notes_dir
         shutil.rmtree(broker_dir, ignore_errors=True)
-    return RunResult(out=storage.url, run_id=submission.run_id, total=total, done=tracker.done,
-                     failed=tracker.failed, seconds=time.monotonic() - started,
+    return RunResult(out=folder.url, run_id=submission.run_id, total=total, done=folder.progress.done,
+                     failed=folder.progress.failed, seconds=time.monotonic() - started,
                      reenqueued=lost.reenqueued if lost else 0,
                      already_done=already_done, already_failed=already_failed)
 
@@ -399,49 +353,6 @@ def progress_bar(console: Console, *, enabled: bool = True) -> Progress:
                     TimeElapsedColumn(), TextColumn("{task.fields[trouble]}", style="bold yellow", markup=False),
                     console=console, disable=not enabled, transient=False,
                     auto_refresh=console.is_terminal, refresh_per_second=1 / LOOP_S)
-
-
-class _TroubleView:
-    """Why storing fails, for the bar: the notes the workers' sinks leave in `folder`
-    (the broker's, on a local disk), OUT's own trouble notes, and a look at a local
-    OUT's disk (diffq/core/progress.py). Looked at every LOOK_S, OUT's notes (a
-    listing) every NOTES_S; None until storing has failed for longer than a minute."""
-
-    LOOK_S = 2.0
-    NOTES_S = 10.0
-    SAY_AGAIN_S = 300.0  # without a bar: the message again this often while it lasts
-
-    def __init__(self, storage: Storage, folder: Path):
-        self.storage, self.folder = storage, folder
-        folder.mkdir(parents=True, exist_ok=True)
-        self._next_look = self._next_notes = 0.0
-        self._in_out: list = []
-        self._message: str | None = None
-        self.fetching: str | None = None  # a local worker's model fetch, while it runs
-        self._said: tuple[str, float] | None = None  # (reason, when) last said without a bar
-
-    def look(self, now: float, pending: int) -> str | None:
-        if now >= self._next_look:
-            self._next_look = now + self.LOOK_S
-            if now >= self._next_notes:
-                self._next_notes = now + self.NOTES_S
-                self._in_out = recorded_troubles(self.storage) if pending > 0 else []
-            troubles = [*local_troubles(self.folder), *self._in_out, observed_trouble(self.storage, pending)]
-            self._message = trouble_message(troubles) if pending > 0 else None
-            # A worker still fetching its model is starting, not failed: the bar shows its
-            # line (the workers' own log says each wait without a bar).
-            self.fetching = next(iter(fetch_notes(self.folder)), None)
-        return self._message
-
-    def say(self, console: Console, message: str | None, now: float) -> None:
-        """Without a bar: say it once, and again every SAY_AGAIN_S or when the reason changes."""
-        if message is None:
-            self._said = None
-            return
-        reason = message.partition(" — ")[0]
-        if self._said is None or self._said[0] != reason or now - self._said[1] >= self.SAY_AGAIN_S:
-            self._said = (reason, now)
-            console.print(f"diffq run: {message}", markup=False, highlight=False)
 
 
 # What Celery writes to a worker's stdout on its own at every stop (celery/apps/worker.py,
@@ -543,11 +454,10 @@ class _Submission:
 class _LostBatches:
     """A worker died with a batch in hand and this transport lost it. Once the queue
     is empty and the other workers have had time to finish theirs, re-enqueue what the
-    run folder says is missing. `scan` also credits a batch recorded but not credited
-    (killed in between), which would otherwise stay pending."""
+    run folder says is missing."""
 
-    def __init__(self, storage: Storage, supervisor: Supervisor, submission: _Submission):
-        self.storage, self.supervisor, self.submission = storage, supervisor, submission
+    def __init__(self, folder: RunOut, supervisor: Supervisor, submission: _Submission):
+        self.folder, self.supervisor, self.submission = folder, supervisor, submission
         self.reenqueued = 0
         self._deaths_seen = 0
         self._batch_time: float | None = None
@@ -559,10 +469,10 @@ class _LostBatches:
         if self.supervisor.deaths <= self._deaths_seen or not self.submission.published():
             return
         if self._batch_time is None:  # read once per death, not every poll
-            self._batch_time = max((record.generate_s for record in iter_records(self.storage)), default=5.0)
+            self._batch_time = self.folder.longest_batch_s()
         if now - self._last_progress > max(5.0, 3 * self._batch_time):
             self._deaths_seen, self._batch_time = self.supervisor.deaths, None
-            for message in missing_batches(self.storage, scan(self.storage).settled):
+            for message in self.folder.missing():
                 # The batch's end on this broker (`lost with worker`): published again.
                 end(Outcome.LOST_WITH_WORKER, Republished(lambda m=message: self.submission.publisher.publish(m)))
                 self.reenqueued += len(message.items)

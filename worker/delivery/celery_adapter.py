@@ -22,7 +22,10 @@ Here:
   timeout; past it (or at once, when the parent is gone) everything held is handed
   back (`drained`), not as a failed attempt, what was generated is stored, and
   the process exits 0;
-- `build_app` / `serve`: the app a worker process runs, and its two-thread worker.
+- `build_app` / `serve`: the app a worker process runs, and its two-thread worker;
+- driven by hand, for the fleet benchmark's simulated workers (bench/fleet.py): the
+  queue Celery's consumer makes (`task_queue`), its queue switching on a kombu
+  Consumer (`HandConsumer`) and Celery's worker heartbeat (`heart`).
 """
 
 from __future__ import annotations
@@ -34,7 +37,9 @@ import threading
 import time
 
 from celery import Celery, Task, bootsteps, signals
+from celery.worker.heartbeat import Heart
 from celery.worker.request import Request
+from kombu import Consumer, Exchange, Queue
 
 from diffq.core.brokers.base import TASK_NAME, make_celery
 from diffq.core.brokers.embedded import wake_consumer
@@ -95,6 +100,16 @@ class BatchRequest(Request):
 
     def requeue(self) -> None:
         Request.reject(self, requeue=True)
+
+    def answer(self):
+        """What the broker will answer to the ack or reject the door is about to ask for
+        (Celery runs it later, on the consumer's loop): a future, or None where the
+        broker's acks answer nothing beyond kombu's, or this delivery is settled already."""
+        message = getattr(self, "message", None)
+        if message is None or self.acknowledged:
+            return None
+        broker = transport_for(self.app.conf.broker_url).broker
+        return broker.answer(message) if broker.answer is not None else None
 
     failing = False  # inside Celery's on_failure
 
@@ -159,8 +174,7 @@ class WorkerStep(bootsteps.StartStopStep):
                                period=settings.lease_renew_s, max_hold_s=settings.max_hold_s)
         rt.lease.start()
         if broker.consumer_channel is not None and consumer.task_consumer is not None:
-            broker.consumer_channel(consumer.task_consumer.channel, lost=door.lost_connection,
-                                    closed=door.channel_closed)
+            broker.consumer_channel(consumer.task_consumer.channel, closed=door.channel_closed)
         if not transport.event_loop:
             return  # synloop: acks settle from the task body and at shutdown
         consumer.hub.call_repeatedly(self.settle_interval, line.settle)
@@ -398,3 +412,47 @@ def stop_consuming(exit_code: int) -> None:
     from celery.worker import state as worker_state
 
     worker_state.should_stop = exit_code
+
+
+# -- driven by hand ---------------------------------------------------------------------------
+# bench/fleet.py runs a fleet's workers as objects, many on one loop per process: the
+# pieces of Celery's consumer it drives by hand, so that nothing outside the door
+# imports Celery or kombu.
+
+
+def task_queue(name: str) -> Queue:
+    """The kombu Queue Celery's consumer makes for a queue name it is told to add."""
+    return Queue(name, Exchange(name), routing_key=name)
+
+
+class HandConsumer:
+    """What the router and the broker's `held` read of Celery's consumer: its connection,
+    the task consumer (a kombu Consumer on the connection's default channel) and queue
+    switching as Celery's add_task_queue / cancel_task_queue do it
+    (celery/worker/consumer/consumer.py). The starting queues are declared by the caller."""
+
+    def __init__(self, connection, queues: list[str], on_message=None, prefetch: int = 1):
+        self.connection = connection
+        channel = connection.default_channel
+        channel.basic_qos(0, prefetch, False)
+        self.task_consumer = Consumer(channel, [task_queue(q) for q in queues], on_message=on_message,
+                                      accept=["json"], auto_declare=False)
+        self.task_consumer.consume()
+
+    def add_task_queue(self, queue: str) -> None:
+        if not self.task_consumer.consuming_from(queue):
+            task_queue(queue)(self.task_consumer.channel).declare()  # Celery's consumer auto-declares
+            self.task_consumer.add_queue(task_queue(queue))
+            self.task_consumer.consume()
+
+    def cancel_task_queue(self, queue: str) -> None:
+        self.task_consumer.cancel_by_queue(queue)
+
+    def consuming(self) -> set[str]:
+        return {q.name for q in self.task_consumer.queues if self.task_consumer.consuming_from(q.name)}
+
+
+def heart(dispatcher, timer, interval: float) -> Heart:
+    """Celery's worker heartbeat (a `worker-heartbeat` event every `interval` through the
+    event `dispatcher`) on `timer` (call_repeatedly / cancel); `start()` begins it."""
+    return Heart(timer, dispatcher, interval=interval)

@@ -20,7 +20,13 @@ Celery's request, on the consumer's loop), `Received` (a kombu message refused o
 receipt, before it became a task), `Taken` (a Redis item that was no message: the
 read removed it), `Detached` (a delivery whose connection is gone), `Overdue` (a
 delivery held past its bound) and `AllHeld` (a drain's hand-back); `Delivered` is
-the task's side of a delivery, as a batch's life sees it. What a broker
+the task's side of a delivery, as a batch's life sees it.
+
+A delivery whose broker answers its ack, requeue or reject (`answer`: a future;
+`BatchRequest`'s call runs later, on the consumer's loop) is heard out by `carry_out`:
+one the broker could no longer be told about (core/brokers/base.py `ConnectionLost`:
+Redis, its connection gone) is an end of its own, `connection lost`, decided like
+every other. What a broker
 kind does differently (renew, hand back, the consumer channel) is its broker object
 (diffq/core/brokers/), which the transport table points at (diffq/core/transports.py).
 
@@ -33,8 +39,9 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from concurrent.futures import Future
 
-from diffq.core.brokers.base import TASK_NAME
+from diffq.core.brokers.base import TASK_NAME, ConnectionLost, StillHeld
 from diffq.worker.delivery.outcomes import Action, Outcome, decide
 
 log = logging.getLogger("diffq.worker")
@@ -42,16 +49,32 @@ log = logging.getLogger("diffq.worker")
 
 def carry_out(action: Action, delivery):
     """Do `action` to `delivery` (any implementation of the port); what its method
-    returns (the hand-back's count)."""
+    returns (the hand-back's count). An ack, requeue or reject whose broker answers
+    it (`answer`) is heard out: one the broker could no longer be told about ends
+    `connection lost` (`_heard`)."""
+    if action is Action.LET_LAPSE:
+        return delivery.let_lapse()
+    if action is Action.ACK_WHEN_STORED:
+        raise ValueError(f"{action.value} is carried out by holding the ack, not at once")
+    # A delivery whose broker answers nothing has no `answer` (the stubs, Received, ...).
+    answer = getattr(delivery, "answer", None)
+    answer = answer() if answer is not None else None
+    if answer is not None:
+        answer.add_done_callback(_heard)
     if action is Action.ACK:
         return delivery.ack_now()
     if action is Action.REQUEUE:
         return delivery.requeue()
-    if action is Action.REJECT:
-        return delivery.reject(requeue=False)  # Celery's Request.reject: the broker dead-letters it
-    if action is Action.LET_LAPSE:
-        return delivery.let_lapse()
-    raise ValueError(f"{action.value} is carried out by holding the ack, not at once")
+    return delivery.reject(requeue=False)  # Celery's Request.reject: the broker dead-letters it
+
+
+def _heard(answer: Future) -> None:
+    """The broker's answer, where the call ran (the consumer's loop)."""
+    if answer.cancelled() or answer.exception() is not None:
+        return  # the call raised where it ran (Celery logs it): the delivery comes back with its lease
+    lost = answer.result()
+    if isinstance(lost, ConnectionLost):
+        end(Outcome.CONNECTION_LOST, Detached(lost.tag, lost.settle))
 
 
 def end(outcome: Outcome, delivery):
@@ -116,11 +139,6 @@ class Detached(_Only):
                     "at the close, or back once its lease lapses)", self.tag)
 
 
-def lost_connection(tag: str, settle: Callable[[], None]) -> None:
-    """The consumer channel's hook for a delivery it can no longer settle on the broker."""
-    end(Outcome.CONNECTION_LOST, Detached(tag, settle))
-
-
 class Closing(_Only):
     """A delivery still held when its consumer channel closes: `restore` puts it back
     on its queue (core/brokers/redis.py: kombu's `restore_by_tag`, as kombu's own close
@@ -133,9 +151,13 @@ class Closing(_Only):
         self.restore()
 
 
-def channel_closed(tag: str, restore: Callable[[], None]) -> None:
-    """The consumer channel's hook for a delivery it still holds as it closes."""
-    end(Outcome.CHANNEL_CLOSED, Closing(tag, restore))
+def channel_closed(held: StillHeld | ConnectionLost) -> None:
+    """The consumer channel's hook for a delivery it still holds as it closes: back on
+    its queue, or, its connection already gone, left to its lease."""
+    if isinstance(held, ConnectionLost):
+        end(Outcome.CONNECTION_LOST, Detached(held.tag, held.settle))
+    else:
+        end(Outcome.CHANNEL_CLOSED, Closing(held.tag, held.restore))
 
 
 def peeked(message) -> None:

@@ -63,7 +63,8 @@ class LeaseKeeper:
         with self._lock:
             self._release()
 
-    def _channel(self):
+    def channel(self):
+        """The keeper's own channel (its connection opened on first use)."""
         if self._connection is None:
             self._connection = self.connect()
         return self._connection.default_channel
@@ -95,7 +96,7 @@ class LeaseKeeper:
             return 0
         with self._lock:
             try:
-                renewed = self.broker.renew(self._channel(), fresh)
+                renewed = self.broker.renew(self.channel(), fresh)
             except Exception:
                 self._release()  # a broken connection: a new one next period
                 raise
@@ -117,6 +118,6 @@ class LeaseKeeper:
         if not messages:
             return 0
         with self._lock:
-            handed = self.broker.hand_back(self._channel(), messages)
+            handed = self.broker.hand_back(self.channel(), messages)
         self._handed.update(m.delivery_tag for m in messages)
         return handed

@@ -7,8 +7,9 @@ below is the whole policy; the batch line (worker/delivery/batches.py) carries i
 the task's outcomes on the consumer's main thread, the receipt checks
 (worker/delivery/dead_letters.py) for what never became a task, the drain
 (worker/delivery/celery_adapter.py) for what is still held at its timeout, the lease keeper
-(worker/delivery/lease.py) for a holder past its bound, the consumer channel for a
-connection that is gone and for what it holds when it closes, `diffq queues` for a
+(worker/delivery/lease.py) for a holder past its bound, the door itself for an ack or
+reject the broker answers it could no longer pass on (its connection gone), the
+consumer channel for what it holds when it closes, `diffq queues` for a
 dead letter it read, and the embedded runner for a batch lost with its worker.
 
     outcome          action            why

@@ -10,7 +10,8 @@ and points at its object. Here: the Celery app factory both sides build
 virtual transports, the held deliveries of kombu's virtual QoS, and the dead letters'
 queue and report. A worker's delivery ends are decided by worker/delivery/outcomes.py;
 a broker object carries out the ones that reach past kombu's public API (through
-ports the worker hands it: `lost`, `closed`, `peeked`).
+ports the worker hands it: `closed`, `peeked`), and answers what an ack or reject
+met (`answer`: done, or `ConnectionLost`), for the worker's door to decide the end.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import orjson
@@ -42,6 +44,28 @@ UNREACHABLE = (OperationalError, OSError)
 
 class CannotList(ValueError):
     """This broker cannot list its queues (as configured): name them with --queues."""
+
+
+# -- what a consumer channel reports of a delivery -------------------------------------------
+
+
+@dataclass(frozen=True)
+class ConnectionLost:
+    """An ack, reject or close the broker can no longer be told about: the delivery's
+    connection is gone. `settle` forgets it here; the broker still holds it as unacked
+    and gives it back once its lease lapses. The worker decides the end (its door)."""
+
+    tag: str
+    settle: Callable[[], None]
+
+
+@dataclass(frozen=True)
+class StillHeld:
+    """A delivery its consumer channel still holds as it closes: `restore` puts it
+    back on its queue (what kombu's own close would do). The worker decides the end."""
+
+    tag: str
+    restore: Callable[[], None]
 
 
 # -- the app both sides build ----------------------------------------------------------------
@@ -346,9 +370,13 @@ class Broker:
     list_queues = None
     # guard_deliveries(channel, on_bad): check raw deliveries the transport would choke on.
     guard_deliveries = None
-    # consumer_channel(channel, lost, closed): what the worker's consumer channel needs
-    # beyond kombu's own.
+    # consumer_channel(channel, closed): what the worker's consumer channel needs
+    # beyond kombu's own; `closed(StillHeld | ConnectionLost)` for each delivery held at its close.
     consumer_channel = None
+    # answer(message) -> Future | None: what this delivery's next ack or reject meets where
+    # it runs (None once the broker was told, a `ConnectionLost` when it could not be);
+    # None: the broker's acks answer nothing beyond kombu's (they raise on a lost connection).
+    answer = None
     # peek_dead_letters(connection, limit, peeked) -> DeadLetterReport; None: only the depth.
     peek_dead_letters = None
     # stamp_arrivals(consumer): what the consumer needs installed for `arrival` to know.

@@ -34,13 +34,17 @@ needs that link: an AttributeError no handler expects ended the worker, and a ba
 finishing after the reconnect acks through the same dead channel. Here a channel
 whose connection is gone settles locally: what it held stays in `unacked` and comes
 back once its lease lapses (redelivered, a stored batch is credited, not generated).
-The worker decides that end (`connection lost`, worker/delivery/outcomes.py) and carries it
-out through its broker door (worker/delivery/door.py `lost_connection`, passed as `lost`).
+The channel does not decide that end: an ack or reject it can no longer pass on is
+answered `ConnectionLost` (`answer`: a future per delivery, resolved where Celery runs
+the ack, on the consumer's loop), and the worker's door decides (`connection lost`,
+worker/delivery/outcomes.py) and carries it out (worker/delivery/door.py `carry_out`).
+An ack no one asked the answer of (kombu's own use, a bare channel) is settled here.
 
 3. A close that gives back through the worker's table. kombu's close restores every
-delivery the channel still holds (`QoS.restore_unacked`); here each one goes through
-the worker's `closed` hook (`channel closed`: a requeue, carried out by kombu's own
-`restore_by_tag`, as kombu's close would).
+delivery the channel still holds (`QoS.restore_unacked`); here each one is reported
+to the worker's `closed` hook: `StillHeld` (`channel closed`: a requeue, carried out by
+kombu's own `restore_by_tag`, as kombu's close would), or `ConnectionLost` where the
+connection is already gone.
 """
 
 from __future__ import annotations
@@ -52,15 +56,19 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable
+from concurrent.futures import Future
+from queue import Empty
 
 import orjson
 from kombu.transport import redis as kombu_redis
 from kombu.transport import virtual
 from kombu.utils.encoding import bytes_to_str
+from kombu.utils.eventio import poll
 from kombu.utils.json import loads
 
-from diffq.core.brokers.base import (DEAD_LETTERS, PEEKED_LETTERS, PREFIX, Broker, DeadLetterReport, dashed,
-                                     envelope_payload, envelope_queue, letter_fields, new_task_id)
+from diffq.core.brokers.base import (DEAD_LETTERS, PEEKED_LETTERS, PREFIX, Broker, ConnectionLost, DeadLetterReport,
+                                     StillHeld, dashed, envelope_payload, envelope_queue, letter_fields,
+                                     new_task_id)
 
 log = logging.getLogger(__name__)
 
@@ -106,14 +114,12 @@ return false
 class ConsumerChannel:
     """Installed on one consumer channel (kombu's Redis `Channel`) by the worker."""
 
-    def __init__(self, channel, lost: Callable[[str, Callable[[], None]], None] | None = None,
-                 closed: Callable | None = None):
+    def __init__(self, channel, closed: Callable[[StillHeld | ConnectionLost], None] | None = None):
         self.channel = channel
-        # (delivery tag, settle here) for a delivery the broker can no longer be told about.
-        self.lost = lost or _settle
-        # (delivery tag, restore) for a delivery still held when the channel closes; None:
-        # kombu's own restore.
+        # Each delivery still held when the channel closes; None: kombu's own restore.
         self.closed = closed
+        # delivery tag -> what its ack or reject met, for whoever asked (`answer`)
+        self._answers: dict[str, Future] = {}
         self.recorded: set[str] = set()  # delivery tags the script recorded as unacked
         self._script = None
         qos = channel.qos
@@ -188,15 +194,21 @@ class ConsumerChannel:
         transport = self.channel.connection
         return transport is None or transport.client is None
 
+    def answer(self, delivery_tag) -> Future:
+        """What the next ack or reject of this delivery meets, once it runs (Celery runs
+        it later, on the consumer's loop): None when the broker was told, a
+        `ConnectionLost` when it no longer can be."""
+        return self._answers.setdefault(delivery_tag, Future())
+
     def ack(self, delivery_tag):
         if not self.detached:
-            return self._kombu["ack"](delivery_tag)
-        self._leave(delivery_tag)
+            return self._told(delivery_tag, self._kombu["ack"], delivery_tag)
+        self._lost(delivery_tag)
 
     def reject(self, delivery_tag, requeue=False):
         if not self.detached:
-            return self._kombu["reject"](delivery_tag, requeue=requeue)
-        self._leave(delivery_tag)
+            return self._told(delivery_tag, self._kombu["reject"], delivery_tag, requeue=requeue)
+        self._lost(delivery_tag)
 
     def restore_unacked(self, client=None):
         if client is not None or not self.detached:
@@ -207,26 +219,84 @@ class ConsumerChannel:
             qos = self.channel.qos
             with self.channel.conn_or_acquire(client) as client:
                 for tag in list(qos._delivered):
-                    self.closed(tag, lambda tag=tag, client=client: qos.restore_by_tag(tag, client=client))
+                    self.closed(StillHeld(tag, lambda tag=tag, client=client: qos.restore_by_tag(tag, client=client)))
             qos._delivered.clear()
             return None
         qos = self.channel.qos
         for tag in list(qos._delivered):
-            self._leave(tag)
+            lost = self._connection_lost(tag)
+            (self.closed or _settle)(lost)
         qos._delivered.clear()
 
-    def _leave(self, delivery_tag) -> None:
-        self.lost(delivery_tag, lambda: self._settle_here(delivery_tag))
+    def _told(self, delivery_tag, call: Callable, *args, **kwargs):
+        answer = self._answers.pop(delivery_tag, None)
+        try:
+            result = call(*args, **kwargs)
+        except BaseException as exc:  # Celery logs it; the delivery comes back with its lease
+            if answer is not None:
+                answer.set_exception(exc)
+            raise
+        if answer is not None:
+            answer.set_result(None)
+        return result
+
+    def _lost(self, delivery_tag) -> None:
+        lost = self._connection_lost(delivery_tag)
+        answer = self._answers.pop(delivery_tag, None)
+        if answer is None:
+            _settle(lost)
+        else:
+            answer.set_result(lost)
+
+    def _connection_lost(self, delivery_tag) -> ConnectionLost:
+        return ConnectionLost(delivery_tag, lambda: self._settle_here(delivery_tag))
 
     def _settle_here(self, delivery_tag) -> None:
         self.channel.qos._quick_ack(delivery_tag)  # settled here; still in the broker's `unacked`
         self.left_held += 1
 
 
-def _settle(delivery_tag, settle: Callable[[], None]) -> None:
-    settle()
+def _settle(lost: ConnectionLost) -> None:
+    """Where no worker asked: settled here, left to the lease."""
+    lost.settle()
     log.warning("the broker connection is gone: delivery %s is settled by the broker (given back "
-                "at the close, or back once its lease lapses)", delivery_tag)
+                "at the close, or back once its lease lapses)", lost.tag)
+
+
+class HandPoller:
+    """Many connections' consumers on one poller, driven by hand as Celery's hub drives one
+    worker's: kombu's Redis poller (`MultiChannelPoller`, the transport's `cycle`) sends a
+    connection's BRPOPs at its poll start and reads their replies, which its consumers'
+    callbacks receive. For a simulated fleet (bench/fleet.py), a worker per connection."""
+
+    def __init__(self):
+        self.poller = poll()
+        self._owners: dict[int, tuple[object, object]] = {}  # fd -> (owner, its connection's cycle)
+
+    def add(self, connection) -> None:
+        """The connection's poller now polls on this one (register_with_event_loop's part)."""
+        connection.transport.cycle.on_poll_init(self.poller)
+
+    def start(self, connection, owner) -> None:
+        """A poll start for the connection: its BRPOPs sent where none is outstanding."""
+        cycle = connection.transport.cycle
+        cycle.on_poll_start()
+        for fd in cycle._fd_to_chan:
+            self._owners[fd] = (owner, cycle)
+
+    def wait(self, timeout: float) -> list:
+        """Poll up to `timeout` s and read each reply; the owner of each connection that
+        had one (a BRPOP that timed out delivered nothing)."""
+        woken = []
+        for fd, event in self.poller.poll(timeout) or ():
+            entry = self._owners.get(fd)
+            if entry is None:
+                continue
+            owner, cycle = entry
+            with contextlib.suppress(Empty):  # the BRPOP timed out: nothing queued
+                cycle.handle_event(fd, event)
+            woken.append(owner)
+        return woken
 
 
 # -- publishing ------------------------------------------------------------------------------
@@ -445,14 +515,20 @@ class RedisBroker(Broker):
 
         client.set_response_callback("BRPOP", checked)
 
-    def consumer_channel(self, channel, lost: Callable | None = None, closed: Callable | None = None) -> ConsumerChannel:
+    def consumer_channel(self, channel, closed: Callable | None = None) -> ConsumerChannel:
         """Install the atomic fetch and the detached settling on a consumer channel (once);
-        `lost(tag, settle)`: the worker's end for a delivery whose connection is gone;
-        `closed(tag, restore)`: its end for one still held when the channel closes."""
+        `closed(StillHeld | ConnectionLost)`: the worker's end for each delivery still held
+        when the channel closes."""
         installed = channel.__dict__.get("diffq_consumer")
         if installed is None:
-            installed = channel.diffq_consumer = ConsumerChannel(channel, lost, closed).install()
+            installed = channel.diffq_consumer = ConsumerChannel(channel, closed).install()
         return installed
+
+    def answer(self, message) -> Future | None:
+        """What this delivery's next ack or reject meets (`ConsumerChannel.answer`); None
+        on a channel without diffq's consumer fixes."""
+        installed = getattr(message.channel, "__dict__", {}).get("diffq_consumer")
+        return installed.answer(message.delivery_tag) if installed is not None else None
 
     def peek_dead_letters(self, connection, limit: int = PEEKED_LETTERS, peeked: Callable | None = None) -> DeadLetterReport:
         """LLEN and the list's head: kombu LPUSHes, so the head holds the newest (read

@@ -71,14 +71,15 @@ def open_storage(url: str | os.PathLike[str]) -> Storage:
         return LocalStorage(url)
     scheme = url.partition(":")[0].lower()
     if url[len(scheme):].startswith("://"):
-        if scheme == "s3":
-            from .s3 import S3Storage
+        if scheme in ("s3", "gs"):
+            bucket, prefix = split_bucket_url(url)
+            if scheme == "s3":
+                from .s3 import S3Storage
 
-            return S3Storage(*split_bucket_url(url))
-        if scheme == "gs":
+                return S3Storage(bucket, prefix)
             from .gcs import GCSStorage
 
-            return GCSStorage(*split_bucket_url(url))
+            return GCSStorage(bucket, prefix)
         if scheme == "file":
             parts = urlsplit(url)
             if parts.netloc not in ("", "localhost") or parts.query or parts.fragment:
