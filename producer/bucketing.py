@@ -8,6 +8,7 @@ compiled batch size.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -60,6 +61,14 @@ class RunOptions:
     # batch size); with it, each shape's speed-up is its own, and its batch size too
     # where batch_size is "auto".
     per_size: tuple[tuple[int, int, str | None, int], ...] = ()
+    # Per model with LoRA adapters, its layout's label (core/adapters.py AdapterLayout):
+    # every shape of that model names it, rows without an adapter too. Known once every
+    # row is read (`with_layouts`).
+    adapter_labels: tuple[tuple[str, str], ...] = ()
+
+    def with_layouts(self, layouts: dict) -> RunOptions:
+        """These options with the run's adapter layouts (model -> AdapterLayout)."""
+        return dataclasses.replace(self, adapter_labels=tuple(sorted((m, lay.label) for m, lay in layouts.items())))
 
     def choice(self, height: int, width: int) -> tuple[str | None, int]:
         """(speed-up, batch size) of a shape of this size."""
@@ -79,9 +88,11 @@ class Batch:
 
 @functools.lru_cache(maxsize=4096)
 def shape_for(options: RunOptions, model: str | None, height: int, width: int, cfg: bool) -> ShapeKey:
-    return ShapeKey(model=model or options.model, height=height, width=width,
+    model = model or options.model
+    return ShapeKey(model=model, height=height, width=width,
                     batch_size=options.choice(height, width)[1],
-                    max_sequence_length=options.max_sequence_length, cfg=cfg, dtype=options.dtype)
+                    max_sequence_length=options.max_sequence_length, cfg=cfg, dtype=options.dtype,
+                    lora=dict(options.adapter_labels).get(model))
 
 
 def _cfg(prompt: Prompt) -> bool:
@@ -96,17 +107,19 @@ def shape_of(prompt: Prompt, options: RunOptions) -> ShapeKey:
 
 @functools.lru_cache(maxsize=4096)
 def _params(steps: int, guidance_scale: float, fmt: str, fit: str, embed_metadata: bool, speedup: str | None,
-            unreproducible: bool) -> BatchParams:
+            unreproducible: bool, adapters: tuple = ()) -> BatchParams:
     return BatchParams(num_inference_steps=steps, guidance_scale=guidance_scale, format=fmt, fit=fit,
-                       embed_metadata=embed_metadata, speedup=speedup, unreproducible=unreproducible)
+                       embed_metadata=embed_metadata, speedup=speedup, unreproducible=unreproducible,
+                       adapters=adapters)
 
 
 def group_key(prompt: Prompt) -> tuple:
-    """(model, height, width, cfg, steps, guidance): rows that may share a batch. Its
-    first four fields are what decides the shape (`shape_for`); the validation pass
-    counts batches per group with the same key the bucketer batches by."""
+    """(model, height, width, cfg, steps, guidance, adapters): rows that may share a batch
+    (one call: one adapter set, with its scales). Its first four fields are what decides
+    the shape (`shape_for`); the validation pass counts batches per group with the same
+    key the bucketer batches by."""
     return (prompt.model, prompt.height, prompt.width, _cfg(prompt), prompt.num_inference_steps,
-            prompt.guidance_scale)
+            prompt.guidance_scale, prompt.lora)
 
 
 class Bucketer:
@@ -127,7 +140,8 @@ class Bucketer:
             self._counts[shape_key] = index + 1
             params = _params(prompt.num_inference_steps, prompt.guidance_scale, self.options.format,
                              self.options.fit, self.options.embed_metadata,
-                             self.options.choice(prompt.height, prompt.width)[0], self.options.unreproducible_speedup)
+                             self.options.choice(prompt.height, prompt.width)[0], self.options.unreproducible_speedup,
+                             prompt.lora)
             batch = self._open[group] = Batch(shape_of(prompt, self.options), params, index=index)
         return group, batch
 

@@ -18,13 +18,14 @@ from array import array
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from diffq.core.contract import (MAX_METADATA_BYTES, MAX_PROMPT_CHARS, GuidanceScale, ImageSide, InferenceSteps, ItemId,
-                                 ModelName, Seed, bounds, metadata_size)
+from diffq.core.adapters import AdapterError, AdapterLayout, RunAdapters
+from diffq.core.contract import (MAX_METADATA_BYTES, MAX_PROMPT_CHARS, AdapterRef, GuidanceScale, ImageSide,
+                                 InferenceSteps, ItemId, ModelName, Seed, bounds, metadata_size)
 from diffq.core.families import Family, FamilyError, cfg_bit, family_of
 from diffq.core.options import DEFAULTS
 from diffq.core.validation import first_error
@@ -57,6 +58,8 @@ class Defaults:
     # generated: only the buckets must be multiples of `size_multiple`.
     size_buckets: SizeBuckets | None = None
     model: str | None = None  # rows without a `model` field use this one
+    # The run's adapters: rows without a `lora` field take its default (`--lora`).
+    adapters: RowAdapters | None = None
 
 
 class PromptRow(BaseModel):
@@ -75,6 +78,8 @@ class PromptRow(BaseModel):
     negative_prompt: str | None = Field(default=None, max_length=MAX_PROMPT_CHARS)
     metadata: dict | None = None
     model: ModelName | None = None
+    # LoRA adapters: "PATH", "PATH@0.8", {"path", "scale"} or a list; checked by RowAdapters.
+    lora: Any = None
 
     @field_validator("prompt")
     @classmethod
@@ -124,6 +129,62 @@ class Prompt(NamedTuple):
     model: str | None = None
     negative_prompt: str | None = None
     metadata: dict | None = None
+    # The row's LoRA adapters, checked and pinned (RowAdapters): rows are batched by them.
+    lora: tuple[AdapterRef, ...] = ()
+
+
+class RowAdapters:
+    """A run's LoRA adapters as its rows name them: each row's `lora` (or the run's
+    `--lora` default) checked and pinned once per model and spelling (core/adapters.py
+    `RunAdapters`: the allow-list, the header, the model's transformer, the revision);
+    per model, the layout every shape of it is compiled around once all rows are in."""
+
+    def __init__(self, default: tuple[AdapterRef, ...] = (), allowed_prefixes: tuple[str, ...] | None = None):
+        from diffq.core.settings import get_settings
+
+        self.default = tuple(default)
+        self.allowed = tuple(get_settings().allowed_adapters if allowed_prefixes is None else allowed_prefixes)
+        self._runs: dict[str, RunAdapters] = {}
+        self._known: dict[tuple, tuple[AdapterRef, ...]] = {}
+
+    def refs(self, model: str, value, field: str = "lora") -> tuple[AdapterRef, ...]:
+        """A row's adapter set (`value`: its `lora` field), checked and pinned; an
+        AdapterError names the field. An absent field (None; an empty CSV cell) takes the
+        run's default; `"none"` or `[]` is no adapter, default or not."""
+        if value is None:
+            if not self.default:
+                return ()
+            value = [ref.model_dump(exclude_none=True) for ref in self.default]
+        elif value == [] or isinstance(value, str) and value.strip().lower() in ("", "none"):
+            return ()
+        if model is None:
+            raise AdapterError(field, "a LoRA adapter is checked against its model's transformer: give --model")
+        key = (model, value if isinstance(value, str) else orjson.dumps(value, option=orjson.OPT_SORT_KEYS))
+        refs = self._known.get(key)
+        if refs is None:
+            run = self._runs.get(model)
+            if run is None:
+                run = self._runs[model] = RunAdapters(model, allowed_prefixes=self.allowed)
+            refs = self._known[key] = run.add(value, field)
+        return refs
+
+    def layouts(self) -> dict[str, AdapterLayout]:
+        """Per model whose rows name adapters: the union of their targets at the padded rank."""
+        return {model: run.layout for model, run in sorted(self._runs.items()) if run.layout is not None}
+
+    def revisions(self) -> dict[str, str]:
+        """Every adapter of the run: path -> the revision pinned at submit."""
+        return {path: revision for run in self._runs.values() for path, revision in sorted(run.revisions.items())}
+
+
+def _lora_cell(value):
+    """A CSV / Parquet `lora` cell: text is the shorthand, or JSON (an object or a list)."""
+    if isinstance(value, str) and value.lstrip().startswith(("[", "{")):
+        try:
+            return json.loads(value)
+        except json.JSONDecodeError:
+            return value  # the spec parser names what is wrong with it
+    return value
 
 
 def detect_format(path: str | Path) -> str:
@@ -292,7 +353,7 @@ def _plain_row(raw: dict) -> dict | None:
         elif name == "metadata":
             if value is not None and type(value) is not dict:
                 return None
-        elif name != "prompt":  # an unknown field, even if null
+        elif name != "prompt" and name != "lora":  # an unknown field, even if null (RowAdapters checks `lora`)
             return None
     return raw
 
@@ -355,6 +416,12 @@ def read_prompts(path: str | Path, defaults: Defaults = Defaults(),
         return families[model]
 
     family(defaults.model, 0, None)  # a bad --model is reported before any row
+    adapters = defaults.adapters if defaults.adapters is not None else RowAdapters(allowed_prefixes=())
+    if adapters.default and defaults.model:  # a bad --lora too
+        try:
+            adapters.refs(defaults.model, None, "--lora")
+        except AdapterError as exc:
+            raise InputError(path, None, exc.field, exc.message) from None
     buckets = defaults.size_buckets.nearest if defaults.size_buckets is not None else None
     for line, raw in iter_raw_rows(path):
         if keep_columns or (parse_metadata and "metadata" in raw):
@@ -389,6 +456,14 @@ def read_prompts(path: str | Path, defaults: Defaults = Defaults(),
             refused = fam.refusal(negative_prompt=negative, guidance_scale=guidance)
             if refused:
                 raise InputError(path, line, *refused)
+        lora = get("lora")
+        if lora is not None or adapters.default:
+            try:
+                lora = adapters.refs(model, _lora_cell(lora) if parse_metadata else lora)
+            except AdapterError as exc:
+                raise InputError(path, line, exc.field, exc.message) from None
+        else:
+            lora = ()
         yield Prompt(  # positional: the field order of Prompt
             line,
             item_id if item_id is not None else generated_id(line),
@@ -404,6 +479,7 @@ def read_prompts(path: str | Path, defaults: Defaults = Defaults(),
             model,
             negative,
             metadata,
+            lora,
         )
 
 

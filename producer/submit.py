@@ -26,7 +26,7 @@ import uuid
 from array import array
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from diffq import __version__
@@ -41,7 +41,7 @@ from diffq.producer.feed import AUTO as AUTO_WINDOW, RunFeed, choose_feed, regis
 from diffq.producer.messages import BatchEncoder, EncodedBatch, batch_id_prefix
 from diffq.producer.publish import CeleryPublisher
 from diffq.producer.sizes import parse_buckets
-from diffq.producer.sources import Defaults, IdChecker, InputError, Prompt, read_prompts
+from diffq.producer.sources import Defaults, IdChecker, InputError, Prompt, RowAdapters, read_prompts
 
 PLAN_PART_BATCHES = 2000
 # Requested sizes kept per shape in the manifest and the plan, most common first:
@@ -87,6 +87,15 @@ class Plan:
     shapes: list[ShapeSummary]
     # queue -> steps -> (items, batches): a batch's time scales with its steps (`diffq plan --rates`).
     steps: dict[str, dict[int, tuple[int, int]]] = field(default_factory=dict)
+    # LoRA adapters: per model its layout (the shape keys name it), the run's adapters as
+    # checked and pinned (submit reuses them), per adapter set its items and batches.
+    adapter_layouts: dict = field(default_factory=dict)
+    adapters: RowAdapters | None = None
+    adapter_groups: list[AdapterGroup] = field(default_factory=list)
+    # Batches and padded slots if rows were not also batched by adapter set: what
+    # grouping by adapter set costs is the difference.
+    batches_without_adapter_groups: int = 0
+    padded_without_adapter_groups: int = 0
 
     @property
     def models(self) -> list[str]:
@@ -101,11 +110,22 @@ class Plan:
     def padded_slots(self) -> int:
         return sum(padded_slots(shape) for shape in self.shapes)
 
+    def adapters_json(self) -> dict:
+        """The adapter groups and what batching by them costs in padding (`diffq plan`)."""
+        extra = self.batches - self.batches_without_adapter_groups
+        return {"layouts": {model: {"label": layout.label, "rank": layout.rank, "targets": len(layout.targets)}
+                            for model, layout in self.adapter_layouts.items()},
+                "groups": [group.to_json() for group in self.adapter_groups],
+                "batches_without_grouping": self.batches_without_adapter_groups, "extra_batches": extra,
+                "extra_padded_slots": self.padded_slots - self.padded_without_adapter_groups}
+
     def to_json(self) -> dict:
-        """`diffq plan --json`: the shape histogram submit would publish."""
+        """`diffq plan --json`: the shape histogram submit would publish (and, for a run
+        with LoRA adapters, its adapter groups)."""
         return {
             "total": self.total, "batches": self.batches, "compiles": self.compiles, "models": self.models,
             "padded_slots": self.padded_slots,
+            **({"adapters": self.adapters_json()} if self.adapter_layouts else {}),
             "shapes": [{"height": s.shape.height, "width": s.shape.width, "items": s.items,
                         "batches": s.batches, "padded_slots": padded_slots(s), "queue": s.queue,
                         "steps": [{"steps": steps, "items": items, "batches": batches}
@@ -114,6 +134,24 @@ class Plan:
                             "requested_sizes": s.requested_sizes} if s.requested else {})}
                        for s in self.shapes],
         }
+
+
+@dataclass
+class AdapterGroup:
+    """The rows of one adapter set (with its scales): items, their batches and padding."""
+
+    adapters: tuple
+    items: int = 0
+    batches: int = 0
+    padded_slots: int = 0
+
+    @property
+    def label(self) -> str:
+        return ", ".join(f"{ref.path}@{ref.scale:g}" for ref in self.adapters) or "none"
+
+    def to_json(self) -> dict:
+        return {"label": self.label, "adapters": [ref.model_dump(mode="json") for ref in self.adapters],
+                "items": self.items, "batches": self.batches, "padded_slots": self.padded_slots}
 
 
 def new_run_id() -> str:
@@ -128,8 +166,8 @@ def padded_slots(shape: ShapeSummary) -> int:
 class Validation:
     """What the validation pass learns from each row: unique ids, counts per group."""
 
-    def __init__(self, path: str | Path, options: RunOptions):
-        self.path, self.options = path, options
+    def __init__(self, path: str | Path, options: RunOptions, adapters: RowAdapters | None = None):
+        self.path, self.options, self.adapters = path, options, adapters
         self._ids = IdChecker(path)
         # Plain tuple keys per row; shape keys are built once per shape at the end.
         self._per_group: Counter = Counter()
@@ -166,18 +204,29 @@ class Validation:
     def plan(self) -> Plan:
         if self._total == 0:
             raise InputError(self.path, None, None, "no prompts in file")
+        layouts = self.adapters.layouts() if self.adapters is not None else {}
+        options = self.options.with_layouts(layouts) if layouts else self.options
         items: Counter = Counter()
         batches: Counter = Counter()
         shapes: dict[str, ShapeKey] = {}
         per_steps: dict[str, dict[int, tuple[int, int]]] = {}
-        for (model, height, width, cfg, steps, _), count in self._per_group.items():
-            shape = shape_for(self.options, model, height, width, cfg)
+        groups: dict[tuple, AdapterGroup] = {}
+        ungrouped: Counter = Counter()  # rows per group but for the adapter set
+        for (model, height, width, cfg, steps, guidance, lora), count in self._per_group.items():
+            shape = shape_for(options, model, height, width, cfg)
             shapes[shape.queue] = shape
             items[shape.queue] += count
-            batches[shape.queue] += math.ceil(count / shape.batch_size)
+            made = math.ceil(count / shape.batch_size)
+            batches[shape.queue] += made
             seen = per_steps.setdefault(shape.queue, {}).get(steps, (0, 0))
-            per_steps[shape.queue][steps] = (seen[0] + count, seen[1] + math.ceil(count / shape.batch_size))
-        asked = {shape_for(self.options, *key).queue: sizes for key, sizes in self._requested.items()}
+            per_steps[shape.queue][steps] = (seen[0] + count, seen[1] + made)
+            if layouts:
+                group = groups.get(lora) or groups.setdefault(lora, AdapterGroup(adapters=lora))
+                group.items += count
+                group.batches += made
+                group.padded_slots += made * shape.batch_size - count
+                ungrouped[(shape, steps, guidance)] += count
+        asked = {shape_for(options, *key).queue: sizes for key, sizes in self._requested.items()}
         mask = (1 << _SIDE_BITS) - 1
         summaries = [ShapeSummary(shape=shapes[q], queue=q, items=items[q], batches=batches[q],
                                   requested=[RequestedSize(height=size >> _SIDE_BITS, width=size & mask, items=n)
@@ -185,7 +234,13 @@ class Validation:
                                                              if q in asked else ())],
                                   requested_sizes=len(asked[q]) if q in asked else 0)
                      for q in sorted(shapes)]
-        return Plan(total=self._total, batches=sum(batches.values()), shapes=summaries, steps=per_steps)
+        without = {key: math.ceil(count / key[0].batch_size) for key, count in ungrouped.items()}
+        return Plan(total=self._total, batches=sum(batches.values()), shapes=summaries, steps=per_steps,
+                    adapter_layouts=layouts, adapters=self.adapters,
+                    adapter_groups=sorted(groups.values(), key=lambda group: (-group.items, group.label)),
+                    batches_without_adapter_groups=sum(without.values()),
+                    padded_without_adapter_groups=sum(n * key[0].batch_size - ungrouped[key]
+                                                      for key, n in without.items()))
 
 
 class SizeTally:
@@ -233,7 +288,7 @@ class SizeTally:
 
 
 def validate(path: str | Path, options: RunOptions, defaults: Defaults, keep_columns=()) -> Plan:
-    validation = Validation(path, options)
+    validation = Validation(path, options, defaults.adapters)
     for _ in validation.check(read_prompts(path, defaults, keep_columns)):
         pass
     return validation.plan()
@@ -256,7 +311,7 @@ def make_options(*, model: str, options: GenerationOptions, size_multiple: int =
         Defaults(height=o.height, width=o.width, num_inference_steps=o.steps,
                  guidance_scale=o.guidance_scale, size_multiple=size_multiple,
                  size_buckets=parse_buckets(o.size_buckets, size_multiple) if o.size_buckets else None,
-                 model=model),
+                 model=model, adapters=RowAdapters(o.lora)),
     )
 
 
@@ -282,7 +337,8 @@ def manifest_defaults(options: RunOptions, defaults: Defaults, seed_base: str, k
         # A profile's choices, each shape's own (its batches and records carry them).
         speedup=options.speedup or ("; ".join(f"{h}x{w} b{b}: {spec or 'none'}" for h, w, spec, b in options.per_size)
                                     if options.per_size else None),
-        unreproducible_speedup=options.unreproducible_speedup)
+        unreproducible_speedup=options.unreproducible_speedup,
+        lora=list(defaults.adapters.default) if defaults.adapters is not None else [])
 
 
 def encode_plan(prompts: Iterable[Prompt], options: RunOptions, seed_base: str, run_id: str,
@@ -338,14 +394,16 @@ def submit(
     run_id = run_id or new_run_id()
     seed_base = seed_base or run_id
 
-    def encoded(prompts_in: Iterable[Prompt]) -> Iterator[EncodedBatch]:
-        return encode_plan(prompts_in, options, seed_base, run_id, storage.url)
+    def encoded(prompts_in: Iterable[Prompt], layouts: dict) -> Iterator[EncodedBatch]:
+        return encode_plan(prompts_in, options.with_layouts(layouts) if layouts else options, seed_base, run_id,
+                           storage.url)
 
     with contextlib.ExitStack() as stack:
         if plan is None:
             plan, parts = _validated_parts(prompts, options, defaults, keep_columns, encoded, stack)
-        else:  # validated by the caller
-            parts = plan_parts(encoded(read_prompts(prompts, defaults, keep_columns)))
+        else:  # validated by the caller: its adapters are checked and pinned
+            defaults = replace(defaults, adapters=plan.adapters or defaults.adapters)
+            parts = plan_parts(encoded(read_prompts(prompts, defaults, keep_columns), plan.adapter_layouts))
         manifest = write_manifest(storage, prompts, plan, run_id,
                                   defaults=manifest_defaults(options, defaults, seed_base, keep_columns))
         if publisher is None:
@@ -398,12 +456,17 @@ class _Encoding:
 def _validated_parts(prompts, options: RunOptions, defaults: Defaults, keep_columns, encoded,
                      stack: contextlib.ExitStack) -> tuple[Plan, Iterator[list[EncodedBatch]]]:
     """One read of the file: rows are validated, bucketed and encoded together, and the
-    encoded plan parts wait on local disk (closed with `stack`) until the last row passed."""
-    validation = Validation(prompts, options)
+    encoded plan parts wait on local disk (closed with `stack`) until the last row passed.
+    A run with LoRA adapters is encoded again, its rows read a second time: its shape keys
+    name the adapter layout, which only the last row settles."""
+    validation = Validation(prompts, options, defaults.adapters)
     spill = stack.enter_context(PlanSpill())
-    for part in plan_parts(encoded(validation.check(read_prompts(prompts, defaults, keep_columns)))):
+    for part in plan_parts(encoded(validation.check(read_prompts(prompts, defaults, keep_columns)), {})):
         spill.add(part)
-    return validation.plan(), spill.parts()
+    plan = validation.plan()
+    if plan.adapter_layouts:
+        return plan, plan_parts(encoded(read_prompts(prompts, defaults, keep_columns), plan.adapter_layouts))
+    return plan, spill.parts()
 
 
 def _publish_parts(storage: Storage, parts: Iterable[list[EncodedBatch]], publisher, result: SubmitResult,
@@ -476,6 +539,8 @@ def write_manifest(storage: Storage, prompts: str | Path, plan: Plan, run_id: st
         diffq_version=__version__,
         models=plan.models,
         model_revisions=revisions(plan.models),  # pinned: workers load these or refuse
+        adapter_layouts=plan.adapter_layouts,
+        adapter_revisions=plan.adapters.revisions() if plan.adapters is not None else {},
     )
     body = json.dumps(manifest.model_dump(mode="json"), indent=2).encode()
     if not storage.put_bytes(layout.MANIFEST, body, content_type="application/json", if_absent=True):

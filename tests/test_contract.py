@@ -42,6 +42,20 @@ def test_queue_names_parse_back_with_their_dtype(dtype):
     assert queue_dtype("diffq.dead") is None
 
 
+def test_a_lora_layout_ends_the_queue_name_and_parses_back():
+    from diffq.core.contract import is_shape_queue, queue_dtype, queue_from_entity_name, shape_from_queue
+
+    shape = SHAPE.model_copy(update={"lora": "r16-0a1b2c3d"})
+    assert shape.queue == queue_name(SHAPE) + ".r16-0a1b2c3d" and len(shape.queue) <= 80
+    assert shape_from_queue(shape.queue, [shape.model]) == shape and queue_dtype(shape.queue) == "auto"
+    assert is_shape_queue(shape.queue, [shape.model])
+    assert queue_from_entity_name(shape.queue.replace(".", "-")) == shape.queue
+    assert queue_from_entity_name(SHAPE.queue.replace(".", "-")) == SHAPE.queue
+    assert "lora" not in SHAPE.model_dump(mode="json") and shape.model_dump(mode="json")["lora"] == "r16-0a1b2c3d"
+    with pytest.raises(ValidationError):
+        ShapeKey(**{**SHAPE.model_dump(), "lora": "R16.x"})
+
+
 @pytest.mark.parametrize("device, runs", [("cpu", "float32"), ("cuda", "bfloat16"), ("neuron", "bfloat16"),
                                           ("tpu", "bfloat16")])
 def test_an_auto_shape_runs_at_its_devices_default_and_a_pinned_one_as_pinned(device, runs):
@@ -55,7 +69,7 @@ def test_an_auto_shape_runs_at_its_devices_default_and_a_pinned_one_as_pinned(de
 
 @pytest.mark.parametrize("field, value", [("height", 256), ("width", 128), ("batch_size", 8),
                                           ("max_sequence_length", 128), ("cfg", True),
-                                          ("dtype", "bfloat16"), ("model", "/other/tiny")])
+                                          ("dtype", "bfloat16"), ("model", "/other/tiny"), ("lora", "r8-0123abcd")])
 def test_every_shape_field_changes_the_queue(field, value):
     assert queue_name(SHAPE.model_copy(update={field: value})) != queue_name(SHAPE)
 

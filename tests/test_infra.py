@@ -573,6 +573,25 @@ def test_any_out_renders_no_prefix_and_says_so(tmp_path):
     assert all("# WARNING: rendered with --any-out" in p.read_text() for p in tmp_path.glob("*.yaml"))
 
 
+def test_the_adapter_allow_list_reaches_every_worker_pod_where_set():
+    """--allowed-adapters (repeat or comma-separate; else DIFFQ_ALLOWED_ADAPTERS) is each
+    worker's DIFFQ_ALLOWED_ADAPTERS, as its settings read it; unset, none is rendered."""
+    from diffq.core.settings import Settings
+
+    args = ("--model", "m", "--shapes", "64x64,128x128", "--device", "neuron")
+    docs = render_cli(*args, "--allowed-adapters", "s3://loras/styles,/data/loras", "--allowed-adapters", "my-org",
+                      env={"DIFFQ_ALLOWED_ADAPTERS": '["s3://ignored"]'})
+    deployments = worker_deployments(docs)
+    assert len(deployments) == 2
+    for dep in deployments:
+        value = json.loads(container_env(dep)["DIFFQ_ALLOWED_ADAPTERS"]["value"])
+        assert Settings(allowed_adapters=value).allowed_adapters == ["s3://loras/styles", "/data/loras", "my-org"]
+    [dep, _] = worker_deployments(render_cli(*args, env={"DIFFQ_ALLOWED_ADAPTERS": '["s3://from-env/loras"]'}))
+    assert json.loads(container_env(dep)["DIFFQ_ALLOWED_ADAPTERS"]["value"]) == ["s3://from-env/loras"]
+    assert all("DIFFQ_ALLOWED_ADAPTERS" not in container_env(d)
+               for d in worker_deployments(render_cli(*args, env={"DIFFQ_ALLOWED_ADAPTERS": None})))
+
+
 @pytest.mark.parametrize("broker", FLEET_BROKERS)
 @pytest.mark.parametrize("device", DEPLOYABLE)
 def test_every_worker_pod_carries_the_prefix_models_and_signing_keys(device, broker):

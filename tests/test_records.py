@@ -146,7 +146,7 @@ CURRENT_DEFAULTS = {
     "model": "tiny", "batch_size": 4, "steps": 4, "guidance_scale": 1.0, "max_sequence_length": 64, "height": 128,
     "width": 128, "format": "png", "dtype": "auto", "seed_base": "r", "fit": "crop", "size_buckets": ["64x96"],
     "keep_columns": ["style"], "embed_metadata": False, "speedup": "taylorseer:cache_interval=3",
-    "unreproducible_speedup": False}
+    "unreproducible_speedup": False, "lora": [{"path": "/loras/a.safetensors", "scale": 0.5, "revision": None}]}
 
 
 def test_manifests_written_with_untyped_defaults_still_load():

@@ -53,6 +53,7 @@ SIGNING_ENV = (("DIFFQ_SIGNING_KEY", "key"), ("DIFFQ_SIGNING_KEY_PREVIOUS", "pre
 # What a worker without --run admits (the settings it reads, JSON lists).
 OUT_PREFIXES_ENV = "DIFFQ_ALLOWED_OUT_PREFIXES"
 MODELS_ENV = "DIFFQ_ALLOWED_MODELS"
+ADAPTERS_ENV = "DIFFQ_ALLOWED_ADAPTERS"
 NO_PREFIX = ("no run-folder prefix: pass --out-prefix s3://BUCKET/runs (the prefix your `diffq submit --out` "
              "folders live under; workers write only there) or --any-out (workers write wherever a batch says), "
              "or set DIFFQ_ALLOWED_OUT_PREFIXES")
@@ -212,6 +213,8 @@ class FleetOptions:
     # `parse_out_prefixes`); none is refused unless `any_out` says so by name.
     out_prefixes: tuple[str, ...] = ()
     any_out: bool = False
+    # LoRA adapters the workers load (DIFFQ_ALLOWED_ADAPTERS: prefixes); empty: not rendered.
+    allowed_adapters: tuple[str, ...] = ()
     # From a fleet plan (`diffq plan --json --rates … --deadline …`): the devices each
     # queue needs to meet the deadline; a pool's maxReplicaCount is then its pods.
     planned_devices: dict[str, int] | None = None
@@ -392,12 +395,15 @@ def _mount_model_cache(pod: dict, options: FleetOptions) -> None:
 
 def admission_env(models: list[str], options: FleetOptions) -> list[dict]:
     """What a worker admits (worker settings, diffq/core/settings.py): run folders under
-    the fleet's prefixes (none rendered with --any-out), the pool's models, and batches
-    signed with a key of the optional signing Secret."""
+    the fleet's prefixes (none rendered with --any-out), the pool's models, the LoRA
+    adapters under the fleet's adapter prefixes (where given), and batches signed with a
+    key of the optional signing Secret."""
     options.check_out()
     env = [{"name": OUT_PREFIXES_ENV, "value": json.dumps(list(options.out_prefixes))}] if options.out_prefixes \
         else []
     env.append({"name": MODELS_ENV, "value": json.dumps(list(models))})
+    if options.allowed_adapters:
+        env.append({"name": ADAPTERS_ENV, "value": json.dumps(list(options.allowed_adapters))})
     return env + signing_env()
 
 

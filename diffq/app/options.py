@@ -173,6 +173,9 @@ def generation_params(fields=None) -> list[inspect.Parameter]:
         elif name == "keep_columns":  # a,b on the command line
             annotation, default = Optional[str], None
             option = typer.Option(flag, help=info.description)
+        elif typing.get_origin(annotation) is tuple:  # repeatable: --lora A --lora B
+            annotation, default = Optional[list[str]], None
+            option = typer.Option(flag, help=info.description)
         elif words := _words_beside_int(annotation):  # e.g. --batch-size 4 | auto
             bounded, words = words
             annotation, default = str, str(default)

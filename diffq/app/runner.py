@@ -164,21 +164,23 @@ class LocalWorkers:
     allow_fallback: bool = False
     on_degenerate: str = DEFAULT_DEGENERATE_POLICY
 
-    def check(self, models: list[str], speedups=()) -> None:
-        # A compile mode or speed-up a family cannot take fails here, not in every worker.
-        if reason := compile_refusal(models, self.compile) or local_refusal(models, speedups, self.device,
-                                                                               self.compile):
+    def check(self, models: list[str], speedups=(), adapters: bool = False) -> None:
+        # A compile mode, speed-up or LoRA hot-swap the family or device cannot take fails
+        # here, not in every worker.
+        if reason := (compile_refusal(models, self.compile) or local_refusal(models, speedups, self.device,
+                                                                              self.compile)
+                      or (adapters and get_backend(self.device).adapter_refusal(self.compile))):
             raise ValueError(reason)
 
     def specs(self, broker_url: str, transport_options: dict, queues: list[str], models: list[str], dtype: str,
-              runs: list[RunScope] = ()):
+              runs: list[RunScope] = (), adapter_layouts: dict | None = None):
         return plan_children(
             device=get_backend(self.device).name,
             devices=self.devices if self.devices is not None else list(range(self.workers)),
             broker_url=broker_url, transport_options=transport_options, queues=queues, threads=self.threads,
             compile=self.compile, compile_cache=self.compile_cache, offload=self.offload,
             warmup=self.warmup or [], models=models, dtype=dtype, allow_fallback=self.allow_fallback,
-            on_degenerate=self.on_degenerate, runs=list(runs))
+            on_degenerate=self.on_degenerate, runs=list(runs), adapter_layouts=adapter_layouts or {})
 
 
 def run(
@@ -219,7 +221,7 @@ def run(
     for name in plan.models:
         if name != model:
             resolve_model(name)
-    local.check(plan.models, speedups_of(options))
+    local.check(plan.models, speedups_of(options), adapters=bool(plan.adapter_layouts))
     storage = open_storage(out)
     new_id = run_id or new_run_id()  # known before submitting: the workers serve this run only
 
@@ -231,10 +233,12 @@ def run(
     with _sole_runner(storage):
         if storage.exists(layout.MANIFEST):
             manifest = read_manifest(storage)
-            continuation(storage, manifest, prompts=prompts, plan=plan, options=options, defaults=defaults,
+            continuation(storage, manifest, prompts=prompts, plan=plan,
+                         options=options.with_layouts(plan.adapter_layouts), defaults=defaults,
                          run_id=run_id, seed_base=seed_base, keep_columns=keep_columns)
             return _finish(storage, manifest, local, progress=progress, console=console, started=started)
         return _serve(storage, local, queues=[shape.queue for shape in plan.shapes], models=plan.models,
+                      adapter_layouts=plan.adapter_layouts,
                       run_id=new_id, dtype=options.dtype, total=plan.total, publish_all=publish_all,
                       tracker=ProgressSummary(storage), progress=progress, console=console, started=started)
 
@@ -249,7 +253,7 @@ def resume(out: str, *, progress: bool = True, console: Console | None = None, *
     manifest = read_manifest(storage)
     for name in manifest.models:
         resolve_model(name)
-    local.check(manifest.models)
+    local.check(manifest.models, adapters=bool(manifest.adapter_layouts))
     check_plan(storage, manifest)
     with _sole_runner(storage):
         return _finish(storage, manifest, local, progress=progress, console=console, started=started)
@@ -301,12 +305,13 @@ def _finish(storage: Storage, manifest: RunManifest, local: LocalWorkers, *, pro
         return manifest.run_id
 
     return _serve(storage, local, queues=[shape.queue for shape in manifest.shapes], models=manifest.models,
-                  run_id=manifest.run_id, dtype=manifest.defaults.dtype, total=manifest.total, publish_all=publish_all,
+                  adapter_layouts=manifest.adapter_layouts, run_id=manifest.run_id, dtype=manifest.defaults.dtype,
+                  total=manifest.total, publish_all=publish_all,
                   tracker=tracker, progress=progress, console=console, started=started)
 
 
 def _serve(storage: Storage, local: LocalWorkers, *, queues: list[str], models: list[str], run_id: str,
-           dtype: str, total: int,
+           dtype: str, total: int, adapter_layouts: dict,
            publish_all, tracker: ProgressSummary, progress: bool, console: Console | None,
            started: float) -> RunResult:
     """Embedded broker, local workers and `publish_all(publisher)` (it returns the run
@@ -314,7 +319,8 @@ def _serve(storage: Storage, local: LocalWorkers, *, queues: list[str], models: 
     already_done, already_failed = tracker.done, tracker.failed
     broker_dir = Path(tempfile.mkdtemp(prefix="diffq-broker-"))
     broker_url, transport_options = embedded_broker(broker_dir)
-    specs = local.specs(broker_url, transport_options, queues, models, dtype, [RunScope.of(storage.url, run_id)])
+    specs = local.specs(broker_url, transport_options, queues, models, dtype, [RunScope.of(storage.url, run_id)],
+                        adapter_layouts)
     output = _WorkerOutput(broker_dir / "workers.out")
     supervisor = Supervisor(specs, spawning=output.spawning)  # each child's stdout is `output`
     troubles = _TroubleView(storage, broker_dir / "trouble")

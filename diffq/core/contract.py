@@ -37,6 +37,8 @@ AUTO_DTYPE = "auto"
 # What a shape key, a queue name and the CLI's --dtype may say.
 SHAPE_DTYPE_TAGS = {AUTO_DTYPE: AUTO_DTYPE, **DTYPE_TAGS}
 Dtype = Literal[tuple(SHAPE_DTYPE_TAGS)]
+# A LoRA layout's label (core/adapters.py AdapterLayout.label): r<padded rank>-<targets' digest>.
+LORA_LABEL = r"^r\d+-[0-9a-f]{8}$"
 
 
 # The bounds of the values a batch carries, declared once: the shape key and batch
@@ -98,6 +100,12 @@ class ShapeKey(Strict):
     # graphs, so the conservative rule is safe.
     cfg: bool
     dtype: Dtype = AUTO_DTYPE
+    # The run's LoRA layout for this model (core/adapters.py AdapterLayout.label: padded
+    # rank and a digest of the union of target modules): the scaffold the graphs are
+    # compiled around. Which adapter a batch swaps in is not here (BatchParams.adapters):
+    # one compiled worker serves every adapter of a shape. None (and absent from the
+    # message) for a run without adapters.
+    lora: str | None = Field(default=None, pattern=LORA_LABEL, exclude_if=lambda lora: lora is None)
 
     @property
     def queue(self) -> str:
@@ -124,14 +132,26 @@ def model_slug(model: str) -> str:
 QUEUE_PREFIX = "diffq."
 # The queue name, written once: `queue_name` fills it in, its pattern reads it back.
 QUEUE_FORMAT = QUEUE_PREFIX + "{slug}.{height}x{width}.b{batch}.l{seq}.{cfg}.{dtype}"
+# What a shape with a LoRA layout adds to its queue's name (nothing without one).
+LORA_SUFFIX = ".{lora}"
 _QUEUE_FIELDS = {"slug": "[a-z0-9-]+", "height": r"\d+", "width": r"\d+", "batch": r"\d+", "seq": r"\d+",
-                 "cfg": "cfg|nocfg", "dtype": "|".join(SHAPE_DTYPE_TAGS.values())}
+                 "cfg": "cfg|nocfg", "dtype": "|".join(SHAPE_DTYPE_TAGS.values()), "lora": LORA_LABEL[1:-1]}
 
 
 def _pattern(dot: str) -> re.Pattern:
-    """QUEUE_FORMAT as a regex, its dots spelled `dot` (kombu's SQS names use '-')."""
-    return re.compile("".join(re.escape(text.replace(".", dot)) + (f"(?P<{name}>{_QUEUE_FIELDS[name]})" if name else "")
-                              for text, name, _, _ in string.Formatter().parse(QUEUE_FORMAT)))
+    """QUEUE_FORMAT (and the optional LORA_SUFFIX) as a regex, its dots spelled `dot`
+    (kombu's SQS names use '-')."""
+    def regex(template: str) -> str:
+        return "".join(re.escape(text.replace(".", dot)) + (f"(?P<{name}>{_QUEUE_FIELDS[name]})" if name else "")
+                       for text, name, _, _ in string.Formatter().parse(template))
+
+    return re.compile(f"{regex(QUEUE_FORMAT)}(?:{regex(LORA_SUFFIX)})?")
+
+
+def _format(fields: dict) -> str:
+    """A queue's name from its fields (the pattern's groups: `lora` None without a layout)."""
+    name = QUEUE_FORMAT.format(**fields)
+    return name + LORA_SUFFIX.format(lora=fields["lora"]) if fields.get("lora") else name
 
 
 _QUEUE_RE = _pattern(".")
@@ -140,20 +160,21 @@ _ENTITY_RE = _pattern("-")
 
 @functools.lru_cache(maxsize=4096)
 def queue_name(shape: ShapeKey) -> str:
-    """``diffq.<model>.<H>x<W>.b<B>.l<L>.<cfg|nocfg>.<dtype>`` (dtype: auto, fp32, bf16, fp16).
+    """``diffq.<model>.<H>x<W>.b<B>.l<L>.<cfg|nocfg>.<dtype>`` (dtype: auto, fp32, bf16, fp16),
+    and ``.<lora layout>`` for a shape compiled around a LoRA scaffold.
 
     Only ``[a-z0-9.-]``: a plain Redis list (what KEDA's redis-list scaler reads),
     a valid RabbitMQ queue, and under SQS's 80 characters (kombu maps '.' to '-').
     """
-    return QUEUE_FORMAT.format(slug=model_slug(shape.model), height=shape.height, width=shape.width,
-                               batch=shape.batch_size, seq=shape.max_sequence_length,
-                               cfg="cfg" if shape.cfg else "nocfg", dtype=SHAPE_DTYPE_TAGS[shape.dtype])
+    return _format(dict(slug=model_slug(shape.model), height=shape.height, width=shape.width,
+                        batch=shape.batch_size, seq=shape.max_sequence_length,
+                        cfg="cfg" if shape.cfg else "nocfg", dtype=SHAPE_DTYPE_TAGS[shape.dtype], lora=shape.lora))
 
 
 def queue_from_entity_name(name: str) -> str | None:
     """A shape queue's name back from its SQS spelling, or None if it is not one."""
     match = _ENTITY_RE.fullmatch(name)
-    return QUEUE_FORMAT.format(**match.groupdict()) if match else None
+    return _format(match.groupdict()) if match else None
 
 
 def is_shape_queue(queue: str, models: list[str] | None = None, dtypes: tuple[str, ...] | None = None) -> bool:
@@ -192,7 +213,7 @@ def shape_from_queue(queue: str, models: list[str]) -> ShapeKey | None:
     dtype = _dtype_of_tag(match["dtype"])
     return ShapeKey(model=model, height=int(match["height"]), width=int(match["width"]),
                     batch_size=int(match["batch"]), max_sequence_length=int(match["seq"]),
-                    cfg=match["cfg"] == "cfg", dtype=dtype)
+                    cfg=match["cfg"] == "cfg", dtype=dtype, lora=match["lora"])
 
 
 def metadata_size(value: dict) -> int:

@@ -15,8 +15,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
-from diffq.core.contract import (AUTO_DTYPE, FITS, SHAPE_DTYPE_TAGS, BatchSize, GuidanceScale, ImageSide,
-                                 InferenceSteps, SequenceLength)
+from diffq.core.contract import (AUTO_DTYPE, FITS, SHAPE_DTYPE_TAGS, AdapterRef, BatchSize, GuidanceScale,
+                                 ImageSide, InferenceSteps, SequenceLength)
 from diffq.core.layout import IMAGE_FORMATS
 from diffq.core.validation import first_error
 
@@ -63,6 +63,10 @@ class GenerationOptions(BaseModel):
     unreproducible_speedup: bool = Field(
         False, description="Let a cache that decides from the whole batch run (firstblock): an image then depends "
                            "on its batch neighbours, and its record says so")
+    lora: tuple[AdapterRef, ...] = Field(
+        (), description="LoRA adapter for rows without their own `lora` field: PATH (a .safetensors file, a folder, "
+                        "s3://, gs:// or a Hub id) or PATH@SCALE (repeatable; one adapter per row is applied). "
+                        "Checked from its header and pinned at submit; hot-swapped into the compiled graphs")
 
     # The --speedup profile FILE.json as loaded once by the validator (None for a spec).
     _profile = PrivateAttr(None)
@@ -103,6 +107,23 @@ class GenerationOptions(BaseModel):
         from diffq.core.profile import is_profile
 
         return self.speedup if is_profile(self.speedup) else None
+
+    @field_validator("lora", mode="before")
+    @classmethod
+    def _lora(cls, value):
+        """A spec as typed (`PATH`, `PATH@0.8`), an object, or a list of them (core/adapters.py
+        parse_spec); the files are checked against the model by the producer."""
+        from diffq.core.adapters import AdapterError, check_set, parse_spec
+
+        if value is None or isinstance(value, (list, tuple)) and all(isinstance(v, AdapterRef) for v in value):
+            return tuple(value or ())
+        try:
+            refs = parse_spec(list(value) if isinstance(value, tuple) else value, "--lora")
+            check_set(refs, "--lora")
+        except AdapterError as exc:
+            raise ValueError(f"--lora: {exc.message}" if exc.field == "--lora" else
+                             f"--lora: {exc.field}: {exc.message}") from None
+        return refs
 
     @field_validator("keep_columns", mode="before")
     @classmethod

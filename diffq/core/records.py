@@ -14,8 +14,9 @@ from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, Field, model_validator
 
-from diffq.core.contract import (AUTO_DTYPE, SCHEMA_VERSION, BatchMessage, BatchSize, GuidanceScale, ImageSide,
-                                 InferenceSteps, SequenceLength, ShapeKey, Strict)
+from diffq.core.adapters import AdapterLayout
+from diffq.core.contract import (AUTO_DTYPE, SCHEMA_VERSION, AdapterRef, BatchMessage, BatchSize, GuidanceScale,
+                                 ImageSide, InferenceSteps, SequenceLength, ShapeKey, Strict)
 from diffq.core.options import AUTO
 
 M = TypeVar("M", bound=BaseModel)
@@ -90,6 +91,7 @@ class RunDefaults(Strict):
     embed_metadata: bool = True
     speedup: str | None = None  # canonical (core/speedups.py)
     unreproducible_speedup: bool = False
+    lora: list[AdapterRef] = Field(default_factory=list)  # --lora: rows without their own `lora`
 
     def recorded(self) -> dict[str, Any]:
         """The options the manifest states, as JSON values."""
@@ -113,6 +115,11 @@ class RunManifest(Strict):
     # Object-storage models pinned at submit: URL -> revision (core/model_store.py).
     # Workers load that revision or refuse the run's batches.
     model_revisions: dict[str, str] = Field(default_factory=dict)
+    # LoRA adapters (absent without any): per model the layout its shapes are compiled
+    # around (a worker loads its scaffold before compiling), and every adapter's path ->
+    # the revision pinned at submit (each batch names it too; a worker refuses another).
+    adapter_layouts: dict[str, AdapterLayout] = Field(default_factory=dict, exclude_if=lambda v: not v)
+    adapter_revisions: dict[str, str] = Field(default_factory=dict, exclude_if=lambda v: not v)
 
 
 # cancel.json: `diffq cancel`'s marker ---------------------------------------------

@@ -10,6 +10,8 @@ import json
 import threading
 from dataclasses import dataclass, field
 
+from diffq.core.adapters import AdapterLayout
+from diffq.core.contract import ShapeKey
 from diffq.core.settings import get_settings
 from diffq.core import layout
 from diffq.core.storage import NotFound, Storage, open_storage
@@ -18,6 +20,7 @@ from diffq.worker.delivery.admission import Admission
 from diffq.worker.delivery.batches import BatchLine
 from diffq.worker.delivery.failures import storage_trouble
 from diffq.worker.delivery.lease import LeaseKeeper
+from diffq.worker.device.adapters import AdapterOrderError, AdapterUnsupported
 from diffq.worker.device.pipeline_host import PipelineHost
 from diffq.worker.delivery.routing import Discovery, Router
 from diffq.worker.sink.store import Sink
@@ -52,6 +55,8 @@ class Runtime:
     # run folder -> its manifest's pinned object-storage model revisions
     model_pins: dict[str, dict[str, str]] = field(default_factory=dict)
     run_models: dict[str, frozenset[str]] = field(default_factory=dict)  # run folder -> its manifest's models
+    # run folder -> its manifest's LoRA layouts (model -> AdapterLayout)
+    adapter_layouts: dict[str, dict[str, AdapterLayout]] = field(default_factory=dict)
 
     def __post_init__(self):
         if self.line is None:
@@ -96,8 +101,10 @@ class Runtime:
                 self.model_pins[storage.url] = dict(manifest.get("model_revisions") or {})
                 self.run_models[storage.url] = frozenset(
                     manifest.get("models") or [(manifest.get("defaults") or {}).get("model")]) - {None}
+                self.adapter_layouts[storage.url] = {model: AdapterLayout.model_validate(value) for model, value
+                                                     in (manifest.get("adapter_layouts") or {}).items()}
                 self.run_ids[storage.url] = str(manifest["run_id"])
-            except (ValueError, KeyError, TypeError, AttributeError):
+            except (ValueError, KeyError, TypeError, AttributeError):  # pydantic's ValidationError too
                 return f"{storage.url}/{layout.MANIFEST} is not a diffq run manifest"
         if self.run_ids[storage.url] != run_id:
             return f"run id {run_id!r} is not the id of the run in {storage.url}"
@@ -124,6 +131,23 @@ class Runtime:
                     f"pinned {pinned}: a worker started for that revision must take its batches")
         return None
 
+    def adapter_problem(self, storage: Storage, shape: ShapeKey) -> str | None:
+        """Why this worker may not serve `shape`'s LoRA layout for the run in `storage`
+        (read by `run_problem` first), or None. The layout is the manifest's; a model not
+        loaded yet gets its scaffold when it loads (before it compiles); one loaded
+        without it (preloaded, or for another run's layout) is loaded again around it."""
+        layout = self.adapter_layouts.get(storage.url, {}).get(shape.model)
+        if (layout.label if layout is not None else None) != shape.lora:
+            return (f"shape {shape.queue} names LoRA layout {shape.lora}, but run {self.run_ids.get(storage.url)}'s "
+                    f"manifest says {layout.label if layout is not None else 'none'} for {shape.model}")
+        if layout is None:
+            return None
+        try:
+            self.host.use_adapters(shape.model, layout, reload=True)
+        except (AdapterOrderError, AdapterUnsupported) as exc:
+            return str(exc)
+        return None
+
     def storage_for(self, out: str) -> Storage:
         if out not in self.storages:
             # Admission refused anything outside the worker's runs or prefixes on
@@ -135,5 +159,7 @@ class Runtime:
 
 
 def preload(rt: Runtime) -> None:
+    for model, adapters in rt.spec.adapter_layouts.items():  # before the model loads and compiles
+        rt.host.use_adapters(model, adapters)
     for model in rt.spec.models:
         rt.host.pipeline(model, rt.spec.dtype)

@@ -12,6 +12,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from diffq.core.adapters import AdapterLayout
 from diffq.core.contract import AUTO_DTYPE, ShapeKey, queue_dtype, shape_from_queue
 from diffq.worker.delivery.admission import RunScope
 from diffq.worker.device.backends import COMPILING_MODES, Backend, Placement, get_backend
@@ -72,6 +73,9 @@ class ChildSpec(BaseModel):
     # Loaded before consuming, so a missing model fails the process at once.
     models: list[str] = Field(default_factory=list)
     dtype: str = AUTO_DTYPE
+    # Per model, the LoRA layout of the runs it serves (their manifests'): its scaffold goes
+    # in before the model is preloaded and compiled (`diffq run`; else on the first batch).
+    adapter_layouts: dict[str, AdapterLayout] = Field(default_factory=dict)
     # None: DIFFQ_ALLOWED_OUT_PREFIXES; [] with `--any-out` (named, it wins over the setting)
     allowed_out_prefixes: list[str] | None = None
     # `--run OUT` / `diffq run`: the runs whose batches this worker takes (admission.py);

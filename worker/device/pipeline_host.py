@@ -181,16 +181,27 @@ class PipelineHost:
             torch.accelerator.set_device_index(self._device_index)
         self._threads.bound = True
 
-    def use_adapters(self, model: str, layout: AdapterLayout) -> None:
+    def use_adapters(self, model: str, layout: AdapterLayout, *, reload: bool = False) -> None:
         """Serve LoRA adapters of `layout` on `model`: its scaffold goes in when the model
         loads, before it compiles. Refused where the backend table says a swap may not keep
-        the graphs, and for a model already loaded with another layout (its graphs are made)."""
+        the graphs, and for a model already loaded with another layout (its graphs are made)
+        unless `reload`: then that pipeline is dropped, and the next call loads and compiles
+        it again around the scaffold (a fleet worker preloads its model before any run names
+        a layout)."""
         if reason := self.backend.adapter_refusal(self.compile_mode):
             raise AdapterUnsupported(reason)
         loaded = [key for key in self._pipelines if key[0] == model]
         if loaded and self.adapter_layouts.get(model) != layout:
-            raise AdapterOrderError(f"model {model} is loaded (and compiled) without this adapter layout; the "
-                                    f"scaffold must go in before compiling: a new worker process serves it")
+            if not reload:
+                raise AdapterOrderError(f"model {model} is loaded (and compiled) without this adapter layout; the "
+                                        f"scaffold must go in before compiling: a new worker process serves it")
+            with self._device:  # no call of the old pipeline is running
+                for key in loaded:
+                    self._pipelines.pop(key, None)
+                    self.adapter_slots.pop(key, None)
+                self.shapes_seen -= {shape for shape in self.shapes_seen if shape.model == model}
+            log.warning("model %s: loaded again for LoRA layout %s (its scaffold must go in before compiling)",
+                        model, layout.label)
         self.adapter_layouts[model] = layout
 
     def pipeline(self, model: str, dtype: str):

@@ -48,6 +48,7 @@ def manifests(
     fleet_plan: Annotated[Optional[Path], typer.Option("--fleet-plan", help="`diffq plan … --rates FILE --deadline 6h --json` output: each pool's maxReplicaCount is the pods the plan needs for its queues (instead of --max-replicas)")] = None,
     out_prefix: Annotated[Optional[list[str]], typer.Option("--out-prefix", help="Run folders the workers may write to: the prefix `diffq submit --out` folders live under (s3://BUCKET/runs, gs://BUCKET/runs or an absolute path; repeat or comma-separate). Default: DIFFQ_ALLOWED_OUT_PREFIXES; with neither, refused unless --any-out")] = None,
     any_out: Annotated[bool, typer.Option("--any-out", help="Render no prefix: the workers write into whatever run folder a batch names")] = False,
+    allowed_adapters: Annotated[Optional[list[str]], typer.Option("--allowed-adapters", help="LoRA adapters the workers may load: a prefix (s3://BUCKET/loras, gs://…, an absolute path, a Hub org; repeat or comma-separate), rendered as DIFFQ_ALLOWED_ADAPTERS. Default: DIFFQ_ALLOWED_ADAPTERS where set, else any adapter a batch names")] = None,
     model_cache_gib: Annotated[int, typer.Option("--model-cache-gib", min=1, help="Pools of s3:// / gs:// models: the size of each pod's node-local model cache (an emptyDir on the node's disk)")] = 200,
     out: Annotated[Optional[str], typer.Option("--out", help="Write <name>.yaml per shape here instead of stdout")] = None,
     feeds: Feeds = None,
@@ -75,6 +76,9 @@ def manifests(
                                      broker=broker or settings.broker_url or "redis://",
                                      broker_options=fleet.parse_broker_options(broker_option or []),
                                      out_prefixes=fleet.parse_out_prefixes(prefixes or []), any_out=any_out,
+                                     allowed_adapters=tuple(p.strip() for value in (allowed_adapters or
+                                                                                    settings.allowed_adapters)
+                                                            for p in value.split(",") if p.strip()),
                                      feeds=feeds or settings.feeds,
                                      aws_region=aws_region or os.environ.get("AWS_REGION")
                                      or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1")

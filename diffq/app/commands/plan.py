@@ -30,7 +30,7 @@ def register(app: typer.Typer) -> None:
     def plan(
         prompts: Prompts,
         model: Model,
-        as_json: Annotated[bool, typer.Option("--json", help='{"total": N, "shapes": [{"height", "width", "items", "batches", "padded_slots", "queue", "steps"}…], "fleet": {…} with --rates}')] = False,
+        as_json: Annotated[bool, typer.Option("--json", help='{"total": N, "shapes": [{"height", "width", "items", "batches", "padded_slots", "queue", "steps"}…], "adapters": {"layouts", "groups", "extra_batches", "extra_padded_slots"} with LoRA adapters, "fleet": {…} with --rates}')] = False,
         rates: Rates = None,
         deadline: Annotated[Optional[str], typer.Option("--deadline", help="With --rates: finish within this long (6h, 90m, 1h30m, seconds): prints the devices and pods needed")] = None,
         devices: Annotated[Optional[int], typer.Option("--devices", min=1, help="With --rates: this many devices; prints the finishing time")] = None,
@@ -87,6 +87,24 @@ def _fleet(result, rates, deadline, devices, price, warm_cache):
                       price_per_device_hour=price, warm_cache=warm_cache)
 
 
+def _print_adapters(console, adapters: dict) -> None:
+    """The adapter groups (rows are batched by adapter set and scale) and their padding."""
+    from rich.table import Table
+
+    table = Table(title="LoRA adapter groups (a batch holds one adapter set)")
+    for column in ("adapters", "items", "batches", "padded slots"):
+        table.add_column(column, justify="left" if column == "adapters" else "right", overflow="fold")
+    for group in adapters["groups"]:
+        table.add_row(group["label"], str(group["items"]), str(group["batches"]), str(group["padded_slots"]))
+    console.print(table)
+    for model, layout in adapters["layouts"].items():
+        console.print(f"layout {layout['label']} ({model}): {layout['targets']} target modules at rank "
+                      f"{layout['rank']}", highlight=False)
+    console.print(f"grouping by adapter set costs {adapters['extra_batches']} batches and "
+                  f"{adapters['extra_padded_slots']} padded slots ({adapters['batches_without_grouping']} batches "
+                  f"without it)", highlight=False)
+
+
 def _print_plan(console, plan: dict, batch_size: int) -> None:
     from rich.table import Table
 
@@ -113,5 +131,7 @@ def _print_plan(console, plan: dict, batch_size: int) -> None:
             more = shape.get("requested_sizes", 0) - min(len(asked), SHOWN_REQUESTED)
             console.print(f"  {shape['height']}x{shape['width']} <- {shown}"
                           + (f", +{more} more sizes" if more > 0 else ""), highlight=False)
+    if "adapters" in plan:
+        _print_adapters(console, plan["adapters"])
     console.print(f"{plan['compiles']} compiles: one per shape per compile cache (a fleet sharing one cache "
                   f"compiles each shape once)", highlight=False)
