@@ -199,7 +199,7 @@ class _Session:
         spec = self.spec
         return ShapeKey(model=spec.model, height=height, width=width, batch_size=batch_size or spec.batch_size,
                         max_sequence_length=spec.max_sequence_length, cfg=spec.guidance_scale > 1,
-                        dtype=spec.dtype)
+                        dtype=spec.dtype, lora=spec.lora_layout.label if spec.lora_layout else None)
 
     def call(self, height: int, width: int, steps: int):
         """One batch at HxW; returns it and the graphs compiled during the call."""
