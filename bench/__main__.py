@@ -73,7 +73,7 @@ def plot(e2e: list[dict], path: Path) -> None:
 
 
 SECTIONS = ("e2e", "whole", "device", "handoff", "phases", "sink", "ray_data", "producer", "status", "routing", "compile_cache", "warm",
-            "figures", "fleet", "degenerate", "speedups", "model_fetch")
+            "figures", "fleet", "degenerate", "speedups", "model_fetch", "lora")
 
 
 def run_section(name: str, quick: bool) -> list[dict] | dict:
@@ -135,6 +135,12 @@ def run_section(name: str, quick: bool) -> list[dict] | dict:
         common = ["--repeats", "1" if quick else "3", "--items", "16" if quick else "32", "--json"]
         return [speedups.main(common),
                 speedups.main([*common, "--family", "flux2-klein", "--specs", ";".join(speedups.SPECS[:2])])]
+    if name == "lora":
+        from bench import lora
+
+        # The issue's measure: 288 items over 24 adapters in whole batches against one adapter.
+        return lora.main(["--items", "48", "--adapters", "4", "--repeats", "1", "--json"] if quick
+                         else ["--repeats", "3", "--json"])
     if name == "degenerate":
         from bench import degenerate
 
@@ -308,6 +314,7 @@ def render(results: dict) -> str:
         lines += [f"`{row['command']}`", "", "```", row["output"], "```", ""]
     lines += warm_section(results.get("warm"), results.get("notes", {}).get("warm"))
     lines += speedups_section(results.get("speedups"), results.get("notes", {}).get("speedups"))
+    lines += lora_section(results.get("lora"), results.get("notes", {}).get("lora"))
     lines += figures_section(results.get("figures", []))
     lines += degenerate_section(results.get("degenerate"))
     lines += model_fetch_section(results.get("model_fetch"), results.get("notes", {}).get("model_fetch"))
@@ -323,6 +330,13 @@ def speedups_section(result: dict | None, text: str | None) -> list[str]:
     results = result if isinstance(result, list) else [result] if result else []
     lines = [line for index, one in enumerate(results) for line in render_speedups(one, heading=index == 0)]
     return lines + (note(text) if results else [])
+
+
+def lora_section(result: dict | None, text: str | None) -> list[str]:
+    """bench/lora.py: a run over 24 adapters in whole batches against the same items with one."""
+    from bench.lora import render as render_lora
+
+    return render_lora(result) + (note(text) if result else [])
 
 
 def model_fetch_section(result: dict | None, text: str | None) -> list[str]:
@@ -583,6 +597,9 @@ def goals(results: dict) -> list[str]:
                        f"marginal {row['marginal_ratio']:.2f} ({min(ratios):.2f}–{max(ratios):.2f}), whole at 2N "
                        f"{row['whole_ratio']:.2f} ({min(row['whole_ratios']):.2f}–{max(row['whole_ratios']):.2f})"))
     checks += device_feed_goals(results)
+    from bench.lora import goal as lora_goal
+
+    checks.append(lora_goal(results.get("lora")))
     from bench.fleet import goals as fleet_goals
     from bench.scale import goals as scale_goals
 

@@ -291,9 +291,18 @@ def test_the_hotswap_check_compiles_nothing_over_swaps(flux, loras):
 
     torch._dynamo.reset()
     host = PipelineHost(backend=get_backend("cpu"), compile_mode="regional")
-    result = check_hotswap(host, _shape(flux), [loras[4], loras[8]])
+    run = A.RunAdapters(flux)
+    refs = [ref for n, path in enumerate([loras[4], f"{loras[8]}@0.8"]) for ref in run.add(path, f"lora[{n}]")]
+    result = check_hotswap(host, _shape(flux), refs, run.layout)
     assert result.first_graphs > 0
-    assert [s.adapter for s in result.swaps] == [loras[4], loras[8], None]
-    assert result.ok and [s.graphs_compiled for s in result.swaps] == [0, 0, 0]
+    assert [(s.change, s.adapter, s.scale) for s in result.swaps] == [
+        ("adapter", loras[4], 1.0), ("scale", loras[4], 0.5), ("adapter", loras[8], 0.8), ("scale", loras[8], 0.4),
+        ("none", None, None)]
+    assert result.ok and [s.graphs_compiled for s in result.swaps] == [0] * 5
     assert all(s.swap_s > 0 for s in result.swaps)
-    assert result.to_json()["rank"] == 8
+    # Each change shows in the pixels; back to none is the first batch's pixels exactly (CPU).
+    assert all(s.vs_none > 0 and s.vs_previous > 0 for s in result.swaps[:-1]) and result.swaps[-1].vs_none == 0
+    assert result.unseen == []
+    report = result.to_json()
+    assert report["rank"] == 8 and report["graphs_after_first"] == 0
+    assert report["swap_s"]["count"] == 2 and report["scale_change_s"]["count"] == 2 and report["none_s"]["count"] == 1

@@ -297,7 +297,7 @@ def test_command_options_are_the_issue_contract():
     for option in ("--model", "--device", "--cores", "--chips", "--gpus", "--compile", "--dtype", "--offload",
                    "--shapes", "--batch-size", "--steps", "--prompts", "--reference", "--save-reference",
                    "--report", "--json", "--price-per-device-hour", "--speedups", "--profile", "--budget-psnr",
-                   "--budget-ssim", "--max-candidates", "--max-batch-size"):
+                   "--budget-ssim", "--max-candidates", "--max-batch-size", "--lora"):
         assert option in result.output
 
 

@@ -29,6 +29,14 @@ by worker/device/speedups.py `refusal` for this device, compile mode and family,
 same child measures them; here each is compared with full compute at its batch size
 on the same prompts and seeds (PSNR and SSIM per image), judged against the budget,
 and the fastest within it is each shape's choice in the profile (core/profile.py).
+
+`--lora A,B`: refused where the backend table's `hotswap` column says a swap may not
+keep the compile mode's graphs; each adapter checked and pinned here as submit checks a
+row's (core/adapters.py `RunAdapters`), before any child starts. The device child loads
+the scaffold of their layout before compiling and, after its measurement, hot-swaps
+each adapter in, changes its scale alone, and goes back to none, one batch each
+(worker/device/hotswap_check.py): any graph compiled by those batches fails the `lora`
+check.
 """
 
 from __future__ import annotations
@@ -48,6 +56,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from diffq.core.adapters import AdapterError, AdapterLayout, RunAdapters
+from diffq.core.contract import AdapterRef
 from diffq.core.options import DEFAULTS
 from diffq.core.records import DEGENERATE_CHECKS
 from diffq.worker.api import COMPILING_MODES, QUALIFY_MAIN, REFERENCE, RunConfig, get_backend
@@ -191,7 +201,8 @@ def _run_child(name: str, spec, workdir: Path, timeout: float | None) -> dict:
 
 
 def _child_spec(config: RunConfig, *, slot: int, threads: int, compile_cache: str | None, settings: Settings,
-                measure: bool, extra: list[tuple[int, int]], repeats: int, out_dir: Path, tuning: dict | None = None):
+                measure: bool, extra: list[tuple[int, int]], repeats: int, out_dir: Path, tuning: dict | None = None,
+                lora: LoraPlan | None = None):
     from diffq.worker.api import QualifySpec
     from diffq.worker.api import plan_children
 
@@ -207,7 +218,70 @@ def _child_spec(config: RunConfig, *, slot: int, threads: int, compile_cache: st
                        max_sequence_length=settings.max_sequence_length, prompts=settings.prompts,
                        seeds=settings.seeds, repeats=repeats, measure=measure, out_dir=str(out_dir),
                        **({"speedups": tuning["measure"], "speedup_prompts": tuning["prompts"],
-                           "speedup_seeds": tuning["seeds"], "speedup_repeats": repeats} if tuning else {}))
+                           "speedup_seeds": tuning["seeds"], "speedup_repeats": repeats} if tuning else {}),
+                       **({"lora": lora.refs, "lora_layout": lora.layout} if lora else {}))
+
+
+# --- LoRA hot-swap (--lora) ------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LoraPlan:
+    refs: list[AdapterRef]  # pinned
+    layout: AdapterLayout
+
+
+def plan_lora(backend, compile_mode: str, model: str, specs: list[str]) -> LoraPlan:
+    """The adapters of `--lora`, each checked and pinned as submit checks a row's (the
+    allow-list, its header, the fit to the model's transformer), and their layout; refused
+    where the backend table says a hot-swap may not keep this compile mode's graphs."""
+    from diffq.core.settings import get_settings
+
+    if reason := backend.adapter_refusal(compile_mode):
+        raise QualifyError(f"--lora refused: {reason}")
+    if not specs:
+        raise QualifyError("--lora names no adapter")
+    run = RunAdapters(model, allowed_prefixes=get_settings().allowed_adapters)
+    refs = []
+    for index, spec in enumerate(specs):
+        try:
+            (ref,) = run.add(spec, f"lora[{index}]")
+        except AdapterError as exc:
+            raise QualifyError(f"--lora {spec}: {exc.message}") from None
+        if any(ref.path == seen.path for seen in refs):
+            raise QualifyError(f"--lora {spec}: names {ref.path} twice")
+        refs.append(ref)
+    return LoraPlan(refs=refs, layout=run.layout)
+
+
+def lora_check(found: dict) -> dict:
+    """Pass when no batch after the first compiled a graph and every change showed in its
+    images; the swap times said."""
+    said = (f"{len(found['adapters'])} adapter(s) in a rank-{found['rank']} slot over {found['targets']} module(s) "
+            f"at {found['shape']}: ")
+    compiled = [swap for swap in found["swaps"] if swap["graphs_compiled"]]
+    troubles = (["graphs compiled after the first batch: " + ", ".join(
+        f"{swap['change']} {swap['adapter'] or 'none'} {swap['graphs_compiled']}" for swap in compiled)]
+        if compiled else [])
+    troubles += [f"not seen in the images: {why}" for why in found["unseen"]]
+    if troubles:
+        return {"status": "fail", "detail": said + "; ".join(troubles)}
+    return {"status": "pass", "detail": said + f"0 graphs compiled over {len(found['swaps'])} swap(s); swap median "
+            f"{found['swap_s']['median']:.4f} s, scale change median {found['scale_change_s']['median']:.4f} s"}
+
+
+def lora_lines(found: dict) -> list[str]:
+    lines = [f"lora {found['shape']} b{found['batch_size']}: slot rank {found['rank']} over {found['targets']} "
+             f"module(s) ({found['layout']}), first batch {found['first_graphs']} graphs"]
+    lines += [f"  {swap['change']:7} {swap['adapter'] or 'none'}" + (f"@{swap['scale']:g}" if swap["adapter"] else "")
+              + f": {swap['graphs_compiled']} graphs, swap {swap['swap_s']:.4f} s, call {swap['generate_s']:.3f} s, "
+                f"{swap['vs_none']} levels from none"
+              for swap in found["swaps"]]
+    lines.append("lora: " + ", ".join(f"{name} median {times['median']:.4f} s max {times['max']:.4f} s"
+                                      for name, times in (("swap", found["swap_s"]),
+                                                          ("scale change", found["scale_change_s"]),
+                                                          ("back to none", found["none_s"])) if times))
+    return lines
 
 
 # --- parity -------------------------------------------------------------------------
@@ -605,6 +679,8 @@ def checks(report: dict, thresholds: Thresholds) -> dict[str, dict]:
         found["parity"] = {"status": status, "detail": detail}
     if report.get("speedups") is not None:
         found["speedups"] = speedups_check(report["speedups"])
+    if report.get("lora") is not None:
+        found["lora"] = lora_check(report["lora"])
     return found
 
 
@@ -640,11 +716,13 @@ def qualify(model: str, *, device: str = "cpu", slot: int = 0, compile: str = "n
             price_per_device_hour: float | None = None, thresholds: Thresholds = Thresholds(),
             threads: int = 1, compile_cache: str | None = None, repeats: int = DEFAULT_REPEATS,
             reference_max_pixels: int = REFERENCE_MAX_PIXELS, timeout: float | None = None,
-            speedups: SpeedupOptions | None = None, announce: Callable[[str], None] | None = None) -> dict:
+            speedups: SpeedupOptions | None = None, announce: Callable[[str], None] | None = None,
+            lora: list[str] | None = None) -> dict:
     """Run the qualification and return the report (the `--json` object).
 
     `speedups`: tune them too (`--speedups`); `announce` hears, before any child
-    starts, how many candidates and compiles that costs."""
+    starts, how many candidates and compiles that costs. `lora`: adapter specs
+    (`PATH`, `PATH@SCALE`) to hot-swap on the device (`--lora`)."""
     from diffq.worker.api import ModelUnavailable, resolve_model
 
     backend = get_backend(device)
@@ -658,6 +736,7 @@ def qualify(model: str, *, device: str = "cpu", slot: int = 0, compile: str = "n
         resolve_model(model)
     except ModelUnavailable as exc:
         raise QualifyError(str(exc)) from None
+    adapters = plan_lora(backend, compile, model, lora) if lora is not None else None
     settings = _settings(model, reference, shapes, batch_size, steps, guidance_scale, max_sequence_length,
                          prompts_file, reference_max_pixels)
     config = RunConfig(device=device, dtype=dtype, compile=compile, offload=offload)
@@ -673,7 +752,8 @@ def qualify(model: str, *, device: str = "cpu", slot: int = 0, compile: str = "n
         device_dir, reference_dir = work / "device", work / "reference"
         extra = [s for s in settings.parity_shapes if s not in settings.shapes]
         spec = _child_spec(config, slot=slot, threads=threads, compile_cache=compile_cache, settings=settings,
-                           measure=True, extra=extra, repeats=repeats, out_dir=device_dir, tuning=tuning)
+                           measure=True, extra=extra, repeats=repeats, out_dir=device_dir, tuning=tuning,
+                           lora=adapters)
         result = _run_child("device", spec, work, timeout)
         ref_error = None
         if result.get("error"):
@@ -695,6 +775,8 @@ def qualify(model: str, *, device: str = "cpu", slot: int = 0, compile: str = "n
         report["parity"] = parity(settings, device_dir, ref_dir, reference, thresholds, ref_error)
         if tuning is not None:
             report["speedups"] = speedup_results(tuning, result.get("speedups"), device_dir, speedups)
+        if report.get("lora") is not None:
+            report["lora"]["adapters"] = [ref.model_dump() for ref in adapters.refs]  # path, scale, pinned revision
         report["checks"] = checks(report, thresholds)
         if tuning is not None and speedups.profile is not None:
             report["speedups"]["profile"] = write_profile(speedups.profile, report, compile)
@@ -811,6 +893,8 @@ def render_text(report: dict) -> str:
         lines.append(f"parity {s['shape']}: PSNR min {s['psnr_db_min']:.1f} dB, max abs diff {s['max_abs_diff']}")
     if report.get("speedups") is not None:
         lines += speedup_lines(report["speedups"])
+    if report.get("lora") is not None:
+        lines += lora_lines(report["lora"])
     for name, check in report["checks"].items():
         lines.append(f"{check['status'].upper():5} {name}: {check['detail']}")
     lines.append("PASSED" if report["passed"] else "FAILED")
@@ -938,6 +1022,7 @@ def render_html(report: dict, settings: Settings, device_dir: Path, reference_di
                                          (diff, f"|difference|, black 0 to yellow {peak}"))) + "</div>")
             galleries.append(f"<h3>{label(shape)}</h3>" + "".join(cells))
     speedups = _speedups_html(report.get("speedups"), device_dir) if report.get("speedups") is not None else ""
+    lora = _lora_html(report["lora"]) if report.get("lora") is not None else ""
     verdict = "passed" if report["passed"] else "FAILED"
     title = html.escape(f"diffq qualify {report['device']['kind']}: {verdict}")
     return f"""<!doctype html>
@@ -959,8 +1044,26 @@ th {{ background: #f3f3f3; }} img {{ max-width: 100%; }}
 <h2>Parity against {html.escape(str(p['reference']))}</h2>{parity_rows}
 {''.join(galleries)}
 {speedups}
+{lora}
 </body></html>
 """
+
+
+def _lora_html(found: dict) -> str:
+    """--lora: the slot, then one row per checked batch."""
+    from diffq.results.report import _table
+
+    adapters = _table(["adapter", "scale", "revision"], [[a["path"], f"{a['scale']:g}", a["revision"] or "-"]
+                                                         for a in found["adapters"]])
+    swaps = _table(["change", "adapter", "scale", "graphs compiled", "swap s", "call s", "levels from none",
+                    "levels from the batch before"],
+                   [[swap["change"], swap["adapter"] or "none", "-" if swap["scale"] is None else f"{swap['scale']:g}",
+                     swap["graphs_compiled"], f"{swap['swap_s']:.4f}", f"{swap['generate_s']:.3f}", swap["vs_none"],
+                     swap["vs_previous"]] for swap in found["swaps"]])
+    return (f"<h2>LoRA hot-swap</h2><p>At {html.escape(found['shape'])}, batch size {found['batch_size']}: a slot of "
+            f"rank {found['rank']} over {found['targets']} module(s) ({html.escape(found['layout'])}), loaded before "
+            f"the compile; the first batch compiled {found['first_graphs']} graph(s), each batch after it must "
+            f"compile none.</p>{adapters}{swaps}")
 
 
 def _speedups_html(found: dict, device_dir: Path) -> str:

@@ -2,66 +2,124 @@
 
 On this device and compile mode, through the pipeline host a worker serves with
 (PipelineHost.use_adapters, worker/device/adapters.py): the scaffold for the adapters'
-layout before the compile, a first batch without an adapter (it compiles), then one batch
-per adapter and back to none. Each swap's batch must compile 0 graphs; its swap time is
-what a change of adapter set costs a batch.
+layout before the compile, a first batch without an adapter (it compiles, unless the
+host already served the shape), then per adapter one batch with it and one with only its
+scale changed, and back to none. Each of those batches must compile 0 graphs; its swap
+time is what that change of adapter set costs a batch. And each change must be seen in
+the images: a device whose graphs baked the LoRA weights or scalings in as constants
+(backends.py, the TPU row) would compile nothing and change nothing. An adapter's batch
+must differ from the no-adapter batch, a scale change from the batch before it, and
+back to none must give the first batch's pixels again (within BACK_TO_NONE_LEVELS).
 """
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from diffq.core import adapters as A
 from diffq.core.contract import AdapterRef, BatchItem, BatchParams, ShapeKey
 from diffq.worker.device.pipeline_host import PipelineHost
 
+# What each checked batch changes in the slot.
+ADAPTER, SCALE, NONE = "adapter", "scale", "none"
+# Back to no adapter: the same graphs on the same inputs as the first batch. Allowed a
+# level of 8-bit difference for a device whose kernels are not bitwise reproducible run
+# to run; a stale adapter left in the slot moves pixels by far more (tests/test_lora.py).
+BACK_TO_NONE_LEVELS = 1
+
+
+def other_scale(scale: float) -> float:
+    """The scale a scale-only change goes to: half the adapter's own (1.0 from 0)."""
+    return scale / 2 if scale else 1.0
+
 
 @dataclass(frozen=True)
 class Swap:
-    adapter: str | None  # None: back to no adapter (the scaffold's zeros)
+    change: str  # ADAPTER (another adapter into the slot), SCALE (its scale only), NONE (the scaffold's zeros)
+    adapter: str | None  # the adapter's path; None: no adapter
+    scale: float | None
     graphs_compiled: int
     swap_s: float
     generate_s: float
+    vs_none: int  # max abs difference from the first (no-adapter) batch, 8-bit levels
+    vs_previous: int  # the same, from the batch before
+
+    @property
+    def unseen(self) -> str | None:
+        """Why the images say this change did not take effect, or None."""
+        if self.change == ADAPTER and self.scale and not self.vs_none:
+            return f"{self.adapter}@{self.scale:g}: the same pixels as without an adapter"
+        if self.change == SCALE and not self.vs_previous:
+            return f"{self.adapter}@{self.scale:g}: the same pixels as at its previous scale"
+        if self.change == NONE and self.vs_none > BACK_TO_NONE_LEVELS:
+            return f"back to none: {self.vs_none} levels from the first no-adapter batch (a stale adapter?)"
+        return None
 
 
 @dataclass
 class HotswapCheck:
     layout: A.AdapterLayout
-    first_graphs: int  # the first batch's compile (no adapter)
+    first_graphs: int  # the first batch's compile (no adapter; 0 when the host had served the shape)
     swaps: list[Swap] = field(default_factory=list)
 
     @property
+    def unseen(self) -> list[str]:
+        return [why for swap in self.swaps if (why := swap.unseen)]
+
+    @property
     def ok(self) -> bool:
-        """No swap's batch compiled a graph."""
-        return all(swap.graphs_compiled == 0 for swap in self.swaps)
+        """No swap's batch compiled a graph, and each swap shows in the images."""
+        return all(swap.graphs_compiled == 0 for swap in self.swaps) and not self.unseen
+
+    def seconds(self, change: str) -> dict | None:
+        """The swap times of one kind of change: median, max and count."""
+        found = [swap.swap_s for swap in self.swaps if swap.change == change]
+        return {"median": round(statistics.median(found), 6), "max": round(max(found), 6),
+                "count": len(found)} if found else None
 
     def to_json(self) -> dict:
         return {"ok": self.ok, "rank": self.layout.rank, "targets": len(self.layout.targets),
-                "first_graphs": self.first_graphs,
-                "swaps": [{"adapter": s.adapter, "graphs_compiled": s.graphs_compiled, "swap_s": round(s.swap_s, 4),
-                           "generate_s": round(s.generate_s, 4)} for s in self.swaps]}
+                "layout": self.layout.label, "first_graphs": self.first_graphs,
+                "graphs_after_first": sum(swap.graphs_compiled for swap in self.swaps), "unseen": self.unseen,
+                "swap_s": self.seconds(ADAPTER), "scale_change_s": self.seconds(SCALE), "none_s": self.seconds(NONE),
+                "swaps": [{"change": s.change, "adapter": s.adapter, "scale": s.scale,
+                           "graphs_compiled": s.graphs_compiled, "swap_s": round(s.swap_s, 6),
+                           "generate_s": round(s.generate_s, 6), "vs_none": s.vs_none, "vs_previous": s.vs_previous}
+                          for s in self.swaps]}
 
 
-def check_hotswap(host: PipelineHost, shape: ShapeKey, adapters: list[str], *, steps: int = 1,
-                  guidance_scale: float = 1.0) -> HotswapCheck:
-    """Serve `adapters` (paths, each checked from its header and fitted to the model) one
-    batch each on `host`, which must not have loaded `shape.model` yet."""
-    run = A.RunAdapters(shape.model)
-    refs = [ref for index, path in enumerate(adapters) for ref in run.add(path, f"lora[{index}]")]
-    layout = run.layout
-    if layout is None:
-        raise A.AdapterError("lora", "no adapter to check")
+def _levels(a: list, b: list) -> int:
+    """Max abs difference of two batches of 8-bit images."""
+    return int(max(np.abs(np.asarray(x, dtype=np.int16) - np.asarray(y, dtype=np.int16)).max() for x, y in zip(a, b)))
+
+
+def check_hotswap(host: PipelineHost, shape: ShapeKey, adapters: list[AdapterRef], layout: A.AdapterLayout, *,
+                  steps: int = 1, guidance_scale: float = 1.0, items: list[BatchItem] | None = None) -> HotswapCheck:
+    """Serve `adapters` (checked and pinned: core/adapters.py RunAdapters, whose `layout`
+    is theirs) one batch each, then each again at another scale, on `host`: before it loads
+    `shape.model`, or after, when the host was told this layout before it loaded."""
     host.use_adapters(shape.model, layout)
-    items = [BatchItem(id=f"hotswap-{k}", prompt=f"a hot-swap check {k}", seed=k) for k in range(shape.batch_size)]
+    items = items or [BatchItem(id=f"hotswap-{k}", prompt=f"a hot-swap check {k}", seed=k)
+                      for k in range(shape.batch_size)]
 
     def batch(ref: AdapterRef | None):
         params = BatchParams(num_inference_steps=steps, guidance_scale=guidance_scale,
                              adapters=(ref,) if ref else ())
         return host.generate(shape, params, items)
 
-    result = HotswapCheck(layout=layout, first_graphs=batch(None).graphs)
-    for ref in [*refs, None]:
+    first = batch(None)
+    result = HotswapCheck(layout=layout, first_graphs=first.graphs)
+    previous = first.images
+    plan = [(change, ref) for one in adapters
+            for change, ref in ((ADAPTER, one), (SCALE, one.model_copy(update={"scale": other_scale(one.scale)})))]
+    for change, ref in [*plan, (NONE, None)]:
         generated = batch(ref)
-        result.swaps.append(Swap(adapter=ref.path if ref else None, graphs_compiled=generated.graphs,
-                                 swap_s=generated.adapter_swap_s, generate_s=generated.generate_s))
+        result.swaps.append(Swap(change=change, adapter=ref.path if ref else None, scale=ref.scale if ref else None,
+                                 graphs_compiled=generated.graphs, swap_s=generated.adapter_swap_s,
+                                 generate_s=generated.generate_s, vs_none=_levels(generated.images, first.images),
+                                 vs_previous=_levels(generated.images, previous)))
+        previous = generated.images
     return result

@@ -27,6 +27,11 @@ the backend's extension, then drives the same `PipelineHost` a worker uses:
   interleaved so a drift of the machine's speed is shared. An out-of-memory error in
   full compute stops the shape's larger batch sizes; any other failure is that
   candidate's, reported, never the run's.
+- `--lora A,B`: the adapters' scaffold goes in before the model loads (so every call
+  above runs as a worker serving them would: the scaffold's zeros in its graphs); after
+  the revisit, at the first shape, the hot-swap check (worker/device/hotswap_check.py):
+  per adapter a batch with it and one with only its scale changed, then back to none,
+  each batch's graphs compiled and swap seconds.
 
 The result is one JSON file; a failure writes an `error` there instead of a traceback.
 """
@@ -48,6 +53,8 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from diffq.core.adapters import AdapterLayout
+from diffq.core.contract import AdapterRef
 from diffq.core.options import DEFAULTS
 from diffq.worker.sink.store import as_image
 from diffq.worker.delivery.spec import QUIET_ENV, ChildSpec
@@ -92,6 +99,9 @@ class QualifySpec(BaseModel):
     speedup_prompts: list[str] = Field(default_factory=list)
     speedup_seeds: list[int] = Field(default_factory=list)
     speedup_repeats: int = 0
+    # --lora: the adapters, checked and pinned by the parent, and their layout (the scaffold).
+    lora: list[AdapterRef] = Field(default_factory=list)
+    lora_layout: AdapterLayout | None = None
 
 
 def image_path(out_dir: str | Path, height: int, width: int, index: int) -> Path:
@@ -178,6 +188,8 @@ class _Session:
         """Load the model (and wrap it for compiling); returns the seconds it took."""
         started = time.perf_counter()
         self.host.set_shape_budget(len(self.spec.shapes) + len(self.spec.extra_parity_shapes))
+        if self.spec.lora_layout is not None:  # the scaffold before the compile
+            self.host.use_adapters(self.spec.model, self.spec.lora_layout)
         self.host.pipeline(self.spec.model, self.spec.dtype)
         return time.perf_counter() - started
 
@@ -187,7 +199,7 @@ class _Session:
         spec = self.spec
         return ShapeKey(model=spec.model, height=height, width=width, batch_size=batch_size or spec.batch_size,
                         max_sequence_length=spec.max_sequence_length, cfg=spec.guidance_scale > 1,
-                        dtype=spec.dtype)
+                        dtype=spec.dtype, lora=spec.lora_layout.label if spec.lora_layout else None)
 
     def call(self, height: int, width: int, steps: int):
         """One batch at HxW; returns it and the graphs compiled during the call."""
@@ -231,6 +243,7 @@ def measure(spec: QualifySpec) -> dict:
         timed, images_only = (spec.shapes, spec.extra_parity_shapes) if spec.measure else ([], spec.shapes)
         shapes = [_timed_shape(session, height, width) for height, width in timed]
         revisit = _revisit(session, shapes) if spec.measure else None
+        lora = _lora(session) if spec.lora else None
         for height, width in images_only:
             generated, _ = session.call(height, width, spec.steps)
             _save(generated.images, spec, height, width)
@@ -241,7 +254,20 @@ def measure(spec: QualifySpec) -> dict:
     result = _report(session, load_s, shapes, revisit, compile_cache.report(cache, sync), memory)
     if tuned is not None:
         result["speedups"] = tuned
+    if lora is not None:
+        result["lora"] = lora
     return result
+
+
+def _lora(session: _Session) -> dict:
+    """`--lora`: the hot-swap check at the first timed shape, on the host that measured it."""
+    from diffq.worker.device.hotswap_check import check_hotswap
+
+    spec = session.spec
+    height, width = spec.shapes[0]
+    checked = check_hotswap(session.host, session.key(height, width), spec.lora, spec.lora_layout, steps=spec.steps,
+                            guidance_scale=spec.guidance_scale, items=session.items)
+    return {"shape": f"{height}x{width}", "batch_size": spec.batch_size, **checked.to_json()}
 
 
 def out_of_memory(exc: BaseException) -> bool:

@@ -49,11 +49,13 @@ def register(app: typer.Typer) -> None:
         budget_ssim: Annotated[float, typer.Option("--budget-ssim", min=0.0, max=1.0, help="With --speedups: a candidate below this SSIM against full compute is never chosen")] = BUDGET_SSIM,
         max_candidates: Annotated[int, typer.Option("--max-candidates", min=1, help="With --speedups: candidates measured per shape, full compute included (the rest are listed, not measured)")] = MAX_CANDIDATES,
         max_batch_size: Annotated[Optional[int], typer.Option("--max-batch-size", min=1, help="With --speedups: batch sizes 1, 2, 4, ... up to this (default --batch-size); an out-of-memory stops there")] = None,
+        lora: Annotated[Optional[list[str]], typer.Option("--lora", help="A,B[,C…] (repeatable): LoRA adapters, each PATH or PATH@SCALE, checked as submit checks them, then hot-swapped on the device after the measurement: a swap that compiles a graph fails; swap and scale-change times (docs/qualify.md)")] = None,
         devices: Devices = None,
     ) -> None:
         """Qualify a device before you scale: compile vs steady state, recompiles, fallback ops, parity, memory.
 
-        --speedups tunes the speed-ups too and says what that costs before it starts.
+        --speedups tunes the speed-ups too and says what that costs before it starts;
+        --lora A,B checks that hot-swapping LoRA adapters compiles nothing.
         Exit code 1 when a check fails, 2 on bad input.
         """
         from diffq.app.options import err
@@ -81,6 +83,7 @@ def register(app: typer.Typer) -> None:
                                       warn_margin_db=limits.warn_margin_db), threads=threads,
                 compile_cache=compile_cache or get_settings().compile_cache, repeats=repeats,
                 reference_max_pixels=reference_max_pixels, speedups=tuning,
+                lora=[spec.strip() for given in lora for spec in given.split(",") if spec.strip()] if lora else None,
                 announce=lambda line: err.print(line, highlight=False, markup=False, soft_wrap=True))
         except (QualifyError, ValueError) as exc:
             fail(str(exc))

@@ -1,0 +1,134 @@
+"""`diffq qualify --lora A,B` (issue 50): on the device and compile mode asked, the
+adapters' scaffold before the compile, then per adapter a hot-swapped batch and a
+scale-only change, and back to none; each batch after the first must compile 0 graphs
+and show its change in the images. Refused where the backend table's `hotswap` column
+refuses the device row; a bad adapter refused naming it, before any child starts.
+
+End to end on the tiny FLUX.1 pipeline with `diffq tiny-lora` adapters of ranks 4
+(q and v only) and 8, CPU Inductor, regional compile.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from typer.testing import CliRunner
+
+from diffq.app import qualify as q
+from diffq.app.cli import app
+from tests.test_lora import _safetensors, flux, loras  # noqa: F401  (fixtures: tiny FLUX.1, adapters of ranks 4, 8, 16)
+
+SHAPE = "64x64"
+
+
+def run(*args: str) -> tuple[int, dict | None, str]:
+    proc = subprocess.run([sys.executable, "-m", "diffq", "qualify", *args], capture_output=True, text=True,
+                          env=dict(os.environ), timeout=900)
+    report = json.loads(proc.stdout) if "--json" in args and proc.stdout.strip() else None
+    return proc.returncode, report, proc.stdout + proc.stderr
+
+
+def test_hot_swaps_compile_nothing_and_show_in_the_images(flux, loras, tmp_path):
+    code, report, output = run("--model", flux, "--shapes", SHAPE, "--steps", "1", "--repeats", "1",
+                               "--compile", "regional", "--lora", f"{loras[4]},{loras[8]}@0.8",
+                               "--report", str(tmp_path / "r"), "--json")
+    assert code == 0, output
+    lora = report["lora"]
+    assert [(s["change"], s["adapter"], s["scale"]) for s in lora["swaps"]] == [
+        ("adapter", loras[4], 1.0), ("scale", loras[4], 0.5), ("adapter", loras[8], 0.8), ("scale", loras[8], 0.4),
+        ("none", None, None)]
+    # The scaffold went in before the compile: the measurement compiled the shape, and no
+    # batch of the check compiled anything (its first, no adapter, found the shape served).
+    assert report["shapes"][0]["first_call_graphs"] > 0 and lora["first_graphs"] == 0
+    assert [s["graphs_compiled"] for s in lora["swaps"]] == [0] * 5 and lora["graphs_after_first"] == 0
+    assert report["recompiles"]["steady"] == 0
+    # Each change is seen in the pixels; back to none is the first batch's pixels again.
+    assert all(s["vs_none"] > 0 and s["vs_previous"] > 0 for s in lora["swaps"][:4])
+    assert lora["swaps"][4]["vs_none"] == 0 and lora["unseen"] == []
+    assert all(s["swap_s"] > 0 for s in lora["swaps"])
+    assert lora["swap_s"]["count"] == 2 and lora["scale_change_s"]["count"] == 2 and lora["none_s"]["count"] == 1
+    assert lora["rank"] == 8 and lora["shape"] == SHAPE
+    assert [(a["path"], a["scale"]) for a in lora["adapters"]] == [(loras[4], 1.0), (loras[8], 0.8)]
+    assert all(a["revision"].startswith("sha256:") for a in lora["adapters"])  # pinned as submit pins them
+    # The scaffold's zeros change no image: parity against a CPU reference that has none.
+    assert report["parity"]["passed"]
+    assert report["checks"]["lora"]["status"] == "pass" and report["passed"] is True
+    assert "0 graphs compiled over 5 swap(s)" in report["checks"]["lora"]["detail"]
+    text = q.render_text(report)
+    assert f"lora {SHAPE} b1: slot rank 8" in text and "PASS  lora:" in text
+    page = (tmp_path / "r" / "index.html").read_text()
+    assert "LoRA hot-swap" in page and loras[8] in page
+
+
+def test_a_recompile_or_an_unseen_swap_fails_the_check():
+    def swap(change, graphs=0, vs_none=5, vs_previous=5):
+        return {"change": change, "adapter": None if change == "none" else "a.safetensors",
+                "scale": None if change == "none" else 1.0, "graphs_compiled": graphs, "swap_s": 0.01,
+                "generate_s": 0.1, "vs_none": vs_none, "vs_previous": vs_previous}
+
+    found = {"adapters": [{"path": "a.safetensors", "scale": 1.0, "revision": None}], "rank": 4, "targets": 2,
+             "shape": SHAPE, "swaps": [swap("adapter"), swap("scale"), swap("none", vs_none=0)], "unseen": [],
+             "swap_s": {"median": 0.01}, "scale_change_s": {"median": 0.01}}
+    assert q.lora_check(found)["status"] == "pass"
+    found["swaps"][1] = swap("scale", graphs=2)
+    check = q.lora_check(found)
+    assert check["status"] == "fail" and "graphs compiled after the first batch: scale a.safetensors 2" in check["detail"]
+    found["swaps"][1] = swap("scale")
+    found["unseen"] = ["a.safetensors@1: the same pixels as without an adapter"]
+    check = q.lora_check(found)
+    assert check["status"] == "fail" and "not seen in the images: a.safetensors@1" in check["detail"]
+
+
+def test_unseen_swaps_are_read_from_the_pixels():
+    from diffq.worker.device.hotswap_check import BACK_TO_NONE_LEVELS, Swap
+
+    def swap(change, scale, vs_none, vs_previous):
+        return Swap(change=change, adapter="a" if scale is not None else None, scale=scale, graphs_compiled=0,
+                    swap_s=0.01, generate_s=0.1, vs_none=vs_none, vs_previous=vs_previous)
+
+    assert swap("adapter", 1.0, 0, 0).unseen == "a@1: the same pixels as without an adapter"
+    assert swap("adapter", 0.0, 0, 3).unseen is None  # scale 0 is no adapter
+    assert swap("scale", 0.5, 3, 0).unseen == "a@0.5: the same pixels as at its previous scale"
+    assert swap("none", None, BACK_TO_NONE_LEVELS, 9).unseen is None
+    assert "stale adapter" in swap("none", None, BACK_TO_NONE_LEVELS + 1, 9).unseen
+
+
+def test_a_device_row_that_refuses_hotswap_is_refused_before_any_child(flux, loras):
+    result = CliRunner().invoke(app, ["qualify", "--model", flux, "--device", "neuron", "--compile", "full",
+                                      "--lora", loras[8]], env={"COLUMNS": "300"})
+    assert result.exit_code == 2, result.output
+    assert "error: --lora refused: LoRA adapters on --device neuron --compile full: unverified on Neuron" in result.output
+
+
+@pytest.mark.parametrize("bad, why", [
+    ("missing", "no such file"),
+    ("corrupt", "corrupt header"),
+    ("text_encoder", "text-encoder LoRA"),
+    ("other_model", "another model"),
+])
+def test_a_bad_adapter_is_refused_naming_it(flux, loras, tmp_path, bad, why):
+    path = str(tmp_path / f"{bad}.safetensors")
+    if bad == "corrupt":
+        _safetensors(tmp_path / f"{bad}.safetensors", {}, raw=b"{not json")
+    elif bad == "text_encoder":
+        _safetensors(tmp_path / f"{bad}.safetensors",
+                     {"text_encoder.text_model.encoder.layers.0.self_attn.q_proj.lora_A.weight": [4, 16]})
+    elif bad == "other_model":
+        _safetensors(tmp_path / f"{bad}.safetensors",
+                     {"transformer.transformer_blocks.0.attn.to_q.lora_A.weight": [4, 3072],
+                      "transformer.transformer_blocks.0.attn.to_q.lora_B.weight": [3072, 4]})
+    result = CliRunner().invoke(app, ["qualify", "--model", flux, "--lora", f"{loras[4]},{path}@0.5"],
+                                env={"COLUMNS": "1000"})
+    assert result.exit_code == 2, result.output
+    assert f"error: --lora {path}@0.5: {path}: " in result.output and why in result.output
+    assert result.exception.__class__ is SystemExit
+
+
+def test_an_adapter_named_twice_and_none_at_all_are_refused(flux, loras):
+    for given, message in ((f"{loras[4]},{loras[4]}@0.5", f"names {loras[4]} twice"), (",", "names no adapter")):
+        result = CliRunner().invoke(app, ["qualify", "--model", flux, "--lora", given], env={"COLUMNS": "1000"})
+        assert result.exit_code == 2 and message in result.output, result.output
