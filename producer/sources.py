@@ -167,7 +167,7 @@ class RowAdapters:
             if run is None:
                 run = self._runs[model] = RunAdapters(model, allowed_prefixes=self.allowed)
             refs = self._known[key] = run.add(value, field)
-            self.named = True
+            self.named = self.named or bool(refs)  # `[null]` names none: nothing to re-encode for
         return refs
 
     def layouts(self) -> dict[str, AdapterLayout]:

@@ -471,7 +471,8 @@ def _validated_parts(prompts, options: RunOptions, defaults: Defaults, keep_colu
     for _ in checked:  # the rows after it: validated, not encoded
         pass
     plan = validation.plan()
-    if plan.adapter_layouts:
+    # Encoding stopped where a row named an adapter: whatever the layouts, the rest is encoded again.
+    if plan.adapter_layouts or (defaults.adapters is not None and defaults.adapters.named):
         return plan, plan_parts(encoded(read_prompts(prompts, defaults, keep_columns), plan.adapter_layouts))
     return plan, spill.parts()
 

@@ -409,3 +409,14 @@ def test_pixels_match_plain_diffusers_runs_of_each_adapter(lora_run, flux, loras
     assert np.abs(pair("r16") - pair("base")).max() >= 10 * tolerance
     assert np.array_equal(pair("s3"), pair("r8"))  # from s3:// (moto): the local file's pixels
     assert np.array_equal(images["r16-again"], images["r16-0"])  # another batch, padded: the same item
+
+
+def test_a_list_of_nulls_names_no_adapter_and_loses_no_batch(tmp_path, flux):
+    """`[null]` (a Parquet list cell with a null, a CSV cell `[null]`) is no adapter: every
+    row is still published, in a run without a layout (it used to stop the encoding at
+    that row and publish only the batches before it)."""
+    rows = [{"id": f"a-{k}", "prompt": "p"} for k in range(3)] + [{"id": "nulls", "prompt": "p", "lora": [None]}] \
+        + [{"id": f"b-{k}", "prompt": "p"} for k in range(4)]
+    messages, out = _submitted(tmp_path, rows, flux)
+    assert sorted(item.id for m in messages for item in m.items) == sorted(row["id"] for row in rows)
+    assert {m.shape.lora for m in messages} == {None} and all(m.params.adapters == () for m in messages)
