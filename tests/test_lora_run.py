@@ -235,23 +235,40 @@ def test_a_worker_takes_the_layout_from_the_manifest_and_refuses_another(tmp_pat
     from diffq.worker.device.pipeline_host import PipelineHost
     from diffq.worker.sink.store import Sink
 
-    messages, out = _submitted(tmp_path, [{"prompt": "p", "lora": loras[8]}], flux)
-    storage, shape = open_storage(out), messages[0].shape
+    (tmp_path / "eight").mkdir(), (tmp_path / "four").mkdir()
+    eight, out = _submitted(tmp_path / "eight", [{"prompt": "p", "lora": loras[8]}], flux)
+    four, out4 = _submitted(tmp_path / "four", [{"prompt": "p", "lora": loras[4]}], flux)
+    storage, shape, storage4, shape4 = open_storage(out), eight[0].shape, open_storage(out4), four[0].shape
+    assert shape.lora != shape4.lora  # two runs, two layouts of one model
     spec = ChildSpec(name="w", broker_url="memory://", queues=[shape.queue], allowed_out_prefixes=[])
+
+    def pixels(host, message) -> np.ndarray:
+        return _pixels(host.generate(message.shape, message.params, message.items).images)
+
+    fresh = {}
+    for name, message in (("eight", eight[0]), ("four", four[0])):  # each layout on a host of its own
+        host = PipelineHost(backend=get_backend("cpu"))
+        host.use_adapters(flux, read_manifest(open_storage(message.out)).adapter_layouts[flux])
+        fresh[name] = pixels(host, message)
+    # A worker that preloaded the model without a layout (a fleet's) serves both runs in
+    # turn: each batch's pipeline is built around its run's layout on the device's turn.
     rt = Runtime(spec=spec, host=PipelineHost(backend=get_backend("cpu")), sink=Sink())
-    assert rt.run_problem(storage, messages[0].run_id) is None
-    assert rt.adapter_problem(storage, shape) is None
-    assert rt.host.adapter_layouts[flux] == read_manifest(storage).adapter_layouts[flux]
-    # A worker that preloaded the model without the layout (a fleet's) loads it again around it.
-    preloaded = Runtime(spec=spec, host=PipelineHost(backend=get_backend("cpu")), sink=Sink())
-    preloaded.host.pipeline(flux, "auto")
-    assert preloaded.run_problem(storage, messages[0].run_id) is None and not preloaded.host.adapter_slots
-    assert preloaded.adapter_problem(storage, shape) is None
-    preloaded.host.pipeline(flux, "auto")
-    assert [key[0] for key in preloaded.host.adapter_slots] == [flux]
+    rt.host.pipeline(flux, "auto")
+    for storage_, message in ((storage, eight[0]), (storage4, four[0])):
+        assert rt.run_problem(storage_, message.run_id) is None
+        assert rt.adapter_problem(storage_, message.shape, message.params.adapters) is None
+    assert not rt.host.adapter_slots  # the checks load nothing
+    for name, message in (("eight", eight[0]), ("four", four[0]), ("eight", eight[0])):
+        assert np.array_equal(pixels(rt.host, message), fresh[name]), name
+        assert rt.host.adapter_layouts[flux].label == message.shape.lora
+    # What the manifest does not say is refused.
     other = shape.model_copy(update={"lora": "r4-0000abcd"})
     assert "names LoRA layout r4-0000abcd" in rt.adapter_problem(storage, other)
     assert "says none" in rt.adapter_problem(storage, shape.model_copy(update={"model": "/elsewhere"}))
+    ref = eight[0].params.adapters[0]
+    assert "is not one run" in rt.adapter_problem(storage, shape, (ref.model_copy(update={"path": loras[16]}),))
+    assert "pinned" in rt.adapter_problem(storage, shape, (ref.model_copy(update={"revision": "0" * 16}),))
+    assert "is not one run" in rt.adapter_problem(storage, shape, four[0].params.adapters)  # another run's
 
 
 # --- the worker: a step cache with adapters ---------------------------------------------

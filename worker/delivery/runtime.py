@@ -21,7 +21,6 @@ from diffq.worker.delivery.admission import Admission
 from diffq.worker.delivery.batches import BatchLine
 from diffq.worker.delivery.failures import storage_trouble
 from diffq.worker.delivery.lease import LeaseKeeper
-from diffq.worker.device.adapters import AdapterOrderError, AdapterUnsupported
 from diffq.worker.device.pipeline_host import PipelineHost
 from diffq.worker.delivery.routing import Discovery, Router
 from diffq.worker.sink.store import Sink
@@ -58,6 +57,7 @@ class Runtime:
     run_models: dict[str, frozenset[str]] = field(default_factory=dict)  # run folder -> its manifest's models
     # run folder -> its manifest's LoRA layouts (model -> AdapterLayout)
     adapter_layouts: dict[str, dict[str, AdapterLayout]] = field(default_factory=dict)
+    adapter_pins: dict[str, dict[str, str]] = field(default_factory=dict)  # run folder -> adapter path -> revision
 
     def __post_init__(self):
         if self.line is None:
@@ -105,6 +105,7 @@ class Runtime:
                     manifest.get("models") or [(manifest.get("defaults") or {}).get("model")]) - {None}
                 self.adapter_layouts[storage.url] = {model: AdapterLayout.model_validate(value) for model, value
                                                      in (manifest.get("adapter_layouts") or {}).items()}
+                self.adapter_pins[storage.url] = dict(manifest.get("adapter_revisions") or {})
                 self.run_ids[storage.url] = str(manifest["run_id"])
             except (ValueError, KeyError, TypeError, AttributeError):  # pydantic's ValidationError too
                 return f"{storage.url}/{layout.MANIFEST} is not a diffq run manifest"
@@ -133,21 +134,30 @@ class Runtime:
                     f"pinned {pinned}: a worker started for that revision must take its batches")
         return None
 
-    def adapter_problem(self, storage: Storage, shape: ShapeKey) -> str | None:
-        """Why this worker may not serve `shape`'s LoRA layout for the run in `storage`
-        (read by `run_problem` first), or None. The layout is the manifest's; a model not
-        loaded yet gets its scaffold when it loads (before it compiles); one loaded
-        without it (preloaded, or for another run's layout) is loaded again around it."""
+    def adapter_problem(self, storage: Storage, shape: ShapeKey, adapters: tuple = ()) -> str | None:
+        """Why this worker may not serve a batch of `shape` with `adapters` for the run in
+        `storage` (read by `run_problem` first), or None. The shape's layout must be its
+        run manifest's, and each adapter one the manifest pinned, at that revision (as a
+        model must be: a batch cannot make a worker load an adapter its run never named).
+        Only checks: the pipeline is built (or built again) around the layout on the
+        device's turn (PipelineHost._ready)."""
         layout = self.adapter_layouts.get(storage.url, {}).get(shape.model)
         if (layout.label if layout is not None else None) != shape.lora:
             return (f"shape {shape.queue} names LoRA layout {shape.lora}, but run {self.run_ids.get(storage.url)}'s "
                     f"manifest says {layout.label if layout is not None else 'none'} for {shape.model}")
+        pins = self.adapter_pins.get(storage.url, {})
+        for ref in adapters:
+            if ref.path not in pins:
+                return (f"adapter {ref.path[:200]!r} is not one run {self.run_ids.get(storage.url)}'s manifest "
+                        "pins")
+            if ref.revision != pins[ref.path]:
+                return (f"adapter {ref.path[:200]!r} at revision {ref.revision}, but run "
+                        f"{self.run_ids.get(storage.url)} pinned {pins[ref.path]}")
         if layout is None:
             return None
-        try:
-            self.host.use_adapters(shape.model, layout, reload=True)
-        except (AdapterOrderError, AdapterUnsupported) as exc:
-            return str(exc)
+        if reason := self.host.adapter_refusal():
+            return reason
+        self.host.know_layout(layout)
         return None
 
     def storage_for(self, out: str) -> Storage:

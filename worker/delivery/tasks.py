@@ -71,7 +71,7 @@ def live(batch: Batch, hooks: list[BatchHook]) -> End:
     """The batch from receipt to stored, calling the hooks at each step: how it ended."""
     rt, message, storage = batch.runtime, batch.message, batch.storage
     if reason := (rt.run_problem(storage, message.run_id) or rt.model_problem(storage, message.shape.model)
-                  or rt.adapter_problem(storage, message.shape)):
+                  or rt.adapter_problem(storage, message.shape, message.params.adapters)):
         return refused(batch, reason)
     for hook in hooks:
         if end := hook.on_received(batch):

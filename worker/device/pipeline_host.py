@@ -163,6 +163,8 @@ class PipelineHost:
     # to (set before the model loads: `use_adapters`), per loaded pipeline its slot.
     adapter_layouts: dict = field(default_factory=dict)
     adapter_slots: dict = field(default_factory=dict, repr=False, compare=False)
+    # label -> layout, for every layout a run this worker read declares (`know_layout`).
+    known_layouts: dict = field(default_factory=dict, repr=False, compare=False)
     adapter_cache: AdapterCache = field(default_factory=AdapterCache, repr=False, compare=False)
 
     @property
@@ -181,28 +183,62 @@ class PipelineHost:
             torch.accelerator.set_device_index(self._device_index)
         self._threads.bound = True
 
-    def use_adapters(self, model: str, layout: AdapterLayout, *, reload: bool = False) -> None:
+    def adapter_refusal(self) -> str | None:
+        """Why this backend and compile mode take no LoRA adapters (the backend table's
+        `hotswap` column), or None."""
+        return self.backend.adapter_refusal(self.compile_mode)
+
+    def use_adapters(self, model: str, layout: AdapterLayout) -> None:
         """Serve LoRA adapters of `layout` on `model`: its scaffold goes in when the model
-        loads, before it compiles. Refused where the backend table says a swap may not keep
-        the graphs, and for a model already loaded with another layout (its graphs are made)
-        unless `reload`: then that pipeline is dropped, and the next call loads and compiles
-        it again around the scaffold (a fleet worker preloads its model before any run names
-        a layout)."""
-        if reason := self.backend.adapter_refusal(self.compile_mode):
+        loads, before it compiles (a preloading worker, qualify). Refused where the backend
+        table says a swap may not keep the graphs, and for a model already loaded with
+        another layout (its graphs are made); a batch naming another layout has its
+        model loaded again around it on the device's turn (`_ready`)."""
+        if reason := self.adapter_refusal():
             raise AdapterUnsupported(reason)
-        loaded = [key for key in self._pipelines if key[0] == model]
-        if loaded and self.adapter_layouts.get(model) != layout:
-            if not reload:
-                raise AdapterOrderError(f"model {model} is loaded (and compiled) without this adapter layout; the "
-                                        f"scaffold must go in before compiling: a new worker process serves it")
-            with self._device:  # no call of the old pipeline is running
-                for key in loaded:
-                    self._pipelines.pop(key, None)
-                    self.adapter_slots.pop(key, None)
-                self.shapes_seen -= {shape for shape in self.shapes_seen if shape.model == model}
-            log.warning("model %s: loaded again for LoRA layout %s (its scaffold must go in before compiling)",
-                        model, layout.label)
+        self.known_layouts[layout.label] = layout
+        if any(key[0] == model for key in self._pipelines) and self.adapter_layouts.get(model) != layout:
+            raise AdapterOrderError(f"model {model} is loaded (and compiled) without this adapter layout; the "
+                                    f"scaffold must go in before compiling: a new worker process serves it")
         self.adapter_layouts[model] = layout
+
+    def know_layout(self, layout: AdapterLayout) -> None:
+        """A layout a run's manifest declares: a batch whose shape names its label may
+        come (the shape key carries only the label)."""
+        self.known_layouts[layout.label] = layout
+
+    def _wanted_layout(self, shape: ShapeKey) -> AdapterLayout | None:
+        """The LoRA layout `shape`'s pipeline must be built around (None: any; a pipeline
+        with a scaffold runs a batch without adapters with the scaffold's zeros)."""
+        if shape.lora is None:
+            return None
+        current = self.adapter_layouts.get(shape.model)
+        if current is not None and current.label == shape.lora:
+            return current
+        if (layout := self.known_layouts.get(shape.lora)) is None:
+            raise AdapterUnsupported(f"shape {shape.label} names LoRA layout {shape.lora}, which no run this "
+                                     "worker read declares")
+        return layout
+
+    def _ready(self, model: str, dtype: str, wanted: AdapterLayout | None):
+        """`model`'s pipeline, built around `wanted` where a layout is wanted: loaded now
+        if it is not, loaded again around the scaffold if it was built around another
+        (or none: a fleet worker preloads before any run names a layout). Called on the
+        device's turn only, so no call of a pipeline being dropped is running, and the
+        pipeline a call runs is the one whose slot it swaps."""
+        if wanted is not None and self.adapter_layouts.get(model) != wanted:
+            if reason := self.adapter_refusal():
+                raise AdapterUnsupported(reason)
+            loaded = [key for key in self._pipelines if key[0] == model]
+            for key in loaded:
+                self._pipelines.pop(key, None)
+                self.adapter_slots.pop(key, None)
+            self.shapes_seen -= {shape for shape in self.shapes_seen if shape.model == model}
+            if loaded:
+                log.warning("model %s: loaded again for LoRA layout %s (its scaffold must go in before compiling)",
+                            model, wanted.label)
+            self.adapter_layouts[model] = wanted
+        return self.pipeline(model, dtype)
 
     def pipeline(self, model: str, dtype: str):
         self._on_this_thread()
@@ -286,11 +322,12 @@ class PipelineHost:
             torch._dynamo.config.accumulated_recompile_limit, 4 * limit)
 
     def generate(self, shape: ShapeKey, params: BatchParams, items: list[BatchItem]) -> Generated:
-        if (shape.model, self.backend.dtype_for(shape.dtype)) in self._pipelines:
-            pipe = self.pipeline(shape.model, shape.dtype)  # loaded: the call is prepared off the device
-        else:
-            with self._device:  # the first call of a model loads it
-                pipe = self.pipeline(shape.model, shape.dtype)
+        wanted = self._wanted_layout(shape)
+        if ((shape.model, self.backend.dtype_for(shape.dtype)) not in self._pipelines
+                or wanted is not None and self.adapter_layouts.get(shape.model) != wanted):
+            with self._device:  # the first call of a model (or of its new layout) loads it
+                self._ready(shape.model, shape.dtype, wanted)
+        # else loaded: the call is prepared off the device
         if len(items) > shape.batch_size:
             raise ValueError(f"{len(items)} items exceed the shape's batch size {shape.batch_size}")
         # Pad to the compiled batch size by repeating the last item: the graph never
@@ -317,6 +354,8 @@ class PipelineHost:
             generator=generators,
         )
         with self._device:
+            # Taken on the device's turn: the other thread may have loaded it again meanwhile.
+            pipe = self._ready(shape.model, shape.dtype, wanted)
             started_at = time.time()
             new_shape = shape not in self.shapes_seen
             if new_shape:
