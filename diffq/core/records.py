@@ -117,7 +117,8 @@ class RunManifest(Strict):
     model_revisions: dict[str, str] = Field(default_factory=dict)
     # LoRA adapters (absent without any): per model the layout its shapes are compiled
     # around (a worker loads its scaffold before compiling), and every adapter's path ->
-    # the revision pinned at submit (each batch names it too; a worker refuses another).
+    # the revision pinned at submit (each batch names it too; a worker refuses an adapter
+    # not pinned here, or at another revision).
     adapter_layouts: dict[str, AdapterLayout] = Field(default_factory=dict, exclude_if=lambda v: not v)
     adapter_revisions: dict[str, str] = Field(default_factory=dict, exclude_if=lambda v: not v)
 
