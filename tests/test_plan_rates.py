@@ -201,3 +201,18 @@ def test_fleet_manifests_size_their_pools_from_the_plan(qualified, tiny_model, t
             continue
         devices = sum(max(1, math.ceil(fleet["devices"] * work[queue] / total)) for queue in planned)
         assert so["spec"]["maxReplicaCount"] == max(1, math.ceil(devices / per_pod))
+
+
+def test_a_lora_runs_queues_count_toward_the_pool_of_their_shape():
+    """A plan's queues of a LoRA run end in their layout; the fleet renders each shape's
+    queue without it (one pool serves every layout of the model): the plan's devices
+    count there, not nowhere."""
+    from diffq.app.fleet import planned_devices
+    from diffq.core.contract import ShapeKey
+
+    shape = ShapeKey(model="/m/flux", height=64, width=64, batch_size=2, max_sequence_length=16, cfg=False)
+    layered = shape.model_copy(update={"lora": "r8-0123abcd"})
+    assert layered.queue != shape.queue
+    plan = {"fleet": {"devices": 4, "shapes": [{"queue": layered.queue, "device_s": 30.0},
+                                                {"queue": shape.queue, "device_s": 10.0}]}}
+    assert planned_devices(plan) == {shape.queue: 4}

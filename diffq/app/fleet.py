@@ -27,7 +27,7 @@ from pathlib import Path
 import yaml
 
 from diffq.app.backlog import PORT as BACKLOG_PORT
-from diffq.core.contract import AUTO_DTYPE, ShapeKey, model_slug
+from diffq.core.contract import AUTO_DTYPE, ShapeKey, model_slug, without_layout
 from diffq.core.families import cfg_bit, family_of
 from diffq.core.model_store import is_model_url
 from diffq.core.options import GenerationOptions
@@ -85,7 +85,8 @@ def planned_devices(plan_json: dict) -> dict[str, int]:
                          "`diffq plan … --rates FILE --deadline 6h --json` (or --devices N)")
     work: dict[str, float] = {}
     for shape in fleet["shapes"]:
-        work[shape["queue"]] = work.get(shape["queue"], 0.0) + shape["device_s"]
+        queue = without_layout(shape["queue"])  # a LoRA run's queue: its shape's pool serves it
+        work[queue] = work.get(queue, 0.0) + shape["device_s"]
     total = sum(work.values()) or 1.0
     return {queue: max(1, math.ceil(fleet["devices"] * seconds / total)) for queue, seconds in work.items()}
 

@@ -171,6 +171,13 @@ def queue_name(shape: ShapeKey) -> str:
                         cfg="cfg" if shape.cfg else "nocfg", dtype=SHAPE_DTYPE_TAGS[shape.dtype], lora=shape.lora))
 
 
+def without_layout(queue: str) -> str:
+    """A shape queue's name without its LoRA layout suffix (the queue a fleet renders for
+    that shape: its pool serves every layout of the model); other names as they are."""
+    match = _QUEUE_RE.fullmatch(queue)
+    return _format({**match.groupdict(), "lora": None}) if match else queue
+
+
 def queue_from_entity_name(name: str) -> str | None:
     """A shape queue's name back from its SQS spelling, or None if it is not one."""
     match = _ENTITY_RE.fullmatch(name)
