@@ -641,3 +641,19 @@ def test_task_threads_run_on_the_loading_threads_device(tiny_model, monkeypatch)
     assert seen == {"task-0": 3, "task-1": 3}
     assert sorted(calls) == [("task-0", 3), ("task-1", 3)]  # once per thread, none on the loading one
     assert not get_backend("cpu").thread_device
+
+
+def test_warmup_compiles_a_lora_queue_only_around_its_known_layout():
+    """A LoRA queue's scaffold comes from its run's manifest: `diffq run` passes the
+    layout (warmed around it); a fleet worker without it leaves that shape to its first
+    batch rather than compile it bare (and load it again then)."""
+    from diffq.core.adapters import AdapterLayout
+
+    layout = AdapterLayout(rank=8, targets=("to_q", "to_v"))
+    bare = shape("/m/a", 32)
+    lora = bare.model_copy(update={"lora": layout.label})
+    other = bare.model_copy(update={"lora": "r4-0000abcd", "height": 48})
+    spec = ChildSpec(name="w", broker_url="memory://", queues=[bare.queue, lora.queue, other.queue],
+                     models=["/m/a"], warmup=["auto"])
+    assert spec.warmup_shapes() == [bare]
+    assert spec.model_copy(update={"adapter_layouts": {"/m/a": layout}}).warmup_shapes() == [bare, lora]

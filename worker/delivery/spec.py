@@ -162,7 +162,8 @@ class ChildSpec(BaseModel):
         """The served shapes to compile before consuming; an HxW no queue serves is an error."""
         if not self.warmup:
             return []
-        served = [s for s in (shape_from_queue(q, self.models) for q in self.queues) if s is not None]
+        served = [s for s in (shape_from_queue(q, self.models) for q in self.queues) if s is not None
+                  and self._layout_known(s)]
         if "auto" in self.warmup:
             return served
         shapes = []
@@ -173,6 +174,13 @@ class ChildSpec(BaseModel):
                 raise ValueError(f"--warmup {entry}: no served queue of the loaded model has that size")
             shapes += [s for s in matching if s not in shapes]
         return shapes
+
+    def _layout_known(self, shape: ShapeKey) -> bool:
+        """Whether `shape` can be compiled before a batch: a LoRA queue's layout is known
+        only from its run's manifest (`diffq run` passes it here; a fleet worker reads it
+        with the first batch, and compiles then)."""
+        layout = self.adapter_layouts.get(shape.model)
+        return shape.lora is None or layout is not None and layout.label == shape.lora
 
     def plan(self) -> dict:
         backend = self.backend
