@@ -239,6 +239,59 @@ def test_two_publisher_processes_deliver_every_message_once_each_in_its_order(tm
     assert not list((tmp_path / "broker" / "queue").glob("*.msg"))
 
 
+def test_an_embedded_message_is_not_taken_while_it_is_written(tmp_path, monkeypatch):
+    """kombu wrote a message file under its final name: a consumer looking meanwhile
+    took it and read it half written. A look while the message is being written takes
+    nothing; the message then comes whole."""
+    from queue import Empty
+
+    from kombu.transport import filesystem
+
+    from diffq.core.brokers import embedded
+    from diffq.core.brokers.base import make_celery
+
+    app = make_celery(*embedded.embedded_broker(tmp_path / "broker"))
+    queue = _fresh_queue()
+    looks = []
+    with app.connection_for_write() as publisher, app.connection_for_write() as consumer:
+        queue(consumer.default_channel).declare()
+
+        class LookingFile:
+            """A file being written whose every write first lets the consumer look."""
+
+            def __init__(self, f):
+                self.f = f
+
+            def __enter__(self):
+                return self
+
+            def __exit__(self, *exc):
+                self.f.close()
+
+            def __getattr__(self, name):
+                return getattr(self.f, name)
+
+            def write(self, data):
+                try:
+                    looks.append(consumer.default_channel._get(queue.name))
+                except Empty:
+                    looks.append(None)
+                return self.f.write(data)
+
+        def open_looking(path, mode="r", *args, **kwargs):
+            f = open(path, mode, *args, **kwargs)
+            return LookingFile(f) if "w" in mode else f
+
+        for module in (embedded, filesystem):  # whichever writes the message
+            monkeypatch.setattr(module, "open", open_looking, raising=False)
+        publisher.Producer().publish({"whole": True}, exchange=queue.exchange, routing_key=queue.name,
+                                     serializer="json")
+        monkeypatch.undo()
+        assert looks == [None]
+        assert _consume(consumer, queue, 1) == [{"whole": True}]
+    assert not list((tmp_path / "broker" / "queue").iterdir())
+
+
 @pytest.mark.slow
 def test_rabbitmq_consumer_carries_the_ack_timeout(rabbitmq_server, amqp_url, tiny_model, tmp_path):
     """RabbitMQ closes a channel whose delivery stays unacked past `consumer_timeout`

@@ -55,11 +55,12 @@ _published = itertools.count()
 
 
 class EmbeddedChannel(filesystem.Channel):
-    """kombu's filesystem channel, but messages come in publish order, and the queue
-    folder is listed once per pass, not once per message.
+    """kombu's filesystem channel, but messages come in publish order and only whole,
+    and the queue folder is listed once per pass, not once per message.
 
     kombu names a message file `<ms>_<uuid4>.<queue>.msg` and takes the folder in
-    sorted name order (kombu/transport/filesystem.py, kombu 5.x: `_put` and `_get`),
+    sorted name order (kombu/transport/filesystem.py in kombu 5.7.0: `_put`, lines
+    262-279; `_get`, lines 281-318),
     so the messages a publisher wrote within one millisecond came in uuid order, that
     is shuffled (a LoRA run whose batches were grouped by adapter hot-swapped up to
     twice as often). `_put` here names it `<ms>_<n>-<uuid4 hex>.<queue>.msg`: the same
@@ -86,17 +87,16 @@ class EmbeddedChannel(filesystem.Channel):
         self._listed: dict[str, collections.deque] = {}
 
     def _put(self, queue, payload, **kwargs):
-        # kombu's `_put` but for the name: its millisecond (the same clock, read through
-        # kombu's module), then the count.
+        # The name: kombu's millisecond (the same clock, read through kombu's module),
+        # then the count. Written under another name and renamed into place: kombu
+        # writes the file under its own name, where a consumer may take it and read it
+        # half written (its lock is one no reader takes).
         name = f"{int(round(filesystem.monotonic() * 1000))}_{next(_published):016x}-{uuid.uuid4().hex}.{queue}.msg"
         path = os.path.join(self.data_folder_out, name)
         try:
-            with open(path, "wb", buffering=0) as f:
-                filesystem.lock(f, filesystem.LOCK_EX)
-                try:
-                    f.write(str_to_bytes(dumps(payload)))
-                finally:
-                    filesystem.unlock(f)
+            with open(path + ".part", "wb") as f:
+                f.write(str_to_bytes(dumps(payload)))
+            os.rename(path + ".part", path)
         except OSError as exc:
             raise ChannelError(f"Cannot add file {path!r} to directory") from exc
 
