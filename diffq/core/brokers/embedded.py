@@ -60,10 +60,9 @@ class EmbeddedChannel(filesystem.Channel):
 
     kombu names a message file `<ms>_<uuid4>.<queue>.msg` and takes the folder in
     sorted name order (kombu/transport/filesystem.py in kombu 5.7.0: `_put`, lines
-    262-279; `_get`, lines 281-318),
-    so the messages a publisher wrote within one millisecond came in uuid order, that
-    is shuffled (a LoRA run whose batches were grouped by adapter hot-swapped up to
-    twice as often). `_put` here names it `<ms>_<n>-<uuid4 hex>.<queue>.msg`: the same
+    262-279; `_get`, lines 281-318), so the messages a publisher wrote within one
+    millisecond came in uuid order, that is shuffled (a LoRA run whose batches were
+    grouped by adapter hot-swapped up to twice as often). `_put` here names it `<ms>_<n>-<uuid4 hex>.<queue>.msg`: the same
     millisecond on the same clock, so names still sort by time against other
     publishers' and kombu's own; then this process's publish count, fixed width, so
     one publisher's messages sort in the order it wrote them; the uuid keeps names
