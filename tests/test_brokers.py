@@ -145,6 +145,153 @@ def test_a_ring_before_the_drain_begins_is_not_lost(tmp_path):
             assert time.monotonic() - started >= 0.45
 
 
+def _fresh_queue():
+    """A queue and exchange of a name no other test declared: kombu keeps the filesystem
+    transport's bindings process-wide, so a name bound before, in another folder, is
+    not bound again in this one and its messages go nowhere."""
+    from kombu import Exchange, Queue
+
+    name = f"diffq.test-{uuid.uuid4().hex[:8]}"
+    return Queue(name, Exchange(name), routing_key=name)
+
+
+def _consume(connection, queue, count: int) -> list:
+    """`count` message bodies from `queue`, in the order the channel delivered them."""
+    received = []
+    with connection.Consumer([queue], callbacks=[lambda body, message: (received.append(body), message.ack())]):
+        while len(received) < count:
+            connection.drain_events(timeout=30)
+    return received
+
+
+# kombu's clock as `_put` reads it, seconds per message index; None: the real clock.
+CLOCKS = {"real clock": None, "one millisecond": lambda i: 1234.5678,
+          "a digit more": lambda i: 9.998 if i < 150 else 10.001}  # 9998 ms, then 10001 ms
+
+
+@pytest.mark.parametrize("clock", CLOCKS)
+def test_embedded_broker_delivers_in_publish_order(tmp_path, monkeypatch, clock):
+    """kombu's file names (<ms>_<uuid4>) shuffled the messages one publisher wrote
+    within a millisecond; the sort as text put 10001 ms before 9998 ms."""
+    from kombu.transport import filesystem
+
+    from diffq.core.brokers.base import make_celery
+    from diffq.core.brokers.embedded import embedded_broker
+
+    n = 300
+    app = make_celery(*embedded_broker(tmp_path / "broker"))
+    now = {"i": 0}
+    if CLOCKS[clock] is not None:
+        monkeypatch.setattr(filesystem, "monotonic", lambda: CLOCKS[clock](now["i"]))
+    with app.connection_for_write() as connection:
+        queue = _fresh_queue()
+        producer = connection.Producer()
+        for i in range(n):
+            now["i"] = i
+            producer.publish({"i": i}, exchange=queue.exchange, routing_key=queue.name, declare=[queue],
+                             serializer="json")
+        assert [body["i"] for body in _consume(connection, queue, n)] == list(range(n))
+    assert not list((tmp_path / "broker" / "queue").glob("*.msg"))
+
+
+def _publish_from_child(url: str, options: dict, queue, tag: str, n: int, start) -> None:
+    from diffq.core.brokers.base import make_celery
+
+    with make_celery(url, options).connection_for_write() as connection:
+        producer = connection.Producer()
+        start.wait(timeout=60)
+        for i in range(n):
+            producer.publish({"p": tag, "i": i}, exchange=queue.exchange, routing_key=queue.name, serializer="json")
+
+
+def test_two_publisher_processes_deliver_every_message_once_each_in_its_order(tmp_path, monkeypatch):
+    """Two forked publishers (as the runner's publisher and a worker's republish) at
+    once, into one queue: both count on from the same publish count and, here, read
+    the same millisecond, so their names differ only by the uuid; every message comes
+    once, each publisher's in the order it wrote them."""
+    import multiprocessing
+
+    from kombu.transport import filesystem
+
+    from diffq.core.brokers.base import make_celery
+    from diffq.core.brokers.embedded import embedded_broker
+
+    n = 200
+    url, options = embedded_broker(tmp_path / "broker")
+    monkeypatch.setattr(filesystem, "monotonic", lambda: 1234.5678)
+    queue = _fresh_queue()
+    with make_celery(url, options).connection_for_write() as connection:
+        queue(connection.default_channel).declare()
+    fork = multiprocessing.get_context("fork")
+    start = fork.Event()
+    children = [fork.Process(target=_publish_from_child, args=(url, options, queue, tag, n, start)) for tag in "ab"]
+    for child in children:
+        child.start()
+    start.set()
+    for child in children:
+        child.join(timeout=120)
+    assert [child.exitcode for child in children] == [0, 0]
+    with make_celery(url, options).connection_for_write() as connection:
+        received = _consume(connection, queue, 2 * n)
+    assert sorted((body["p"], body["i"]) for body in received) == [(p, i) for p in "ab" for i in range(n)]
+    for tag in "ab":
+        assert [body["i"] for body in received if body["p"] == tag] == list(range(n))
+    assert not list((tmp_path / "broker" / "queue").glob("*.msg"))
+
+
+def test_an_embedded_message_is_not_taken_while_it_is_written(tmp_path, monkeypatch):
+    """kombu wrote a message file under its final name: a consumer looking meanwhile
+    took it and read it half written. A look while the message is being written takes
+    nothing; the message then comes whole."""
+    from queue import Empty
+
+    from kombu.transport import filesystem
+
+    from diffq.core.brokers import embedded
+    from diffq.core.brokers.base import make_celery
+
+    app = make_celery(*embedded.embedded_broker(tmp_path / "broker"))
+    queue = _fresh_queue()
+    looks = []
+    with app.connection_for_write() as publisher, app.connection_for_write() as consumer:
+        queue(consumer.default_channel).declare()
+
+        class LookingFile:
+            """A file being written whose every write first lets the consumer look."""
+
+            def __init__(self, f):
+                self.f = f
+
+            def __enter__(self):
+                return self
+
+            def __exit__(self, *exc):
+                self.f.close()
+
+            def __getattr__(self, name):
+                return getattr(self.f, name)
+
+            def write(self, data):
+                try:
+                    looks.append(consumer.default_channel._get(queue.name))
+                except Empty:
+                    looks.append(None)
+                return self.f.write(data)
+
+        def open_looking(path, mode="r", *args, **kwargs):
+            f = open(path, mode, *args, **kwargs)
+            return LookingFile(f) if "w" in mode else f
+
+        for module in (embedded, filesystem):  # whichever writes the message
+            monkeypatch.setattr(module, "open", open_looking, raising=False)
+        publisher.Producer().publish({"whole": True}, exchange=queue.exchange, routing_key=queue.name,
+                                     serializer="json")
+        monkeypatch.undo()
+        assert looks == [None]
+        assert _consume(consumer, queue, 1) == [{"whole": True}]
+    assert not list((tmp_path / "broker" / "queue").iterdir())
+
+
 @pytest.mark.slow
 def test_rabbitmq_consumer_carries_the_ack_timeout(rabbitmq_server, amqp_url, tiny_model, tmp_path):
     """RabbitMQ closes a channel whose delivery stays unacked past `consumer_timeout`

@@ -11,19 +11,21 @@ by diffq/app/runner.py).
 from __future__ import annotations
 
 import collections
+import itertools
 import os
 import shutil
 import socket
 import tempfile
 import threading
 import time
+import uuid
 from pathlib import Path
 from queue import Empty
 
 from kombu.exceptions import ChannelError
 from kombu.transport import filesystem
-from kombu.utils.encoding import bytes_to_str
-from kombu.utils.json import loads
+from kombu.utils.encoding import bytes_to_str, str_to_bytes
+from kombu.utils.json import dumps, loads
 
 from diffq.core.brokers.base import Broker
 
@@ -47,9 +49,27 @@ def embedded_broker(folder: str | Path) -> tuple[str, dict]:
     }
 
 
+# This process's publish count, for the message file names (`EmbeddedChannel._put`):
+# shared by its channels and threads.
+_published = itertools.count()
+
+
 class EmbeddedChannel(filesystem.Channel):
-    """kombu's filesystem channel, but the queue folder is listed once per pass, not
-    once per message.
+    """kombu's filesystem channel, but messages come in publish order and only whole,
+    and the queue folder is listed once per pass, not once per message.
+
+    kombu names a message file `<ms>_<uuid4>.<queue>.msg` and takes the folder in
+    sorted name order (kombu/transport/filesystem.py in kombu 5.7.0: `_put`, lines
+    262-279; `_get`, lines 281-318), so the messages a publisher wrote within one
+    millisecond came in uuid order, that is shuffled (a LoRA run whose batches were
+    grouped by adapter hot-swapped up to twice as often). `_put` here names it `<ms>_<n>-<uuid4 hex>.<queue>.msg`: the same
+    millisecond on the same clock, so names still sort by time against other
+    publishers' and kombu's own; then this process's publish count, fixed width, so
+    one publisher's messages sort in the order it wrote them; the uuid keeps names
+    unique across processes (a forked child counts on from its parent's count).
+    `_get` sorts the milliseconds as numbers (`_publish_order`): kombu's unpadded
+    ones sort as text, so when the clock (time since boot) gains a digit, at 2.8 h,
+    28 h, 11.6 days, the newer messages came before every older one still queued.
 
     kombu's `_get` lists and sorts the whole folder for every message it takes, on
     the worker's main thread between two device calls: its cost grows with the
@@ -65,12 +85,27 @@ class EmbeddedChannel(filesystem.Channel):
         super().__init__(*args, **kwargs)
         self._listed: dict[str, collections.deque] = {}
 
+    def _put(self, queue, payload, **kwargs):
+        # The name: kombu's millisecond (the same clock, read through kombu's module),
+        # then the count. Written under another name and renamed into place: kombu
+        # writes the file under its own name, where a consumer may take it and read it
+        # half written (its lock is one no reader takes).
+        name = f"{int(round(filesystem.monotonic() * 1000))}_{next(_published):016x}-{uuid.uuid4().hex}.{queue}.msg"
+        path = os.path.join(self.data_folder_out, name)
+        try:
+            with open(path + ".part", "wb") as f:
+                f.write(str_to_bytes(dumps(payload)))
+            os.rename(path + ".part", path)
+        except OSError as exc:
+            raise ChannelError(f"Cannot add file {path!r} to directory") from exc
+
     def _get(self, queue):
         names = self._listed.get(queue)
         if not names:
             suffix = f"{queue}.msg"
-            names = self._listed[queue] = collections.deque(
-                sorted(name for name in os.listdir(self.data_folder_in) if name.partition(".")[2] == suffix))
+            names = self._listed[queue] = collections.deque(sorted(
+                (name for name in os.listdir(self.data_folder_in) if name.partition(".")[2] == suffix),
+                key=_publish_order))
         processed = self.processed_folder if self.store_processed else tempfile.gettempdir()
         while names:
             name = names.popleft()
@@ -93,6 +128,12 @@ class EmbeddedChannel(filesystem.Channel):
                 raise ChannelError(f"Cannot read file {path!r} from queue.") from exc
             return loads(bytes_to_str(payload))
         raise Empty()
+
+
+def _publish_order(name: str) -> tuple[int, str]:
+    """`<ms>_…` names by the millisecond as a number, then as text: the digits' count
+    first, as the milliseconds are unpadded."""
+    return len(name.partition("_")[0]), name
 
 
 class EmbeddedTransport(filesystem.Transport):
