@@ -223,9 +223,57 @@ def test_a_bad_lora_option_is_refused_before_any_row(tmp_path, flux):
                                       "--lora", missing, "--no-progress"])
     assert result.exit_code == 2 and "field '--lora[0].path'" in result.output and "no such file" in result.output
     assert not (tmp_path / "out").exists()
+    five = CliRunner().invoke(app, ["plan", str(prompts), "--model", flux,
+                                    *(arg for k in range(5) for arg in ("--lora", f"{k}.safetensors"))])
+    assert five.exit_code == 2 and "--lora: 5 adapters in one set: at most 4 stack" in " ".join(five.output.split())
     twice = CliRunner().invoke(app, ["plan", str(prompts), "--model", flux, "--lora", "a.safetensors",
-                                     "--lora", "b.safetensors"])
-    assert twice.exit_code == 2 and "--lora: 2 adapters in one set" in twice.output
+                                     "--lora", "a.safetensors@0.5"])
+    assert twice.exit_code == 2 and "names an adapter twice" in twice.output
+
+
+def test_stacked_sets_are_batched_whole_and_give_the_layout_its_slots(tmp_path, flux, loras):
+    from typer.testing import CliRunner
+
+    from diffq.app.cli import app
+
+    pair = [f"{loras[4]}@0.8", {"path": loras[8], "scale": 0.5}]
+    rows = ([{"id": f"none-{k}", "prompt": "p", "lora": "none"} for k in range(2)]
+            + [{"id": f"one-{k}", "prompt": "p", "lora": f"{loras[4]}@0.8"} for k in range(2)]
+            + [{"id": f"pair-{k}", "prompt": "p", "lora": pair} for k in range(3)]
+            + [{"id": "reversed", "prompt": "p", "lora": pair[::-1]}]
+            + [{"id": f"default-{k}", "prompt": "p"} for k in range(2)])
+    messages, out = _submitted(tmp_path, rows, flux, lora=[f"{loras[16]}", f"{loras[8]}@0.25"])
+    layout = A.layout([A.inspect(loras[4]), A.inspect(loras[8]), A.inspect(loras[16])], slots=2)
+    assert layout.label == f"r16x2-{layout.digest}"
+    assert {m.shape.lora for m in messages} == {layout.label} and len({m.shape.queue for m in messages}) == 1
+    assert read_manifest(open_storage(out)).adapter_layouts == {flux: layout}
+    adapters = _adapter_of(messages)
+    assert all(adapters[f"pair-{k}"] == ((loras[4], 0.8), (loras[8], 0.5)) for k in range(3))
+    assert adapters["reversed"] == ((loras[8], 0.5), (loras[4], 0.8))  # the row's order, in its own batch
+    assert all(adapters[f"default-{k}"] == ((loras[16], 1.0), (loras[8], 0.25)) for k in range(2))
+    # One whole set per batch: none 1, one 1, pair 2 (3 items), reversed 1, default 1.
+    assert sorted(len(m.items) for m in messages) == [1, 1, 2, 2, 2, 2]
+    shown = json.loads(CliRunner().invoke(app, ["plan", str(tmp_path / "prompts.jsonl"), "--model", flux, "--json",
+                                                "--batch-size", "2", "--height", "64", "--width", "64"]).output)
+    groups = {g["label"]: g["items"] for g in shown["adapters"]["groups"]}
+    assert groups[f"{loras[4]}@0.8, {loras[8]}@0.5"] == 3 and shown["adapters"]["layouts"][flux]["slots"] == 2
+    table = CliRunner().invoke(app, ["plan", str(tmp_path / "prompts.jsonl"), "--model", flux, "--batch-size", "2",
+                                     "--height", "64", "--width", "64"])
+    said = " ".join(table.output.split())
+    assert f"layout {shown['adapters']['layouts'][flux]['label']} (" in said
+    assert "at rank 8, 2 slots (sets stack up to 2 adapters)" in said
+
+
+def test_a_set_of_more_than_four_adapters_is_refused_naming_file_line_field(tmp_path, flux, loras):
+    rows = [{"prompt": "fine", "lora": [loras[4], loras[8]]},
+            {"prompt": "too many", "lora": [loras[4], loras[8], loras[16], "x.safetensors", "y.safetensors"]}]
+    prompts = _jsonl(tmp_path / "prompts.jsonl", rows)
+    recording, out = Recording(), tmp_path / "out"
+    with pytest.raises(InputError) as caught:
+        submit(prompts, str(out), model=flux, publisher=recording, window=None, **ARGS)
+    assert str(caught.value) == (f"{prompts}:2: field 'lora': 5 adapters in one set: at most 4 stack (each is a "
+                                 f"LoRA slot every call of the run computes)")
+    assert recording.published == [] and not out.exists()
 
 
 def test_a_worker_takes_the_layout_from_the_manifest_and_refuses_another(tmp_path, flux, loras):
