@@ -341,11 +341,13 @@ def test_a_step_cache_runs_with_hot_swapped_adapters_and_no_steady_recompile(flu
 
 # id -> (prompt index: "a tiny prompt K" at seed K, as tests/test_lora.py's plain runs; the row's `lora`).
 # Rows without the field take the run's --lora (rank 16 at scale 1); r16-again repeats
-# r16-0's item in another batch (its group's last, padded).
+# r16-0's item in another batch (its group's last, padded); stack rows stack two adapters
+# (the run's layout then has two slots).
 ROWS = {"base-0": (0, "none"), "r4-0": (0, "R4@0.8"), "r8-0": (0, {"path": "R8", "scale": 0.5}),
         "zero-0": (0, [{"path": "R8", "scale": 0}]), "r16-0": (0, None), "s3-0": (0, "S3@0.5"),
         "base-1": (1, "none"), "r4-1": (1, "R4@0.8"), "r8-1": (1, {"path": "R8", "scale": 0.5}),
         "zero-1": (1, [{"path": "R8", "scale": 0}]), "r16-1": (1, None), "s3-1": (1, "S3@0.5"),
+        "stack-0": (0, ["R4@0.8", {"path": "R8", "scale": 0.5}]), "stack-1": (1, ["R4@0.8", "R8@0.5"]),
         "r16-again": (0, None)}
 
 
@@ -407,14 +409,14 @@ def test_one_run_makes_every_image_once_and_compiles_only_its_first_batch(lora_r
     assert sorted(line["id"] for line in lines) == sorted(ROWS) and len(list(storage.list("images/"))) == len(ROWS)
     manifest = read_manifest(storage)
     layout = manifest.adapter_layouts[flux]
-    assert layout.rank == 16 and [s.shape.lora for s in manifest.shapes] == [layout.label]
+    assert layout.rank == 16 and layout.slots == 2 and [s.shape.lora for s in manifest.shapes] == [layout.label]
     batches: dict[str, list[dict]] = {}
     for line in lines:
         batches.setdefault(line["batch_id"], []).append(line)
-    assert len(batches) == 7  # none, r4, r8, zero, s3: one each; r16: two
+    assert len(batches) == 8  # none, r4, r8, zero, s3, stack: one each; r16: two
     ordered = sorted(batches.values(), key=lambda records: records[0]["generate_started_at"])
     assert ordered[0][0]["graphs_compiled"] > 0
-    assert [records[0]["graphs_compiled"] for records in ordered[1:]] == [0] * 6
+    assert [records[0]["graphs_compiled"] for records in ordered[1:]] == [0] * 7
     assert all(len({r["graphs_compiled"] for r in records}) == 1 for records in ordered)
 
 
@@ -427,15 +429,15 @@ def test_records_and_provenance_name_each_adapters_revision(lora_run, flux, lora
     revisions = read_manifest(storage).adapter_revisions
     assert revisions[loras[8]] == A.content_revision(Path(loras[8]).read_bytes())
     assert revisions[paths["S3"]] == A.revision(paths["S3"])  # the listing's digest
-    want = {"base": None, "r4": (loras[4], 0.8), "r8": (loras[8], 0.5), "zero": (loras[8], 0.0),
-            "r16": (loras[16], 1.0), "s3": (paths["S3"], 0.5)}
+    want = {"base": None, "r4": [(loras[4], 0.8)], "r8": [(loras[8], 0.5)], "zero": [(loras[8], 0.0)],
+            "r16": [(loras[16], 1.0)], "s3": [(paths["S3"], 0.5)], "stack": [(loras[4], 0.8), (loras[8], 0.5)]}
     for record in iter_records(storage):
         expected = want[record.id.split("-")[0]]
         if expected is None:
             assert record.adapters is None
             continue
-        path, scale = expected
-        assert record.adapters == [{"path": path, "scale": scale, "revision": revisions[path]}]
+        assert record.adapters == [{"path": path, "scale": scale, "revision": revisions[path]}
+                                   for path, scale in expected]
         embedded = Image.open(io.BytesIO(storage.get_bytes(record.file_name))).text
         assert json.loads(embedded["adapters"]) == record.adapters
 
@@ -453,6 +455,9 @@ def test_pixels_match_plain_diffusers_runs_of_each_adapter(lora_run, flux, loras
     assert np.array_equal(pair("zero"), pair("base"))  # scale 0: the same
     for name, rank, scale in (("r4", 4, 0.8), ("r8", 8, 0.5), ("r16", 16, 1.0)):
         assert np.abs(pair(name) - _plain(flux, True, loras[rank], scale)).max() <= tolerance, name
+    stacked = _plain(flux, True, stack=((loras[4], 0.8), (loras[8], 0.5)))  # both loaded the ordinary way
+    assert np.abs(pair("stack") - stacked).max() <= tolerance
+    assert min(np.abs(pair("stack") - pair(one)).max() for one in ("r4", "r8")) >= 10 * tolerance
     assert np.abs(pair("r4") - pair("r16")).max() >= 10 * tolerance
     assert np.abs(pair("r16") - pair("base")).max() >= 10 * tolerance
     assert np.array_equal(pair("s3"), pair("r8"))  # from s3:// (moto): the local file's pixels
