@@ -428,3 +428,34 @@ def test_a_stack_beyond_the_layouts_slots_is_refused(served, loras):
     slot = next(iter(host.adapter_slots.values()))
     with pytest.raises(AdapterUnsupported, match="1 slot"):
         slot.apply(None, (AdapterRef(path=loras[4]), AdapterRef(path=loras[8])))
+
+
+def test_peft_swaps_leave_the_slots_as_diffusers_hotswap_did(flux, loras, monkeypatch):
+    """The slots' weights and scalings after each batch's swaps, exactly as through diffusers'
+    `load_lora_weights(..., hotswap=True)` (the path before peft's function was called directly)."""
+    from diffusers import FluxPipeline
+
+    def diffusers_swap(self, pipe, name, loaded):
+        pipe.load_lora_weights(loaded.state_dict, adapter_name=name, hotswap=True)
+
+    layout = A.layout((A.inspect(path) for path in loras.values()), slots=2)
+    pipes = [FluxPipeline.from_pretrained(flux, local_files_only=True) for _ in range(2)]
+    slots = [AdapterSlot.install(pipe, layout, AdapterCache()) for pipe in pipes]
+
+    def state(pipe) -> dict:
+        weights = {k: v.clone() for k, v in pipe.transformer.state_dict().items() if ".lora_" in k}
+        scalings = {f"{name}.{slot}": float(value) for name, module in pipe.transformer.named_modules()
+                    if isinstance(getattr(module, "scaling", None), dict) for slot, value in module.scaling.items()}
+        return {**weights, **scalings}
+
+    for stack in STACKED[1:] + [((4, 1.0),), ((16, -1.0), (8, 0.25))] + STACKED[:1]:
+        refs = tuple(AdapterRef(path=loras[rank], scale=scale) for rank, scale in stack)
+        slots[0].apply(pipes[0], refs)
+        with monkeypatch.context() as patched:
+            patched.setattr(AdapterSlot, "_swap", diffusers_swap)
+            slots[1].apply(pipes[1], refs)
+        ours, theirs = state(pipes[0]), state(pipes[1])
+        assert ours.keys() == theirs.keys() and len(ours) > 0
+        for key, value in ours.items():
+            assert torch.equal(value, theirs[key]) if isinstance(value, torch.Tensor) else value == theirs[key], key
+    assert slots[0].swaps == slots[1].swaps > 0

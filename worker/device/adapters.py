@@ -32,8 +32,8 @@ from pathlib import Path
 
 import torch
 
-from diffq.core.adapters import (MAX_STACK, AdapterError, AdapterLayout, Source, content_revision, inspect, local_file, source,
-                                 weight_file)
+from diffq.core.adapters import (MAX_STACK, TRANSFORMER_PREFIX, AdapterError, AdapterLayout, Source, content_revision,
+                                 inspect, local_file, source, weight_file)
 from diffq.core.contract import AdapterRef
 
 log = logging.getLogger(__name__)
@@ -58,12 +58,23 @@ class AdapterUnsupported(ValueError):
 
 @dataclass
 class Loaded:
-    """One adapter in host memory: its LoRA weights and, per target module, the scaling
-    diffusers would give it (alpha / rank) before the batch's scale."""
+    """One adapter in host memory: its LoRA weights (diffusers' format) and, per target
+    module, the scaling diffusers would give it (alpha / rank) before the batch's scale;
+    per slot, the weights keyed as peft names that slot's (converted once, `for_slot`)."""
 
     state_dict: dict
     scalings: dict[str, float]
     nbytes: int
+    _per_slot: dict = field(default_factory=dict, repr=False)
+
+    def for_slot(self, name: str) -> dict:
+        """The weights under the slot's peft keys (`<module>.lora_A.<slot>.weight`), as
+        diffusers maps them for a hot-swap (loaders/peft.py, map_state_dict_for_hotswap);
+        the tensors are shared, not copied."""
+        if name not in self._per_slot:
+            self._per_slot[name] = {key[len(TRANSFORMER_PREFIX):-len(".weight")] + f".{name}.weight": tensor
+                                    for key, tensor in self.state_dict.items()}
+        return self._per_slot[name]
 
 
 class AdapterCache:
@@ -194,7 +205,10 @@ class AdapterSlot:
     current: tuple = ()  # per slot its AdapterRef, None: the scaffold's zeros
     swaps: int = 0
     swap_seconds: float = 0.0
-    _zeros: dict = field(default_factory=dict, repr=False)
+    _zeros: Loaded | None = field(default=None, repr=False)
+    # What peft's swap reads of a config: only the scaling it writes (alpha / r), which
+    # `_scale` overwrites; the scaffold's own (diffusers sets alpha = r without alphas).
+    _config: object = field(default=None, repr=False)
     _scalings: dict = field(default_factory=dict, repr=False)  # module name -> peft's scaling tensors
 
     @property
@@ -230,8 +244,11 @@ class AdapterSlot:
 
             transformer.set_adapter(list(names))
             prepare_model_for_compiled_hotswap(transformer, target_rank=layout.rank)
+        from peft import LoraConfig
+
         slot = cls(layout=layout, cache=cache, current=(None,) * len(names),
-                   _zeros=scaffold_state_dict(layout, transformer))
+                   _config=LoraConfig(r=layout.rank, lora_alpha=layout.rank),
+                   _zeros=Loaded(state_dict=scaffold_state_dict(layout, transformer), scalings={}, nbytes=0))
         slot._scalings = {name: module.scaling for name, module in transformer.named_modules()
                           if isinstance(getattr(module, "scaling", None), dict) and names[0] in module.scaling}
         log.info("adapter scaffold: %d modules at rank %d, %d slot(s), in %.2fs", len(slot._scalings), layout.rank,
@@ -258,7 +275,7 @@ class AdapterSlot:
             loaded = self.cache.get(ref)
             self._check_targets(ref, loaded)
             if held is None or (ref.path, ref.revision) != (held.path, held.revision):
-                self._swap(pipe, name, loaded.state_dict)
+                self._swap(pipe, name, loaded)
             self._scale(name, loaded.scalings, ref.scale)
         self.current = wanted
         elapsed = time.perf_counter() - started
@@ -274,10 +291,17 @@ class AdapterSlot:
             raise AdapterUnsupported(f"adapter {ref.path} targets {', '.join(outside[:3])}, outside the slot's "
                                      f"layout (the run's union of target modules): it would need a recompile")
 
-    def _swap(self, pipe, name: str, state_dict: dict) -> None:
-        # Modules of the slot this adapter does not target are zero-filled by peft's hotswap
-        # (hotswap_adapter_from_state_dict, "missing keys"); a smaller rank is zero-padded.
-        pipe.load_lora_weights(state_dict, adapter_name=name, hotswap=True)
+    def _swap(self, pipe, name: str, loaded: Loaded) -> None:
+        # peft's own in-place swap, handed the weights converted once: what diffusers'
+        # `load_lora_weights(..., hotswap=True)` calls at its end, without what it does per
+        # call before (the format conversion, LoraConfig from a walk of the whole model's
+        # state dict, offload hooks taken off and put back: nothing here changes modules).
+        # Modules of the slot this adapter does not target are zero-filled
+        # ("missing keys"); a smaller rank is zero-padded. The scalings it writes from the
+        # config are overwritten by `_scale` (the targets') or multiply zeros (the rest).
+        from peft.utils.hotswap import hotswap_adapter_from_state_dict
+
+        hotswap_adapter_from_state_dict(pipe.transformer, loaded.for_slot(name), name, self._config)
 
     def _scale(self, name: str, scalings: dict[str, float], scale: float) -> None:
         # In place, into the tensors peft made of the scalings: the graphs read them as inputs.
