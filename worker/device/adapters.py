@@ -11,7 +11,9 @@ The order is what keeps the graphs (diffusers PR 9453's hotswap, peft
 3. the compile (PipelineHost._compile): the LoRA layers are in the graphs, their
    weights and scalings graph inputs (CPU and CUDA Inductor: tests/test_lora.py);
 4. every adapter, and "no adapter" (the scaffold's zeros), hot-swapped in place into a slot
-   (`load_lora_weights(…, adapter_name=<slot>, hotswap=True)`: same tensors, new values);
+   (peft's `hotswap_adapter_from_state_dict`, which diffusers' `load_lora_weights(…,
+   hotswap=True)` ends in, handed the weights keyed for the slot once: same tensors, new
+   values);
    a scale is written into the scaling tensors in place. diffusers' per-call
    `joint_attention_kwargs={"scale": …}` is never used: it writes a Python float over
    the tensor (peft `set_scale`), which recompiles.
