@@ -19,8 +19,14 @@ device's busy share of the span (its turns, each call with its swap) says whethe
 swaps cost images or took time the device would have waited anyway.
 Goal: many ≥ 0.95 × one.
 
+`--swap-loop N` measures a swap alone instead, in one process and eager: N swaps among
+`--adapters` adapters into a pipeline's slot by the worker's path (peft's
+`hotswap_adapter_from_state_dict` with the weights converted once, AdapterSlot._swap)
+and, interleaved with it, by diffusers' `load_lora_weights(..., hotswap=True)`, the path
+before; the median milliseconds of each.
+
     python -m bench.lora [--items 288] [--adapters 24] [--batch 4] [--size 128] [--steps 4]
-                         [--rank 8] [--repeats 3] [--compile regional] [--json]
+                         [--rank 8] [--repeats 3] [--compile regional] [--swap-loop N] [--json]
 """
 
 from __future__ import annotations
@@ -102,6 +108,40 @@ def diffq_run(model: str, rows: list[dict], root: Path, args) -> dict:
                                       if batch is not firsts[batch["worker"]])}
 
 
+def swap_loop(model: str, adapters: list[str], swaps: int) -> dict:
+    """Median ms of a swap by the worker's path and by diffusers' hot-swap, interleaved."""
+    from diffusers import DiffusionPipeline
+
+    from diffq.core import adapters as A
+    from diffq.core.contract import AdapterRef
+    from diffq.worker.device.adapters import AdapterCache, AdapterSlot
+
+    layout = A.layout(A.inspect(path) for path in adapters)
+    refs = [AdapterRef(path=path, revision=A.revision(path)) for path in adapters]
+    paths = {}
+    for name in ("peft", "diffusers"):
+        pipe = DiffusionPipeline.from_pretrained(model, local_files_only=True)
+        paths[name] = (pipe, AdapterSlot.install(pipe, layout, AdapterCache()))
+
+    def diffusers_swap(self, pipe, name, loaded):
+        pipe.load_lora_weights(loaded.state_dict, adapter_name=name, hotswap=True)
+
+    times: dict[str, list[float]] = {name: [] for name in paths}
+    peft_swap = AdapterSlot._swap
+    for k in range(swaps + len(refs)):  # the first pass over the adapters fills the caches: not counted
+        for name, (pipe, slot) in paths.items():
+            AdapterSlot._swap = peft_swap if name == "peft" else diffusers_swap
+            try:
+                seconds = slot.apply(pipe, (refs[k % len(refs)],))
+            finally:
+                AdapterSlot._swap = peft_swap
+            if k >= len(refs):
+                times[name].append(seconds * 1000)
+    return {"swaps": swaps, "adapters": len(adapters),
+            "swap_ms_median": {name: round(statistics.median(values), 3) for name, values in times.items()},
+            "swap_ms_range": {name: [round(min(values), 3), round(max(values), 3)] for name, values in times.items()}}
+
+
 def main(argv: list[str] | None = None) -> dict:
     from diffq.app.tiny import build_tiny_lora, build_tiny_pipeline
 
@@ -115,8 +155,20 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--rank", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--compile", default="regional")
+    parser.add_argument("--swap-loop", type=int, default=0, metavar="N")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
+    if args.swap_loop:
+        with tempfile.TemporaryDirectory(prefix="diffq-bench-lora-") as tmp:
+            root = Path(tmp)
+            model = str(build_tiny_pipeline(root / "model", family="flux"))
+            adapters = [str(build_tiny_lora(model, root / "loras" / f"a{k:02d}.safetensors", rank=args.rank, seed=k))
+                        for k in range(args.adapters)]
+            load = round(os.getloadavg()[0], 2)
+            result = {**swap_loop(model, adapters, args.swap_loop), "rank": args.rank,
+                      "load_average": [load, round(os.getloadavg()[0], 2)]}
+        print(json.dumps(result))
+        return result
     per = args.items // args.adapters
     if args.items % args.adapters or per % args.batch:
         parser.error(f"--items {args.items} over --adapters {args.adapters} must be whole batches of {args.batch}")

@@ -114,7 +114,8 @@ class Plan:
     def adapters_json(self) -> dict:
         """The adapter groups and what batching by them costs in padding (`diffq plan`)."""
         extra = self.batches - self.batches_without_adapter_groups
-        return {"layouts": {model: {"label": layout.label, "rank": layout.rank, "targets": len(layout.targets)}
+        return {"layouts": {model: {"label": layout.label, "rank": layout.rank, "targets": len(layout.targets),
+                                     "slots": layout.slots}
                             for model, layout in self.adapter_layouts.items()},
                 "groups": [group.to_json() for group in self.adapter_groups],
                 "batches_without_grouping": self.batches_without_adapter_groups, "extra_batches": extra,

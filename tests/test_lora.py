@@ -12,7 +12,7 @@ import torch
 
 from diffq.core import adapters as A
 from diffq.core.adapters import AdapterError
-from diffq.core.contract import AdapterRef, BatchItem, BatchMessage, BatchParams, ShapeKey
+from diffq.core.contract import AdapterRef, BatchItem, BatchMessage, BatchParams, ShapeKey, shape_from_queue
 from diffq.core.records import BatchMeasures, ImageRecord
 from diffq.worker.device.adapters import AdapterOrderError, AdapterSlot, AdapterCache, compiled_modules
 from diffq.worker.device.backends import get_backend
@@ -46,16 +46,20 @@ def _pixels(images) -> np.ndarray:
     return np.stack([np.asarray(image) for image in images]).astype(np.int16)
 
 
-def _plain(flux, compile_: bool, adapter: str | None = None, scale: float = 1.0) -> np.ndarray:
-    """A plain diffusers run of the same items: the adapter loaded the ordinary way (no
-    hotswap), compiled as the host compiles (each repeated block's forward)."""
+def _plain(flux, compile_: bool, adapter: str | None = None, scale: float = 1.0, *,
+           stack: tuple[tuple[str, float], ...] = ()) -> np.ndarray:
+    """A plain diffusers run of the same items: the adapter (or each of `stack`, (path,
+    scale) pairs) loaded the ordinary way (no hotswap) and set active with its scale,
+    compiled as the host compiles (each repeated block's forward)."""
     from diffusers import FluxPipeline
 
     pipe = FluxPipeline.from_pretrained(flux, local_files_only=True)
     pipe.set_progress_bar_config(disable=True)
-    if adapter:
-        pipe.load_lora_weights(adapter, adapter_name="plain")
-        pipe.set_adapters("plain", scale)
+    stack = ((adapter, scale),) if adapter else stack
+    for k, (path, _) in enumerate(stack):
+        pipe.load_lora_weights(path, adapter_name=f"plain{k}")
+    if stack:
+        pipe.set_adapters([f"plain{k}" for k in range(len(stack))], [weight for _, weight in stack])
     if compile_:
         # Each plain pipeline is a new module under the same block code: room for their graphs.
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
@@ -313,8 +317,24 @@ def test_specs_parse_with_the_field_named():
     assert caught.value.field == "lora[1].scale"
     with pytest.raises(AdapterError, match="twice"):
         A.parse_spec(["a.safetensors", "a.safetensors@0.5"])
-    with pytest.raises(AdapterError, match="one adapter per row"):
-        A.check_set(A.parse_spec(["a.safetensors", "b.safetensors"]))
+    A.check_set(A.parse_spec([f"{k}.safetensors" for k in range(A.MAX_STACK)]))  # a stack: fine
+    with pytest.raises(AdapterError, match=f"at most {A.MAX_STACK} stack") as caught:
+        A.check_set(A.parse_spec([f"{k}.safetensors" for k in range(A.MAX_STACK + 1)]), "lora")
+    assert caught.value.field == "lora"
+
+
+def test_one_slot_keeps_the_layout_label_and_manifest_as_before():
+    import hashlib
+
+    one = A.AdapterLayout(targets=("a.to_q",), rank=16)
+    assert one.label == "r16-" + hashlib.sha1(b"a.to_q").hexdigest()[:8]
+    assert one.model_dump_json() == '{"targets":["a.to_q"],"rank":16}'  # the manifest's bytes
+    two = A.AdapterLayout(targets=("a.to_q",), rank=16, slots=2)
+    assert two.label == f"r16x2-{one.digest}" and two.model_dump()["slots"] == 2
+    assert A.AdapterLayout.model_validate(two.model_dump(mode="json")) == two
+    key = dict(model="m", height=64, width=64, batch_size=2, max_sequence_length=16, cfg=False)
+    assert ShapeKey(**key, lora=two.label).queue != ShapeKey(**key, lora=one.label).queue
+    assert shape_from_queue(ShapeKey(**key, lora=two.label).queue, ["m"]).lora == two.label
 
 
 def test_an_item_is_the_same_pixels_beside_other_neighbours(served, loras):
@@ -342,3 +362,100 @@ def test_tiny_lora_command(flux, tmp_path):
     A.check_against(info, A.transformer_weights(flux), flux)
     bad = CliRunner().invoke(app, ["tiny-lora", flux, str(tmp_path / "x.bin"), "--rank", "2"])
     assert bad.exit_code != 0 and ".safetensors" in bad.output
+
+
+# --- stacked adapters: a layout of two slots ------------------------------------------
+
+# (the row's adapters as (rank, scale) pairs, in the row's order), as the host serves them:
+# none, a stack, the same stack written the other way, one adapter in the two-slot layout,
+# a stack sharing one adapter with the first, none again.
+STACKED = [(), ((8, 1.0), (16, 0.5)), ((16, 0.5), (8, 1.0)), ((16, 0.5),), ((4, 0.8), (8, 1.0)), ()]
+
+
+@pytest.fixture(scope="module")
+def stacked(flux, loras):
+    """One host whose layout has two slots, serving STACKED (regional compile, CPU Inductor)."""
+    torch._dynamo.reset()
+    host = PipelineHost(backend=get_backend("cpu"), compile_mode="regional")
+    host.use_adapters(flux, A.layout((A.inspect(path) for path in loras.values()), slots=2))
+    shape = ShapeKey(model=flux, height=SIDE, width=SIDE, batch_size=BATCH, max_sequence_length=16, cfg=False,
+                     dtype="float32")
+    out = []
+    for stack in STACKED:
+        adapters = tuple(AdapterRef(path=loras[rank], scale=scale) for rank, scale in stack)
+        generated = host.generate(shape, BatchParams(num_inference_steps=STEPS, guidance_scale=1.0,
+                                                     adapters=adapters), _items())
+        out.append((stack, _pixels(generated.images), generated))
+    return host, out
+
+
+def test_stacks_of_zero_one_and_two_compile_nothing_after_the_first_batch(stacked):
+    host, out = stacked
+    assert out[0][2].graphs > 0
+    assert [generated.graphs for *_, generated in out[1:]] == [0] * (len(out) - 1)
+    assert host.recompiles == 0
+    slot = next(iter(host.adapter_slots.values()))
+    assert slot.layout.slots == 2 and slot.names == ("diffq", "stack1")
+    # The same set in the other order is the same slots: nothing swapped, the same pixels.
+    assert out[2][2].adapter_swap_s == 0.0 and slot.swaps == len(STACKED) - 2
+    assert np.array_equal(out[1][1], out[2][1])
+
+
+def test_a_stack_matches_both_adapters_loaded_the_ordinary_way(stacked, flux, loras, tolerance):
+    _, out = stacked
+    for stack, pixels, _ in out:
+        if len(stack) == 2:
+            plain = _plain(flux, True, stack=tuple((loras[rank], scale) for rank, scale in stack))
+            assert np.abs(pixels - plain).max() <= tolerance, stack
+    # Each stack differs from either of its adapters alone far beyond the tolerance.
+    alone = next(pixels for stack, pixels, _ in out if stack == ((16, 0.5),))
+    assert np.abs(out[1][1] - alone).max() >= 10 * tolerance
+
+
+def test_one_adapter_in_two_slots_equals_it_in_one_slot(stacked, served, tolerance):
+    _, out = stacked
+    _, single = served
+    in_two = next(pixels for stack, pixels, _ in out if stack == ((16, 0.5),))
+    in_one = next(pixels for rank, scale, pixels, _ in single if (rank, scale) == (16, 0.5))
+    assert np.abs(in_two - in_one).max() <= tolerance
+    assert np.array_equal(out[0][1], out[-1][1])  # none, before and after stacks
+
+
+def test_a_stack_beyond_the_layouts_slots_is_refused(served, loras):
+    from diffq.worker.device.adapters import AdapterUnsupported
+
+    host, _ = served
+    slot = next(iter(host.adapter_slots.values()))
+    with pytest.raises(AdapterUnsupported, match="1 slot"):
+        slot.apply(None, (AdapterRef(path=loras[4]), AdapterRef(path=loras[8])))
+
+
+def test_peft_swaps_leave_the_slots_as_diffusers_hotswap_did(flux, loras, monkeypatch):
+    """The slots' weights and scalings after each batch's swaps, exactly as through diffusers'
+    `load_lora_weights(..., hotswap=True)` (the path before peft's function was called directly)."""
+    from diffusers import FluxPipeline
+
+    def diffusers_swap(self, pipe, name, loaded):
+        pipe.load_lora_weights(loaded.state_dict, adapter_name=name, hotswap=True)
+
+    layout = A.layout((A.inspect(path) for path in loras.values()), slots=2)
+    pipes = [FluxPipeline.from_pretrained(flux, local_files_only=True) for _ in range(2)]
+    slots = [AdapterSlot.install(pipe, layout, AdapterCache()) for pipe in pipes]
+
+    def state(pipe) -> dict:
+        weights = {k: v.clone() for k, v in pipe.transformer.state_dict().items() if ".lora_" in k}
+        scalings = {f"{name}.{slot}": float(value) for name, module in pipe.transformer.named_modules()
+                    if isinstance(getattr(module, "scaling", None), dict) for slot, value in module.scaling.items()}
+        return {**weights, **scalings}
+
+    for stack in STACKED[1:] + [((4, 1.0),), ((16, -1.0), (8, 0.25))] + STACKED[:1]:
+        refs = tuple(AdapterRef(path=loras[rank], scale=scale) for rank, scale in stack)
+        slots[0].apply(pipes[0], refs)
+        with monkeypatch.context() as patched:
+            patched.setattr(AdapterSlot, "_swap", diffusers_swap)
+            slots[1].apply(pipes[1], refs)
+        ours, theirs = state(pipes[0]), state(pipes[1])
+        assert ours.keys() == theirs.keys() and len(ours) > 0
+        for key, value in ours.items():
+            assert torch.equal(value, theirs[key]) if isinstance(value, torch.Tensor) else value == theirs[key], key
+    assert slots[0].swaps == slots[1].swaps > 0

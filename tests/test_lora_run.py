@@ -223,9 +223,57 @@ def test_a_bad_lora_option_is_refused_before_any_row(tmp_path, flux):
                                       "--lora", missing, "--no-progress"])
     assert result.exit_code == 2 and "field '--lora[0].path'" in result.output and "no such file" in result.output
     assert not (tmp_path / "out").exists()
+    five = CliRunner().invoke(app, ["plan", str(prompts), "--model", flux,
+                                    *(arg for k in range(5) for arg in ("--lora", f"{k}.safetensors"))])
+    assert five.exit_code == 2 and "--lora: 5 adapters in one set: at most 4 stack" in " ".join(five.output.split())
     twice = CliRunner().invoke(app, ["plan", str(prompts), "--model", flux, "--lora", "a.safetensors",
-                                     "--lora", "b.safetensors"])
-    assert twice.exit_code == 2 and "--lora: 2 adapters in one set" in twice.output
+                                     "--lora", "a.safetensors@0.5"])
+    assert twice.exit_code == 2 and "names an adapter twice" in twice.output
+
+
+def test_stacked_sets_are_batched_whole_and_give_the_layout_its_slots(tmp_path, flux, loras):
+    from typer.testing import CliRunner
+
+    from diffq.app.cli import app
+
+    pair = [f"{loras[4]}@0.8", {"path": loras[8], "scale": 0.5}]
+    rows = ([{"id": f"none-{k}", "prompt": "p", "lora": "none"} for k in range(2)]
+            + [{"id": f"one-{k}", "prompt": "p", "lora": f"{loras[4]}@0.8"} for k in range(2)]
+            + [{"id": f"pair-{k}", "prompt": "p", "lora": pair} for k in range(3)]
+            + [{"id": "reversed", "prompt": "p", "lora": pair[::-1]}]
+            + [{"id": f"default-{k}", "prompt": "p"} for k in range(2)])
+    messages, out = _submitted(tmp_path, rows, flux, lora=[f"{loras[16]}", f"{loras[8]}@0.25"])
+    layout = A.layout([A.inspect(loras[4]), A.inspect(loras[8]), A.inspect(loras[16])], slots=2)
+    assert layout.label == f"r16x2-{layout.digest}"
+    assert {m.shape.lora for m in messages} == {layout.label} and len({m.shape.queue for m in messages}) == 1
+    assert read_manifest(open_storage(out)).adapter_layouts == {flux: layout}
+    adapters = _adapter_of(messages)
+    assert all(adapters[f"pair-{k}"] == ((loras[4], 0.8), (loras[8], 0.5)) for k in range(3))
+    assert adapters["reversed"] == ((loras[8], 0.5), (loras[4], 0.8))  # the row's order, in its own batch
+    assert all(adapters[f"default-{k}"] == ((loras[16], 1.0), (loras[8], 0.25)) for k in range(2))
+    # One whole set per batch: none 1, one 1, pair 2 (3 items), reversed 1, default 1.
+    assert sorted(len(m.items) for m in messages) == [1, 1, 2, 2, 2, 2]
+    shown = json.loads(CliRunner().invoke(app, ["plan", str(tmp_path / "prompts.jsonl"), "--model", flux, "--json",
+                                                "--batch-size", "2", "--height", "64", "--width", "64"]).output)
+    groups = {g["label"]: g["items"] for g in shown["adapters"]["groups"]}
+    assert groups[f"{loras[4]}@0.8, {loras[8]}@0.5"] == 3 and shown["adapters"]["layouts"][flux]["slots"] == 2
+    table = CliRunner().invoke(app, ["plan", str(tmp_path / "prompts.jsonl"), "--model", flux, "--batch-size", "2",
+                                     "--height", "64", "--width", "64"])
+    said = " ".join(table.output.split())
+    assert f"layout {shown['adapters']['layouts'][flux]['label']} (" in said
+    assert "at rank 8, 2 slots (sets stack up to 2 adapters)" in said
+
+
+def test_a_set_of_more_than_four_adapters_is_refused_naming_file_line_field(tmp_path, flux, loras):
+    rows = [{"prompt": "fine", "lora": [loras[4], loras[8]]},
+            {"prompt": "too many", "lora": [loras[4], loras[8], loras[16], "x.safetensors", "y.safetensors"]}]
+    prompts = _jsonl(tmp_path / "prompts.jsonl", rows)
+    recording, out = Recording(), tmp_path / "out"
+    with pytest.raises(InputError) as caught:
+        submit(prompts, str(out), model=flux, publisher=recording, window=None, **ARGS)
+    assert str(caught.value) == (f"{prompts}:2: field 'lora': 5 adapters in one set: at most 4 stack (each is a "
+                                 f"LoRA slot every call of the run computes)")
+    assert recording.published == [] and not out.exists()
 
 
 def test_a_worker_takes_the_layout_from_the_manifest_and_refuses_another(tmp_path, flux, loras):
@@ -310,11 +358,13 @@ def test_a_step_cache_runs_with_hot_swapped_adapters_and_no_steady_recompile(flu
 
 # id -> (prompt index: "a tiny prompt K" at seed K, as tests/test_lora.py's plain runs; the row's `lora`).
 # Rows without the field take the run's --lora (rank 16 at scale 1); r16-again repeats
-# r16-0's item in another batch (its group's last, padded).
+# r16-0's item in another batch (its group's last, padded); stack rows stack two adapters
+# (the run's layout then has two slots).
 ROWS = {"base-0": (0, "none"), "r4-0": (0, "R4@0.8"), "r8-0": (0, {"path": "R8", "scale": 0.5}),
         "zero-0": (0, [{"path": "R8", "scale": 0}]), "r16-0": (0, None), "s3-0": (0, "S3@0.5"),
         "base-1": (1, "none"), "r4-1": (1, "R4@0.8"), "r8-1": (1, {"path": "R8", "scale": 0.5}),
         "zero-1": (1, [{"path": "R8", "scale": 0}]), "r16-1": (1, None), "s3-1": (1, "S3@0.5"),
+        "stack-0": (0, ["R4@0.8", {"path": "R8", "scale": 0.5}]), "stack-1": (1, ["R4@0.8", "R8@0.5"]),
         "r16-again": (0, None)}
 
 
@@ -376,14 +426,14 @@ def test_one_run_makes_every_image_once_and_compiles_only_its_first_batch(lora_r
     assert sorted(line["id"] for line in lines) == sorted(ROWS) and len(list(storage.list("images/"))) == len(ROWS)
     manifest = read_manifest(storage)
     layout = manifest.adapter_layouts[flux]
-    assert layout.rank == 16 and [s.shape.lora for s in manifest.shapes] == [layout.label]
+    assert layout.rank == 16 and layout.slots == 2 and [s.shape.lora for s in manifest.shapes] == [layout.label]
     batches: dict[str, list[dict]] = {}
     for line in lines:
         batches.setdefault(line["batch_id"], []).append(line)
-    assert len(batches) == 7  # none, r4, r8, zero, s3: one each; r16: two
+    assert len(batches) == 8  # none, r4, r8, zero, s3, stack: one each; r16: two
     ordered = sorted(batches.values(), key=lambda records: records[0]["generate_started_at"])
     assert ordered[0][0]["graphs_compiled"] > 0
-    assert [records[0]["graphs_compiled"] for records in ordered[1:]] == [0] * 6
+    assert [records[0]["graphs_compiled"] for records in ordered[1:]] == [0] * 7
     assert all(len({r["graphs_compiled"] for r in records}) == 1 for records in ordered)
 
 
@@ -396,15 +446,15 @@ def test_records_and_provenance_name_each_adapters_revision(lora_run, flux, lora
     revisions = read_manifest(storage).adapter_revisions
     assert revisions[loras[8]] == A.content_revision(Path(loras[8]).read_bytes())
     assert revisions[paths["S3"]] == A.revision(paths["S3"])  # the listing's digest
-    want = {"base": None, "r4": (loras[4], 0.8), "r8": (loras[8], 0.5), "zero": (loras[8], 0.0),
-            "r16": (loras[16], 1.0), "s3": (paths["S3"], 0.5)}
+    want = {"base": None, "r4": [(loras[4], 0.8)], "r8": [(loras[8], 0.5)], "zero": [(loras[8], 0.0)],
+            "r16": [(loras[16], 1.0)], "s3": [(paths["S3"], 0.5)], "stack": [(loras[4], 0.8), (loras[8], 0.5)]}
     for record in iter_records(storage):
         expected = want[record.id.split("-")[0]]
         if expected is None:
             assert record.adapters is None
             continue
-        path, scale = expected
-        assert record.adapters == [{"path": path, "scale": scale, "revision": revisions[path]}]
+        assert record.adapters == [{"path": path, "scale": scale, "revision": revisions[path]}
+                                   for path, scale in expected]
         embedded = Image.open(io.BytesIO(storage.get_bytes(record.file_name))).text
         assert json.loads(embedded["adapters"]) == record.adapters
 
@@ -422,6 +472,9 @@ def test_pixels_match_plain_diffusers_runs_of_each_adapter(lora_run, flux, loras
     assert np.array_equal(pair("zero"), pair("base"))  # scale 0: the same
     for name, rank, scale in (("r4", 4, 0.8), ("r8", 8, 0.5), ("r16", 16, 1.0)):
         assert np.abs(pair(name) - _plain(flux, True, loras[rank], scale)).max() <= tolerance, name
+    stacked = _plain(flux, True, stack=((loras[4], 0.8), (loras[8], 0.5)))  # both loaded the ordinary way
+    assert np.abs(pair("stack") - stacked).max() <= tolerance
+    assert min(np.abs(pair("stack") - pair(one)).max() for one in ("r4", "r8")) >= 10 * tolerance
     assert np.abs(pair("r4") - pair("r16")).max() >= 10 * tolerance
     assert np.abs(pair("r16") - pair("base")).max() >= 10 * tolerance
     assert np.array_equal(pair("s3"), pair("r8"))  # from s3:// (moto): the local file's pixels

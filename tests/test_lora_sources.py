@@ -196,10 +196,14 @@ def test_the_runs_layout_from_its_specs_or_the_field_at_fault(flux, loras, tmp_p
     got = A.run_layout([("lora", f"{loras[4]}@0.5"), ("lora", {"path": loras[8]}), ("lora", None)], flux)
     assert got.rank == 8 and set(got.targets) == set(A.inspect(loras[4]).targets) | set(A.inspect(loras[8]).targets)
     assert A.run_layout([("lora", None), ("lora", [])], flux) is None
+    assert got.slots == 1 and A.run_layout([("lora", [loras[4], f"{loras[8]}@0.5"]), ("lora", loras[16])],
+                                           flux).slots == 2
     cases = [
         ([("lora", str(tmp_path / "missing.safetensors"))], "field 'lora': .*no such file"),
         ([("lora", loras[4]), ("lora", [loras[4], {"path": str(tmp_path / "x.safetensors")}])],
-         r"field 'lora': 2 adapters in one set"),
+         r"field 'lora\[1\]\.path': .*no such file"),
+        ([("lora", [loras[4], loras[8], loras[16], "x.safetensors", "y.safetensors"])],
+         r"field 'lora': 5 adapters in one set: at most 4 stack"),
         ([("lora", {"path": loras[4], "scale": 80})], r"field 'lora\.scale'"),
         ([("lora", str(tmp_path))], rf"field 'lora': .*{A.LORA_WEIGHT_NAME}: no such file"),
     ]

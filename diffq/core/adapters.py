@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
 
-from pydantic import ValidationError
+from pydantic import Field, ValidationError
 
 from diffq.core.contract import AdapterRef, Strict
 
@@ -407,12 +407,22 @@ def check_against(info: AdapterInfo, weights: dict[str, list[int]], model: str, 
 # --- the run's layout -----------------------------------------------------------------
 
 
+# The most adapters one set may stack: each is a slot of the scaffold that every call of
+# the run computes (zeros where a row names fewer), so the cap bounds what rows without
+# adapters pay. Dataset recipes stack two or three (style, subject, domain).
+MAX_STACK = 4
+
+
 class AdapterLayout(Strict):
     """What the adapters of one model's shape change in its graphs: the modules that carry
-    a LoRA and the rank they are padded to. Every adapter of the run hot-swaps into it."""
+    a LoRA, the rank they are padded to and the number of slots (the most adapters any set
+    of the run stacks). Every adapter of the run hot-swaps into one of its slots."""
 
     targets: tuple[str, ...]  # the union of the run's target modules, sorted
     rank: int  # the padded rank
+    # Slots (K): each a LoRA per target module in the graphs. 1 is left out of manifests,
+    # so one-adapter runs read and write what they did before stacking.
+    slots: int = Field(default=1, ge=1, le=MAX_STACK, exclude_if=lambda slots: slots == 1)
 
     @property
     def digest(self) -> str:
@@ -422,8 +432,10 @@ class AdapterLayout(Strict):
 
     @property
     def label(self) -> str:
-        """What a shape key says of it (phase 2's queue names): rank and a digest of the targets."""
-        return f"r{self.rank}-{self.digest}"
+        """What a shape key says of it (phase 2's queue names): rank, slots beyond one and a
+        digest of the targets (`r16-1a2b3c4d`, `r16x2-1a2b3c4d`)."""
+        stacked = f"x{self.slots}" if self.slots > 1 else ""
+        return f"r{self.rank}{stacked}-{self.digest}"
 
 
 def padded_rank(rank: int) -> int:
@@ -432,13 +444,13 @@ def padded_rank(rank: int) -> int:
     return 1 << max(0, math.ceil(math.log2(rank)))
 
 
-def layout(infos: Iterable[AdapterInfo]) -> AdapterLayout | None:
-    """The run's layout over all its adapters; None without any."""
+def layout(infos: Iterable[AdapterInfo], slots: int = 1) -> AdapterLayout | None:
+    """The run's layout over all its adapters, with `slots` for its largest set; None without any."""
     infos = list(infos)
     if not infos:
         return None
     targets = sorted(set().union(*(info.targets for info in infos)))
-    return AdapterLayout(targets=tuple(targets), rank=padded_rank(max(info.rank for info in infos)))
+    return AdapterLayout(targets=tuple(targets), rank=padded_rank(max(info.rank for info in infos)), slots=slots)
 
 
 class RunAdapters:
@@ -452,6 +464,7 @@ class RunAdapters:
         self.allowed_prefixes = tuple(allowed_prefixes)
         self.infos: dict[str, AdapterInfo] = {}
         self.revisions: dict[str, str] = {}
+        self.slots = 1  # the most adapters a set stacks so far
         self._weights: dict[str, list[int]] | None = None
 
     def add(self, value, field: str = "lora") -> tuple[AdapterRef, ...]:
@@ -472,11 +485,12 @@ class RunAdapters:
             check_against(info, self._weights, self.model, field=where)
             self.revisions[ref.path] = revision(ref.path, field=where)
             self.infos[ref.path] = info
+        self.slots = max(self.slots, len(refs))
         return pin(refs, self.revisions)
 
     @property
     def layout(self) -> AdapterLayout | None:
-        return layout(self.infos.values())
+        return layout(self.infos.values(), self.slots)
 
 
 def run_layout(specs: Iterable[tuple[str, object]], model: str, *,
@@ -490,10 +504,11 @@ def run_layout(specs: Iterable[tuple[str, object]], model: str, *,
 
 
 def check_set(refs: tuple[AdapterRef, ...], field: str = "lora") -> None:
-    """An adapter set the worker can apply: one adapter per set (one hot-swap slot)."""
-    if len(refs) > 1:
-        raise AdapterError(field, f"{len(refs)} adapters in one set: one adapter per row is supported (stacking "
-                                  f"needs a hot-swap slot per adapter)")
+    """An adapter set the worker can apply: at most MAX_STACK adapters, each a slot of
+    the scaffold (the same adapter twice is refused by parse_spec)."""
+    if len(refs) > MAX_STACK:
+        raise AdapterError(field, f"{len(refs)} adapters in one set: at most {MAX_STACK} stack (each is a LoRA "
+                                  f"slot every call of the run computes)")
 
 
 def local_file(path: str) -> Path:

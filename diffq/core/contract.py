@@ -37,8 +37,8 @@ AUTO_DTYPE = "auto"
 # What a shape key, a queue name and the CLI's --dtype may say.
 SHAPE_DTYPE_TAGS = {AUTO_DTYPE: AUTO_DTYPE, **DTYPE_TAGS}
 Dtype = Literal[tuple(SHAPE_DTYPE_TAGS)]
-# A LoRA layout's label (core/adapters.py AdapterLayout.label): r<padded rank>-<targets' digest>.
-LORA_LABEL = r"^r\d+-[0-9a-f]{8}$"
+# A LoRA layout's label (core/adapters.py AdapterLayout.label): r<padded rank>[x<slots>]-<targets' digest>.
+LORA_LABEL = r"^r\d+(?:x\d+)?-[0-9a-f]{8}$"
 
 
 # The bounds of the values a batch carries, declared once: the shape key and batch

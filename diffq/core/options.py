@@ -65,7 +65,7 @@ class GenerationOptions(BaseModel):
                            "on its batch neighbours, and its record says so")
     lora: tuple[AdapterRef, ...] = Field(
         (), description="LoRA adapter for rows without their own `lora` field: PATH (a .safetensors file, a folder, "
-                        "s3://, gs:// or a Hub id) or PATH@SCALE (repeatable; one adapter per row is applied). "
+                        "s3://, gs:// or a Hub id) or PATH@SCALE (repeatable: the adapters stack, up to 4). "
                         "Checked from its header and pinned at submit; hot-swapped into the compiled graphs")
 
     # The --speedup profile FILE.json as loaded once by the validator (None for a spec).

@@ -1,16 +1,19 @@
-"""LoRA adapters on a loaded pipeline: one slot, hot-swapped in place, never a recompile.
+"""LoRA adapters on a loaded pipeline: K slots, hot-swapped in place, never a recompile.
 
 The order is what keeps the graphs (diffusers PR 9453's hotswap, peft
 `utils/hotswap.py`):
 1. `enable_lora_hotswap(target_rank=…)` on the pipeline, before any adapter;
-2. a zero "scaffold" adapter over the run's union of target modules at its padded
-   rank (core/adapters.py, AdapterLayout), loaded the ordinary way: diffusers then
+2. a zero "scaffold" adapter per slot (the most adapters a set of the run stacks) over
+   the run's union of target modules at its padded rank (core/adapters.py,
+   AdapterLayout), loaded the ordinary way and all active: diffusers then
    calls peft's `prepare_model_for_compiled_hotswap`, which pads every LoRA weight to
    the rank and turns each scaling into a tensor;
 3. the compile (PipelineHost._compile): the LoRA layers are in the graphs, their
    weights and scalings graph inputs (CPU and CUDA Inductor: tests/test_lora.py);
-4. every adapter, and "no adapter" (the scaffold's zeros), hot-swapped in place
-   (`load_lora_weights(…, adapter_name=SLOT, hotswap=True)`: same tensors, new values);
+4. every adapter, and "no adapter" (the scaffold's zeros), hot-swapped in place into a slot
+   (peft's `hotswap_adapter_from_state_dict`, which diffusers' `load_lora_weights(…,
+   hotswap=True)` ends in, handed the weights keyed for the slot once: same tensors, new
+   values);
    a scale is written into the scaling tensors in place. diffusers' per-call
    `joint_attention_kwargs={"scale": …}` is never used: it writes a Python float over
    the tensor (peft `set_scale`), which recompiles.
@@ -31,14 +34,16 @@ from pathlib import Path
 
 import torch
 
-from diffq.core.adapters import (AdapterError, AdapterLayout, Source, content_revision, inspect, local_file, source,
-                                 weight_file)
+from diffq.core.adapters import (MAX_STACK, TRANSFORMER_PREFIX, AdapterError, AdapterLayout, Source, content_revision,
+                                 inspect, local_file, source, weight_file)
 from diffq.core.contract import AdapterRef
 
 log = logging.getLogger(__name__)
 
-# The one adapter name diffq gives peft: every adapter is swapped into this slot.
+# The adapter names diffq gives peft, one per slot (slot_names): every adapter is
+# swapped into one of them. The first is the one-adapter runs' slot.
 SLOT = "diffq"
+SLOTS = (SLOT, *(f"stack{i}" for i in range(1, MAX_STACK)))  # below 10: no name inside another
 # Adapters kept in host memory, by bytes of their tensors: a run's adapters are usually
 # tens of MB each (FLUX.1 rank 16: ~40 MB in bf16), and batches of one adapter set
 # arrive together, so a few suffice. (A count would let a few rank-128 adapters fill RAM.)
@@ -55,12 +60,23 @@ class AdapterUnsupported(ValueError):
 
 @dataclass
 class Loaded:
-    """One adapter in host memory: its LoRA weights and, per target module, the scaling
-    diffusers would give it (alpha / rank) before the batch's scale."""
+    """One adapter in host memory: its LoRA weights (diffusers' format) and, per target
+    module, the scaling diffusers would give it (alpha / rank) before the batch's scale;
+    per slot, the weights keyed as peft names that slot's (converted once, `for_slot`)."""
 
     state_dict: dict
     scalings: dict[str, float]
     nbytes: int
+    _per_slot: dict = field(default_factory=dict, repr=False)
+
+    def for_slot(self, name: str) -> dict:
+        """The weights under the slot's peft keys (`<module>.lora_A.<slot>.weight`), as
+        diffusers maps them for a hot-swap (loaders/peft.py, map_state_dict_for_hotswap);
+        the tensors are shared, not copied."""
+        if name not in self._per_slot:
+            self._per_slot[name] = {key[len(TRANSFORMER_PREFIX):-len(".weight")] + f".{name}.weight": tensor
+                                    for key, tensor in self.state_dict.items()}
+        return self._per_slot[name]
 
 
 class AdapterCache:
@@ -166,17 +182,40 @@ def scaffold_state_dict(layout: AdapterLayout, transformer: torch.nn.Module) -> 
     return state_dict
 
 
+def slot_names(slots: int) -> tuple[str, ...]:
+    """The adapter names diffq gives peft, one per slot. None is a substring of another:
+    peft's hot-swap zero-fills every model key that contains the swapped name
+    (`hotswap_adapter_from_state_dict`, missing_keys), so `diffq` beside `diffq1` would
+    clear slot 1 on every swap of slot 0."""
+    return SLOTS[:slots]
+
+
 @dataclass
 class AdapterSlot:
-    """One pipeline's hot-swap slot: its layout, what is in it, the swap times."""
+    """One pipeline's hot-swap slots (the layout's K, `AdapterLayout.slots`): its layout,
+    what each slot holds, the swap times.
+
+    peft sums every active adapter's delta (lora/layer.py, Linear.forward: `result +
+    lora_B(lora_A(x)) * scaling` per active adapter), so the K scaffold adapters are all
+    active and a set of n <= K adapters fills slots 0..n-1, the rest zeros (adding a zero
+    delta changes nothing). A set goes into the slots in a canonical order (by path and
+    revision): the float sum then runs in one order whatever order a row wrote, so the
+    same set gives the same pixels and, batch after batch, reuses the slots it holds."""
 
     layout: AdapterLayout
     cache: AdapterCache
-    current: AdapterRef | None = None  # None: the scaffold's zeros
+    current: tuple = ()  # per slot its AdapterRef, None: the scaffold's zeros
     swaps: int = 0
     swap_seconds: float = 0.0
-    _zeros: dict = field(default_factory=dict, repr=False)
+    _zeros: Loaded | None = field(default=None, repr=False)
+    # What peft's swap reads of a config: only the scaling it writes (alpha / r), which
+    # `_scale` overwrites; the scaffold's own (diffusers sets alpha = r without alphas).
+    _config: object = field(default=None, repr=False)
     _scalings: dict = field(default_factory=dict, repr=False)  # module name -> peft's scaling tensors
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return slot_names(self.layout.slots)
 
     @classmethod
     def install(cls, pipe, layout: AdapterLayout, cache: AdapterCache) -> AdapterSlot:
@@ -190,42 +229,62 @@ class AdapterSlot:
             raise AdapterOrderError(f"the transformer already has adapters ({', '.join(transformer.peft_config)}): "
                                     f"the scaffold must be the first")
         started = time.perf_counter()
+        names = slot_names(layout.slots)
         pipe.enable_lora_hotswap(target_rank=layout.rank)
-        # The scaffold's own tensors become the slot's weights (diffusers loads with
+        # The scaffold's own tensors become the slots' weights (diffusers loads with
         # low_cpu_mem_usage, assigning them), which every swap overwrites: "no adapter"
         # swaps in a second set of zeros.
-        pipe.load_lora_weights(scaffold_state_dict(layout, transformer), adapter_name=SLOT)
-        slot = cls(layout=layout, cache=cache, _zeros=scaffold_state_dict(layout, transformer))
+        for name in names:
+            pipe.load_lora_weights(scaffold_state_dict(layout, transformer), adapter_name=name)
+        if len(names) > 1:
+            # diffusers prepares the model for compiled hot-swaps once, after the first
+            # adapter (loaders/peft.py): the later slots' scalings are still floats, which a
+            # scale change would recompile. peft's public preparation again turns them into
+            # tensors (the ranks are the scaffold's already). All slots active, none scaled:
+            # diffusers' set_adapters would write float scalings.
+            from peft.utils.hotswap import prepare_model_for_compiled_hotswap
+
+            transformer.set_adapter(list(names))
+            prepare_model_for_compiled_hotswap(transformer, target_rank=layout.rank)
+        from peft import LoraConfig
+
+        slot = cls(layout=layout, cache=cache, current=(None,) * len(names),
+                   _config=LoraConfig(r=layout.rank, lora_alpha=layout.rank),
+                   _zeros=Loaded(state_dict=scaffold_state_dict(layout, transformer), scalings={}, nbytes=0))
         slot._scalings = {name: module.scaling for name, module in transformer.named_modules()
-                          if isinstance(getattr(module, "scaling", None), dict) and SLOT in module.scaling}
-        log.info("adapter scaffold: %d modules at rank %d in %.2fs", len(slot._scalings), layout.rank,
-                 time.perf_counter() - started)
+                          if isinstance(getattr(module, "scaling", None), dict) and names[0] in module.scaling}
+        log.info("adapter scaffold: %d modules at rank %d, %d slot(s), in %.2fs", len(slot._scalings), layout.rank,
+                 len(names), time.perf_counter() - started)
         return slot
 
     def apply(self, pipe, adapters: tuple[AdapterRef, ...]) -> float:
-        """Step 4: this batch's adapter (or none) in the slot at its scale; the seconds it took."""
-        if len(adapters) > 1:
-            raise AdapterUnsupported(f"{len(adapters)} adapters in one batch: one adapter per batch is supported")
-        ref = adapters[0] if adapters else None
-        same = ref is not None and self.current is not None and (ref.path, ref.revision) == (
-            self.current.path, self.current.revision)
-        if ref == self.current:
+        """Step 4: this batch's adapters (or none) in the slots at their scales; the seconds it took."""
+        names = self.names
+        if len(adapters) > len(names):
+            raise AdapterUnsupported(f"{len(adapters)} adapters in one batch, but the run's layout has "
+                                     f"{len(names)} slot(s)")
+        wanted = (*sorted(adapters, key=lambda ref: (ref.path, ref.revision or "")),
+                  *(None,) * (len(names) - len(adapters)))
+        if wanted == self.current:
             return 0.0
         started = time.perf_counter()
-        if ref is None:
-            self._swap(pipe, self._zeros)
-        else:
+        for name, ref, held in zip(names, wanted, self.current):
+            if ref == held:
+                continue
+            if ref is None:
+                self._swap(pipe, name, self._zeros)
+                continue
             loaded = self.cache.get(ref)
             self._check_targets(ref, loaded)
-            if not same:
-                self._swap(pipe, loaded.state_dict)
-            self._scale(loaded.scalings, ref.scale)
-        self.current = ref
+            if held is None or (ref.path, ref.revision) != (held.path, held.revision):
+                self._swap(pipe, name, loaded)
+            self._scale(name, loaded.scalings, ref.scale)
+        self.current = wanted
         elapsed = time.perf_counter() - started
         self.swaps += 1
         self.swap_seconds += elapsed
-        log.info("adapter %s%s in %.3fs", ref.path if ref else "none",
-                 f" at scale {ref.scale:g}" if ref else "", elapsed)
+        log.info("adapter %s in %.3fs", " + ".join(f"{ref.path} at scale {ref.scale:g}" for ref in wanted if ref)
+                 or "none", elapsed)
         return elapsed
 
     def _check_targets(self, ref: AdapterRef, loaded: Loaded) -> None:
@@ -234,17 +293,25 @@ class AdapterSlot:
             raise AdapterUnsupported(f"adapter {ref.path} targets {', '.join(outside[:3])}, outside the slot's "
                                      f"layout (the run's union of target modules): it would need a recompile")
 
-    def _swap(self, pipe, state_dict: dict) -> None:
-        # Modules of the slot this adapter does not target are zero-filled by peft's hotswap
-        # (hotswap_adapter_from_state_dict, "missing keys"); a smaller rank is zero-padded.
-        pipe.load_lora_weights(state_dict, adapter_name=SLOT, hotswap=True)
+    def _swap(self, pipe, name: str, loaded: Loaded) -> None:
+        # peft's own in-place swap, handed the weights converted once: what diffusers'
+        # `load_lora_weights(..., hotswap=True)` calls at its end, without what it does per
+        # call before (the format conversion, LoraConfig from a walk of the whole model's
+        # state dict, offload hooks taken off and put back: nothing here changes modules).
+        # Modules of the slot this adapter does not target are zero-filled
+        # ("missing keys"); a smaller rank is zero-padded. The scalings it writes from the
+        # config are overwritten by `_scale` (the targets') or multiply zeros (the rest).
+        from peft.utils.hotswap import hotswap_adapter_from_state_dict
 
-    def _scale(self, scalings: dict[str, float], scale: float) -> None:
+        hotswap_adapter_from_state_dict(pipe.transformer, loaded.for_slot(name), name, self._config)
+
+    def _scale(self, name: str, scalings: dict[str, float], scale: float) -> None:
         # In place, into the tensors peft made of the scalings: the graphs read them as inputs.
         with torch.no_grad():
             for module, base in scalings.items():
-                self._scalings[module][SLOT].fill_(base * scale)
+                self._scalings[module][name].fill_(base * scale)
 
     def stats(self) -> dict:
         return {"swaps": self.swaps, "swap_seconds": round(self.swap_seconds, 4), "cache_hits": self.cache.hits,
-                "cache_misses": self.cache.misses, "rank": self.layout.rank, "targets": len(self.layout.targets)}
+                "cache_misses": self.cache.misses, "rank": self.layout.rank, "targets": len(self.layout.targets),
+                "slots": self.layout.slots}

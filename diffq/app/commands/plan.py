@@ -99,7 +99,8 @@ def _print_adapters(console, adapters: dict) -> None:
     console.print(table)
     for model, layout in adapters["layouts"].items():
         console.print(f"layout {layout['label']} ({model}): {layout['targets']} target modules at rank "
-                      f"{layout['rank']}", highlight=False)
+                      f"{layout['rank']}" + (f", {layout['slots']} slots (sets stack up to {layout['slots']} adapters)"
+                                         if layout["slots"] > 1 else ""), highlight=False)
     console.print(f"grouping by adapter set costs {adapters['extra_batches']} batches and "
                   f"{adapters['extra_padded_slots']} padded slots ({adapters['batches_without_grouping']} batches "
                   f"without it)", highlight=False)
