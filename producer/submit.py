@@ -37,6 +37,7 @@ from diffq.core.model_store import revisions
 from diffq.core.options import GenerationOptions
 from diffq.core.records import RequestedSize, RunDefaults, RunManifest, ShapeSummary, parse_plan_part, plan_part
 from diffq.core.storage import Storage, open_storage
+from diffq.core.transports import transport_for
 from diffq.producer.bucketing import RunOptions, bucket, group_key, shape_for
 from diffq.producer.feed import AUTO as AUTO_WINDOW, RunFeed, choose_feed, register, start_feed
 from diffq.producer.messages import BatchEncoder, EncodedBatch, batch_id_prefix
@@ -406,6 +407,8 @@ def submit(
         else:  # validated by the caller: its adapters are checked and pinned
             defaults = replace(defaults, adapters=plan.adapters or defaults.adapters)
             parts = plan_parts(encoded(read_prompts(prompts, defaults, keep_columns), plan.adapter_layouts))
+        if publisher is None and broker_url:
+            check_queue_names(plan, broker_url)
         manifest = write_manifest(storage, prompts, plan, run_id,
                                   defaults=manifest_defaults(options, defaults, seed_base, keep_columns))
         if publisher is None:
@@ -419,6 +422,20 @@ def submit(
         else:
             _publish_window(storage, plan, parts, publisher, result, on_published, feed.window, run_id, feed.feeds)
     return result
+
+
+def check_queue_names(plan: Plan, broker_url: str) -> None:
+    """Every shape queue's name within what the broker takes (SQS: 80 characters), before
+    anything is written or enqueued: a run cut off at its first long queue would be half
+    published. The model folder's last part (up to 24 characters) is the name's variable part."""
+    limit = transport_for(broker_url).max_queue_name
+    if limit is None:
+        return
+    for shape in plan.shapes:
+        if len(shape.queue) > limit:
+            raise ValueError(f"queue {shape.queue} is {len(shape.queue)} characters; {transport_for(broker_url).name} "
+                             f"takes at most {limit}: give the model a folder with a shorter last part (it is "
+                             "the name's longest part)")
 
 
 def _publish_window(storage: Storage, plan: Plan, parts: Iterable[list[EncodedBatch]], publisher,

@@ -490,3 +490,23 @@ def test_a_list_of_nulls_names_no_adapter_and_loses_no_batch(tmp_path, flux):
     messages, out = _submitted(tmp_path, rows, flux)
     assert sorted(item.id for m in messages for item in m.items) == sorted(row["id"] for row in rows)
     assert {m.shape.lora for m in messages} == {None} and all(m.params.adapters == () for m in messages)
+
+
+def test_a_queue_name_longer_than_sqs_takes_is_refused_before_anything_is_written(tmp_path, flux, loras):
+    """SQS takes queue names of at most 80 characters: a long model folder name, a big
+    shape and a stacked layout can pass that; the submit says so and writes nothing
+    (a run cut off at its first long queue would be half published)."""
+    model = tmp_path / ("flux-dev-finetune-anime-" + "x" * 8)
+    model.symlink_to(flux, target_is_directory=True)
+    rows = [{"prompt": "p", "lora": [loras[8], loras[16]]}]
+    out = tmp_path / "out"
+    with pytest.raises(ValueError, match=r"is 8\d characters; sqs takes at most 80"):
+        submit(_jsonl(tmp_path / "prompts.jsonl", rows), str(out), model=str(model),
+               broker_url="sqs://key:secret@localhost:1/", window=None, height=1024, width=1024, steps=2,
+               batch_size=16, max_sequence_length=512, dtype="bfloat16")
+    assert not out.exists()
+    # The same names on Redis: no limit there.
+    recording = Recording()
+    submit(_jsonl(tmp_path / "prompts.jsonl", rows), str(out), model=str(model), publisher=recording, window=None,
+           height=1024, width=1024, steps=2, batch_size=16, max_sequence_length=512, dtype="bfloat16")
+    assert len(recording.published) == 1 and len(recording.published[0].shape.queue) > 80

@@ -164,7 +164,9 @@ def queue_name(shape: ShapeKey) -> str:
     and ``.<lora layout>`` for a shape compiled around a LoRA scaffold.
 
     Only ``[a-z0-9.-]``: a plain Redis list (what KEDA's redis-list scaler reads),
-    a valid RabbitMQ queue, and under SQS's 80 characters (kombu maps '.' to '-').
+    a valid RabbitMQ queue, and an SQS one (kombu maps '.' to '-') where it is at most 80
+    characters: a long model folder name, a big shape and a LoRA layout can pass that, and
+    submit refuses it on SQS before anything is written (transports.py `max_queue_name`).
     """
     return _format(dict(slug=model_slug(shape.model), height=shape.height, width=shape.width,
                         batch=shape.batch_size, seq=shape.max_sequence_length,

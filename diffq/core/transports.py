@@ -163,6 +163,9 @@ class Transport:
     loses_inflight_on_kill: bool
     # Why listing queues needs an API URL, where it does (refused before anything starts).
     list_needs_api: str | None = None
+    # The longest queue name the broker takes, where it has a limit (checked at submit,
+    # before anything is written or enqueued).
+    max_queue_name: int | None = None
     discovery: str = "none: name the queues (--queues or --run)"  # how workers find queues, in words
     # Celery's monitoring channels: task events (Flower, `celery events`: three
     # publishes per batch) and remote control (`celery inspect`, `diffq queues`' live
@@ -192,7 +195,9 @@ TRANSPORTS = (
               secret_env=(("DIFFQ_RABBITMQ_API", "rabbitmq-api"),),
               dead_letters=f"policy {DEAD_LETTER_POLICY}: rejects routed to exchange and queue diffq.dead "
                            "(needs --rabbitmq-api; without it the worker's JSON letters, same queue)"),
-    Transport("sqs", ("sqs",), SQSBroker(), event_loop=True, loses_inflight_on_kill=False,
+    # SQS queue names: at most 80 characters (the CreateQueue API's QueueName; kombu's SQS
+    # transport only swaps '.' for '-', kombu/transport/SQS/__init__.py `entity_name`).
+    Transport("sqs", ("sqs",), SQSBroker(), event_loop=True, loses_inflight_on_kill=False, max_queue_name=80,
               discovery="ListQueues by name prefix", keda=(("sqs", SQS_SCALER),),
               secret_env=(("AWS_ACCESS_KEY_ID", "aws-access-key-id"), ("AWS_SECRET_ACCESS_KEY", "aws-secret-access-key")),
               dead_letters=f"queue diffq-dead: redrive policy target (maxReceiveCount {SQS_MAX_RECEIVES}) "
