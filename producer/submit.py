@@ -428,12 +428,13 @@ def check_queue_names(plan: Plan, broker_url: str) -> None:
     """Every shape queue's name within what the broker takes (SQS: 80 characters), before
     anything is written or enqueued: a run cut off at its first long queue would be half
     published. The model folder's last part (up to 24 characters) is the name's variable part."""
-    limit = transport_for(broker_url).max_queue_name
+    transport = transport_for(broker_url)
+    limit = transport.max_queue_name
     if limit is None:
         return
     for shape in plan.shapes:
         if len(shape.queue) > limit:
-            raise ValueError(f"queue {shape.queue} is {len(shape.queue)} characters; {transport_for(broker_url).name} "
+            raise ValueError(f"queue {shape.queue} is {len(shape.queue)} characters; {transport.name} "
                              f"takes at most {limit}: give the model a folder with a shorter last part (it is "
                              "the name's longest part)")
 

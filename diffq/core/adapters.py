@@ -113,7 +113,7 @@ def read_header(path: str, *, field: str = "lora.path") -> dict:
     """A safetensors file's header (tensor name → {dtype, shape, data_offsets}, and
     `__metadata__`) from its first bytes: a local file, `file://`, `s3://` or `gs://`
     (two ranged reads through the storage interface; the weights are never read)."""
-    from diffq.core.storage import NotFound, open_storage
+    from diffq.core.storage import NotFound
 
     folder, _, name = path.rstrip("/").rpartition("/")
     if not name.endswith(".safetensors"):
