@@ -330,3 +330,45 @@ def test_amqp_fleets_scale_on_the_rabbitmq_queue_submit_filled(amqp_url, tiny_mo
            for e in deployment["spec"]["template"]["spec"]["containers"][0]["env"]
            if e.get("valueFrom", {}).get("secretKeyRef", {}).get("name") == SECRET}
     assert env == {"DIFFQ_BROKER_URL": "broker-url", "DIFFQ_RABBITMQ_API": "rabbitmq-api"}
+
+
+@pytest.mark.parametrize("device", [name for name in DEPLOYABLE if get_backend(name).k8s.pool != "shape"])
+def test_a_lora_runs_queue_is_watched_and_served_by_its_models_pool(device, tmp_path, make_redis_server,
+                                                                     tiny_pipelines):
+    """A LoRA run's queue ends in its layout, a name no rendered redis trigger carries: the
+    model's pool still scales on it (the backlog service's metrics-api trigger sums every
+    queue of the model) and its rendered worker finds it at start (discovery). Per-shape
+    pools (Neuron, TPU) refuse adapters (the backend table's `hotswap` column)."""
+    from diffq.app.backlog import Backlog, model_backlogs, serve
+    from diffq.app.tiny import build_tiny_lora
+
+    flux = tiny_pipelines["flux"]
+    lora = str(build_tiny_lora(flux, tmp_path / "style.safetensors", rank=4, seed=1))
+    broker = make_redis_server().url
+    prompts = write_prompts(tmp_path / "prompts.jsonl", n=5)
+    out = str(tmp_path / "run")
+    cli("submit", str(prompts), "--model", flux, "--out", out, "--broker", broker, "--lora", f"{lora}@0.8",
+        "--height", "64", "--width", "64")
+    published = published_queues(broker)
+    [queue] = published
+    assert read_manifest(open_storage(out)).adapter_layouts[flux].label == queue.rsplit(".", 1)[1]
+
+    docs = render(tmp_path, "--model", flux, "--shapes", "64x64", "--device", device, "--broker", broker)
+    [(deployment, scaled)] = pools(docs)
+    assert queue not in {t["metadata"].get("listName") for t in scaled["spec"]["triggers"]}
+    [backlog] = [t for t in scaled["spec"]["triggers"] if t["type"] == "metrics-api"]
+    server = serve(Backlog(lambda: model_backlogs(broker), refresh_s=0), "127.0.0.1", 0)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = backlog["metadata"]["url"].replace(f"diffq-backlog.diffq.svc:{BACKLOG_PORT}",
+                                                 f"127.0.0.1:{server.server_address[1]}")
+        with urllib.request.urlopen(url, timeout=10) as response:
+            body = json.loads(response.read())
+    finally:
+        server.shutdown()
+    assert body[backlog["metadata"]["valueLocation"]] == published[queue] == 2  # 5 items, batches of 4
+
+    plan = json.loads(invoke("worker", *worker_args(deployment), "--plan",
+                             env=plan_env(device, broker, deployment)).stdout)
+    [child] = {json.dumps(child["serve_models"]) for child in plan}
+    assert startup_queues(broker, json.loads(child), dtypes=get_backend(device).served_dtypes) == [queue]
