@@ -281,7 +281,7 @@ def run_child(pipe, cell: Cell, url: str, indices: range, queues: list[str]) -> 
 
 def serve(pipe, cell: Cell, url: str, indices: range, queues: list[str]) -> None:
     """One process of the fleet: build its workers, wait for the start, run the loop."""
-    from diffq.core.brokers.base import make_celery
+    from diffq.core.brokers.app import make_celery
 
     k = cell.dilate
     app = make_celery(url, dilated_options(k))
@@ -324,7 +324,7 @@ def redis_counters(client) -> tuple[dict[str, tuple[int, int]], float]:
 
 def declare(url: str, queues: list[str], per_queue: int = 0) -> None:
     """Declare the queues (their bindings) once and put `per_queue` messages in each."""
-    from diffq.core.brokers.base import make_celery
+    from diffq.core.brokers.app import make_celery
     from diffq.worker.delivery.celery_adapter import task_queue
 
     with make_celery(url).connection_for_write() as connection:
