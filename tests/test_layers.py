@@ -322,3 +322,46 @@ def test_bench_imports_nothing_from_tests(tmp_path):
     assert not bad, f"bench/ shares the test servers through diffq.testing, not tests/: {bad}"
     (tmp_path / "bad.py").write_text("def f():\n    from tests.servers import RedisServer\n")
     assert imports_of_tests(tmp_path / "bad.py") == ["tests.servers"]  # the check can fail
+
+
+# -- one class per store ------------------------------------------------------------------
+STORE_SCHEMES = {"s3", "gs", "s3://", "gs://"}
+STORAGE_PACKAGE = "diffq.core.storage"
+
+
+def scheme_branches(source: str) -> list[str]:
+    """Where `source` tells object stores apart by their URL scheme: a comparison with or a
+    `startswith` of "s3"/"gs"/"s3://"/"gs://" (alone or in a tuple), or a storage's `.scheme`
+    read. Only core/storage/ may (one class per store: `open_storage`, `is_bucket_url`)."""
+    def named(node: ast.AST) -> bool:
+        items = node.elts if isinstance(node, (ast.Tuple, ast.List, ast.Set)) else [node]
+        return any(isinstance(item, ast.Constant) and item.value in STORE_SCHEMES for item in items)
+
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Compare) and any(named(n) for n in (node.left, *node.comparators)):
+            found.append(f"line {node.lineno}: compares a scheme")
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+              and node.func.attr in ("startswith", "removeprefix") and any(named(a) for a in node.args)):
+            found.append(f"line {node.lineno}: .{node.func.attr}({ast.unparse(node.args[0])})")
+        elif isinstance(node, ast.Attribute) and node.attr == "scheme" and "stor" in ast.unparse(node.value).lower():
+            found.append(f"line {node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_only_the_storage_package_tells_stores_apart_by_scheme():
+    product = {m: p for m, p in MODULES.items() if layer_of(m) not in ("bench", "diffq.testing")
+               and not (m == STORAGE_PACKAGE or m.startswith(STORAGE_PACKAGE + "."))}
+    assert {"diffq.core.model_store", "diffq.worker.device.model_fetch", "diffq.app.fleet"} <= set(product)
+    bad = {m: found for m, p in product.items() if (found := scheme_branches(p.read_text()))}
+    assert not bad, f"a storage scheme branch outside {STORAGE_PACKAGE}: {bad}"
+
+
+def test_the_scheme_check_can_fail():
+    """Each branch this house had before its stores were one class each is found."""
+    assert scheme_branches('def f(s):\n    return _S3 if s.scheme == "s3" else _GCS\n')  # model_fetch.py's
+    assert scheme_branches('def f(storage):\n    return storage.scheme\n')
+    assert scheme_branches('if url.startswith("s3://"):\n    pass\n')  # model_store.py's
+    assert scheme_branches('ok = model.startswith(("s3://", "gs://"))\n')
+    assert scheme_branches('if scheme in ("s3", "gs"):\n    pass\n')  # fleet.py's normalise_out_prefix
+    assert not scheme_branches('if transport.name == "redis":\n    pass\nx = urlsplit(u).scheme\n')
