@@ -96,10 +96,10 @@ def _type_checking(node: ast.AST) -> bool:
         isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
 
 
-def imports(module: str, path: Path, *, top_level_only: bool, type_checking: bool = True) -> set[str]:
-    """The diffq and bench modules `module` imports (a `from pkg import name` counts `pkg.name`
-    when that is a module). `type_checking=False` leaves out `if TYPE_CHECKING:` blocks
-    (their `else` still runs)."""
+def imports(module: str, path: Path, *, type_checking: bool = True) -> set[str]:
+    """The diffq and bench modules `module` imports, inside functions too (a `from pkg import
+    name` counts `pkg.name` when that is a module). `type_checking=False` leaves out
+    `if TYPE_CHECKING:` blocks (their `else` still runs)."""
     tree = ast.parse(path.read_text(), filename=str(path))
     stack, nodes = list(tree.body), []
     while stack:
@@ -107,8 +107,7 @@ def imports(module: str, path: Path, *, top_level_only: bool, type_checking: boo
         nodes.append(node)
         if not type_checking and _type_checking(node):
             stack.extend(node.orelse)
-        elif not top_level_only or isinstance(node, (ast.If, ast.Try, ast.ExceptHandler)):
-            # module level includes `if`/`try` blocks, not function bodies
+        else:
             stack.extend(ast.iter_child_nodes(node))
     found: set[str] = set()
     for node in nodes:
@@ -132,7 +131,7 @@ def test_the_tree_is_read():
 @pytest.mark.parametrize("module", sorted(MODULES))
 def test_no_upward_or_sideways_import(module):
     mine = layer_of(module)
-    bad = sorted(target for target in imports(module, MODULES[module], top_level_only=False)
+    bad = sorted(target for target in imports(module, MODULES[module])
                  if target in MODULES and layer_of(target) not in ALLOWED[mine] | {mine})
     assert not bad, f"{module} ({mine}) imports {bad}"
 
@@ -176,7 +175,7 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 def import_graph(modules: dict[str, Path]) -> dict[str, set[str]]:
     """Each module's imports among `modules`, inside functions too, `TYPE_CHECKING` left out.
     (A package's __init__ is imported by its submodules implicitly; only explicit edges count.)"""
-    return {module: {t for t in imports(module, path, top_level_only=False, type_checking=False) if t in modules}
+    return {module: {t for t in imports(module, path, type_checking=False) if t in modules}
             for module, path in modules.items()}
 
 
@@ -212,7 +211,7 @@ def test_the_contract_catches_an_upward_import(tmp_path):
     """The check can fail: a base module importing the worker is reported."""
     path = tmp_path / "bad.py"
     path.write_text("from diffq.worker import sink\n")
-    targets = imports("diffq.core.bad", path, top_level_only=False)
+    targets = imports("diffq.core.bad", path)
     assert "diffq.worker.sink" in targets and layer_of("diffq.worker.sink") not in ALLOWED["diffq.core"]
 
 
@@ -253,7 +252,7 @@ def test_the_worker_packages_are_all_ordered():
 
 
 def test_worker_packages_import_in_one_direction():
-    graph = {module: {t for t in imports(module, path, top_level_only=False) if t in MODULES}
+    graph = {module: {t for t in imports(module, path) if t in MODULES}
              for module, path in MODULES.items() if worker_package(module)}
     assert not (faults := worker_order_faults(graph)), faults
 
@@ -278,7 +277,7 @@ def test_the_worker_order_check_can_fail():
 
 def app_reaches_into_worker(module: str, path: Path) -> list[str]:
     """The worker modules other than its public surface that `module` imports."""
-    return sorted(t for t in imports(module, path, top_level_only=False)
+    return sorted(t for t in imports(module, path)
                   if layer_of(t) == "diffq.worker" and t not in (WORKER_SURFACE, "diffq.worker"))
 
 
