@@ -48,7 +48,7 @@ from diffq.core.options import GenerationOptions
 from diffq.core.records import RunManifest
 from diffq.core.transports import transport_for
 from diffq.producer.resume import check_plan, continuation, uncancel
-from diffq.producer.submit import CeleryPublisher, make_options, new_run_id, submit, validate
+from diffq.producer.submit import CeleryPublisher, make_options, new_run_id, submit_to, validate
 from diffq.worker.api import RunScope
 from diffq.worker.api import local_refusal
 from diffq.worker.api import get_backend
@@ -217,8 +217,8 @@ def run(
 
     def publish_all(publisher) -> str:
         # Every batch to the runner's own publisher: its waves are this run's feeder.
-        return submit(prompts, out, model=model, publisher=publisher, plan=plan, run_id=new_id,
-                      seed_base=seed_base, window=None, options=chosen).run_id
+        return submit_to(folder.storage, prompts, options, defaults, keep_columns=keep_columns, publisher=publisher,
+                         plan=plan, run_id=new_id, seed_base=seed_base, window=None).run_id
 
     with folder.sole_runner():
         if (manifest := folder.manifest()) is not None:

@@ -85,7 +85,7 @@ def startup_queues(broker_url: str, models: list[str] | None = None, api: str | 
     CannotList (saying what to pass instead) where the broker cannot list, before
     anything starts; [] while the broker is not up yet (the workers connect with
     Celery's retries and list it then)."""
-    from diffq.core.brokers.base import make_celery
+    from diffq.core.brokers.app import make_celery
 
     discovery = Discovery(transport_for(broker_url), models, api, dtypes=dtypes)
     try:
