@@ -396,6 +396,10 @@ class ProgressSegmentV2(Strict):
     writer: str = Field(min_length=1)
     numbered: list[NumberedCredits] = Field(default_factory=list)
     queues: dict[str, list[Credit]] = Field(default_factory=dict)
+    # When its writer last added a credit (Unix seconds): the run's last progress
+    # survives any reader's restart (the backlog service's stall clock). None: written
+    # before this field.
+    at: float | None = None
 
 
 AnyProgressSegment = Annotated[ProgressSegment | ProgressSegmentV2, Field(discriminator="v")]

@@ -107,7 +107,7 @@ def child_main(spec_json: str) -> None:
         install_json_logging(spec.loglevel)
     if settings.metrics_port is not None:
         # One scrape endpoint per process: base port + its place in the pod (the pod's named ports).
-        metrics.start_server(settings.metrics_port + spec.position)
+        metrics.start_server(settings.metrics_port + spec.position, settings.metrics_addr)
         metrics.observe_restarts(spec.restarts)
     group = _join_group(spec) if spec.world_size > 1 else None
     if group is not None and not group.leader:
