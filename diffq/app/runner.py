@@ -158,19 +158,20 @@ class LocalWorkers:
         # A compile mode, speed-up or LoRA hot-swap the family or device cannot take fails
         # here, not in every worker.
         if reason := (compile_refusal(models, self.compile) or local_refusal(models, speedups, self.device,
-                                                                              self.compile)
+                                                                              self.compile, adapters)
                       or (adapters and get_backend(self.device).adapter_refusal(self.compile))):
             raise ValueError(reason)
 
     def specs(self, broker_url: str, transport_options: dict, queues: list[str], models: list[str], dtype: str,
-              runs: list[RunScope] = (), adapter_layouts: dict | None = None):
+              runs: list[RunScope] = (), adapter_layouts: dict | None = None, schemes: list | None = None):
         return plan_children(
             device=get_backend(self.device).name,
             devices=self.devices if self.devices is not None else list(range(self.workers)),
             broker_url=broker_url, transport_options=transport_options, queues=queues, threads=self.threads,
             compile=self.compile, compile_cache=self.compile_cache, offload=self.offload,
             warmup=self.warmup or [], models=models, dtype=dtype, allow_fallback=self.allow_fallback,
-            on_degenerate=self.on_degenerate, runs=list(runs), adapter_layouts=adapter_layouts or {})
+            on_degenerate=self.on_degenerate, runs=list(runs), adapter_layouts=adapter_layouts or {},
+            schemes=schemes)
 
 
 def run(
@@ -227,7 +228,7 @@ def run(
                          run_id=run_id, seed_base=seed_base, keep_columns=keep_columns)
             return _finish(folder, manifest, local, progress=progress, console=console, started=started)
         return _serve(folder, local, queues=[shape.queue for shape in plan.shapes], models=plan.models,
-                      adapter_layouts=plan.adapter_layouts,
+                      adapter_layouts=plan.adapter_layouts, schemes=schemes_of(options),
                       run_id=new_id, dtype=options.dtype, total=plan.total, publish_all=publish_all,
                       progress=progress, console=console, started=started)
 
@@ -272,14 +273,14 @@ def _finish(folder: RunOut, manifest: RunManifest, local: LocalWorkers, *, progr
 
 def _serve(folder: RunOut, local: LocalWorkers, *, queues: list[str], models: list[str], run_id: str,
            dtype: str, total: int, adapter_layouts: dict, publish_all, progress: bool, console: Console | None,
-           started: float) -> RunResult:
+           started: float, schemes: list | None = None) -> RunResult:
     """Embedded broker, local workers and `publish_all(publisher)` (it returns the run
     id) in a thread; waits until the run folder holds `total` items done or failed."""
     already_done, already_failed = folder.progress.done, folder.progress.failed
     broker_dir = Path(tempfile.mkdtemp(prefix="diffq-broker-"))
     broker_url, transport_options = embedded_broker(broker_dir)
     specs = local.specs(broker_url, transport_options, queues, models, dtype, [RunScope.of(folder.url, run_id)],
-                        adapter_layouts)
+                        adapter_layouts, schemes)
     output = _WorkerOutput(broker_dir / "workers.out")
     supervisor = Supervisor(specs, spawning=output.spawning)  # each child's stdout is `output`
     stop = threading.Event()
@@ -477,6 +478,15 @@ class _LostBatches:
                 end(Outcome.LOST_WITH_WORKER, Republished(lambda m=message: self.submission.publisher.publish(m)))
                 self.reenqueued += len(message.items)
             self._last_progress = now
+
+
+def schemes_of(options) -> list[str | None]:
+    """The quantization schemes a run's batches name (None: full precision), each shape's
+    under a profile: what its workers preload."""
+    from diffq.core.speedups import parse
+
+    specs = [spec for _, _, spec, _ in options.per_size] if options.per_size else [options.speedup]
+    return sorted({getattr(parse(spec), "quant", None) for spec in specs}, key=lambda quant: quant or "")
 
 
 def speedups_of(options) -> list[str]:

@@ -56,13 +56,14 @@ class GenerationOptions(BaseModel):
     embed_metadata: bool = Field(
         True, description="Write prompt, seed, steps, ... into each image file (PNG text, EXIF UserComment)")
     speedup: str | None = Field(
-        None, description="Step cache and/or attention backend, e.g. taylorseer:cache_interval=3 or "
-                          "mag:mag_ratios=flux+attention:_native_math (docs/speedups.md): applied by each worker "
-                          "through diffusers, recorded with every image; or a profile FILE.json from "
+        None, description="Step cache, quantized weights and/or attention backend, e.g. taylorseer:cache_interval=3, "
+                          "quant:int8wo or mag:mag_ratios=flux+attention:_native_math (docs/speedups.md): applied "
+                          "by each worker through diffusers and torchao, recorded with every image; or a profile "
+                          "FILE.json from "
                           "`diffq qualify --speedups --profile`: each shape's own choice")
     unreproducible_speedup: bool = Field(
-        False, description="Let a cache that decides from the whole batch run (firstblock): an image then depends "
-                           "on its batch neighbours, and its record says so")
+        False, description="Let a speed-up that decides from the whole batch run (firstblock, quant:int8dq-tensor): "
+                           "an image then depends on its batch neighbours, and its record says so")
     lora: tuple[AdapterRef, ...] = Field(
         (), description="LoRA adapter for rows without their own `lora` field: PATH (a .safetensors file, a folder, "
                         "s3://, gs:// or a Hub id) or PATH@SCALE (repeatable: the adapters stack, up to 4). "

@@ -183,7 +183,9 @@ class Runtime:
 
 
 def preload(rt: Runtime) -> None:
+    rt.host.speedups.check_device(rt.host.backend)  # what a quantization scheme needs of it, at the start
     for model, layout_ in rt.spec.adapter_layouts.items():  # before the model loads and compiles
         rt.host.use_adapters(model, layout_)
     for model in rt.spec.models:
-        rt.host.pipeline(model, rt.spec.dtype)
+        for quant in rt.spec.schemes if rt.spec.schemes is not None else [None]:
+            rt.host.pipeline(model, rt.spec.dtype, rt.host.quant_scheme(quant, rt.spec.dtype))

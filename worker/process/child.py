@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import logging
 import os
 import signal
 import sys
@@ -23,7 +24,7 @@ from diffq.worker.device import compile_cache
 from diffq.worker.observe import heap
 from diffq.worker.observe import startup
 from diffq.worker.observe.lifeline import die_with_parent
-from diffq.worker.delivery.spec import EXIT_FATAL, QUIET_ENV, ChildSpec
+from diffq.worker.delivery.spec import EXIT_FATAL, QUIET_ENV, QUIET_LOGGERS, ChildSpec
 
 
 def _write_env_report(path: str) -> None:
@@ -87,6 +88,8 @@ def child_main(spec_json: str) -> None:
     if spec.env_report:
         _write_env_report(spec.env_report)
     warnings.filterwarnings("ignore", message=".*superuser privileges.*")
+    for name in QUIET_LOGGERS:
+        logging.getLogger(name).setLevel(logging.ERROR)
 
     import torch  # noqa: E402 - deliberately after pinning
 
