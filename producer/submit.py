@@ -314,7 +314,7 @@ def make_options(*, model: str, options: GenerationOptions, size_multiple: int =
         Defaults(height=o.height, width=o.width, num_inference_steps=o.steps,
                  guidance_scale=o.guidance_scale, size_multiple=size_multiple,
                  size_buckets=parse_buckets(o.size_buckets, size_multiple) if o.size_buckets else None,
-                 model=model, adapters=RowAdapters(o.lora)),
+                 model=model, adapters=RowAdapters(o.lora, text_encoder=o.lora_text_encoder)),
     )
 
 

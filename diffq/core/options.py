@@ -68,6 +68,10 @@ class GenerationOptions(BaseModel):
         (), description="LoRA adapter for rows without their own `lora` field: PATH (a .safetensors file, a folder, "
                         "s3://, gs:// or a Hub id) or PATH@SCALE (repeatable: the adapters stack, up to 4). "
                         "Checked from its header and pinned at submit; hot-swapped into the compiled graphs")
+    lora_text_encoder: Literal["refuse", "drop"] = Field(
+        "refuse", description="A LoRA file's text-encoder part, which cannot be hot-swapped: refuse the file, or "
+                              "drop that part and run its transformer part (every record says so); a row's lora "
+                              "object may say \"text_encoder\": \"drop\" for its own")
 
     # The --speedup profile FILE.json as loaded once by the validator (None for a spec).
     _profile = PrivateAttr(None)
