@@ -420,7 +420,8 @@ class PipelineHost:
                 record_extra = {**record_extra, "model_revision": self.revisions[shape.model]}
             if swap_s:
                 record_extra = {**record_extra, "adapter_swap_s": round(swap_s, 4)}
-            record_extra = {**record_extra, "transformer_weight_bytes": self.weight_bytes[key]}
+            if key in self.weight_bytes:  # measured at load (a stand-in pipeline has no transformer)
+                record_extra = {**record_extra, "transformer_weight_bytes": self.weight_bytes[key]}
             ended_at = time.time()
             graphs = graphs_compiled() - graphs_before
             compiled = new_shape and self.compiles
