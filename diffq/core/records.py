@@ -242,6 +242,7 @@ class BatchMeasures(Strict):
     model_revision: str | None = None  # an object-storage model's (core/model_store.py)
     graphs_compiled: int = 0  # graphs the batch's call compiled (dynamo's unique_graphs)
     adapter_swap_s: float = 0.0  # the batch's LoRA hot-swap (worker/device/adapters.py)
+    lora_mode: str | None = None  # how its adapter set went in (worker/device/lora_modes.py); a LoRA run's only
 
 
 class ImageRecord(Strict):
@@ -299,6 +300,9 @@ class ImageRecord(Strict):
     # and the seconds the batch's hot-swap took (0 when the slot already held them).
     adapters: Annotated[list | None, JsonText("string")] = None
     adapter_swap_s: float = 0.0
+    # How the worker put the set in (swap, fuse, compile: worker/device/lora_modes.py);
+    # null outside a LoRA run.
+    lora_mode: Annotated[str | None, Dtype("string")] = None
 
     @model_validator(mode="before")
     @classmethod
