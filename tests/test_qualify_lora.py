@@ -119,10 +119,10 @@ def test_unseen_swaps_are_read_from_the_pixels():
     assert "stale adapter" in swap("none", None, BACK_TO_NONE_LEVELS + 1, 9).unseen
 
 
-def test_under_the_stand_in_swap_fails_its_change_check_and_compile_passes(flux, loras, monkeypatch):
+def test_under_the_stand_in_swap_fails_its_change_check(flux, loras, monkeypatch):
     """Inductor's freezing (TORCHINDUCTOR_FREEZING=1, torch/_inductor/config.py) bakes the
     weights into the graphs, as Neuron and TPU do: a swap writes what the graphs never
-    read; compile compiles each new set and shows every change."""
+    read. (compile under the stand-in: tests/test_lora_modes.py, host and run.)"""
     monkeypatch.setenv("TORCHINDUCTOR_FREEZING", "1")
     args = ("--model", flux, "--shapes", SHAPE, "--steps", "1", "--repeats", "1", "--compile", "regional",
             "--lora", f"{loras[4]},{loras[8]}@0.8", "--json")
@@ -132,13 +132,6 @@ def test_under_the_stand_in_swap_fails_its_change_check_and_compile_passes(flux,
     assert lora["lora_mode"] == "swap" and lora["swaps"] == [] and lora["change_check"]["moved"] == 0
     assert "--lora-mode swap: the change from none to" in lora["refused"] and "did not show" in lora["refused"]
     assert check["status"] == "fail" and check["detail"].count("change check: --lora-mode swap") == 1
-    code, report, output = run(*args, "--lora-mode", "compile")
-    assert code == 0, output
-    lora = report["lora"]
-    assert lora["lora_mode"] == "compile" and lora["refused"] is None and lora["unseen"] == []
-    # Each new set compiled (four: two adapters at two scales); back to none, nothing.
-    assert [s["graphs_compiled"] > 0 for s in lora["swaps"]] == [True] * 4 + [False]
-    assert report["checks"]["lora"]["status"] == "pass"
 
 
 def test_a_device_row_that_refuses_hotswap_is_refused_before_any_child(flux, loras):
