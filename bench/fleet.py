@@ -48,6 +48,7 @@ Q queues (found earlier: queues stay served) and having compiled one of them; `b
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import heapq
 import json
@@ -55,10 +56,12 @@ import math
 import multiprocessing
 import os
 import random
+import select
 import tempfile
 import time
 from collections import Counter
 from pathlib import Path
+from queue import Empty
 
 from bench.common import redis_server
 
@@ -127,14 +130,72 @@ def listen_everywhere_when_idle() -> None:
     routing.choose_queues = before
 
 
+class HandPoller:
+    """Many connections' consumers on one epoll, driven by hand as Celery's hub drives one
+    worker's: kombu's Redis poller (`MultiChannelPoller`, the transport's public `cycle`)
+    registers a connection's BRPOP sockets on the poller it is given (`on_poll_init`) at
+    its poll start (`on_poll_start`) and reads a ready one's reply (`handle_event`), which
+    its consumers' callbacks receive. This is that poller (what kombu's eventio `_epoll`
+    does: kombu's READ and ERR are epoll's IN and ERR), noting which worker's poll start
+    registered each socket."""
+
+    def __init__(self):
+        self.epoll = select.epoll()
+        self.starting = None  # (worker, its connection's cycle) while that poll start runs
+        self._owners: dict[int, tuple[object, object]] = {}  # fd -> (worker, cycle)
+
+    # -- the poller kombu's cycle registers on --
+    def register(self, sock, events) -> int:
+        fd = sock if isinstance(sock, int) else sock.fileno()
+        with contextlib.suppress(FileExistsError):
+            self.epoll.register(fd, events)
+        self._owners[fd] = self.starting
+        return fd
+
+    def unregister(self, sock) -> None:
+        fd = sock if isinstance(sock, int) else sock.fileno()
+        self._owners.pop(fd, None)
+        with contextlib.suppress(OSError, ValueError, KeyError):
+            self.epoll.unregister(fd)
+
+    def poll(self, timeout):
+        return self.epoll.poll(-1 if timeout is None else timeout)
+
+    # -- the loop's --
+    def add(self, connection) -> None:
+        """The connection's cycle now registers on this poller (register_with_event_loop's part)."""
+        connection.transport.cycle.on_poll_init(self)
+
+    def start(self, connection, owner) -> None:
+        """A poll start for the connection: its BRPOPs sent where none is outstanding."""
+        cycle = connection.transport.cycle
+        self.starting = (owner, cycle)
+        try:
+            cycle.on_poll_start()
+        finally:
+            self.starting = None
+
+    def wait(self, timeout: float) -> list:
+        """Poll up to `timeout` s and read each reply; the owner of each connection that
+        had one (a BRPOP that timed out delivered nothing)."""
+        woken = []
+        for fd, event in self.poll(timeout) or ():
+            entry = self._owners.get(fd)
+            if entry is None:
+                continue
+            owner, cycle = entry
+            with contextlib.suppress(Empty):  # the BRPOP timed out: nothing queued
+                cycle.handle_event(fd, event)
+            woken.append(owner)
+        return woken
+
+
 class Loop:
     """One process's event loop over its workers, as Celery's hub runs one worker's:
     kombu's poller registers BRPOPs at each poll start and reads replies on one epoll
-    (core/brokers/redis.py `HandPoller`); timers run in between."""
+    (`HandPoller`); timers run in between."""
 
     def __init__(self):
-        from diffq.core.brokers.redis import HandPoller
-
         self.polls = HandPoller()
         self.timers: list = []
         self.busy: list = []  # (until, seq, worker)
@@ -281,7 +342,7 @@ def run_child(pipe, cell: Cell, url: str, indices: range, queues: list[str]) -> 
 
 def serve(pipe, cell: Cell, url: str, indices: range, queues: list[str]) -> None:
     """One process of the fleet: build its workers, wait for the start, run the loop."""
-    from diffq.core.brokers.base import make_celery
+    from diffq.core.brokers.app import make_celery
 
     k = cell.dilate
     app = make_celery(url, dilated_options(k))
@@ -324,7 +385,7 @@ def redis_counters(client) -> tuple[dict[str, tuple[int, int]], float]:
 
 def declare(url: str, queues: list[str], per_queue: int = 0) -> None:
     """Declare the queues (their bindings) once and put `per_queue` messages in each."""
-    from diffq.core.brokers.base import make_celery
+    from diffq.core.brokers.app import make_celery
     from diffq.worker.delivery.celery_adapter import task_queue
 
     with make_celery(url).connection_for_write() as connection:

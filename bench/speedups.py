@@ -9,7 +9,12 @@ and batches two ways, interleaved:
   first call, left out), and the whole process's wall time;
 - bare: the pipeline called in this process on the same padded batches, one generator
   per item as diffq makes them, with `transformer.enable_cache(config)` for the cached
-  calls; the median call time.
+  calls and, for a `quant:` scheme, a second copy of the pipeline whose transformer
+  torchao's `quantize_` quantized with the scheme's config; the median call time.
+
+A `quant:` row also shows the transformer's stored bytes (its records'
+`transformer_weight_bytes`) against full precision's: on CPU there is no device memory
+to report, and a process's peak RSS holds the text encoders and VAE as well.
 
 The figure that matters is each ratio, cached over uncached, and the gap between
 diffq's and the bare pipeline's (goal: within 0.05). The tiny transformer is a small
@@ -36,6 +41,7 @@ from diffq.app.tiny import build_tiny_pipeline
 GOAL = 0.05
 SPECS = ("taylorseer:cache_interval=3", "taylorseer:cache_interval=3,use_lite_mode=true",
          "mag:mag_ratios=flux,threshold=0.06")
+QUANT_SPECS = ("quant:int8wo", "quant:int8dq")
 
 
 def prompts(count: int) -> list[dict]:
@@ -58,12 +64,15 @@ def diffq_run(model: str, rows: list[dict], root: Path, spec: str | None, args) 
     started = time.perf_counter()
     subprocess.run(command, check=True, capture_output=True, text=True)
     wall = time.perf_counter() - started
-    batches = {}
+    batches, weights = {}, set()
     for record in iter_records(open_storage(str(out))):
         batches[record.batch_id] = (record.generate_started_at, record.generate_s, record.speedup)
+        weights.add(record.transformer_weight_bytes)
     calls = [seconds for _, seconds, _ in sorted(batches.values())][1:]
     assert all(recorded == spec for *_, recorded in batches.values()), "the records say another speed-up"
-    return {"process_s": round(wall, 2), "generate_s": round(statistics.median(calls), 4), "batches": len(calls)}
+    (weight_bytes,) = weights
+    return {"process_s": round(wall, 2), "generate_s": round(statistics.median(calls), 4), "batches": len(calls),
+            "weight_bytes": weight_bytes}
 
 
 class Bare:
@@ -76,10 +85,21 @@ class Bare:
         from diffq.core.speedups import parse
 
         torch.set_num_threads(1)  # as a diffq worker's default --threads 1
-        self.pipe = DiffusionPipeline.from_pretrained(model, local_files_only=True)
-        self.pipe.set_progress_bar_config(disable=True)
         self.args, self.specs = args, specs
         self.configs = {spec: parse(spec) for spec in specs}
+        # One pipeline per quantization scheme (None: full precision), as a worker holds them.
+        self.pipes = {}
+        for quant in {None, *(speedup.quant for speedup in self.configs.values())}:
+            pipe = DiffusionPipeline.from_pretrained(model, local_files_only=True)
+            pipe.set_progress_bar_config(disable=True)
+            if quant is not None:
+                from torchao.quantization import quantize_
+
+                from diffq.worker.device.quantize import torchao_config
+
+                quantize_(pipe.transformer, torchao_config(quant))
+            self.pipes[quant] = pipe
+        self.pipe = self.pipes[None]
         self.times: dict[str | None, list[float]] = {None: [], **{spec: [] for spec in specs}}
         self.batches = [rows[i:i + args.batch] for i in range(0, len(rows), args.batch)]
         self.call(self.batches[0])  # warm
@@ -100,14 +120,16 @@ class Bare:
     def round(self) -> None:
         from diffq.worker.device.speedups import cache_config
 
-        transformer = self.pipe.transformer
         for batch in self.batches:
             for spec in (None, *self.specs):
-                if spec is not None:
-                    transformer.enable_cache(cache_config(self.configs[spec], self.pipe, self.args.steps))
+                speedup = self.configs.get(spec)
+                self.pipe = self.pipes[speedup.quant if speedup is not None else None]
+                cached = speedup is not None and speedup.cache is not None
+                if cached:
+                    self.pipe.transformer.enable_cache(cache_config(speedup, self.pipe, self.args.steps))
                 self.times[spec].append(self.call(batch))
-                if spec is not None:
-                    transformer.disable_cache()
+                if cached:
+                    self.pipe.transformer.disable_cache()
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -118,7 +140,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--size", type=int, default=128)
     parser.add_argument("--steps", type=int, default=28)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--specs", default=";".join(SPECS), help="';'-separated specs")
+    parser.add_argument("--specs", default=";".join(SPECS + QUANT_SPECS), help="';'-separated specs")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     specs = tuple(s for s in args.specs.split(";") if s)
@@ -146,12 +168,14 @@ def main(argv: list[str] | None = None) -> dict:
             "diffq_generate_s": round(statistics.median(r["generate_s"] for r in runs[spec]), 4),
             "bare_call_s": round(statistics.median(bare[spec]), 4),
             "process_s": round(statistics.median(r["process_s"] for r in runs[spec]), 2),
+            "weight_bytes": runs[spec][0]["weight_bytes"],
         })
     result = {"family": args.family, "size": args.size, "batch": args.batch, "steps": args.steps,
               "items": args.items, "repeats": args.repeats, "goal": GOAL,
               "load_average": [round(load, 2), round(os.getloadavg()[0], 2)],
               "uncached": {"diffq_generate_s": round(base_diffq, 4), "bare_call_s": round(base_bare, 4),
-                           "process_s": round(statistics.median(r["process_s"] for r in runs[None]), 2)},
+                           "process_s": round(statistics.median(r["process_s"] for r in runs[None]), 2),
+                           "weight_bytes": runs[None][0]["weight_bytes"]},
               "rows": rows_out}
     if args.json:
         print(json.dumps(result))
@@ -173,13 +197,15 @@ def render(result: dict, heading: bool = True) -> list[str]:
              f"{result['load_average'][0]} → {result['load_average'][1]} (2 cores).", "",
              f"Uncached: diffq {base['diffq_generate_s']:.3f} s a batch, bare {base['bare_call_s']:.3f} s a call, "
              f"whole `diffq run` {base['process_s']:.1f} s.", "",
-             "| speed-up | diffq cached / uncached | bare cached / uncached | gap | within 0.05 | "
-             "diffq s a batch | bare s a call | whole `diffq run` s |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| speed-up | diffq sped-up / full | bare sped-up / full | gap | within 0.05 | "
+             "diffq s a batch | bare s a call | whole `diffq run` s | transformer weights / full |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    full_bytes = base.get("weight_bytes")
     for row in result["rows"]:
+        weights = (f"{row['weight_bytes'] / full_bytes:.3f}" if row.get("weight_bytes") and full_bytes else "-")
         lines.append(f"| `{row['spec']}` | {row['diffq_ratio']:.3f} | {row['bare_ratio']:.3f} | {row['gap']:+.3f} | "
                      f"{'yes' if row['within_goal'] else 'no'} | {row['diffq_generate_s']:.3f} | "
-                     f"{row['bare_call_s']:.3f} | {row['process_s']:.1f} |")
+                     f"{row['bare_call_s']:.3f} | {row['process_s']:.1f} | {weights} |")
     lines += ["", "The tiny transformer is a small part of a step here (text encoders and the VAE are most of "
               "a call), so the ratios are far from a real model's, where the transformer is nearly all of it; "
               "what this shows is how much of diffusers' own speed-up a diffq run keeps. "

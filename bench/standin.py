@@ -166,13 +166,13 @@ def install() -> None:
     if getattr(original, "standin", False):
         return
 
-    def _load(self, model: str, dtype: str):
+    def _load(self, model: str, dtype: str, quant: str | None = None):
         if (Path(model) / MARKER).is_file():
             from diffq.core.families import family_of
 
-            self._families[(model, dtype)] = family_of(model)  # what the host builds each call from
+            self._families[(model, dtype, quant)] = family_of(model)  # what the host builds each call from
             return StandInPipeline(model)
-        return original(self, model, dtype)
+        return original(self, model, dtype, quant)
 
     _load.standin = True
     pipeline_host.PipelineHost._load = _load

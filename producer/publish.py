@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import logging
 
-from diffq.core.brokers.base import TaskMessages, make_celery, new_task_id
+from diffq.core.brokers.app import make_celery
+from diffq.core.brokers.base import TaskMessages, new_task_id
 from diffq.core.contract import BatchMessage
 from diffq.core.settings import get_settings
 from diffq.core.signing import Keys, keys_from_settings

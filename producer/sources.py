@@ -139,10 +139,12 @@ class RowAdapters:
     `RunAdapters`: the allow-list, the header, the model's transformer, the revision);
     per model, the layout every shape of it is compiled around once all rows are in."""
 
-    def __init__(self, default: tuple[AdapterRef, ...] = (), allowed_prefixes: tuple[str, ...] | None = None):
+    def __init__(self, default: tuple[AdapterRef, ...] = (), allowed_prefixes: tuple[str, ...] | None = None,
+                 text_encoder: str = "refuse"):
         from diffq.core.settings import get_settings
 
         self.default = tuple(default)
+        self.text_encoder = text_encoder  # --lora-text-encoder: a file's text-encoder part refused or dropped
         self.allowed = tuple(get_settings().allowed_adapters if allowed_prefixes is None else allowed_prefixes)
         self._runs: dict[str, RunAdapters] = {}
         self._known: dict[tuple, tuple[AdapterRef, ...]] = {}
@@ -165,7 +167,8 @@ class RowAdapters:
         if refs is None:
             run = self._runs.get(model)
             if run is None:
-                run = self._runs[model] = RunAdapters(model, allowed_prefixes=self.allowed)
+                run = self._runs[model] = RunAdapters(model, allowed_prefixes=self.allowed,
+                                                      text_encoder=self.text_encoder)
             refs = self._known[key] = run.add(value, field)
             self.named = self.named or bool(refs)  # `[null]` names none: nothing to re-encode for
         return refs

@@ -314,7 +314,7 @@ def make_options(*, model: str, options: GenerationOptions, size_multiple: int =
         Defaults(height=o.height, width=o.width, num_inference_steps=o.steps,
                  guidance_scale=o.guidance_scale, size_multiple=size_multiple,
                  size_buckets=parse_buckets(o.size_buckets, size_multiple) if o.size_buckets else None,
-                 model=model, adapters=RowAdapters(o.lora)),
+                 model=model, adapters=RowAdapters(o.lora, text_encoder=o.lora_text_encoder)),
     )
 
 
@@ -390,9 +390,32 @@ def submit(
     `RunExists` if OUT already holds a run: nothing produced is ever overwritten.
     """
     chosen = GenerationOptions.given(options, generation)
-    keep_columns = chosen.keep_columns
-    options, defaults = make_options(model=model, options=chosen, size_multiple=size_multiple)
-    storage = open_storage(out)
+    run_options, defaults = make_options(model=model, options=chosen, size_multiple=size_multiple)
+    return submit_to(open_storage(out), prompts, run_options, defaults, keep_columns=chosen.keep_columns,
+                     broker_url=broker_url, transport_options=transport_options, publisher=publisher, run_id=run_id,
+                     seed_base=seed_base, on_published=on_published, plan=plan, window=window, feeds=feeds)
+
+
+def submit_to(
+    storage: Storage,
+    prompts: str | Path,
+    options: RunOptions,
+    defaults: Defaults,
+    *,
+    keep_columns: tuple[str, ...] | list[str] = (),
+    broker_url: str | None = None,
+    transport_options: dict | None = None,
+    publisher=None,
+    run_id: str | None = None,
+    seed_base: str | None = None,
+    on_published: Callable[[int], None] | None = None,
+    plan: Plan | None = None,
+    window: int | str | None = AUTO_WINDOW,
+    feeds: str | None = None,
+) -> SubmitResult:
+    """`submit` into OUT opened once by the caller (`storage`), with the run's options made
+    once by it (`make_options`): `diffq run` opens OUT to hold it and validates the file
+    before it submits, and hands both on."""
     feed = choose_feed(window, feeds, storage.url)
     run_id = run_id or new_run_id()
     seed_base = seed_base or run_id

@@ -16,7 +16,8 @@ import pytest
 from kombu import Connection
 
 from diffq.app.queues import queue_report
-from diffq.core.brokers.base import TASK_NAME, make_celery
+from diffq.core.brokers.app import make_celery
+from diffq.core.brokers.base import TASK_NAME
 from diffq.core.contract import BatchItem, BatchMessage, BatchParams, ShapeKey
 from diffq.core.signing import HEADER, Keys, canonical
 from diffq.core.brokers.base import DEAD_LETTERS

@@ -216,7 +216,7 @@ def test_every_refusal_is_one_outcome_of_the_table(why, by_broker):
 @pytest.mark.parametrize("why", list(Refused))
 @pytest.mark.parametrize("by_broker", [True, False])
 def test_a_refusal_on_receipt_is_carried_out_as_decided(why, by_broker):
-    from diffq.core.brokers.base import make_celery
+    from diffq.core.brokers.app import make_celery
     from diffq.worker.delivery.dead_letters import DeadLetters
 
     message = StubMessage()
@@ -225,7 +225,7 @@ def test_a_refusal_on_receipt_is_carried_out_as_decided(why, by_broker):
 
 
 def test_a_malformed_item_is_lettered_and_its_pop_was_its_removal():
-    from diffq.core.brokers.base import make_celery
+    from diffq.core.brokers.app import make_celery
     from diffq.core.brokers.base import DEAD_QUEUE
     from diffq.worker.delivery.dead_letters import DeadLetters
 

@@ -74,7 +74,7 @@ def test_embedded_broker_wait_ends_when_the_worker_stops(tmp_path, monkeypatch):
     from celery.worker import state
     from kombu import Exchange, Queue
 
-    from diffq.core.brokers.base import make_celery
+    from diffq.core.brokers.app import make_celery
     from diffq.core.brokers.embedded import EmbeddedTransport, embedded_broker
 
     url, options = embedded_broker(tmp_path / "broker")
@@ -102,7 +102,7 @@ def test_embedded_consumer_looks_again_when_its_worker_rings(tmp_path):
 
     from kombu import Exchange, Queue
 
-    from diffq.core.brokers.base import make_celery
+    from diffq.core.brokers.app import make_celery
     from diffq.core.brokers.embedded import embedded_broker, wake_consumer
 
     url, options = embedded_broker(tmp_path / "broker")
@@ -126,7 +126,7 @@ def test_a_ring_before_the_drain_begins_is_not_lost(tmp_path):
     of a fast device, bench.device)."""
     from kombu import Exchange, Queue
 
-    from diffq.core.brokers.base import make_celery
+    from diffq.core.brokers.app import make_celery
     from diffq.core.brokers.embedded import embedded_broker, wake_consumer
 
     url, options = embedded_broker(tmp_path / "broker")
@@ -175,7 +175,7 @@ def test_embedded_broker_delivers_in_publish_order(tmp_path, monkeypatch, clock)
     within a millisecond; the sort as text put 10001 ms before 9998 ms."""
     from kombu.transport import filesystem
 
-    from diffq.core.brokers.base import make_celery
+    from diffq.core.brokers.app import make_celery
     from diffq.core.brokers.embedded import embedded_broker
 
     n = 300
@@ -195,7 +195,7 @@ def test_embedded_broker_delivers_in_publish_order(tmp_path, monkeypatch, clock)
 
 
 def _publish_from_child(url: str, options: dict, queue, tag: str, n: int, start) -> None:
-    from diffq.core.brokers.base import make_celery
+    from diffq.core.brokers.app import make_celery
 
     with make_celery(url, options).connection_for_write() as connection:
         producer = connection.Producer()
@@ -213,7 +213,7 @@ def test_two_publisher_processes_deliver_every_message_once_each_in_its_order(tm
 
     from kombu.transport import filesystem
 
-    from diffq.core.brokers.base import make_celery
+    from diffq.core.brokers.app import make_celery
     from diffq.core.brokers.embedded import embedded_broker
 
     n = 200
@@ -248,7 +248,7 @@ def test_an_embedded_message_is_not_taken_while_it_is_written(tmp_path, monkeypa
     from kombu.transport import filesystem
 
     from diffq.core.brokers import embedded
-    from diffq.core.brokers.base import make_celery
+    from diffq.core.brokers.app import make_celery
 
     app = make_celery(*embedded.embedded_broker(tmp_path / "broker"))
     queue = _fresh_queue()

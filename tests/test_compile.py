@@ -260,9 +260,9 @@ def test_ninth_shape_within_raised_recompile_limit(compiled):
     pipe = ScalePipe()
     host._compile(pipe, ScaleFamily)
     shapes = [shape("m", 16 * rows) for rows in range(1, 11)]
-    runs_at = host.backend.dtype_for(shapes[0].dtype)  # what the host loads an auto shape at
-    host._pipelines[("m", runs_at)] = pipe
-    host._families[("m", runs_at)] = ScaleFamily
+    key = host.key("m", shapes[0].dtype)  # what the host loads an auto shape at
+    host._pipelines[key] = pipe
+    host._families[key] = ScaleFamily
     host.warmup(shapes)
     assert len(host.compile_graphs) == 10 and host.recompiles == 0
 

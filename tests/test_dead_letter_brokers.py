@@ -16,7 +16,7 @@ import redis
 from kombu import Connection, Exchange, Queue
 
 from diffq.app.queues import queue_report
-from diffq.core.brokers.base import make_celery
+from diffq.core.brokers.app import make_celery
 from diffq.core.brokers.base import DEAD_LETTERS, DEAD_QUEUE
 from diffq.core.brokers.rabbitmq import DEAD_LETTER_POLICY, rabbitmq_dead_letter_policy
 from diffq.core.brokers.sqs import SQS_MAX_RECEIVES, sqs_entity_name

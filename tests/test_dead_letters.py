@@ -115,7 +115,7 @@ def test_bad_messages_are_dead_lettered_once_and_the_worker_goes_on(make_redis_s
 
 
 def test_a_dead_letter_is_logged_once_with_queue_and_reason(make_redis_server, caplog):
-    from diffq.core.brokers.base import make_celery
+    from diffq.core.brokers.app import make_celery
     from diffq.worker.delivery.dead_letters import DeadLetters
 
     server = make_redis_server()

@@ -165,7 +165,7 @@ def test_sentinel_workers_get_the_transport_options_keda_gets(monkeypatch):
     read them from DIFFQ_BROKER_TRANSPORT_OPTIONS, rendered from the same --broker-option."""
     import json
 
-    from diffq.core.brokers.base import make_celery
+    from diffq.core.brokers.app import make_celery
     from diffq.core.settings import Settings
 
     docs = render("sentinel://s1:26379", broker_options={"master_name": "mymaster"})

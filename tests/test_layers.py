@@ -3,10 +3,11 @@
 Layers, bottom up: `diffq.core` (the base) < `diffq.producer`, `diffq.worker`,
 `diffq.results` (independent of each other) < `diffq.app` (composes them).
 An import that runs upward or across fails here, and so does an import cycle
-between modules at module level (imports inside functions are deferred on purpose:
-the CLI keeps torch and Celery out of commands that do not need them). `bench/` sits
-on top of everything; it may import any layer, but none of its modules may come back
-round to itself, not even through an import inside a function.
+between modules, imports inside functions counted (those are deferred on purpose: the
+CLI keeps torch and Celery out of commands that do not need them; deferring an import
+is allowed, coming back round to itself is not); `if TYPE_CHECKING:` blocks are not
+imports at run time and are left out. `bench/` sits on top of everything; it may import
+any layer.
 
 Inside `diffq.worker` its packages are ordered too, bottom up (`WORKER_ORDER`): a
 module imports only its own package and those below it, even inside a function, so no
@@ -18,14 +19,16 @@ only, and bench/ imports nothing from tests/.
 from __future__ import annotations
 
 import ast
+import tomllib
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-# Where each package lives in the tree (pyproject's package-dir remaps two of them).
-FOLDERS = {"diffq": ROOT / "diffq", "diffq.producer": ROOT / "producer", "diffq.worker": ROOT / "worker",
-           "bench": ROOT / "bench"}
+# Where each package lives in the tree: pyproject's package-dir (which puts
+# diffq.producer in producer/ and diffq.worker in worker/), and bench/.
+PACKAGE_DIR = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+FOLDERS = {**{package: ROOT / folder for package, folder in PACKAGE_DIR.items()}, "bench": ROOT / "bench"}
 
 LAYER = {"diffq.core": 0, "diffq.producer": 1, "diffq.worker": 1, "diffq.results": 1, "diffq.app": 2, "diffq": 3,
          "bench": 4, "diffq.testing": 5}
@@ -57,9 +60,13 @@ def _modules() -> dict[str, Path]:
         for path in folder.rglob("*.py"):
             rel = path.relative_to(folder).with_suffix("")
             parts = [p for p in rel.parts if p != "__init__"]
-            if package == "diffq" and parts and parts[0] in ("producer", "worker"):
+            name = ".".join([package, *parts])
+            # setuptools takes a remapped package from its own folder only (diffq.worker from
+            # worker/, never from a diffq/worker/ that may lie about).
+            owner = max((p for p in FOLDERS if name == p or name.startswith(p + ".")), key=len)
+            if not path.is_relative_to(FOLDERS[owner]):
                 continue
-            found[".".join([package, *parts])] = path
+            found[name] = path
     return found
 
 
@@ -82,18 +89,26 @@ def _resolve(module: str, path: Path, node: ast.ImportFrom) -> str:
     return f"{package}.{node.module}" if node.module else package
 
 
-def imports(module: str, path: Path, *, top_level_only: bool) -> set[str]:
-    """The diffq and bench modules `module` imports (a `from pkg import name` counts `pkg.name`
-    when that is a module)."""
+def _type_checking(node: ast.AST) -> bool:
+    """`if TYPE_CHECKING:` (or `typing.TYPE_CHECKING`): imports for annotations only."""
+    test = node.test if isinstance(node, ast.If) else None
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def imports(module: str, path: Path, *, type_checking: bool = True) -> set[str]:
+    """The diffq and bench modules `module` imports, inside functions too (a `from pkg import
+    name` counts `pkg.name` when that is a module). `type_checking=False` leaves out
+    `if TYPE_CHECKING:` blocks (their `else` still runs)."""
     tree = ast.parse(path.read_text(), filename=str(path))
-    nodes = tree.body if top_level_only else list(ast.walk(tree))
-    if top_level_only:  # module level includes `if`/`try` blocks, not function bodies
-        stack, nodes = list(tree.body), []
-        while stack:
-            node = stack.pop()
-            nodes.append(node)
-            if isinstance(node, (ast.If, ast.Try)):
-                stack.extend(ast.iter_child_nodes(node))
+    stack, nodes = list(tree.body), []
+    while stack:
+        node = stack.pop()
+        nodes.append(node)
+        if not type_checking and _type_checking(node):
+            stack.extend(node.orelse)
+        else:
+            stack.extend(ast.iter_child_nodes(node))
     found: set[str] = set()
     for node in nodes:
         if isinstance(node, ast.Import):
@@ -116,7 +131,7 @@ def test_the_tree_is_read():
 @pytest.mark.parametrize("module", sorted(MODULES))
 def test_no_upward_or_sideways_import(module):
     mine = layer_of(module)
-    bad = sorted(target for target in imports(module, MODULES[module], top_level_only=False)
+    bad = sorted(target for target in imports(module, MODULES[module])
                  if target in MODULES and layer_of(target) not in ALLOWED[mine] | {mine})
     assert not bad, f"{module} ({mine}) imports {bad}"
 
@@ -157,32 +172,46 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
-def test_no_import_cycles_at_module_level():
-    # A package's __init__ is imported by its submodules implicitly; only explicit edges count.
-    graph = {module: {t for t in imports(module, path, top_level_only=True) if t in MODULES}
-             for module, path in MODULES.items()}
-    assert not (found := cycles(graph)), f"import cycles: {found}"
+def import_graph(modules: dict[str, Path]) -> dict[str, set[str]]:
+    """Each module's imports among `modules`, inside functions too, `TYPE_CHECKING` left out.
+    (A package's __init__ is imported by its submodules implicitly; only explicit edges count.)"""
+    return {module: {t for t in imports(module, path, type_checking=False) if t in modules}
+            for module, path in modules.items()}
 
 
-def test_bench_has_no_import_cycles_even_inside_functions():
-    """bench/ shares its helpers through bench/common.py (and the stand-in's stamps
-    through bench/stamps.py) instead of importing back and forth."""
-    bench = {module: path for module, path in MODULES.items() if layer_of(module) == "bench"}
-    assert {"bench.common", "bench.device", "bench.phases", "bench.standin", "bench.scale"} <= set(bench)
-    graph = {module: {t for t in imports(module, path, top_level_only=False) if t in bench}
-             for module, path in bench.items()}
-    assert not (found := cycles(graph)), f"import cycles in bench/: {found}"
+def test_no_import_cycles_even_inside_functions():
+    """Over diffq/, producer/, worker/ and bench/ as installed (pyproject's package-dir):
+    the transport table points at the broker classes and the Celery app that reads it
+    (diffq/core/brokers/app.py) sits above both; Celery's adapter imports a batch's life
+    (worker/delivery/tasks.py), which asks brokers/app.py, not the adapter, to stop."""
+    assert {"diffq.producer.submit", "diffq.worker.delivery.tasks", "bench.fleet"} <= set(MODULES)
+    assert MODULES["diffq.worker.delivery.tasks"].relative_to(ROOT).parts[0] == "worker"
+    assert not (found := cycles(import_graph(MODULES))), f"import cycles: {found}"
 
 
 def test_the_cycle_check_can_fail():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
+def test_a_planted_cycle_through_a_function_is_found(tmp_path):
+    """The circle this check was written for (make_celery importing the table inside a
+    function, the table importing the broker classes) is found; the same import under
+    `if TYPE_CHECKING:` is not an edge."""
+    (tmp_path / "base.py").write_text("def make_celery():\n    from diffq.core.transports import transport_for\n")
+    (tmp_path / "transports.py").write_text("from diffq.core.brokers.base import Broker\n")
+    (tmp_path / "typed.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                                       "    from diffq.core.transports import transport_for\nelse:\n    import os\n")
+    planted = {"diffq.core.brokers.base": tmp_path / "base.py", "diffq.core.transports": tmp_path / "transports.py"}
+    assert cycles(import_graph(planted)) == [["diffq.core.brokers.base", "diffq.core.transports"]]
+    planted["diffq.core.brokers.base"] = tmp_path / "typed.py"
+    assert not cycles(import_graph(planted))
+
+
 def test_the_contract_catches_an_upward_import(tmp_path):
     """The check can fail: a base module importing the worker is reported."""
     path = tmp_path / "bad.py"
     path.write_text("from diffq.worker import sink\n")
-    targets = imports("diffq.core.bad", path, top_level_only=False)
+    targets = imports("diffq.core.bad", path)
     assert "diffq.worker.sink" in targets and layer_of("diffq.worker.sink") not in ALLOWED["diffq.core"]
 
 
@@ -223,7 +252,7 @@ def test_the_worker_packages_are_all_ordered():
 
 
 def test_worker_packages_import_in_one_direction():
-    graph = {module: {t for t in imports(module, path, top_level_only=False) if t in MODULES}
+    graph = {module: {t for t in imports(module, path) if t in MODULES}
              for module, path in MODULES.items() if worker_package(module)}
     assert not (faults := worker_order_faults(graph)), faults
 
@@ -248,7 +277,7 @@ def test_the_worker_order_check_can_fail():
 
 def app_reaches_into_worker(module: str, path: Path) -> list[str]:
     """The worker modules other than its public surface that `module` imports."""
-    return sorted(t for t in imports(module, path, top_level_only=False)
+    return sorted(t for t in imports(module, path)
                   if layer_of(t) == "diffq.worker" and t not in (WORKER_SURFACE, "diffq.worker"))
 
 
@@ -292,3 +321,46 @@ def test_bench_imports_nothing_from_tests(tmp_path):
     assert not bad, f"bench/ shares the test servers through diffq.testing, not tests/: {bad}"
     (tmp_path / "bad.py").write_text("def f():\n    from tests.servers import RedisServer\n")
     assert imports_of_tests(tmp_path / "bad.py") == ["tests.servers"]  # the check can fail
+
+
+# -- one class per store ------------------------------------------------------------------
+STORE_SCHEMES = {"s3", "gs", "s3://", "gs://"}
+STORAGE_PACKAGE = "diffq.core.storage"
+
+
+def scheme_branches(source: str) -> list[str]:
+    """Where `source` tells object stores apart by their URL scheme: a comparison with or a
+    `startswith` of "s3"/"gs"/"s3://"/"gs://" (alone or in a tuple), or a storage's `.scheme`
+    read. Only core/storage/ may (one class per store: `open_storage`, `is_bucket_url`)."""
+    def named(node: ast.AST) -> bool:
+        items = node.elts if isinstance(node, (ast.Tuple, ast.List, ast.Set)) else [node]
+        return any(isinstance(item, ast.Constant) and item.value in STORE_SCHEMES for item in items)
+
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Compare) and any(named(n) for n in (node.left, *node.comparators)):
+            found.append(f"line {node.lineno}: compares a scheme")
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+              and node.func.attr in ("startswith", "removeprefix") and any(named(a) for a in node.args)):
+            found.append(f"line {node.lineno}: .{node.func.attr}({ast.unparse(node.args[0])})")
+        elif isinstance(node, ast.Attribute) and node.attr == "scheme" and "stor" in ast.unparse(node.value).lower():
+            found.append(f"line {node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_only_the_storage_package_tells_stores_apart_by_scheme():
+    product = {m: p for m, p in MODULES.items() if layer_of(m) not in ("bench", "diffq.testing")
+               and not (m == STORAGE_PACKAGE or m.startswith(STORAGE_PACKAGE + "."))}
+    assert {"diffq.core.model_store", "diffq.worker.device.model_fetch", "diffq.app.fleet"} <= set(product)
+    bad = {m: found for m, p in product.items() if (found := scheme_branches(p.read_text()))}
+    assert not bad, f"a storage scheme branch outside {STORAGE_PACKAGE}: {bad}"
+
+
+def test_the_scheme_check_can_fail():
+    """Each branch this house had before its stores were one class each is found."""
+    assert scheme_branches('def f(s):\n    return _S3 if s.scheme == "s3" else _GCS\n')  # model_fetch.py's
+    assert scheme_branches('def f(storage):\n    return storage.scheme\n')
+    assert scheme_branches('if url.startswith("s3://"):\n    pass\n')  # model_store.py's
+    assert scheme_branches('ok = model.startswith(("s3://", "gs://"))\n')
+    assert scheme_branches('if scheme in ("s3", "gs"):\n    pass\n')  # fleet.py's normalise_out_prefix
+    assert not scheme_branches('if transport.name == "redis":\n    pass\nx = urlsplit(u).scheme\n')

@@ -272,9 +272,10 @@ def test_header_reads_ranks_targets_and_fits_the_model(flux, loras):
       "transformer.transformer_blocks.0.attn.to_q.lora_magnitude_vector": [32]}, None, None, "DoRA"),
     ({"transformer.transformer_blocks.0.attn.to_q.lora_A.weight": [4, 32],
       "transformer.transformer_blocks.0.attn.to_q.lora_B.weight": [32, 4]},
-     {"lora_adapter_metadata": json.dumps({"transformer.use_rslora": True})}, None, "use_rslora"),
+     {"lora_adapter_metadata": json.dumps({"transformer.use_dora": True})}, None, "DoRA"),
     ({"transformer.transformer_blocks.0.attn.to_q.lora_A.weight": [4, 32]}, None, None, "without its pair"),
-    ({"lora_unet_double_blocks_0_img_attn_qkv.lora_down.weight": [4, 32]}, None, None, "diffusers' format"),
+    ({"unet.down_blocks.0.attentions.0.to_q.lora_A.weight": [4, 32]}, None, None, "diffusers' format"),
+    ({"lora_unet_double_blocks_0_img_attn_qkv.lora_down.weight": [4, 32]}, None, None, "without its pair"),
     ({}, None, b"{not json", "corrupt header"),
 ])
 def test_header_refusals_name_the_reason(tmp_path, tensors, metadata, raw, why):

@@ -97,7 +97,7 @@ def test_no_graph_after_the_first_batch_where_weights_are_graph_inputs(served, m
 
 def test_fuse_has_no_lora_layer_and_keeps_pristine_copies(served, flux):
     host, _ = served["fuse"]
-    pipe = host._pipelines[(flux, "float32")]
+    pipe = host._pipelines[host.key(flux, "float32")]
     assert not getattr(pipe.transformer, "peft_config", None)  # no scaffold, no peft layer in the graph
     fused = next(iter(host.adapter_slots.values()))
     assert isinstance(fused, FusedWeights) and set(fused.pristine) == set(fused.layout.targets)

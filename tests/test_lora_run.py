@@ -182,8 +182,8 @@ def _bad(kind: str, tmp_path: Path) -> tuple[str, str]:
         return str(path), "text-encoder LoRA"
     if kind == "incompatible config":
         save_file({f"{q}.lora_A.weight": torch.zeros(4, 32), f"{q}.lora_B.weight": torch.zeros(32, 4)}, str(path),
-                  metadata={"lora_adapter_metadata": json.dumps({"transformer.use_rslora": True})})
-        return str(path), "use_rslora"
+                  metadata={"lora_adapter_metadata": json.dumps({"transformer.use_dora": True})})
+        return str(path), "DoRA"
     if kind == "missing file":
         return str(tmp_path / "nowhere.safetensors"), "no such file"
     if kind == "scale out of range":

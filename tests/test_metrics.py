@@ -85,3 +85,32 @@ def test_json_log_lines():
     assert batch["event"] == "batch" and batch["items"] == 4 and batch["level"] == "INFO" and "msg" not in batch
     assert restart["msg"] == "worker w0 restarted" and restart["slot"] == 3
     assert "RuntimeError: boom" in failure["exc"]
+
+
+def test_children_a_process_will_use_are_exported_at_zero_before_their_first_event(port):
+    """A served queue's and its shape's children, the refusal reasons and the store
+    stages are scraped at 0 before anything happens, so `rate`/`increase` see the
+    first event and a ratio's denominator exists for a queue that only fails."""
+    from diffq.worker.delivery.dead_letters import REASONS
+
+    queue = "diffq.tiny-def456.32x48.b2.l64.nocfg.fp32"
+    shape = "32x48.b2"
+    before = scrape(port)
+    assert ("diffq_images_total", (("queue", queue),)) not in before
+    metrics.serving(queue, shape)
+    metrics.refusals(REASONS)
+    after = scrape(port)
+    expected = {("diffq_images_total", (("queue", queue),)), ("diffq_batches_total", (("queue", queue),)),
+                ("diffq_failures_total", (("queue", queue),)), ("diffq_redeliveries_total", (("queue", queue),)),
+                ("diffq_batch_seconds_count", (("queue", queue),)),
+                ("diffq_compiles_total", (("shape", shape),)), ("diffq_recompiles_total", (("shape", shape),)),
+                ("diffq_graph_fallbacks_total", (("shape", shape),))}
+    expected |= {("diffq_degenerate_images_total", (("kind", kind), ("queue", queue))) for kind in ("flat", "nonfinite")}
+    assert {key: after.get(key) for key in expected} == dict.fromkeys(expected, 0.0)
+    # Process-wide children (other tests in this process may have counted on them): exported.
+    everywhere = {("diffq_upload_failures_total", (("stage", stage),)) for stage in ("lookup", "store")}
+    everywhere |= {("diffq_dead_letters_total", (("reason", reason),)) for reason in REASONS}
+    assert everywhere <= set(after)
+    assert {"malformed", "unsigned", "not_a_batch"} <= set(REASONS)
+    metrics.observe_recompile(shape)
+    assert scrape(port)[("diffq_recompiles_total", (("shape", shape),))] == 1.0  # 0 then 1: an increase of 1

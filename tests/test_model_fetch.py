@@ -329,7 +329,7 @@ def test_a_file_changed_between_the_listing_and_its_fetch_is_refused(model_cache
     s3_server.client.put_object(Bucket=bucket, Key=f"{prefix}/scheduler/scheduler_config.json", Body=b"{}")
     # The checksums looked up are the listed object's (If-Match its ETag), never a newer one's.
     with pytest.raises(FetchRefused, match=r"file scheduler/scheduler_config\.json changed since the model was listed"):
-        model_fetch._fetch_files(model_fetch._S3(storage, url), list(listing.files), tmp_path, 4,
+        model_fetch._fetch_files(model_fetch._Store(storage, url), list(listing.files), tmp_path, 4,
                                  Patience("S3", url, 60.0, total=listing.size))
 
 
@@ -377,6 +377,7 @@ def test_the_s3_check_from_the_pieces_digests(algorithm, parts, tmp_path):
     import base64
 
     from awscrt import checksums
+    from diffq.core.storage.s3 import S3Storage
     from diffq.worker.device import store_checksums
 
     size = sum(parts) if parts else 12 * 2**20 + 7
@@ -401,7 +402,7 @@ def test_the_s3_check_from_the_pieces_digests(algorithm, parts, tmp_path):
         head[f"Checksum{algorithm}"] = base64.b64encode(raw(data, algorithm)).decode()
     else:
         head[f"Checksum{algorithm}"] = base64.b64encode(combined).decode() + suffix
-    expect = store_checksums.s3_expectation(head, parts or ())
+    expect = store_checksums.expectation(S3Storage.checksums_of(head, parts or ()))
     assert expect.algorithm == algorithm
 
     def check(body: bytes) -> str | None:
@@ -482,12 +483,13 @@ def test_the_checksum_the_store_keeps_accepts_the_object_and_refuses_a_flipped_b
     head = s3_server.client.head_object(Bucket=bucket, Key=f"{prefix}/{PADDING}", ChecksumMode="ENABLED")
     stored = sorted(k for k in head if k.startswith("Checksum") and k != "ChecksumType")
     assert stored == ([f"Checksum{algorithm}"] if algorithm else [])
-    from diffq.worker.device.store_checksums import s3_expectation
+    from diffq.core.storage.s3 import S3Storage
+    from diffq.worker.device.store_checksums import expectation
 
-    expect = model_fetch._S3(model_fetch.model_storage(url), url).expectation(
+    expect = model_fetch._Store(model_fetch.model_storage(url), url).expectation(
         next(f for f in list_model(url).files if f.key == PADDING))
     assert (expect.algorithm, expect.parts) == ({"ETag": "MD5"}.get(found_by, found_by), parts)
-    assert s3_expectation(head, parts).kind == ("etag" if not algorithm else "composite" if parts else "full")
+    assert expectation(S3Storage.checksums_of(head, parts)).kind == ("etag" if not algorithm else "composite" if parts else "full")
     with CorruptingProxy(s3_server.endpoint, corrupt=PADDING) as proxy:
         settings = Settings(model_store_endpoint=proxy.endpoint, model_cache=str(model_cache))
         with pytest.raises(FetchRefused, match=f"file {re.escape(PADDING)} is corrupt: {found_by} "):
@@ -688,3 +690,20 @@ def test_only_the_stores_answers_become_refusals():
     with pytest.raises(FetchRefused) as raised:
         model_fetch._patiently(None, Store(), "unet.bin", failing(refused))
     assert raised.value is refused
+
+
+def test_a_record_of_pieces_that_cannot_be_read_is_said_and_its_file_fetched_from_the_start(tmp_path, caplog):
+    """A `.ranges` record cut short (a disk full mid-write) keeps no piece: the fetch says
+    so and starts the file over; a file never begun says nothing."""
+    part = tmp_path / f"{model_fetch.PART_PREFIX}unet.bin"
+    part.write_bytes(b"x" * 8)
+    layout = {"size": 8, "pieces": [[0, 8]], "kind": "full", "algorithm": "CRC32"}
+    with caplog.at_level("WARNING", logger="diffq.worker"):
+        assert model_fetch._Ranges(part, layout).digests == {}
+        assert not caplog.records
+        model_fetch._Ranges(part, layout).add(0, b"\0\0\0\1")
+        assert model_fetch._Ranges(part, layout).digests == {0: b"\0\0\0\1"}
+        model_fetch._Ranges.path(part).write_text('{"layout": ')
+        assert model_fetch._Ranges(part, layout).digests == {}
+    (said,) = [r.getMessage() for r in caplog.records]
+    assert said.startswith("fetching weights: unet.bin: its record of completed pieces cannot be read (JSONDecodeError")

@@ -6,6 +6,7 @@ dashboard name scraped from a real worker and a real backlog service."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import os
 import re
@@ -86,14 +87,56 @@ def test_without_monitoring_the_rendering_is_unchanged_and_with_it_only_ports_an
 
 
 def test_alert_thresholds_are_options_and_bad_ones_are_named():
-    rule = kind(rendered("--monitoring", "--alert", "stall_minutes=45"), "PrometheusRule")
-    [stalled] = [r for r in rule["spec"]["groups"][0]["rules"] if r["alert"] == "DiffqRunStalled"]
-    assert "> 2700" in stalled["expr"]
+    rule = kind(rendered("--monitoring", "--alert", "stall_minutes=45", "--alert", "stall_for_minutes=0",
+                         "--alert", "failure_window_minutes=1.5"), "PrometheusRule")
+    rules = {r["alert"]: r for r in rule["spec"]["groups"][0]["rules"]}
+    assert "> 2700" in rules["DiffqRunStalled"]["expr"] and rules["DiffqRunStalled"]["for"] == "0s"
+    assert "[90s]" in rules["DiffqItemsFailing"]["expr"] and "[15" not in rules["DiffqItemsFailing"]["expr"]
     for bad in ("stall=3", "stall_minutes=soon", "stall_minutes"):
         result = CliRunner().invoke(app, RENDER + ["--monitoring", "--alert", bad])
         assert result.exit_code == 2 and "--alert" in result.output
+    # Each refused by its kind, which the message names with its range (celery-mixin's
+    # thresholds are percents: 5 is what a port of it types).
+    for bad, said in (("failure_ratio=5", "a ratio in [0, 1]"), ("busy_ratio=2", "a ratio in [0, 1]"),
+                      ("degenerate_ratio=-0.1", "a ratio in [0, 1]"), ("stall_minutes=0", "minutes in (0, 10080]"),
+                      ("storage_window_minutes=20000", "minutes in (0, 10080]"),
+                      ("idle_minutes=-1", "minutes to wait in [0, 1440]"), ("ttfi_p90_seconds=0", "seconds in (0,"),
+                      ("restarts=2.5", "a whole number"), ("restarts=0", "count")):
+        result = CliRunner().invoke(app, RENDER + ["--monitoring", "--alert", bad])
+        assert result.exit_code == 2 and said in result.output, (bad, result.output)
     result = CliRunner().invoke(app, RENDER + ["--alert", "stall_minutes=45"])
     assert result.exit_code == 2 and "--monitoring" in result.output
+
+
+def test_every_wait_and_window_is_an_option():
+    """Every alert's `for` is a Thresholds field (a wait), and every range but the
+    per-hour ones is a window option: nothing fixed in the text of a rule."""
+    names = {f.name for f in dataclasses.fields(monitoring.Thresholds)}
+    for alert in monitoring.ALERTS:
+        wait = re.fullmatch(r"\{(\w+)_s\}s", alert.for_)
+        assert wait and wait[1] + "_minutes" in names, alert.name
+        assert set(re.findall(r"\[(\w+)\]", alert.expr)) <= {"1h"}, alert.name
+
+
+def test_runbooks_are_the_projects_own_and_name_the_alerts_run():
+    """No address in the rules by default; with --runbook-url each alert its own anchor
+    on that page; a run's alert names its real OUT, the others the fleet's queues command."""
+    rules = kind(rendered("--monitoring"), "PrometheusRule")["spec"]["groups"][0]["rules"]
+    assert not re.search(r"https?://", yaml.safe_dump(rules))
+    base = "https://docs.example.org/diffq/fleet.html"
+    rules = kind(rendered("--monitoring", "--runbook-url", base), "PrometheusRule")["spec"]["groups"][0]["rules"]
+    urls = [r["annotations"]["runbook_url"] for r in rules]
+    assert all(u.startswith(base + "#") for u in urls) and len(set(urls)) == len(rules)
+    docs = (ROOT / "docs" / "fleet.md").read_text()
+    for rule in rules:  # each anchor is a heading of the runbook page
+        assert f"#### {rule['alert']}\n" in docs, rule["alert"]
+    by_name = {r["alert"]: r for r in rules}
+    assert "`diffq status {{ $labels.out }}`" in by_name["DiffqRunStalled"]["annotations"]["runbook"]
+    assert "`diffq queues --out-prefix s3://bucket/runs`" in by_name["DiffqItemsFailing"]["annotations"]["runbook"]
+    assert not any(re.search(r"\bOUT\b", r["annotations"]["runbook"]) for r in rules)
+    for bad in ("ftp://x/runbook", "https://x/runbook#here", "runbook.md"):
+        result = CliRunner().invoke(app, RENDER + ["--monitoring", "--runbook-url", bad])
+        assert result.exit_code == 2 and "--runbook-url" in result.output
 
 
 def test_every_alert_names_its_severity_and_the_diffq_command_that_shows_more():
@@ -101,7 +144,7 @@ def test_every_alert_names_its_severity_and_the_diffq_command_that_shows_more():
     assert [r["alert"] for r in rules] == [a.name for a in monitoring.ALERTS]
     for rule in rules:
         assert rule["labels"]["severity"] in ("warning", "critical")
-        assert re.search(r"`diffq [a-z]", rule["annotations"]["runbook"]), rule
+        assert re.search(r"`(diffq|kubectl) [a-z-]", rule["annotations"]["runbook"]), rule
         assert rule["annotations"]["summary"] and rule["annotations"]["description"]
         assert "{" not in rule["annotations"]["description"].replace("{{ $labels.", "")
 
@@ -150,21 +193,32 @@ def _series(name: str, values: str, **labels) -> dict:
 
 # Per alert: test cases of (input series, [(eval time, [labels of each alert expected])]):
 # an empty list is an alert that must stay quiet then.
-W = {"pod": "w-0"}
+W = {"pod": "w-0", "pool": "p"}
+UP_WORKER = {"pod": "w-0", "container": "worker"}
+UP_BACKLOG = {"pod": "diffq-backlog-x", "container": "backlog"}
 CASES: dict[str, list[tuple[list[dict], list[tuple[str, list[dict]]]]]] = {
     "DiffqRunStalled": [
         ([_series("diffq_run_items", "5x60", run="r", out="s3://b/r", state="pending"),
           _series("diffq_run_last_progress_timestamp_seconds", "0x60", run="r", out="s3://b/r"),
           _series("diffq_run_items", "0x60", run="d", out="s3://b/d", state="pending"),
           _series("diffq_run_last_progress_timestamp_seconds", "0x60", run="d", out="s3://b/d"),
-          _series("diffq_device_busy_ratio", "0.5x60", **W)],
+          _series("up", "0x60", **UP_WORKER)],  # a worker frozen hard: its target stays, up 0
          [("20m", []), ("40m", [{"run": "r", "out": "s3://b/r"}])]),
         ([_series("diffq_run_items", "5x60", run="r", out="s3://b/r", state="pending"),  # no workers: not stalled
           _series("diffq_run_last_progress_timestamp_seconds", "0x60", run="r", out="s3://b/r")],
          [("40m", [])]),
+        # The backlog service dies at 45m with the run firing: its series go stale and
+        # the alert holds; back at 70m with the run moved (progress at 4200 s): resolved.
+        ([_series("diffq_run_items", "5x45 stale _x24 0x20", run="r", out="s3://b/r", state="pending"),
+          _series("diffq_run_last_progress_timestamp_seconds", "0x45 stale _x24 4200x20", run="r", out="s3://b/r"),
+          _series("up", "1x45 0x24 1x20", **UP_BACKLOG),
+          _series("up", "1x90", **UP_WORKER)],
+         [("40m", [{"run": "r", "out": "s3://b/r"}]), ("60m", [{"run": "r", "out": "s3://b/r"}]),
+          ("75m", [])]),
     ],
     "DiffqDeadLettersGrowing": [
-        ([_series("diffq_dead_letters_queued", "0x20 1x40")], [("10m", []), ("25m", [{}]), ("50m", [])]),
+        ([_series("diffq_dead_letters_queued", "0x20 1x40"), _series("up", "1x60", **UP_BACKLOG)],
+         [("10m", []), ("25m", [{}]), ("50m", [])]),
     ],
     "DiffqItemsFailing": [
         ([_series("diffq_images_total", "0+10x60", queue="q1", **W),
@@ -172,6 +226,8 @@ CASES: dict[str, list[tuple[list[dict], list[tuple[str, list[dict]]]]]] = {
           _series("diffq_images_total", "0+10x60", queue="q2", **W),
           _series("diffq_failures_total", "0+0.2x60", queue="q2", **W)],
          [("5m", []), ("40m", [{"queue": "q1"}])]),
+        # Every item of a queue fails: no images series at all (the bad model or device case).
+        ([_series("diffq_failures_total", "0+1x60", queue="q3", **W)], [("40m", [{"queue": "q3"}])]),
     ],
     "DiffqWorkerRestarting": [
         ([_series("kube_pod_container_status_restarts_total", "0 0 1 2 3 3x30", pod="a", container="worker"),
@@ -187,11 +243,22 @@ CASES: dict[str, list[tuple[list[dict], list[tuple[str, list[dict]]]]]] = {
     ],
     "DiffqDevicesIdleWithBacklog": [
         ([_series("diffq_queue_batches", "5x60", queue="q", where="broker"),
-          _series("diffq_device_busy_ratio", "0.05x60", **W)], [("20m", []), ("45m", [{}])]),
-        ([_series("diffq_queue_batches", "5x60", queue="q", where="out")], [("45m", [{}])]),  # no worker at all
+          _series("diffq_images_total", "0x60", queue="q", **W),
+          _series("diffq_device_busy_ratio", "0.05x60", **W)], [("20m", []), ("45m", [{"pool": "p"}])]),
+        ([_series("diffq_queue_batches", "5x60", queue="q", where="out")],  # no worker at all
+         [("45m", [{"pool": monitoring.NO_WORKER}])]),
         ([_series("diffq_queue_batches", "5x60", queue="q", where="broker"),
+          _series("diffq_images_total", "0+10x60", queue="q", **W),
           _series("diffq_device_busy_ratio", "0.9x60", **W)], [("45m", [])]),
         ([_series("diffq_queue_batches", "0x60", queue="q", where="broker")], [("45m", [])]),
+        # One pool stuck among busy ones: its own alert, whatever the namespace's mean.
+        ([_series("diffq_queue_batches", "5x60", queue="q", where="broker"),
+          _series("diffq_queue_batches", "5x60", queue="q2", where="broker"),
+          _series("diffq_images_total", "0x60", queue="q", pod="s-0", pool="stuck"),
+          _series("diffq_device_busy_ratio", "0x60", pod="s-0", pool="stuck"),
+          *[_series("diffq_images_total", "0+10x60", queue="q2", pod=f"b-{i}", pool="busy") for i in range(4)],
+          *[_series("diffq_device_busy_ratio", "0.95x60", pod=f"b-{i}", pool="busy") for i in range(4)]],
+         [("45m", [{"pool": "stuck"}])]),
     ],
     "DiffqTimeToFirstImageSlow": [
         ([_series("diffq_time_to_first_image_seconds_bucket", "0x90", le="600", **W),
@@ -228,8 +295,9 @@ CASES: dict[str, list[tuple[list[dict], list[tuple[str, list[dict]]]]]] = {
         ([_series("diffq_run_batches_waiting", "0x60", run="r", out="o", queue="q")], [("20m", [])]),
     ],
     "DiffqBacklogServiceDown": [
-        ([_series("up", "1x10 0x20", pod="diffq-backlog-x", container="backlog")],
-         [("5m", []), ("25m", [{"namespace": None}])]),  # absent(… == 1) keeps no label
+        ([_series("up", "1x10 0x20 1x10", **UP_BACKLOG)],
+         [("5m", []), ("11m", []), ("13m", [{"namespace": None}]), ("25m", [{"namespace": None}]),
+          ("35m", [])]),  # absent(… == 1) keeps no label
     ],
 }
 
@@ -293,6 +361,24 @@ def test_the_dashboard_file_is_the_rendered_one():
     assert path.read_text() == monitoring.dashboard_json(NS)
     board = json.loads(path.read_text())
     assert board["uid"] == monitoring.DASHBOARD_UID and len(board["panels"]) >= 9
+    assert [v["name"] for v in board["templating"]["list"]] == ["datasource", "pool", "queue", "run"]
+    panels = {p["id"]: p for p in board["panels"]}
+    exprs = [t["expr"] for p in board["panels"] for t in p["targets"]]
+    for label in ("pool", "queue", "run"):  # each variable narrows some panel
+        assert any(f'{label}=~"${label}"' in e for e in exprs), label
+    latency = next(p for p in board["panels"] if p["title"] == monitoring.P_LATENCY)
+    assert [t["expr"].split(",")[0] for t in latency["targets"]] == [
+        f"histogram_quantile(0.{q}" for q in (50, 95, 99)]
+    assert "diffq_batch_seconds_bucket" in latency["targets"][0]["expr"]
+    # Every alert's dashboard_url opens its own panel, which shows one of its metrics.
+    for rule, alert in zip(monitoring.rule_groups(NS, monitoring.Thresholds())[0]["rules"], monitoring.ALERTS):
+        url = rule["annotations"]["dashboard_url"]
+        assert url.startswith(f"/d/{monitoring.DASHBOARD_UID}?viewPanel="), url
+        panel = panels[int(url.rsplit("=", 1)[1])]
+        assert panel["title"] == alert.panel
+        shown = set(re.findall(r"(diffq_\w+?|up)(?:_bucket)?\{", " ".join(t["expr"] for t in panel["targets"])))
+        named = set(re.findall(r"(diffq_\w+?|up)(?:_bucket)?\{", rule["expr"]))
+        assert shown & named, (alert.name, shown, named)
     config_map = kind(rendered("--monitoring", "--price-per-device-hour", "1.5"), "ConfigMap")
     assert config_map["metadata"]["labels"] == {"grafana_dashboard": "1"}
     priced = json.loads(config_map["data"][monitoring.DASHBOARD_FILE])
@@ -301,7 +387,7 @@ def test_the_dashboard_file_is_the_rendered_one():
 
 # --- every name and label, against real processes -------------------------------------
 
-FUNCTIONS = {"sum", "max", "min", "avg", "count", "rate", "increase", "delta", "histogram_quantile", "time",
+FUNCTIONS = {"sum", "max", "min", "avg", "count", "group", "rate", "increase", "delta", "histogram_quantile", "time",
              "absent", "by", "on", "and", "or", "unless", "without", "ignoring", "group_left", "group_right"}
 
 
@@ -310,7 +396,9 @@ def used(expr: str) -> tuple[dict[str, set[str]], set[str]]:
     selectors: dict[str, set[str]] = {}
     for name, inner in re.findall(r"([a-zA-Z_:][a-zA-Z0-9_:]*)\{([^}]*)\}", expr):
         selectors.setdefault(name, set()).update(re.findall(r"(\w+)\s*(?:=~|!=|!~|=)", inner))
+    # `without (…)` names labels to drop (Prometheus' own on ALERTS), not ones to find.
     stripped = re.sub(r"\[[^]]*\]", "", re.sub(r"\{[^}]*\}", "{}", re.sub(r'"[^"]*"', '""', expr)))
+    stripped = re.sub(r"\bwithout\s*\([^)]*\)", "", stripped)
     bare = set(re.findall(r"\b([a-z_][a-z0-9_]*)\b(?!\s*[({])", stripped))
     grouped = {label.strip() for clause in re.findall(r"\b(?:by|on)\s*\(([^)]*)\)", expr)
                for label in clause.split(",")}
@@ -450,8 +538,10 @@ def samples(registry) -> dict[tuple[str, tuple], float]:
 
 def test_run_metrics_count_as_status_does_and_see_progress_move(make_redis_server, tmp_path):
     """A windowed run: items pending, batches in the broker and in OUT per queue; a
-    credit moves done and the last-progress time; the broker away leaves the run
-    series; a finished run no longer listed is reported once more, then dropped."""
+    credit moves done and the last-progress time, which is OUT's (the manifest's
+    creation before any progress; the segment's time after), so a new service (a
+    restart) reports the same age; the broker away leaves the run series; a run no
+    longer listed, not finished, is still reported."""
     from diffq.app.queues import queue_report
     from diffq.app.run_metrics import RunMetrics, registry
     from diffq.core.progress import ProgressLog
@@ -488,19 +578,23 @@ def test_run_metrics_count_as_status_does_and_see_progress_move(make_redis_serve
     assert first[("diffq_queue_batches", (("queue", queue), ("where", "out")))] == 4
     assert first[("diffq_dead_letters_queued", ())] == 0
     moved = ("diffq_run_last_progress_timestamp_seconds", (("out", out), ("run", run_id)))
-    assert first[moved] == 1000.0
+    manifest = read_manifest(open_storage(out))
+    assert first[moved] == manifest.created_at  # never moved: its creation
 
     now[0] = 1060.0
-    assert samples(reg)[moved] == 1000.0  # nothing moved
-    shape = read_manifest(open_storage(out)).shapes[0].shape
+    assert samples(reg)[moved] == manifest.created_at  # nothing moved
     log = ProgressLog(open_storage(out), writer="w")
-    log.add(batch_id(shape, 0), queue, ["i0", "i1"])
+    log.add(batch_id(manifest.shapes[0].shape, 0), queue, ["i0", "i1"])
+    before = time.time()
     log.flush()
     now[0] = 1120.0
     broker_up[0] = False
     second = samples(reg)
-    assert (second[key("done")], second[key("pending")]) == (2, 10) and second[moved] == 1120.0
+    assert (second[key("done")], second[key("pending")]) == (2, 10)
+    assert before - 0.01 <= second[moved] <= time.time()  # the segment's own time, in OUT
     assert not any(name == "diffq_queue_batches" for name, _ in second)  # the broker's part left out
+    restarted = registry(RunMetrics(lambda: listed, queues=queues, clock=lambda: now[0] + 3600))
+    assert samples(restarted)[moved] == second[moved]  # a new service: the same age
 
     listed.clear()  # no longer listed, not finished: still reported
     assert samples(reg)[key("pending")] == 10

@@ -14,7 +14,8 @@ import redis
 from celery.contrib.testing.worker import start_worker
 from kombu import Consumer
 
-from diffq.core.brokers.base import TASK_NAME, make_celery
+from diffq.core.brokers.app import make_celery
+from diffq.core.brokers.base import TASK_NAME
 from diffq.core.brokers.embedded import embedded_broker
 from diffq.core.contract import BatchItem, BatchMessage
 from diffq.producer.bucketing import RunOptions, bucket

@@ -54,20 +54,30 @@ def test_speedups_write_the_table_and_a_profile_within_budget(flux, tmp_path):
     assert code == 0, stderr
     found = report["speedups"]
     # Said before the child started (on stderr: stdout is the JSON), with the compile count.
-    assert stderr.startswith("speedups: 12 candidate(s) per shape to measure on 1 shape(s)")
+    assert stderr.startswith("speedups: 14 candidate(s) per shape to measure on 1 shape(s)")
     assert "compiles: 0 (--compile none on cpu compiles nothing)" in stderr and found["compiles"] == 0
     assert found["announced"] in stderr
     assert found["budget"] == {"min_psnr": q.BUDGET_PSNR, "min_ssim": q.BUDGET_SSIM}
     assert "not computed" in found["perceptual"] and "random weights" in found["note"]
-    assert {i["speedup"] for i in found["not_offered"]} == {"firstblock", "sea", "faster", "textkv"}
+    assert {i["speedup"] for i in found["not_offered"]} == {"firstblock", "sea", "faster", "textkv",
+                                                            "quant:int8dq-tensor"}
     (shape,) = found["shapes"]
     measured = _measured(shape)
     # The default cap: full compute at batch sizes 1 and 2, every speed-up at 2, then at 1.
     assert len(measured) == q.MAX_CANDIDATES
     assert [(c["speedup"], c["batch_size"]) for c in measured if c["speedup"] is None] == [(None, 1), (None, 2)]
-    assert sum(1 for c in measured if c["batch_size"] == 2) == 10
+    assert sum(1 for c in measured if c["batch_size"] == 2) == 12
     skipped = [c for c in shape["candidates"] if c["skipped"]]
-    assert len(skipped) == 8 and all(c["skipped"] == "over --max-candidates 12" for c in skipped)
+    assert len(skipped) == 10 and all(c["skipped"] == "over --max-candidates 14" for c in skipped)
+    # The quantization rows beside the caches: the transformer's stored bytes (int8: at
+    # most 0.3x full compute's float32), the float8 rows refused on CPU with the reason.
+    full_bytes = next(c for c in measured if c["speedup"] is None)["transformer_weight_bytes"]
+    quantized = {c["speedup"]: c for c in measured if c["speedup"] and c["speedup"].startswith("quant:")}
+    assert set(quantized) == {"quant:int8wo", "quant:int8dq"} and full_bytes > 0
+    assert all(c["transformer_weight_bytes"] <= 0.3 * full_bytes and c["psnr"] is not None and c["ssim"] is not None
+               for c in quantized.values())
+    refused = {c["speedup"]: c["refused"] for c in shape["candidates"] if c["refused"]}
+    assert "no float8 arithmetic on CPU" in refused["quant:fp8wo"] and "float8 matmul" in refused["quant:fp8dq"]
     for c in measured:
         assert c["seconds_per_image"] > 0 and c["steady_s"]["calls"] == 1
         if c["speedup"] is None:
@@ -112,14 +122,14 @@ def test_a_strict_budget_refuses_every_cached_candidate_and_the_cap_holds(flux, 
                        announce=lambda line: said.append(("announce", line)))
     # The cost was said before the child started; the child got exactly the capped list.
     assert said[0][0] == "announce" and said[0][1].startswith("speedups: 4 candidate(s) per shape")
-    assert "6 over --max-candidates 4" in said[0][1] and said[1] == ("child", "device", 4)
+    assert "8 over --max-candidates 4" in said[0][1] and said[1] == ("child", "device", 4)
     (shape,) = report["speedups"]["shapes"]
     measured = _measured(shape)
     assert len(measured) == 4 and measured[0]["speedup"] is None
     assert shape["chosen"]["speedup"] is None and shape["chosen"]["batch_size"] == 1  # full compute
     for c in measured[1:]:  # shown, never chosen
         assert c["within_budget"] is False and c["verdict"] == "below budget" and c["psnr"] is not None
-    assert sum(1 for c in shape["candidates"] if c["skipped"]) == 6
+    assert sum(1 for c in shape["candidates"] if c["skipped"]) == 8
     profile = SpeedupProfile.load(tmp_path / "p.json")
     assert profile.budget.min_psnr == 200.0 and profile.shapes[0].chosen.speedup is None
     assert [c.within_budget for c in profile.shapes[0].candidates[:4]] == [True, False, False, False]
@@ -138,7 +148,8 @@ def _settings(shapes=((64, 64),), batch_size=1) -> q.Settings:
 
 def test_eager_cpu_offers_each_cache_at_its_settings_and_the_attention_backends():
     specs, refused, not_offered = q.offered_speedups(get_backend("cpu"), "none", BY_NAME["flux"])
-    assert refused == [] and specs[-1] == "attention:_native_math"
+    assert specs[-3:] == ["attention:_native_math", "quant:int8wo", "quant:int8dq"]
+    assert [r["speedup"] for r in refused] == ["quant:fp8wo", "quant:fp8dq"]
     assert sum(s.startswith("taylorseer:") for s in specs) == 4 and sum(s.startswith("mag:") for s in specs) == 2
     assert "mag:mag_ratios=flux,threshold=0.06" in specs
     assert sum(s.startswith("pyramidattentionbroadcast:") for s in specs) == 2
@@ -150,20 +161,22 @@ def test_regional_compile_refuses_what_breaks_a_block_and_counts_compiles():
     specs, refused, _ = q.offered_speedups(backend, "regional", family)
     # Whole-block caches only (TaylorSeer lite, Mag); the rest are shown with the reason.
     assert specs == ["taylorseer:cache_interval=2,use_lite_mode=true", "taylorseer:cache_interval=3,use_lite_mode=true",
-                     "mag:mag_ratios=flux,threshold=0.06", "mag:mag_ratios=flux,threshold=0.12"]
+                     "mag:mag_ratios=flux,threshold=0.06", "mag:mag_ratios=flux,threshold=0.12",
+                     "quant:int8wo", "quant:int8dq"]
     reasons = {r["speedup"]: r["reason"] for r in refused}
     assert "its hooks sit inside each block" in reasons["taylorseer:cache_interval=2"]
     assert "recompiles every block" in reasons["attention:_native_math"]
     plan = q.plan_speedups(backend, "regional", family, _settings([(64, 64), (48, 80)]),
-                           q.SpeedupOptions(max_batch_size=4, max_candidates=20), repeats=2)
+                           q.SpeedupOptions(max_batch_size=4, max_candidates=30), repeats=2)
     assert plan["batch_sizes"] == [1, 2, 4]
     # 2 shapes x batch sizes 2 and 4 (batch size 1 is the measurement's own graph).
     assert plan["compiles"] == 4 and "compiles: 4 (2 shape(s) x new batch size(s) 2, 4" in plan["announce"]
-    assert len(plan["measure"]) == 3 + 3 * 4 and plan["skipped"] == [] and "3 call(s) each" in plan["announce"]
-    assert [c["index"] for c in plan["measure"]] == list(range(15))
+    assert len(plan["measure"]) == 3 + 3 * 6 and plan["skipped"] == [] and "3 call(s) each" in plan["announce"]
+    assert [c["index"] for c in plan["measure"]] == list(range(21))
     full = q.offered_speedups(backend, "full", family)
-    assert full[0] == [] and all("compiles the whole transformer" in r["reason"]
-                                 for r in full[1] if not r["speedup"].startswith("attention:"))
+    # Quantized weights are traced like any others: every compile mode takes them.
+    assert full[0] == ["quant:int8wo", "quant:int8dq"] and all("compiles the whole transformer" in r["reason"]
+                                 for r in full[1] if r["speedup"].split(":")[0] not in ("attention", "quant"))
 
 
 def test_families_without_the_preset_or_the_cache_context():
@@ -173,7 +186,8 @@ def test_families_without_the_preset_or_the_cache_context():
     assert "presets (flux) are for those families, not flux2-klein" in {
         i["speedup"]: i["reason"] for i in not_offered}["mag"]
     specs, refused, _ = q.offered_speedups(backend, "none", BY_NAME["sd3"])
-    assert specs == ["attention:_native_math"] and refused and all("CacheMixin" in r["reason"] for r in refused)
+    assert specs == ["attention:_native_math", "quant:int8wo", "quant:int8dq"] and refused
+    assert all("CacheMixin" in r["reason"] for r in refused if not r["speedup"].startswith("quant:"))
 
 
 def test_the_cap_keeps_full_compute_at_every_batch_size_then_the_largest_batch():
@@ -205,13 +219,16 @@ def test_out_of_memory_stops_larger_batch_sizes_and_a_failure_is_the_candidates(
         if speedup == "bad":
             raise RuntimeError("No viable backend for scaled_dot_product_attention")
         images = [np.full((16, 16, 3), 7, dtype=np.uint8)] * batch_size
-        return SimpleNamespace(images=images, generate_s=0.5 * batch_size, degenerate=[None] * batch_size), 0
+        return SimpleNamespace(images=images, generate_s=0.5 * batch_size, degenerate=[None] * batch_size,
+                               record_extra={"transformer_weight_bytes": 100}), 0
 
-    session = SimpleNamespace(spec=spec, speedup_call=speedup_call, speedup_items=lambda n: list(range(n)))
+    session = SimpleNamespace(spec=spec, speedup_call=speedup_call, speedup_items=lambda n: list(range(n)),
+                              backend=get_backend("cpu"))
     found = {e["index"]: e for e in measure_speedups(session, 16, 16)}
     assert found[1]["error"].startswith("RuntimeError: No viable backend") and "seconds_per_image" not in found[1]
     assert found[2]["seconds_per_image"] == 0.5 and found[2]["steady_s"]["calls"] == 2
     assert found[4]["seconds_per_image"] == 0.5 and found[3]["first_call_graphs"] == 0
+    assert found[4]["transformer_weight_bytes"] == 100 and found[4]["device_peak_bytes"] is None  # CPU: none
     assert found[5]["out_of_memory"] == 4 and found[6]["out_of_memory"] == 4  # never tried
     assert (4, "ok") not in seen and seen.count((4, None)) == 1
     assert speedup_image_path(tmp_path, 16, 16, 4, 1).is_file()

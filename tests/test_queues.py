@@ -29,7 +29,7 @@ IDLE_QUEUE = "diffq.idle-000000.64x64.b1.l64.nocfg.fp32"
 @pytest.fixture(scope="module")
 def worker(redis_server):
     """One real spawned worker process consuming IDLE_QUEUE; yields its Celery hostname."""
-    from diffq.core.brokers.base import make_celery
+    from diffq.core.brokers.app import make_celery
 
     supervisor = Supervisor(plan_children(device="cpu", devices=[0], broker_url=redis_server,
                                           queues=[IDLE_QUEUE], models=[], name_prefix="qtest"),

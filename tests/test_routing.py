@@ -79,7 +79,7 @@ class Fleet:
     def __init__(self, url: str):
         import redis
 
-        from diffq.core.brokers.base import make_celery
+        from diffq.core.brokers.app import make_celery
 
         self.app = make_celery(url)
         self.client = redis.Redis.from_url(url)

@@ -10,7 +10,7 @@ import pytest
 from kombu import Connection, Queue
 from kombu.utils.imports import symbol_by_name
 
-from diffq.core.brokers.base import make_celery
+from diffq.core.brokers.app import make_celery
 from diffq.core.brokers.redis import RedisBroker
 from diffq.core.transports import TRANSPORTS, UnknownTransport, transport_for
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import posixpath
 import urllib.parse
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,7 +30,7 @@ from diffq.core.contract import AUTO_DTYPE, ShapeKey, model_slug, without_layout
 from diffq.core.families import cfg_bit, family_of
 from diffq.core.model_store import is_model_url
 from diffq.core.options import GenerationOptions
-from diffq.core.storage import StorageError, redact_url, split_bucket_url
+from diffq.core.storage import normalise_prefix
 from diffq.core.transports import KedaFacts, KedaScaler, Transport, keda_facts, keda_scaler, transport_for
 from diffq.producer.bucketing import shape_of
 from diffq.worker.api import Backend, K8sPod, get_backend
@@ -99,29 +98,10 @@ def parse_out_prefixes(values: list[str] | tuple[str, ...]) -> tuple[str, ...]:
     for value in (v.strip() for item in values for v in item.split(",")):
         if not value:
             continue
-        prefix = normalise_out_prefix(value)
+        prefix = normalise_prefix(value, "--out-prefix")
         if prefix not in prefixes:
             prefixes.append(prefix)
     return tuple(prefixes)
-
-
-def normalise_out_prefix(value: str) -> str:
-    scheme = value.partition("://")[0].lower() if "://" in value else ""
-    if scheme in ("s3", "gs"):
-        try:
-            bucket, path = split_bucket_url(value)
-        except StorageError as exc:
-            raise ValueError(f"--out-prefix: {exc}") from None  # the URL redacted
-        return f"{scheme}://{bucket}" + (f"/{path}" if path else "")
-    if scheme or not value.startswith("/"):
-        raise ValueError(f"--out-prefix {redact_url(value)}: expected s3://BUCKET[/path], gs://BUCKET[/path] "
-                         f"or an absolute path")
-    if ".." in value.split("/"):
-        raise ValueError(f"--out-prefix {value}: no '..' in a prefix")
-    path = "/" + posixpath.normpath(value).lstrip("/")
-    if path == "/":
-        raise ValueError(f"--out-prefix {value}: '/' is every folder; use --any-out to say so")
-    return path
 
 
 def parse_broker_options(values: list[str] | tuple[str, ...]) -> dict:

@@ -361,7 +361,10 @@ CACHE_SETTINGS: dict[str, tuple[str, ...]] = {
 # seeds, not the device against the reference (that is --min-psnr).
 BUDGET_PSNR = 35.0
 BUDGET_SSIM = 0.97
-MAX_CANDIDATES = 12
+# Per shape, full compute at two batch sizes and every spec the CPU offers (eleven:
+# eight cache settings, one attention backend, two quantization schemes) at the larger,
+# with one to spare: the default measures every offered lever at the run's batch size.
+MAX_CANDIDATES = 14
 PERCEPTUAL = ("LPIPS and CLIP score not computed: their networks' weights are not available locally and qualify "
               "downloads nothing; fidelity is PSNR and SSIM per image")
 
@@ -413,10 +416,12 @@ def batch_sizes(largest: int) -> list[int]:
     return sizes + [largest]
 
 
-def offered_speedups(backend, compile_mode: str, family) -> tuple[list[str], list[dict], list[dict]]:
-    """(specs to measure, [{speedup, reason}] refused on this device / mode / family,
-    [{speedup, reason}] never tuned), all read from the tables."""
-    from diffq.core.speedups import ATTENTION, BATCH, CACHES, UNREPRODUCIBLE_OPTION, canonical, parse
+def offered_speedups(backend, compile_mode: str, family, *, dtype: str | None = None,
+                     adapters: bool = False) -> tuple[list[str], list[dict], list[dict]]:
+    """(specs to measure, [{speedup, reason}] refused on this device / mode / family /
+    dtype, [{speedup, reason}] never tuned), all read from the tables."""
+    from diffq.core.speedups import (ATTENTION, BATCH, CACHES, PER_TENSOR, QUANT, SCHEMES, UNREPRODUCIBLE_OPTION,
+                                     canonical, parse)
     from diffq.worker.api import DEFAULT_ATTENTION, speedup_refusal as refusal
 
     specs, not_offered = [], []
@@ -442,9 +447,17 @@ def offered_speedups(backend, compile_mode: str, family) -> tuple[list[str], lis
         specs += [canonical(f"{name}:{','.join([*given, setting])}") for setting in CACHE_SETTINGS[name]]
     specs += [canonical(f"{ATTENTION}:{name}") for name in backend.attention_candidates
               if name != DEFAULT_ATTENTION]
+    # Each quantization scheme alone (the table's rows; a device's refusal is listed).
+    for name, scheme in SCHEMES.items():
+        if scheme.activations == PER_TENSOR:
+            not_offered.append({"speedup": f"{QUANT}:{name}", "reason": "one activation scale over the whole batch: "
+                                f"an image would depend on its neighbours; it runs only with {UNREPRODUCIBLE_OPTION} "
+                                "and is never tuned"})
+        else:
+            specs.append(canonical(f"{QUANT}:{name}"))
     kept, refused = [], []
     for spec in specs:
-        if reason := refusal(parse(spec), backend, compile_mode, family):
+        if reason := refusal(parse(spec), backend, compile_mode, family, dtype=dtype, adapters=adapters):
             refused.append({"speedup": spec, "reason": reason})
         else:
             kept.append(spec)
@@ -452,12 +465,16 @@ def offered_speedups(backend, compile_mode: str, family) -> tuple[list[str], lis
 
 
 def plan_speedups(backend, compile_mode: str, family, settings: Settings, options: SpeedupOptions,
-                  repeats: int, prompts_file: Path | None = None) -> dict:
+                  repeats: int, prompts_file: Path | None = None, *, dtype: str | None = None,
+                  adapters: bool = False) -> dict:
     """What --speedups measures per shape, in order, capped, and what it costs: said
     before the child starts."""
+    from diffq.core.contract import AUTO_DTYPE
+
     largest = options.max_batch_size or settings.batch_size
     sizes = batch_sizes(largest)
-    specs, refused, not_offered = offered_speedups(backend, compile_mode, family)
+    specs, refused, not_offered = offered_speedups(backend, compile_mode, family,
+                                                   dtype=backend.dtype_for(dtype or AUTO_DTYPE), adapters=adapters)
     # Kept under the cap in this order: full compute at every batch size (each the
     # fidelity reference of its batch size), then the speed-ups at the largest batch size
     # (the run's own by default), then at each smaller one.
@@ -574,6 +591,8 @@ def speedup_results(plan: dict, tuned: list[dict] | None, device_dir: Path, opti
             else:
                 reference = full.get(call["batch_size"])
                 row.update(seconds_per_image=entry["seconds_per_image"], steady_s=entry["steady_s"],
+                           transformer_weight_bytes=entry.get("transformer_weight_bytes"),
+                           device_peak_bytes=entry.get("device_peak_bytes"),
                            first_call_s=entry["first_call_s"], first_call_graphs=entry["first_call_graphs"],
                            steady_graphs=entry.get("steady_graphs", 0),
                            degenerate=entry.get("degenerate", 0),
@@ -756,7 +775,8 @@ def qualify(model: str, *, device: str = "cpu", slot: int = 0, compile: str = "n
     self_reference = reference == "cpu" and config == REFERENCE
     tuning = None
     if speedups is not None:
-        tuning = plan_speedups(backend, compile, model_family(model), settings, speedups, repeats, prompts_file)
+        tuning = plan_speedups(backend, compile, model_family(model), settings, speedups, repeats, prompts_file,
+                               dtype=dtype, adapters=adapters is not None)
         if announce:
             announce(tuning["announce"])
     started = time.time()
@@ -926,15 +946,22 @@ def _speedup_status(c: dict) -> str:
     return c.get("verdict", "")
 
 
+def _mib(value: int | None) -> str:
+    return "-" if value is None else f"{value / 2**20:.3g}"
+
+
 def speedup_rows(shape: dict) -> list[list[str]]:
-    """One row per candidate: speed-up, batch, s/image, time vs full compute, PSNR, SSIM, verdict."""
+    """One row per candidate: speed-up, batch, s/image, time vs full compute, the
+    transformer's weights and the peak device memory (MiB), PSNR, SSIM, verdict."""
     return [[c["speedup"] or "none (full compute)", str(c["batch_size"]),
              _fmt(c["seconds_per_image"] if c["refused"] is None and c["skipped"] is None else None, ".4g"),
-             _fmt(c.get("time_vs_full"), ".2f"), _fmt(c["psnr"], ".1f"), _fmt(c["ssim"], ".4f"),
+             _fmt(c.get("time_vs_full"), ".2f"), _mib(c.get("transformer_weight_bytes")),
+             _mib(c.get("device_peak_bytes")), _fmt(c["psnr"], ".1f"), _fmt(c["ssim"], ".4f"),
              _speedup_status(c)] for c in shape["candidates"]]
 
 
-SPEEDUP_COLUMNS = ["speed-up", "batch", "s/image", "time vs full", "PSNR min dB", "SSIM min", "verdict"]
+SPEEDUP_COLUMNS = ["speed-up", "batch", "s/image", "time vs full", "weights MiB", "peak MiB", "PSNR min dB",
+                   "SSIM min", "verdict"]
 
 
 def speedup_lines(found: dict) -> list[str]:

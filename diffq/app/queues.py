@@ -24,7 +24,8 @@ import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 
-from diffq.core.brokers.base import DEAD_LETTERS, PEEKED_LETTERS, PREFIX, declared_depths, make_celery
+from diffq.core.brokers.app import make_celery
+from diffq.core.brokers.base import DEAD_LETTERS, PEEKED_LETTERS, PREFIX, declared_depths
 from diffq.core.brokers.redis import PRIORITY_SEP
 from diffq.core.transports import transport_for
 from diffq.worker.api import peeked

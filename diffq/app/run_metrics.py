@@ -3,8 +3,10 @@
 
 Per run (the runs the feeds folder lists, and any seen there until it has nothing
 pending): items done / failed / cancelled / pending from the progress summary, the
-batches it still holds in OUT per queue, and when its done-or-failed count last
-moved. Per queue: batches in the broker and waiting in OUT; the dead letters; the
+batches it still holds in OUT per queue, and when an item was last done or failed:
+the progress summary's time (its segments' and failure records' own, as written in
+OUT), the manifest's `created_at` for a run that never moved. Nothing of it lives in
+this service's memory, so a restarted service reports every stall at its age. Per queue: batches in the broker and waiting in OUT; the dead letters; the
 feeder's last pass and last publish.
 
 Each run's `ProgressSummary` is kept between scrapes, so a scrape re-reads only the
@@ -40,8 +42,11 @@ class _Run:
     storage: Storage
     manifest: RunManifest
     summary: ProgressSummary
-    settled: int = -1  # done + failed when last seen move
-    moved_at: float = 0.0
+
+    @property
+    def moved_at(self) -> float:
+        """When an item was last done or failed; the run's creation if none ever was."""
+        return max(self.summary.last_progress or 0.0, self.manifest.created_at)
 
 
 class RunMetrics(Collector):
@@ -76,11 +81,8 @@ class RunMetrics(Collector):
                 run = self._runs.get(out)
                 if run is None:
                     storage = open_storage(out)
-                    run = self._runs[out] = _Run(storage, read_manifest(storage), ProgressSummary(storage),
-                                                 moved_at=now)
+                    run = self._runs[out] = _Run(storage, read_manifest(storage), ProgressSummary(storage))
                 status = make_status(run.storage.url, run.manifest, run.summary.refresh(), now=now)
-                if status.done + status.failed != run.settled:
-                    run.settled, run.moved_at = status.done + status.failed, now
                 pointer = read_pointer(run.storage)
                 waiting = ({queue: fed.unpublished for queue, fed in read_state(run.storage, pointer.source).queues.items()}
                            if pointer is not None and not status.cancelled else {})
@@ -96,7 +98,8 @@ class RunMetrics(Collector):
         items = GaugeMetricFamily("diffq_run_items", "Items of a run by state (as `diffq status` counts them)",
                                   labels=["run", "out", "state"])
         moved = GaugeMetricFamily("diffq_run_last_progress_timestamp_seconds",
-                                  "When the run's done-or-failed count last moved (as this service saw it)",
+                                  "When an item of the run was last done or failed (as written in OUT; "
+                                  "its creation if none was)",
                                   labels=["run", "out"])
         waiting = GaugeMetricFamily("diffq_run_batches_waiting",
                                     "Batches of a windowed run still in OUT for the feeder, per queue",

@@ -48,7 +48,7 @@ from diffq.core.options import GenerationOptions
 from diffq.core.records import RunManifest
 from diffq.core.transports import transport_for
 from diffq.producer.resume import check_plan, continuation, uncancel
-from diffq.producer.submit import CeleryPublisher, make_options, new_run_id, submit, validate
+from diffq.producer.submit import CeleryPublisher, make_options, new_run_id, submit_to, validate
 from diffq.worker.api import RunScope
 from diffq.worker.api import local_refusal
 from diffq.worker.api import get_backend
@@ -160,13 +160,13 @@ class LocalWorkers:
         # A compile mode, speed-up or LoRA hot-swap the family or device cannot take fails
         # here, not in every worker.
         if reason := (compile_refusal(models, self.compile) or local_refusal(models, speedups, self.device,
-                                                                              self.compile)
+                                                                              self.compile, adapters)
                       or (adapters and lora_modes.refusal(get_backend(self.device), self.compile,
                                                           self.lora_mode))):
             raise ValueError(reason)
 
     def specs(self, broker_url: str, transport_options: dict, queues: list[str], models: list[str], dtype: str,
-              runs: list[RunScope] = (), adapter_layouts: dict | None = None):
+              runs: list[RunScope] = (), adapter_layouts: dict | None = None, schemes: list | None = None):
         return plan_children(
             device=get_backend(self.device).name,
             devices=self.devices if self.devices is not None else list(range(self.workers)),
@@ -174,7 +174,7 @@ class LocalWorkers:
             compile=self.compile, compile_cache=self.compile_cache, offload=self.offload,
             warmup=self.warmup or [], models=models, dtype=dtype, allow_fallback=self.allow_fallback,
             on_degenerate=self.on_degenerate, runs=list(runs), adapter_layouts=adapter_layouts or {},
-            lora_mode=self.lora_mode)
+            schemes=schemes, lora_mode=self.lora_mode)
 
 
 def run(
@@ -222,8 +222,8 @@ def run(
 
     def publish_all(publisher) -> str:
         # Every batch to the runner's own publisher: its waves are this run's feeder.
-        return submit(prompts, out, model=model, publisher=publisher, plan=plan, run_id=new_id,
-                      seed_base=seed_base, window=None, options=chosen).run_id
+        return submit_to(folder.storage, prompts, options, defaults, keep_columns=keep_columns, publisher=publisher,
+                         plan=plan, run_id=new_id, seed_base=seed_base, window=None).run_id
 
     with folder.sole_runner():
         if (manifest := folder.manifest()) is not None:
@@ -232,7 +232,7 @@ def run(
                          run_id=run_id, seed_base=seed_base, keep_columns=keep_columns)
             return _finish(folder, manifest, local, progress=progress, console=console, started=started)
         return _serve(folder, local, queues=[shape.queue for shape in plan.shapes], models=plan.models,
-                      adapter_layouts=plan.adapter_layouts,
+                      adapter_layouts=plan.adapter_layouts, schemes=schemes_of(options),
                       run_id=new_id, dtype=options.dtype, total=plan.total, publish_all=publish_all,
                       progress=progress, console=console, started=started)
 
@@ -277,14 +277,14 @@ def _finish(folder: RunOut, manifest: RunManifest, local: LocalWorkers, *, progr
 
 def _serve(folder: RunOut, local: LocalWorkers, *, queues: list[str], models: list[str], run_id: str,
            dtype: str, total: int, adapter_layouts: dict, publish_all, progress: bool, console: Console | None,
-           started: float) -> RunResult:
+           started: float, schemes: list | None = None) -> RunResult:
     """Embedded broker, local workers and `publish_all(publisher)` (it returns the run
     id) in a thread; waits until the run folder holds `total` items done or failed."""
     already_done, already_failed = folder.progress.done, folder.progress.failed
     broker_dir = Path(tempfile.mkdtemp(prefix="diffq-broker-"))
     broker_url, transport_options = embedded_broker(broker_dir)
     specs = local.specs(broker_url, transport_options, queues, models, dtype, [RunScope.of(folder.url, run_id)],
-                        adapter_layouts)
+                        adapter_layouts, schemes)
     output = _WorkerOutput(broker_dir / "workers.out")
     supervisor = Supervisor(specs, spawning=output.spawning)  # each child's stdout is `output`
     stop = threading.Event()
@@ -482,6 +482,15 @@ class _LostBatches:
                 end(Outcome.LOST_WITH_WORKER, Republished(lambda m=message: self.submission.publisher.publish(m)))
                 self.reenqueued += len(message.items)
             self._last_progress = now
+
+
+def schemes_of(options) -> list[str | None]:
+    """The quantization schemes a run's batches name (None: full precision), each shape's
+    under a profile: what its workers preload."""
+    from diffq.core.speedups import parse
+
+    specs = [spec for _, _, spec, _ in options.per_size] if options.per_size else [options.speedup]
+    return sorted({getattr(parse(spec), "quant", None) for spec in specs}, key=lambda quant: quant or "")
 
 
 def speedups_of(options) -> list[str]:

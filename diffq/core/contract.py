@@ -265,6 +265,13 @@ class AdapterRef(Strict):
     path: str = Field(min_length=1, max_length=2048)
     scale: AdapterScale = 1.0
     revision: str | None = Field(default=None, max_length=128)
+    # The layout the file came in where it is not diffusers' own (core/adapters.py
+    # FILE_LAYOUTS), set at submit; the worker converts it. Absent: diffusers' layout.
+    file_layout: str | None = Field(default=None, max_length=32, exclude_if=lambda value: value is None)
+    # A row may say "drop": the file's text-encoder part is left out (it cannot be
+    # hot-swapped). Pinned, "drop" stays only where the file has such a part, so every
+    # record of it says that part was dropped.
+    text_encoder: Literal["drop", "refuse"] | None = Field(default=None, exclude_if=lambda value: value is None)
 
 
 class BatchParams(Strict):

@@ -58,6 +58,10 @@ class Family:
     step_caches_missing: ClassVar[str] = ""
     # Caches that fail on this family, and how (measured).
     cache_refusals: ClassVar[dict[str, str]] = {}
+    # LoRA file layouts a run takes (core/adapters.py FILE_LAYOUTS): diffusers' own and a
+    # raw PEFT save everywhere (diffq strips the prefix); others where the pipeline class's
+    # `lora_state_dict` converts them and diffq checks the conversion (docs/prompts.md).
+    lora_layouts: ClassVar[tuple[str, ...]] = ("diffusers", "peft")
 
     @classmethod
     def takes(cls, argument: str) -> bool:
@@ -112,6 +116,9 @@ class Flux(Family):
     guidance = "embedded"
     repeated_blocks = True  # FluxTransformer2DModel._repeated_blocks
     tp_text_encoders = ()  # CLIP and T5 declare no TP plan
+    # FluxLoraLoaderMixin.lora_state_dict converts kohya (with or without ComfyUI's
+    # `diffusion_model.`) and XLabs files (diffusers loaders/lora_pipeline.py).
+    lora_layouts = ("diffusers", "peft", "kohya", "comfyui", "xlabs")
 
 
 class _Flux2Pipelines(Family):

@@ -13,11 +13,12 @@ import json
 from dataclasses import asdict, dataclass
 
 from diffq.core.settings import Settings, get_settings
-from diffq.core.storage import StorageError, open_storage
-from diffq.core.storage.base import BucketStorage, split_bucket_url, validate_key
+from diffq.core.storage import (BucketAccess, BucketStorage, RemoteFile, StorageError, is_bucket_url, open_storage,
+                                validate_key)
 
-MODEL_SCHEMES = ("s3://", "gs://")
 INDEX = "model_index.json"  # a diffusers folder's root file
+__all__ = ["INDEX", "ModelListing", "ModelStoreError", "RemoteFile", "StoreUnreachable", "is_model_url",
+           "list_model", "model_storage", "revisions"]
 
 
 class ModelStoreError(ValueError):
@@ -29,17 +30,8 @@ class StoreUnreachable(ModelStoreError):
 
 
 def is_model_url(model: str) -> bool:
-    return model.startswith(MODEL_SCHEMES)
-
-
-@dataclass(frozen=True)
-class RemoteFile:
-    key: str  # relative to the model's prefix
-    size: int
-    etag: str | None = None  # S3, quotes stripped
-    version: str | None = None  # S3 VersionId (versioned buckets) or GCS generation
-    md5: str | None = None  # GCS md5Hash (base64); composite objects have none
-    crc32c: str | None = None  # GCS crc32c (base64)
+    """A model in object storage (s3://, gs://), not a local folder or a Hub id."""
+    return is_bucket_url(model)
 
 
 @dataclass(frozen=True)
@@ -62,22 +54,17 @@ class ModelListing:
 def model_storage(url: str, settings: Settings | None = None) -> BucketStorage:
     """The storage of a model URL, with the model bucket's own credentials where set."""
     settings = settings or get_settings()
+    # botocore's quick retries inside a call (3 attempts); the model fetch's own patience
+    # waits out longer outages, logging each wait (worker/device/fetch_patience.py).
+    access = BucketAccess(endpoint_url=settings.model_store_endpoint, profile=settings.model_store_profile,
+                          max_attempts=3, credentials_file=settings.model_store_credentials)
     try:
-        if url.startswith("s3://"):
-            from diffq.core.storage.s3 import S3Storage
-
-            # botocore's quick retries inside a call (3 attempts); the model fetch's own
-            # patience waits out longer outages, logging each wait (worker/device/fetch_patience.py).
-            return S3Storage(*split_bucket_url(url), endpoint_url=settings.model_store_endpoint,
-                             profile=settings.model_store_profile, max_attempts=3)
-        if url.startswith("gs://"):
-            from diffq.core.storage.gcs import GCSStorage
-
-            return GCSStorage(*split_bucket_url(url), credentials_file=settings.model_store_credentials)
-        storage = open_storage(url)
+        storage = open_storage(url, access)
     except StorageError as exc:
         raise ModelStoreError(f"model {url}: {exc}") from None
-    raise ModelStoreError(f"model {url}: not s3://bucket/prefix or gs://bucket/prefix ({storage.url})")
+    if not isinstance(storage, BucketStorage):
+        raise ModelStoreError(f"model {url}: not s3://bucket/prefix or gs://bucket/prefix ({storage.url})")
+    return storage
 
 
 def list_model(url: str, settings: Settings | None = None, storage: BucketStorage | None = None, *,
@@ -90,7 +77,7 @@ def list_model(url: str, settings: Settings | None = None, storage: BucketStorag
     storage = storage or model_storage(url, settings)
     what = f"adapter {url.rstrip('/')}/{only}" if only else f"model {url}"
     try:
-        files = tuple(_list_s3(storage, only or "") if storage.scheme == "s3" else _list_gcs(storage, only or ""))
+        files = tuple(storage.describe(only or ""))
     except Exception as exc:  # the client libraries' own errors, each different
         raise StoreUnreachable(f"{what}: listing failed: {exc}") from exc
     if only is not None:
@@ -106,24 +93,6 @@ def list_model(url: str, settings: Settings | None = None, storage: BucketStorag
     if not any(f.key == INDEX for f in files):
         raise ModelStoreError(f"model {url} holds no diffusers pipeline (no {INDEX} under it)")
     return ModelListing(url=storage.url, files=files)
-
-
-def _list_s3(storage, name: str = ""):
-    client = storage.client()
-    pages = client.get_paginator("list_objects_v2").paginate(Bucket=storage.bucket_name, Prefix=storage.prefix + name)
-    for page in pages:
-        for obj in page.get("Contents", ()):
-            key = obj["Key"][len(storage.prefix):]
-            if key and not key.endswith("/"):  # folder markers
-                yield RemoteFile(key=key, size=obj["Size"], etag=obj.get("ETag", "").strip('"') or None)
-
-
-def _list_gcs(storage, name: str = ""):
-    for blob in storage.client().list_blobs(storage.bucket_name, prefix=storage.prefix + name):
-        key = blob.name[len(storage.prefix):]
-        if key and not key.endswith("/"):
-            yield RemoteFile(key=key, size=blob.size, version=str(blob.generation), md5=blob.md5_hash,
-                             crc32c=blob.crc32c)
 
 
 def revisions(models: list[str], settings: Settings | None = None) -> dict[str, str]:

@@ -56,17 +56,22 @@ class GenerationOptions(BaseModel):
     embed_metadata: bool = Field(
         True, description="Write prompt, seed, steps, ... into each image file (PNG text, EXIF UserComment)")
     speedup: str | None = Field(
-        None, description="Step cache and/or attention backend, e.g. taylorseer:cache_interval=3 or "
-                          "mag:mag_ratios=flux+attention:_native_math (docs/speedups.md): applied by each worker "
-                          "through diffusers, recorded with every image; or a profile FILE.json from "
+        None, description="Step cache, quantized weights and/or attention backend, e.g. taylorseer:cache_interval=3, "
+                          "quant:int8wo or mag:mag_ratios=flux+attention:_native_math (docs/speedups.md): applied "
+                          "by each worker through diffusers and torchao, recorded with every image; or a profile "
+                          "FILE.json from "
                           "`diffq qualify --speedups --profile`: each shape's own choice")
     unreproducible_speedup: bool = Field(
-        False, description="Let a cache that decides from the whole batch run (firstblock): an image then depends "
-                           "on its batch neighbours, and its record says so")
+        False, description="Let a speed-up that decides from the whole batch run (firstblock, quant:int8dq-tensor): "
+                           "an image then depends on its batch neighbours, and its record says so")
     lora: tuple[AdapterRef, ...] = Field(
         (), description="LoRA adapter for rows without their own `lora` field: PATH (a .safetensors file, a folder, "
                         "s3://, gs:// or a Hub id) or PATH@SCALE (repeatable: the adapters stack, up to 4). "
                         "Checked from its header and pinned at submit; hot-swapped into the compiled graphs")
+    lora_text_encoder: Literal["refuse", "drop"] = Field(
+        "refuse", description="A LoRA file's text-encoder part, which cannot be hot-swapped: refuse the file, or "
+                              "drop that part and run its transformer part (every record says so); a row's lora "
+                              "object may say \"text_encoder\": \"drop\" for its own")
 
     # The --speedup profile FILE.json as loaded once by the validator (None for a spec).
     _profile = PrivateAttr(None)

@@ -4,7 +4,7 @@ Status cannot read one record file per batch at scale (125,000 objects for a
 million items), so whoever writes a record also credits its batch in a progress
 segment, `progress/<writer>-<n>.json` (schema: records.ProgressSegmentV2):
 
-    {"v": 2, "writer": "...",
+    {"v": 2, "writer": "...", "at": <when its writer last credited, Unix seconds>,
      "numbered": [{"queue": "<queue>", "prefix": "128x128-3f2a1c-", "width": 7, "items": 8,
                    "count": 12500, "start": 17, "gaps": "<packed>", "zlib": false}],
      "queues": {"<queue>": [["<batch id>.s0", 4, ["<item id>", ...]]]}}
@@ -184,7 +184,8 @@ class ProgressLog:
             start, count, gaps, compressed = pack_indexes(indexes)
             numbered.append(NumberedCredits(queue=queue, prefix=prefix, width=width, items=items, count=count,
                                             start=start, gaps=gaps, zlib=compressed))
-        body = ProgressSegmentV2(writer=self.writer, numbered=numbered, queues=self._queues).model_dump_json()
+        body = ProgressSegmentV2(writer=self.writer, numbered=numbered, queues=self._queues,
+                                 at=round(time.time(), 3)).model_dump_json()
         # Readers see a change by a listing's sizes alone, and a packed segment can
         # grow by a credit without growing: trailing spaces keep every rewrite longer.
         body = body.encode().ljust(self._written + 1)
@@ -206,13 +207,14 @@ def parse_segment(body: bytes) -> Iterator[tuple[str, str, int, list[str] | None
             yield credit[0], queue, credit[1], credit[2] if len(credit) > 2 else None
 
 
-def _decode(pair: tuple[str, bytes]) -> tuple[str, tuple[list, dict[str, list[Credit]]]]:
-    """A segment's numbered credits unpacked ((queue, prefix, width), items, indexes), and its spelled-out ones."""
+def _decode(pair: tuple[str, bytes]) -> tuple[str, tuple[list, dict[str, list[Credit]], float | None]]:
+    """A segment's numbered credits unpacked ((queue, prefix, width), items, indexes), its
+    spelled-out ones, and when it was written (None before segments said)."""
     key, body = pair
     segment = _SEGMENT.validate_json(body)
     numbered = [((n.queue, n.prefix, n.width), n.items, unpack_indexes(n.start, n.count, n.gaps, n.zlib))
                 for n in getattr(segment, "numbered", ())]
-    return key, (numbered, segment.queues)
+    return key, (numbered, segment.queues, getattr(segment, "at", None))
 
 
 def _in_order(pool: ThreadPoolExecutor, work, items, window: int) -> Iterator:
@@ -293,6 +295,13 @@ class ProgressSummary:
         self.done = 0
         self.failed = 0
         self.done_per_queue: dict[str, int] = {}
+        # When an item was last done or failed (a segment's or a failure's time), as
+        # written in OUT: whoever reads it, since whenever, sees the same. None: never.
+        self.last_progress: float | None = None
+
+    def _moved(self, at: float | None) -> None:
+        if at is not None and (self.last_progress is None or at > self.last_progress):
+            self.last_progress = at
 
     def refresh(self) -> ProgressSummary:
         """Read the segments and failures that changed and recount (a run with no
@@ -305,13 +314,16 @@ class ProgressSummary:
         sizes = dict(segments)
         with ThreadPoolExecutor(DECODERS) as pool:
             # Decoding (inflating, summing gaps) leaves the GIL; crediting stays in this thread.
-            for key, (numbered, spelled) in _in_order(pool, _decode, self.storage.get_many(changed), DECODERS * 2):
+            for key, (numbered, spelled, at) in _in_order(pool, _decode, self.storage.get_many(changed),
+                                                          DECODERS * 2):
                 self._sizes[key] = sizes[key]
+                self._moved(at)
                 for (queue, prefix, width), items, indexes in numbered:
                     self._array(queue, prefix, width).credit(indexes, items)
                 self._read_spelled(spelled)
         for key, body in self.storage.get_many(key for key in failures if key not in self._failures):
             failure = FailureRecord.model_validate_json(body)
+            self._moved(failure.failed_at)
             self._failures[key] = (failure.batch_id, failure.item_ids)
             self._failed_roots.setdefault(root_batch(failure.batch_id), set()).update(failure.item_ids)
         self._count()

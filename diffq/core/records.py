@@ -243,6 +243,8 @@ class BatchMeasures(Strict):
     graphs_compiled: int = 0  # graphs the batch's call compiled (dynamo's unique_graphs)
     adapter_swap_s: float = 0.0  # the batch's LoRA hot-swap (worker/device/adapters.py)
     lora_mode: str | None = None  # how its adapter set went in (worker/device/lora_modes.py); a LoRA run's only
+    # The transformer's parameters and buffers as stored (quantized under a quant: scheme).
+    transformer_weight_bytes: int | None = None
 
 
 class ImageRecord(Strict):
@@ -303,6 +305,9 @@ class ImageRecord(Strict):
     # How the worker put the set in (swap, fuse, compile: worker/device/lora_modes.py);
     # null outside a LoRA run.
     lora_mode: Annotated[str | None, Dtype("string")] = None
+    # The bytes of the transformer's weights the call ran with, as stored: a `quant:`
+    # scheme's (worker/device/quantize.py) shows here; null in records of older workers.
+    transformer_weight_bytes: Annotated[int | None, Dtype("int64")] = None
 
     @model_validator(mode="before")
     @classmethod
@@ -400,6 +405,10 @@ class ProgressSegmentV2(Strict):
     writer: str = Field(min_length=1)
     numbered: list[NumberedCredits] = Field(default_factory=list)
     queues: dict[str, list[Credit]] = Field(default_factory=dict)
+    # When its writer last added a credit (Unix seconds): the run's last progress
+    # survives any reader's restart (the backlog service's stall clock). None: written
+    # before this field.
+    at: float | None = None
 
 
 AnyProgressSegment = Annotated[ProgressSegment | ProgressSegmentV2, Field(discriminator="v")]

@@ -55,6 +55,9 @@ class Settings(BaseSettings):
     trouble_dir: str | None = None
     compile_cache: str | None = None
     metrics_port: int | None = None
+    # The address a worker process's /metrics listens on: every interface by default
+    # (Prometheus scrapes the pod's IP); 127.0.0.1 keeps it on the host.
+    metrics_addr: str = "0.0.0.0"
     log_json: bool = False
     task_max_retries: int = Field(default=3, ge=0)
     # Celery retry countdown: base * 2**attempt seconds, capped at 30 s.

@@ -3,8 +3,10 @@ backends, declared once as data, and the one parser of a spec.
 
 A spec is parts joined by `+`: a cache named as diffusers names its config class,
 lower case without `CacheConfig` (`taylorseer`, `mag`, `firstblock`, ...), with that
-class's own fields (`taylorseer:cache_interval=3,use_lite_mode=true`), and an
-attention backend (`attention:_native_math`). A range is two numbers joined by `|`
+class's own fields (`taylorseer:cache_interval=3,use_lite_mode=true`), a weight
+quantization scheme (`quant:int8wo`, a row of `SCHEMES`: torchao applied to the
+transformer at load, worker/device/quantize.py), and an attention backend
+(`attention:_native_math`). A range is two numbers joined by `|`
 (`spatial_attention_timestep_skip_range=100|800`). The canonical form (fields sorted,
 values normalised) travels in every batch (`BatchParams.speedup`), lands in every
 image record and its embedded provenance, and is what the worker applies through
@@ -104,6 +106,85 @@ ATTENTION = "attention"
 # they fetch kernels from the Hugging Face Hub at first use.
 ATTENTION_REFUSED_SUFFIX = "_hub"
 
+QUANT = "quant"
+# Quantization scheme kinds: what the linear layers compute in.
+WEIGHT_ONLY, PER_ROW, PER_TENSOR = "weight-only", "per-row", "per-tensor"
+# Where a scheme's torchao config class and the kernels its tensor subclass dispatches to live.
+TORCHAO_CONFIGS = "torchao/quantization/quant_api.py"
+INT8_TENSOR = "torchao/quantization/quantize_/workflows/int8/int8_tensor.py"
+FLOAT8_TENSOR = "torchao/quantization/quantize_/workflows/float8/float8_tensor.py"
+# Neuron and TPU: torchao's tensor subclasses reach the device as their inner int8 /
+# float8 tensors and the ops above (torch._int_mm through torchao/kernel/intmm.py, an
+# int8 -> float convert and mm). diffq has found no source of torch-neuronx or
+# torch_tpu that lowers those for a torchao subclass, so both are refused as unknown
+# rather than run on a guess (a refusal names this; a row gains the device with a
+# cited source and a measured run).
+UNKNOWN_ON_DEVICE = ("no {device} source diffq has read shows its compiler lowering torchao's {kind} tensor "
+                     "subclass ({tensor}: {ops}); refused as unknown rather than run on a guess")
+
+
+@dataclass(frozen=True)
+class Scheme:
+    """One weight quantization scheme: a torchao config applied to the transformer's
+    linear layers when the model loads (before compile and before a LoRA scaffold)."""
+
+    config: str  # the torchao config class (torchao.quantization)
+    weights: str  # what the linear weights are stored as
+    activations: str  # WEIGHT_ONLY, PER_ROW (dynamic, a scale per token) or PER_TENSOR (one per call)
+    tensor: str  # the torchao file whose tensor subclass computes the linear layers
+    ops: str  # what it dispatches to, for the reasons above
+    # Per backend name: None runs, a string is why it does not; a backend not named is
+    # refused as unknown (UNKNOWN_ON_DEVICE).
+    devices: dict[str, str | None]
+    # Per backend name: the least compute capability (major, minor), checked against the
+    # device at the worker's start.
+    capability: dict[str, tuple[int, int]] = field(default_factory=dict)
+    # The dtypes its weights may be quantized from (torchao asserts otherwise); () any.
+    dtypes: tuple[str, ...] = ()
+
+
+# Which modules every scheme touches, and why only those: every nn.Linear of the
+# transformer (torchao's quantize_ with its default filter, `_is_linear`): the
+# denoiser runs every step and holds the model's weights (FLUX.1's 12B of ~17B). The
+# text encoders run once per prompt, not per step, and the VAE once per image, its
+# convolutions (which these configs do not touch) decoding straight to the pixels:
+# quantizing them would cost fidelity for little time or memory.
+QUANTIZED_MODULES = "transformer: every nn.Linear (torchao quantize_'s default filter); text encoders and VAE stay"
+
+SCHEMES: dict[str, Scheme] = {
+    "int8wo": Scheme(
+        "Int8WeightOnlyConfig", "int8, a float scale per output row", WEIGHT_ONLY, INT8_TENSOR,
+        "an int8 -> compute-dtype convert and torch.mm, scaled per row",
+        devices={"cpu": None, "cuda": None}),
+    "int8dq": Scheme(
+        "Int8DynamicActivationInt8WeightConfig", "int8, a float scale per output row", PER_ROW, INT8_TENSOR,
+        "each token's activations quantized to int8 with its own scale, then torch._int_mm (torchao/kernel/intmm.py)",
+        devices={"cpu": None, "cuda": None}),
+    # One activation scale over the whole call's tensor: an image's activations are
+    # rounded by a scale its batch neighbours set.
+    "int8dq-tensor": Scheme(
+        "Int8DynamicActivationInt8WeightConfig", "int8, one float scale per weight", PER_TENSOR, INT8_TENSOR,
+        "the whole batch's activations quantized to int8 with one scale, then torch._int_mm",
+        devices={"cpu": None, "cuda": None}),
+    "fp8wo": Scheme(
+        "Float8WeightOnlyConfig", "float8_e4m3fn, a float scale per output row", WEIGHT_ONLY, FLOAT8_TENSOR,
+        "the weight dequantized to the compute dtype on every call, then F.linear",
+        devices={"cpu": "no float8 arithmetic on CPU: torchao's Float8Tensor dequantizes each weight on every call "
+                        f"({FLOAT8_TENSOR}, weight-only linear), paying a convert per layer per step for memory "
+                        "alone; int8wo stores the same bytes and multiplies from them",
+                 "cuda": None},
+        capability={"cuda": (8, 9)}),
+    "fp8dq": Scheme(
+        "Float8DynamicActivationFloat8WeightConfig", "float8_e4m3fn, a float scale per output row", PER_ROW,
+        FLOAT8_TENSOR, "each token's activations quantized to float8 with its own scale, then torch._scaled_mm",
+        devices={"cpu": "no float8 matmul on CPU: torchao checks for CUDA compute capability 8.9, MI300 or XPU "
+                        "before quantizing (torchao/float8/inference.py, _check_hardware_support)",
+                 "cuda": None},
+        capability={"cuda": (8, 9)},
+        # torchao asserts it (quant_api.py: "PerRow quantization only works for bfloat16").
+        dtypes=("bfloat16",)),
+}
+
 # The option that lets a batch-dependent cache run: its name says what it gives up.
 UNREPRODUCIBLE_OPTION = "--unreproducible-speedup"
 
@@ -119,6 +200,7 @@ class Speedup:
     cache: str | None = None
     fields: tuple[tuple[str, object], ...] = ()  # sorted, values typed
     attention: str | None = None
+    quant: str | None = None  # a SCHEMES key
 
     @property
     def spec(self) -> str:
@@ -127,13 +209,16 @@ class Speedup:
         if self.cache:
             shown = ",".join(f"{name}={_show(value)}" for name, value in self.fields)
             parts.append(f"{self.cache}:{shown}" if shown else self.cache)
+        if self.quant:
+            parts.append(f"{QUANT}:{self.quant}")
         if self.attention:
             parts.append(f"{ATTENTION}:{self.attention}")
         return "+".join(parts)
 
     @property
     def batch_dependent(self) -> bool:
-        return self.cache is not None and CACHES[self.cache].decides == BATCH
+        return ((self.cache is not None and CACHES[self.cache].decides == BATCH)
+                or (self.quant is not None and SCHEMES[self.quant].activations == PER_TENSOR))
 
     def whole_blocks(self) -> bool:
         """Its cache hooks whole blocks only (runs beside per-block compiled forwards)."""
@@ -200,10 +285,18 @@ def parse(spec: str | None) -> Speedup | None:
     `refusal`'s to say."""
     if spec is None or not spec.strip() or spec.strip().lower() == "none":
         return None
-    cache, fields, attention = None, (), None
+    cache, fields, attention, quant = None, (), None, None
     for part in spec.strip().split("+"):
         name, _, body = part.strip().partition(":")
         name = name.strip().lower()
+        if name == QUANT:
+            scheme = body.strip().lower()
+            if scheme not in SCHEMES:
+                raise SpeedupError(f"quant: expected quant:SCHEME, one of {', '.join(SCHEMES)}; got '{part.strip()}'")
+            if quant is not None:
+                raise SpeedupError("quant is given twice: one scheme per transformer")
+            quant = scheme
+            continue
         if name == ATTENTION:
             backend = body.strip().lower()
             if not _NAME.fullmatch(backend or "-"):
@@ -217,7 +310,8 @@ def parse(spec: str | None) -> Speedup | None:
             continue
         if name not in CACHES:
             raise SpeedupError(f"unknown speed-up '{name}': caches are {', '.join(sorted(CACHES))} "
-                               f"(diffusers' config class, lower case, without CacheConfig), or {ATTENTION}:BACKEND")
+                               f"(diffusers' config class, lower case, without CacheConfig), {QUANT}:SCHEME "
+                               f"({', '.join(SCHEMES)}) or {ATTENTION}:BACKEND")
         row = CACHES[name]
         if row.refused:
             raise SpeedupError(f"{name}: {row.refused}")
@@ -239,9 +333,9 @@ def parse(spec: str | None) -> Speedup | None:
             raise SpeedupError(f"{name} needs {', '.join(f'{m}=' + '|'.join(row.presets.get(m, ('…',))) for m in missing)}"
                                " (a calibration diffq cannot guess)")
         cache, fields = name, tuple(sorted(values.items()))
-    if cache is None and attention is None:
+    if cache is None and attention is None and quant is None:
         return None
-    return Speedup(cache=cache, fields=fields, attention=attention)
+    return Speedup(cache=cache, fields=fields, attention=attention, quant=quant)
 
 
 def canonical(spec: str | None, *, unreproducible: bool = False) -> str | None:
@@ -251,6 +345,11 @@ def canonical(spec: str | None, *, unreproducible: bool = False) -> str | None:
     if speedup is None:
         return None
     if speedup.batch_dependent and not unreproducible:
+        if speedup.quant is not None and SCHEMES[speedup.quant].activations == PER_TENSOR:
+            raise SpeedupError(f"{QUANT}:{speedup.quant} quantizes each call's activations with one scale over the "
+                               f"whole batch ({INT8_TENSOR}): an image would depend on its batch neighbours. "
+                               f"Pass {UNREPRODUCIBLE_OPTION} to run it anyway (its records say so), or use a "
+                               "per-row scheme")
         raise SpeedupError(f"{speedup.cache} decides from the whole batch ({CACHES[speedup.cache].source}: a "
                            "threshold over the batch tensor): an image would depend on its batch neighbours. "
                            f"Pass {UNREPRODUCIBLE_OPTION} to run it anyway (its records say so)")

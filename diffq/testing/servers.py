@@ -55,6 +55,10 @@ def _http_status(url: str) -> int | None:
         return None
 
 
+class ServerExited(RuntimeError):
+    """The server process ended before it answered (a taken port, a bad flag)."""
+
+
 class ServerProcess:
     """One server process on a fixed port; stop() and start() keep port and workdir."""
 
@@ -67,8 +71,16 @@ class ServerProcess:
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.port = port or free_port()
+        # Ports picked here may be taken between the pick and the server's bind (a
+        # parallel test worker picks too): the first start then retries on new ones.
+        self.ports_picked = port is None
+        self.started_once = False
         self.log_path = self.workdir / f"{self.name}.log"
         self.proc: subprocess.Popen | None = None
+
+    def pick_ports(self) -> None:
+        """New free ports for a first start whose ports were taken (see start)."""
+        self.port = free_port()
 
     def command(self) -> list[str]:
         raise NotImplementedError
@@ -86,6 +98,18 @@ class ServerProcess:
 
     def start(self, timeout: float = START_TIMEOUT) -> None:
         assert not self.running, f"{self.name} already running"
+        tries = 3 if self.ports_picked and not self.started_once else 1
+        for attempt in range(tries):
+            try:
+                self._start(timeout)
+                break
+            except ServerExited:
+                if attempt == tries - 1:
+                    raise
+                self.pick_ports()
+        self.started_once = True
+
+    def _start(self, timeout: float) -> None:
         with self.log_path.open("ab") as log:
             self.proc = subprocess.Popen(
                 self.command(),
@@ -99,7 +123,7 @@ class ServerProcess:
         deadline = time.monotonic() + timeout
         while not self.ready():
             if self.proc.poll() is not None:
-                raise RuntimeError(
+                raise ServerExited(
                     f"{self.name} exited with {self.proc.returncode}:\n{self._log_tail()}"
                 )
             if time.monotonic() > deadline:
@@ -343,11 +367,20 @@ class RabbitMQServer(ServerProcess):
             # Erlang refuses a cookie file others can read.
             cookie.write_text(uuid.uuid4().hex.upper())
             cookie.chmod(0o400)
+        self._write_config()
+        (self.workdir / "enabled_plugins").write_text("[rabbitmq_management].\n")
+
+    def _write_config(self) -> None:
         (self.workdir / "rabbitmq.conf").write_text(
             f"listeners.tcp.1 = 127.0.0.1:{self.port}\n"
             f"management.tcp.ip = 127.0.0.1\nmanagement.tcp.port = {self.api_port}\n"
         )
-        (self.workdir / "enabled_plugins").write_text("[rabbitmq_management].\n")
+
+    def pick_ports(self) -> None:
+        super().pick_ports()
+        self.api_port = free_port()
+        self.dist_port = free_port()
+        self._write_config()
 
     @property
     def amqp_url(self) -> str:

@@ -41,7 +41,8 @@ from celery.worker.heartbeat import Heart
 from celery.worker.request import Request
 from kombu import Consumer, Exchange, Queue
 
-from diffq.core.brokers.base import TASK_NAME, make_celery
+from diffq.core.brokers.app import make_celery
+from diffq.core.brokers.base import TASK_NAME
 from diffq.core.brokers.embedded import wake_consumer
 from diffq.core.contract import MAX_MESSAGE_BYTES
 from diffq.core.settings import get_settings
@@ -405,13 +406,6 @@ def serve(app: Celery, spec: ChildSpec) -> None:
                      f"--hostname={spec.name}@{hostname()}", f"--loglevel={spec.loglevel}"])
     for drain in getattr(app, "diffq_drains", ()):
         drain.finish()
-
-
-def stop_consuming(exit_code: int) -> None:
-    """Ask Celery's worker to stop (its warm shutdown) and exit with `exit_code`."""
-    from celery.worker import state as worker_state
-
-    worker_state.should_stop = exit_code
 
 
 # -- driven by hand ---------------------------------------------------------------------------

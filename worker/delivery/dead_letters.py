@@ -83,7 +83,7 @@ class DeadLetters:
         REFUSED: the broker routes it once rejected; DEAD_LETTER: its letter is
         written here (then acked)."""
         outcome = refusal(why, self.by_broker)
-        metrics.observe_dead_letter(why.name.lower())
+        metrics.observe_dead_letter(reason_label(why))
         if outcome is Outcome.REFUSED:
             log.warning("dead letter from queue %s: %s (rejected to %s)", queue, reason, DEAD_LETTERS)
         else:
@@ -98,9 +98,21 @@ class DeadLetters:
 
     def malformed(self, queue: str, item, reason: str) -> None:
         """A broker item that is no message at all: its letter, and the `malformed` end."""
-        metrics.observe_dead_letter("malformed")
+        metrics.observe_dead_letter(MALFORMED)
         self.send(queue, reason, item)
         end(Outcome.MALFORMED, Taken())
+
+
+MALFORMED = "malformed"  # a broker item that is no message at all
+
+
+def reason_label(why: Refused) -> str:
+    """A refusal's `reason` label on diffq_dead_letters_total."""
+    return why.name.lower()
+
+
+# Every reason a worker process may dead-letter for: exported at 0 from its start.
+REASONS = tuple(reason_label(why) for why in Refused) + (MALFORMED,)
 
 
 def dead_letters_of(app, worker: str) -> DeadLetters:

@@ -85,7 +85,7 @@ def startup_queues(broker_url: str, models: list[str] | None = None, api: str | 
     CannotList (saying what to pass instead) where the broker cannot list, before
     anything starts; [] while the broker is not up yet (the workers connect with
     Celery's retries and list it then)."""
-    from diffq.core.brokers.base import make_celery
+    from diffq.core.brokers.app import make_celery
 
     discovery = Discovery(transport_for(broker_url), models, api, dtypes=dtypes)
     try:
@@ -121,6 +121,7 @@ class Router:
         self._next_discovery = 0.0
         self._listing_failed = False
         self._judged: set[str] = set()  # listed names already kept or passed over
+        self.on_serve: Callable[[list[str]], None] | None = None  # told of each queue served from now on
 
     @property
     def applies(self) -> bool:
@@ -155,6 +156,8 @@ class Router:
             # Queues stay served once found: an emptied Redis queue has no key to list.
             self.served += new
             log.info("serving %d more queues: %s", len(new), ", ".join(new))
+            if self.on_serve is not None:
+                self.on_serve(new)
         return new
 
     def shared(self, connection, compiled: set[str]) -> dict[str, int]:

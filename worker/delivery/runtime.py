@@ -12,7 +12,7 @@ import threading
 from dataclasses import dataclass, field
 
 from diffq.core.adapters import AdapterLayout
-from diffq.core.contract import ShapeKey
+from diffq.core.contract import ShapeKey, shape_from_queue
 from diffq.core.settings import get_settings
 from diffq.core import layout
 from diffq.core.storage import NotFound, Storage, open_storage
@@ -22,10 +22,12 @@ from diffq.worker.delivery.batches import BatchLine
 from diffq.worker.delivery.failures import storage_trouble
 from diffq.worker.delivery.lease import LeaseKeeper
 from diffq.worker.device.pipeline_host import PipelineHost
+from diffq.worker.delivery.dead_letters import REASONS
 from diffq.worker.delivery.routing import Discovery, Router
 from diffq.worker.sink.store import Sink
 from diffq.worker.sink.helper import SinkProcess, make_sink
 from diffq.worker.delivery.spec import ChildSpec, hostname
+from diffq.worker.observe import metrics
 
 
 class OutNotAllowed(PermissionError):
@@ -78,7 +80,17 @@ class Runtime:
         if spec.routing == "compile-aware" or discovery is not None:
             rt.line.router = Router(spec.queues, rt.compiled_queues, transport, discovery=discovery,
                                     compile_aware=spec.routing == "compile-aware")
+            rt.line.router.on_serve = rt.serving
+        metrics.refusals(REASONS)
+        rt.serving(spec.queues)
         return rt
+
+    def serving(self, queues: list[str]) -> None:
+        """Queues served from now on: their metric children at 0 (worker/observe/metrics.py)."""
+        models = self.spec.models + self.spec.serve_models
+        for queue in queues:
+            shape = shape_from_queue(queue, models)
+            metrics.serving(queue, shape.label if shape is not None else None)
 
     def compiled_queues(self) -> set[str]:
         return {shape.queue for shape in self.host.shapes_seen}
@@ -171,7 +183,9 @@ class Runtime:
 
 
 def preload(rt: Runtime) -> None:
+    rt.host.speedups.check_device(rt.host.backend)  # what a quantization scheme needs of it, at the start
     for model, layout_ in rt.spec.adapter_layouts.items():  # before the model loads and compiles
         rt.host.use_adapters(model, layout_)
     for model in rt.spec.models:
-        rt.host.pipeline(model, rt.spec.dtype)
+        for quant in rt.spec.schemes if rt.spec.schemes is not None else [None]:
+            rt.host.pipeline(model, rt.spec.dtype, rt.host.quant_scheme(quant, rt.spec.dtype))

@@ -79,6 +79,10 @@ class ChildSpec(BaseModel):
     adapter_layouts: dict[str, AdapterLayout] = Field(default_factory=dict)
     # How a batch's adapter set goes into the pipeline (worker/device/lora_modes.py LORA_MODES).
     lora_mode: str = DEFAULT_LORA_MODE
+    # The quantization schemes (core/speedups.py SCHEMES; None: full precision) the runs'
+    # batches name: each model is preloaded with each (`diffq run`), so a quantized run
+    # never holds a full-precision copy it does not use. None: full precision only.
+    schemes: list[str | None] | None = None
     # None: DIFFQ_ALLOWED_OUT_PREFIXES; [] with `--any-out` (named, it wins over the setting)
     allowed_out_prefixes: list[str] | None = None
     # `--run OUT` / `diffq run`: the runs whose batches this worker takes (admission.py);
@@ -226,3 +230,9 @@ def hostname() -> str:
 # run's own output when N workers start at once.
 QUIET_ENV = {"TRANSFORMERS_VERBOSITY": "error", "DIFFUSERS_VERBOSITY": "error",
              "HF_HUB_DISABLE_PROGRESS_BARS": "1", "TOKENIZERS_PARALLELISM": "false"}
+# Loggers held at ERROR from before `import torch`: torchao (a core dependency, `quant:`
+# schemes), imported by diffusers and transformers in every worker, warns at import that
+# its CUDA-only kernels (_C_mxfp8, _C_cutlass_90a) do not load on a CPU build
+# (torchao/__init__.py), and torch warns that the enums it registers as pytree
+# constants need not be (torch/utils/_pytree.py): four lines per worker before any batch.
+QUIET_LOGGERS = ("torchao", "torch.utils._pytree")

@@ -23,6 +23,7 @@ import json
 import logging
 
 from diffq.core import layout
+from diffq.core.brokers.app import stop_consuming
 from diffq.core.contract import BatchMessage
 from diffq.core.records import BatchMeasures
 from diffq.worker.observe import startup
@@ -145,8 +146,6 @@ def hooks_of(rt: Runtime) -> list[BatchHook]:
 def hand_back(batch: Batch, reason: str, exit_code: int) -> End:
     """Give the batch back to its queue at once (not a failed attempt) and stop the
     process with `exit_code`."""
-    from diffq.worker.delivery.celery_adapter import stop_consuming  # the engine's; it imports this module
-
     log.warning("%s; batch %s goes back to the queue", reason, batch.message.batch_id)
     stop_consuming(exit_code)
     return batch.end(Outcome.HAND_BACK, handed_back=reason)

@@ -28,15 +28,17 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import warnings
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from diffq.core.adapters import (MAX_STACK, TRANSFORMER_PREFIX, AdapterError, AdapterLayout, Source, content_revision,
-                                 inspect, local_file, source, weight_file)
+from diffq.core.adapters import (MAX_STACK, TRANSFORMER_PREFIX, AdapterLayout, Source, content_revision, local_file,
+                                 source, weight_file)
 from diffq.core.contract import AdapterRef
+from diffq.worker.device.lora_files import AdapterUnsupported, convert
 
 log = logging.getLogger(__name__)
 
@@ -52,10 +54,6 @@ CACHE_BYTES = 2 * 1024**3
 
 class AdapterOrderError(RuntimeError):
     """The scaffold must go in before any compile: after one, the graphs would not see it."""
-
-
-class AdapterUnsupported(ValueError):
-    """An adapter this worker cannot apply (no retry helps)."""
 
 
 @dataclass
@@ -96,14 +94,15 @@ class AdapterCache:
         self._lock = threading.Lock()
         self.hits = self.misses = 0
 
-    def get(self, ref: AdapterRef) -> Loaded:
+    def get(self, ref: AdapterRef, pipeline_class: type | None = None) -> Loaded:
+        """The adapter in diffusers' layout; `pipeline_class` converts a file in another."""
         key = (ref.path, ref.revision)
         with self._lock:
             if key in self._held:
                 self._held.move_to_end(key)
                 self.hits += 1
                 return self._held[key]
-        loaded = _read(ref)
+        loaded = _read(ref, pipeline_class)
         with self._lock:
             self.misses += 1
             self._held[key] = loaded
@@ -112,19 +111,13 @@ class AdapterCache:
         return loaded
 
 
-def _read(ref: AdapterRef) -> Loaded:
-    from safetensors.torch import load
-
+def _read(ref: AdapterRef, pipeline_class: type | None) -> Loaded:
     path = _local_path(ref)
-    state_dict = load(_weights(ref, path))
-    try:
-        info = inspect(path)  # the producer's checks again, on the copy loaded
-    except AdapterError as exc:
-        raise AdapterUnsupported(f"adapter {exc.message}") from None
-    alpha = info.config.get("lora_alpha")
-    scalings = {module: (alpha if alpha is not None else rank) / rank for module, (rank, _, _) in info.modules.items()}
-    return Loaded(state_dict=state_dict, scalings=scalings,
-                  nbytes=sum(t.numel() * t.element_size() for t in state_dict.values()))
+    # The producer's checks again, on the copy loaded; in diffusers' layout, with each
+    # module's scaling (worker/device/lora_files.py).
+    converted = convert(ref, path, _weights(ref, path), pipeline_class)
+    return Loaded(state_dict=converted.state_dict, scalings=converted.scalings,
+                  nbytes=sum(t.numel() * t.element_size() for t in converted.state_dict.values()))
 
 
 def _local_path(ref: AdapterRef) -> str:
@@ -146,8 +139,14 @@ def _local_path(ref: AdapterRef) -> str:
             raise AdapterUnsupported(str(exc)) from None
     if where is Source.HUB:  # not tested here: no Hub
         from huggingface_hub import hf_hub_download
+        from huggingface_hub.errors import EntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError
 
-        return hf_hub_download(folder, name, revision=ref.revision)
+        try:
+            return hf_hub_download(folder, name, revision=ref.revision)
+        except (EntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError) as exc:
+            # Gone, or never there (a gated repo included): no retry helps. Anything else
+            # (a refused connection, a 5xx) is left to the batch's retries.
+            raise AdapterUnsupported(f"adapter {ref.path}: {type(exc).__name__}: {exc}") from None
     return str(local_file(folder) / name)
 
 
@@ -254,8 +253,13 @@ class AdapterSlot:
         # The scaffold's own tensors become the slots' weights (diffusers loads with
         # low_cpu_mem_usage, assigning them), which every swap overwrites: "no adapter"
         # swaps in a second set of zeros.
-        for name in names:
-            pipe.load_lora_weights(scaffold_state_dict(layout, transformer), adapter_name=name)
+        with warnings.catch_warnings():
+            # Each slot after the first is a second adapter on purpose; peft warns of it
+            # (tuners/tuners_utils.py BaseTuner.__init__: "Already found a `peft_config`
+            # attribute in the model"), which would reach `diffq run`'s output.
+            warnings.filterwarnings("ignore", message="Already found a `peft_config` attribute", category=UserWarning)
+            for name in names:
+                pipe.load_lora_weights(scaffold_state_dict(layout, transformer), adapter_name=name)
         if len(names) > 1:
             # diffusers prepares the model for compiled hot-swaps once, after the first
             # adapter (loaders/peft.py): the later slots' scalings are still floats, which a
@@ -293,7 +297,7 @@ class AdapterSlot:
             if ref is None:
                 self._swap(pipe, name, self._zeros)
                 continue
-            loaded = self.cache.get(ref)
+            loaded = self.cache.get(ref, type(pipe))
             self.check_targets(self.layout, ref, loaded)
             if held is None or (ref.path, ref.revision) != (held.path, held.revision):
                 self._swap(pipe, name, loaded)

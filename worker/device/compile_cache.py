@@ -9,7 +9,7 @@ workers pushing the same entry is safe (the first wins; entries are
 content-addressed by the backends). A backend whose cache speaks a scheme itself
 (TPU tier 3 reads gs:// directly) is pointed at the URL with no sync.
 
-The namespace holds torch, diffusers and backend package versions: an upgrade gets
+The namespace holds torch, diffusers, torchao and backend package versions: an upgrade gets
 a fresh, empty namespace instead of stale artefacts.
 
 Torch-free: the supervisor computes a child's environment from it before spawning.
@@ -46,8 +46,10 @@ def _version(package: str) -> str:
 
 
 def namespace(backend: Backend) -> str:
-    """'inductor/torch-2.13.0-cpu_diffusers-0.42.1': one folder per compiler and versions."""
-    packages = ("torch", "diffusers", *backend.cache_packages)
+    """'inductor/torch-2.13.0-cpu_diffusers-0.42.1_torchao-0.18.0': one folder per compiler and versions."""
+    # torchao: a `quant:` scheme's graphs are traced through its tensor subclasses
+    # (worker/device/quantize.py), whose code an upgrade changes.
+    packages = ("torch", "diffusers", "torchao", *backend.cache_packages)
     versions = "_".join(f"{package}-{_version(package)}" for package in packages)
     return f"{backend.compile_backend}/{re.sub(r'[^A-Za-z0-9._-]', '-', versions)}"
 

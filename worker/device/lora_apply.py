@@ -80,7 +80,7 @@ class FusedWeights:
         started = time.perf_counter()
         deltas: dict[str, torch.Tensor] = {}
         for ref in wanted:
-            loaded = self.cache.get(ref)
+            loaded = self.cache.get(ref, type(pipe))
             AdapterSlot.check_targets(self.layout, ref, loaded)
             for module, delta in _deltas(loaded, ref.scale):
                 deltas[module] = deltas[module] + delta if module in deltas else delta

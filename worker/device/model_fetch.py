@@ -41,9 +41,10 @@ from diffq.core.contract import model_slug
 from diffq.core.model_store import (ModelListing, ModelStoreError, RemoteFile, StoreUnreachable, list_model,
                                     model_storage)
 from diffq.core.settings import Settings, get_settings
+from diffq.core.storage import BucketStorage
 from diffq.worker.device import faults
 from diffq.worker.device.fetch_patience import Patience, backoff, from_store, transient
-from diffq.worker.device.store_checksums import Expectation, gcs_expectation, s3_expectation, s3_needs_parts
+from diffq.worker.device.store_checksums import Expectation, expectation
 
 log = logging.getLogger("diffq.worker")
 
@@ -130,7 +131,7 @@ def fetch(url: str, revision: str | None = None, *, settings: Settings | None = 
 
 def _list(url: str, settings: Settings, storage, only: str | None = None) -> ModelListing:
     """The model's listing, waited out while the store cannot be reached."""
-    patience = Patience(_store_of(storage).name, url, settings.model_fetch_patience_s, total=0)
+    patience = Patience(storage.service, url, settings.model_fetch_patience_s, total=0)
     sleeps = None
     try:
         while True:
@@ -175,7 +176,7 @@ def _fetch_entry(storage, listing: ModelListing, entry: Path, settings: Settings
     _clear_stale(entry, missing)
     if not missing:
         return ()
-    store = _store_of(storage)(storage, listing.url)
+    store = _Store(storage, listing.url)
     resumed = sum(_Ranges.bytes_done(_part(entry, f)) for f in missing)
     patience = Patience(store.name, listing.url, settings.model_fetch_patience_s,
                         total=sum(f.size for f in missing), done=resumed)
@@ -230,8 +231,13 @@ class _Ranges:
             saved = json.loads(self.path(part).read_text())
             if saved.get("layout") == self.layout and part.is_file():
                 self.digests = {int(i): bytes.fromhex(d) for i, d in saved["done"].items()}
-        except (OSError, ValueError, KeyError, AttributeError):
-            pass
+        except FileNotFoundError:
+            pass  # a file not begun before
+        except (OSError, ValueError, KeyError, AttributeError) as exc:
+            # A record cut short or unreadable: its pieces are fetched again, and said so.
+            log.warning("fetching weights: %s: its record of completed pieces cannot be read (%s: %s); "
+                        "fetching the file from its start", part.name.removeprefix(PART_PREFIX),
+                        type(exc).__name__, exc)
 
     @staticmethod
     def path(part: Path) -> Path:
@@ -352,14 +358,21 @@ def _patiently(patience: Patience, store, file: RemoteFile, call):
         try:
             return call()
         except Exception as exc:
-            if isinstance(exc, FetchRefused):
-                raise
-            if transient(exc) is None:
-                if from_store(exc):
-                    raise store.refusal(exc, file) from exc
-                raise
+            _unless_it_may_heal(exc, store, file)
             sleeps = sleeps or backoff()
             patience.wait(exc, file.key, sleeps)
+
+
+def _unless_it_may_heal(exc: Exception, store: _Store, file: RemoteFile) -> None:
+    """Return when `exc` may heal (the caller waits and tries again); else raise what the
+    fetch ends with: a refusal as it is, the store's answer as a refusal naming the file,
+    anything else of this node's (a disk full, a bug) as it is."""
+    if isinstance(exc, FetchRefused):
+        raise exc
+    if transient(exc) is None:
+        if from_store(exc):
+            raise store.refusal(exc, file) from exc
+        raise exc
 
 
 def _runs(fetch: _FileFetch) -> list[list[int]]:
@@ -422,27 +435,10 @@ def _fetch_run(store, fetch: _FileFetch, run: list[int], patience: Patience, str
             if start + got < end:
                 raise ConnectionResetError(f"the stream ended at {start + got} of {end} bytes")
         except Exception as exc:
-            if isinstance(exc, FetchRefused):
-                raise
-            if transient(exc) is None:
-                if from_store(exc):
-                    raise store.refusal(exc, fetch.file) from exc
-                raise
+            _unless_it_may_heal(exc, store, fetch.file)
             if got != stalled_at:  # bytes came since the last wait: the backoff starts over
                 sleeps, stalled_at = backoff(), got
             patience.wait(exc, fetch.file.key, sleeps)
-
-
-def _changed(exc, url: str, file: RemoteFile) -> Exception:
-    """A 412 (the object is no longer the one listed) as a refusal naming the file; a
-    403, 404 or any other error that cannot heal as a ModelStoreError naming it."""
-    status = getattr(exc, "response", None)
-    status = status.get("ResponseMetadata", {}).get("HTTPStatusCode") if isinstance(status, dict) else getattr(
-        exc, "code", None)
-    code = exc.response.get("Error", {}).get("Code") if isinstance(getattr(exc, "response", None), dict) else None
-    if status == 412 or code == "PreconditionFailed":
-        return FetchRefused(f"model {url}: file {file.key} changed since the model was listed; fetch again")
-    return ModelStoreError(f"model {url}: file {file.key}: {exc}")
 
 
 class _Streams:
@@ -509,105 +505,30 @@ STREAMS_START = 1
 STREAMS_WINDOW = 0.25  # seconds
 
 
-# The stores ---------------------------------------------------------------------------
-_STREAM_CHUNK = 1024 * 1024  # fits the caches: 8 MiB measured slower (docs/BENCHMARKS.md)
+# The store ---------------------------------------------------------------------------
+class _Store:
+    """The model's bucket as the fetch reads it: the listed objects' checksums and ranged
+    reads of exactly them (core/storage/: S3Storage, GCSStorage), and what a refusal says."""
 
-
-class _S3:
-    """Ranged GETs of the listed object (If-Match its ETag), read straight from the
-    socket into a buffer (http.client's readinto), past urllib3's and botocore's copies."""
-
-    name = "S3"
-
-    def __init__(self, storage, url: str):
-        self.storage, self.url = storage, url
-        self.client = storage.client()
+    def __init__(self, storage: BucketStorage, url: str):
+        self.storage, self.url, self.name = storage, url, storage.service
 
     def refusal(self, exc, file: RemoteFile) -> Exception:
-        return _changed(exc, self.url, file)
-
-    def _args(self, file: RemoteFile) -> dict:
-        args = {"Bucket": self.storage.bucket_name, "Key": self.storage.prefix + file.key}
-        if file.etag:  # the object listed, never one uploaded since
-            args["IfMatch"] = f'"{file.etag}"'
-        return args
+        """A 412 (the object is no longer the one listed) as a refusal naming the file; a
+        403, 404 or any other answer that cannot heal as a ModelStoreError naming it."""
+        if self.storage.changed_since_listed(exc):
+            return FetchRefused(f"model {self.url}: file {file.key} changed since the model was listed; fetch again")
+        return ModelStoreError(f"model {self.url}: file {file.key}: {exc}")
 
     def expectation(self, file: RemoteFile) -> Expectation:
-        """The stored checksums (a HEAD, ChecksumMode=ENABLED) and, where the check is
-        over parts, each part's real size (a HEAD with PartNumber=N per part: S3 leaves
-        GetObjectAttributes' parts out exactly for the ETag rule, moto always)."""
-        head = self.client.head_object(**self._args(file), ChecksumMode="ENABLED")
-        parts: tuple[int, ...] = ()
-        if s3_needs_parts(head):
-            count = int(head["ETag"].strip('"').rpartition("-")[2])
-            # (No If-Match: moto compares it with the part's own ETag. Part sizes of a
-            # newer upload fail the check: refused as corrupt, never loaded.)
-            args = {"Bucket": self.storage.bucket_name, "Key": self.storage.prefix + file.key}
-            parts = tuple(self.client.head_object(**args, PartNumber=n)["ContentLength"] for n in range(1, count + 1))
-            if sum(parts) != file.size:
-                raise FetchRefused(f"model {self.url}: file {file.key}: its parts add up to {sum(parts)} bytes, the "
-                                   f"store lists {file.size}")
-        return s3_expectation(head, parts)
+        stored = self.storage.stored_checksums(file)
+        if stored.parts and sum(stored.parts) != file.size:
+            raise FetchRefused(f"model {self.url}: file {file.key}: its parts add up to {sum(stored.parts)} bytes, "
+                               f"the store lists {file.size}")
+        return expectation(stored)
 
     def read(self, file: RemoteFile, first: int, last: int, sink) -> None:
-        response = self.client.get_object(**self._args(file), Range=f"bytes={first}-{last}")
-        body = response["Body"]
-        raw = getattr(body, "_raw_stream", None)
-        readinto = getattr(getattr(raw, "_fp", None), "readinto", None)
-        buffer = bytearray(_STREAM_CHUNK)
-        view = memoryview(buffer)
-        left = last - first + 1
-        try:
-            while left > 0:
-                if readinto is not None:
-                    n = readinto(view[:min(left, _STREAM_CHUNK)])
-                    chunk = view[:n]
-                else:
-                    chunk = memoryview(body.read(min(left, _STREAM_CHUNK)))
-                    n = len(chunk)
-                if not n:
-                    return
-                sink(chunk)
-                left -= n
-        finally:
-            (raw or body).close()
-
-
-class _GCS:
-    """Ranged downloads of the listed generation, written as they arrive."""
-
-    name = "GCS"
-
-    def __init__(self, storage, url: str):
-        self.storage, self.url = storage, url
-        self.bucket = storage.client().bucket(storage.bucket_name)
-
-    def refusal(self, exc, file: RemoteFile) -> Exception:
-        return _changed(exc, self.url, file)
-
-    def expectation(self, file: RemoteFile) -> Expectation:
-        return gcs_expectation(file.crc32c, file.md5)  # from the listing: no request
-
-    def read(self, file: RemoteFile, first: int, last: int, sink) -> None:
-        # The listed generation: exactly the revision listed, even if a newer one lands.
-        blob = self.bucket.blob(self.storage.prefix + file.key, generation=int(file.version) if file.version else None)
-        # retry=None: a failure comes back here, and the stream continues from its last byte.
-        blob.download_to_file(_Sink(sink), start=first, end=last, raw_download=True, checksum=None, retry=None)
-
-
-def _store_of(storage):
-    return _S3 if storage.scheme == "s3" else _GCS
-
-
-class _Sink:
-    """A file object for google-cloud-storage's download that hands each chunk on."""
-
-    def __init__(self, sink):
-        self.sink = sink
-
-    def write(self, data) -> int:
-        self.sink(memoryview(data))
-        return len(data)
+        self.storage.read_pinned(file, first, last, sink)
 
 
 # The size cap ------------------------------------------------------------------------

@@ -29,6 +29,7 @@ from diffq.worker.device.backends import COMPILING_MODES, DTYPES, Backend, Graph
 from diffq.worker.device.lora_apply import ChangeCheck, LoraChangeUnseen, informative
 from diffq.worker.device.lora_modes import DEFAULT_LORA_MODE, LORA_MODES
 from diffq.worker.device.models import local_model
+from diffq.worker.device.quantize import quantize, weight_bytes
 from diffq.worker.device.speedups import Speedups, SpeedupUnsupported  # noqa: F401 (hooks: a permanent error)
 
 
@@ -124,9 +125,15 @@ class PipelineHost:
     backend: Backend
     compile_mode: str = "none"
     offload: str | None = None
+    # (model, dtype, quantization scheme or None) -> pipeline: a scheme is the weights a
+    # pipeline was loaded with (worker/device/quantize.py), so each is its own.
     _pipelines: dict = field(default_factory=dict)
-    _families: dict = field(default_factory=dict)  # (model, dtype) -> Family
+    _families: dict = field(default_factory=dict)  # same key -> Family
+    # Same key -> the transformer's weight bytes as stored (quantized where it is): image records say it.
+    weight_bytes: dict = field(default_factory=dict)
     shapes_seen: set = field(default_factory=set)
+    # (shape, quantization scheme) pairs called: a scheme's pipeline traces its own graphs.
+    _traced: set = field(default_factory=set, repr=False, compare=False)
     # Per shape queue: seconds of the call that compiled it, and graphs it added.
     compile_seconds: dict = field(default_factory=dict)
     compile_graphs: dict = field(default_factory=dict)
@@ -228,7 +235,7 @@ class PipelineHost:
                                      "worker read declares")
         return layout
 
-    def _ready(self, model: str, dtype: str, wanted: AdapterLayout | None):
+    def _ready(self, model: str, dtype: str, wanted: AdapterLayout | None, quant: str | None = None):
         """`model`'s pipeline, built around `wanted` where a layout is wanted: loaded now
         if it is not, loaded again around the scaffold if it was built around another
         (or none: a fleet worker preloads before any run names a layout). Called on the
@@ -242,21 +249,34 @@ class PipelineHost:
                 self._pipelines.pop(key, None)
                 self.adapter_slots.pop(key, None)
             self.shapes_seen -= {shape for shape in self.shapes_seen if shape.model == model}
+            self._traced -= {seen for seen in self._traced if seen[0].model == model}
             if loaded:
                 log.warning("model %s: loaded again for LoRA layout %s (its scaffold must go in before compiling)",
                             model, wanted.label)
             self.adapter_layouts[model] = wanted
-        return self.pipeline(model, dtype)
+        return self.pipeline(model, dtype, quant)
 
-    def pipeline(self, model: str, dtype: str):
+    def quant_scheme(self, quant: str | None, dtype: str) -> str | None:
+        """`quant`, refused (SpeedupUnsupported) where this worker cannot run it: at a
+        preloading worker's start, before anything loads."""
+        spec = f"quant:{quant}" if quant is not None else None
+        return self.speedups.scheme(spec, self.backend, self.compile_mode, dtype=self.backend.dtype_for(dtype),
+                                    adapters=bool(self.adapter_layouts))
+
+    def key(self, model: str, dtype: str, quant: str | None = None) -> tuple:
+        """A loaded pipeline's key: an auto shape runs at the device's default dtype."""
+        return (model, self.backend.dtype_for(dtype), quant)
+
+    def pipeline(self, model: str, dtype: str, quant: str | None = None):
+        """`model`'s pipeline at `dtype`, its transformer quantized by `quant` (a SCHEMES
+        key) or not; loaded on first use."""
         self._on_this_thread()
-        dtype = self.backend.dtype_for(dtype)  # an auto shape runs at the device's default
-        key = (model, dtype)
+        key = self.key(model, dtype, quant)
         if key not in self._pipelines:
-            self._pipelines[key] = self._load(model, dtype)
+            self._pipelines[key] = self._load(*key)
         return self._pipelines[key]
 
-    def _load(self, model: str, dtype: str):
+    def _load(self, model: str, dtype: str, quant: str | None = None):
         from diffusers import DiffusionPipeline
         from diffusers.utils import logging as diffusers_logging
 
@@ -291,11 +311,15 @@ class PipelineHost:
         else:
             pipe.to(device)
         pipe.set_progress_bar_config(disable=True)
+        key = (model, dtype, quant)
+        if quant is not None:  # on its device, before a scaffold and before any compile
+            quantize(pipe.transformer, quant)
+        self.weight_bytes[key] = weight_bytes(pipe.transformer)
         if (layout := self.adapter_layouts.get(model)) is not None:
-            self.adapter_slots[(model, dtype)] = LORA_MODES[self.lora_mode].installer()(
+            self.adapter_slots[key] = LORA_MODES[self.lora_mode].installer()(
                 pipe, layout, self.adapter_cache, backend=self.backend, compile_mode=self.compile_mode)
         self._compile(pipe, family)
-        self._families[(model, dtype)] = family
+        self._families[key] = family
         log.info("loaded %s (%s) on %s in %.1fs", model, type(pipe).__name__,
                  self.backend.torch_device, time.perf_counter() - started)
         return pipe
@@ -332,17 +356,24 @@ class PipelineHost:
 
     def generate(self, shape: ShapeKey, params: BatchParams, items: list[BatchItem]) -> Generated:
         wanted = self._wanted_layout(shape)
-        if ((shape.model, self.backend.dtype_for(shape.dtype)) not in self._pipelines
-                or wanted is not None and self.adapter_layouts.get(shape.model) != wanted):
+        dtype = self.backend.dtype_for(shape.dtype)
+        # Refused before anything loads: the scheme decides which pipeline the batch needs.
+        quant = self.speedups.scheme(params.speedup, self.backend, self.compile_mode, dtype=dtype,
+                                     adapters=bool(params.adapters or shape.lora))
+        if quant is not None and self.group is not None:
+            raise SpeedupUnsupported(f"quant:{quant} with --tp: a sharded transformer's weights are DTensors, which "
+                                     "torchao's quantize_ is not shown to take; run the scheme without --tp")
+        key = self.key(shape.model, shape.dtype, quant)
+        if key not in self._pipelines or wanted is not None and self.adapter_layouts.get(shape.model) != wanted:
             with self._device:  # the first call of a model (or of its new layout) loads it
-                self._ready(shape.model, shape.dtype, wanted)
+                self._ready(shape.model, shape.dtype, wanted, quant)
         # else loaded: the call is prepared off the device
         if len(items) > shape.batch_size:
             raise ValueError(f"{len(items)} items exceed the shape's batch size {shape.batch_size}")
         # Pad to the compiled batch size by repeating the last item: the graph never
         # sees a new batch dimension, and the extra images are dropped below.
         padded = items + [items[-1]] * (shape.batch_size - len(items))
-        family = self._families[(shape.model, self.backend.dtype_for(shape.dtype))]
+        family = self._families[key]
         refused = [(item.id, reason) for item in items
                    if (reason := family.refusal(negative_prompt=item.negative_prompt,
                                                 guidance_scale=params.guidance_scale))]
@@ -350,7 +381,8 @@ class PipelineHost:
             raise FamilyUnsupported("; ".join(f"item {item_id}: field '{name}': {why}"
                                               for item_id, (name, why) in refused[:5]),
                                     item_ids=tuple(item_id for item_id, _ in refused))
-        speedup = self.speedups.prepare(params.speedup, self.backend, self.compile_mode, family)
+        speedup = self.speedups.prepare(params.speedup, self.backend, self.compile_mode, family, dtype=dtype,
+                                        adapters=bool(params.adapters or shape.lora))
         generators = [torch.Generator("cpu").manual_seed(item.seed) for item in padded]
         kwargs = family.call_kwargs(
             prompts=[item.prompt for item in padded],
@@ -364,12 +396,13 @@ class PipelineHost:
         )
         with self._device:
             # Taken on the device's turn: the other thread may have loaded it again meanwhile.
-            pipe = self._ready(shape.model, shape.dtype, wanted)
+            pipe = self._ready(shape.model, shape.dtype, wanted, quant)
             started_at = time.time()
-            new_shape = shape not in self.shapes_seen
+            new_shape = (shape, quant) not in self._traced
             if new_shape:
+                self._traced.add((shape, quant))
                 self.shapes_seen.add(shape)
-                self.set_shape_budget(len(self.shapes_seen))
+                self.set_shape_budget(len(self._traced))
             leader = self.group is not None and self.group.leader
             if leader:
                 self.group.announce(shape, params, items)
@@ -377,7 +410,7 @@ class PipelineHost:
             fallbacks_before = fallback_count(self.backend.graph_fallback)
             # Its change check runs without a speed-up; under --lora-mode compile a new set's
             # graphs are compiled on this call, by design, not a recompile.
-            swap_s, new_set = self._apply_adapters(pipe, shape, params, family)
+            swap_s, new_set = self._apply_adapters(pipe, key, shape, params, family)
             self.speedups.apply(pipe, speedup, params.num_inference_steps)
             started = time.perf_counter()
             try:
@@ -400,6 +433,8 @@ class PipelineHost:
                 record_extra = {**record_extra, "adapter_swap_s": round(swap_s, 4)}
             if shape.lora is not None:
                 record_extra = {**record_extra, "lora_mode": self.lora_mode}
+            if key in self.weight_bytes:  # measured at load (a stand-in pipeline has no transformer)
+                record_extra = {**record_extra, "transformer_weight_bytes": self.weight_bytes[key]}
             ended_at = time.time()
             graphs = graphs_compiled() - graphs_before
             compiled = new_shape and self.compiles
@@ -418,15 +453,15 @@ class PipelineHost:
                          started_at=started_at, ended_at=ended_at, recompiled=recompiled, graphs=graphs,
                          adapter_swap_s=swap_s)
 
-    def _apply_adapters(self, pipe, shape: ShapeKey, params: BatchParams, family: type[Family]) -> tuple[float, bool]:
+    def _apply_adapters(self, pipe, key: tuple, shape: ShapeKey, params: BatchParams, family: type[Family]) -> tuple[float, bool]:
         """The batch's adapter set into its pipeline (on the device's turn: a call may be
         running on the other thread) by the host's LoRA mode: the seconds it took, and
         whether the mode gave the set graphs of its own to compile. The first change in
         this life that moves the weights is checked on a probe first."""
-        slot = self.adapter_slots.get((shape.model, self.backend.dtype_for(shape.dtype)))
+        slot = self.adapter_slots.get(key)
         if slot is None:
             if params.adapters:
-                raise AdapterUnsupported(f"model {shape.model} was loaded without an adapter slot: the scaffold "
+                raise AdapterUnsupported(f"model {key[0]} was loaded without an adapter slot: the scaffold "
                                          f"must go in before compiling (PipelineHost.use_adapters)")
             return 0.0, False
         if self.lora_refused is not None and params.adapters:
@@ -464,7 +499,7 @@ class PipelineHost:
         """Compile `shapes` before consuming, so no batch waits on a compile."""
         self.set_shape_budget(len(self.shapes_seen | set(shapes)))
         for shape in shapes:
-            if shape in self.shapes_seen:
+            if (shape, None) in self._traced:
                 continue
             # guidance_scale > 1 is what turns CFG on (and doubles the traced batch);
             # steps do not change the graph, so one is enough.

@@ -8,7 +8,9 @@ that succeeded: after one that raised, the next image was off), and `set_attenti
 
 A spec a device, compile mode or family cannot run is refused with the reason
 (`refusal`): the backend table says what each compile mode offers, the family table
-whether the pipeline opens a cache context at all.
+whether the pipeline opens a cache context at all, the scheme table (core/speedups.py
+SCHEMES) on which devices a quantization scheme runs. A scheme is not set here per call:
+it is the weights the pipeline was loaded with (worker/device/quantize.py).
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 
-from diffq.core.speedups import CACHES, Speedup, parse
+from diffq.core.speedups import BATCH, CACHES, Speedup, parse
+from diffq.worker.device import quantize
 
 log = logging.getLogger(__name__)
 
@@ -27,18 +30,24 @@ class SpeedupUnsupported(ValueError):
     """A speed-up this worker cannot run (device, compile mode, family): no retry helps."""
 
 
-def refusal(speedup: Speedup | None, backend, compile_mode: str, family) -> str | None:
-    """Why this worker cannot run `speedup`, or None."""
+def refusal(speedup: Speedup | None, backend, compile_mode: str, family, *, dtype: str | None = None,
+            adapters: bool = False) -> str | None:
+    """Why this worker cannot run `speedup` (at `dtype`, with LoRA adapters or not), or None."""
     if speedup is None:
         return None
     offered = backend.speedups_offered(compile_mode)
+    if speedup.quant is not None:
+        if reason := quantize.refusal(speedup.quant, backend, compile_mode, dtype):
+            return reason
+        if adapters:
+            return ADAPTERS_OVER_QUANT.format(scheme=speedup.quant)
     if speedup.cache is not None:
         if not family.step_caches:
             return (f"{family.pipeline_class} ({family.name}) cannot run a step cache: "
                     f"{family.step_caches_missing}")
         if reason := family.cache_refusals.get(speedup.cache):
             return f"{speedup.cache} on {family.pipeline_class}: {reason}"
-        if speedup.batch_dependent and not backend.host_decisions:
+        if CACHES[speedup.cache].decides == BATCH and not backend.host_decisions:
             return (f"{speedup.cache} decides from the batch's data each step (a host sync and a data-dependent "
                     f"branch): on {backend.name} that is a graph break per step")
         if offered == "none":
@@ -56,7 +65,15 @@ def refusal(speedup: Speedup | None, backend, compile_mode: str, family) -> str 
     return None
 
 
-def local_refusal(models, specs, device: str, compile_mode: str) -> str | None:
+# LoRA over quantized weights: peft wraps a torchao-quantized linear in its own layer
+# (peft/tuners/lora/torchao.py, TorchaoLoraLinear) whose base stays quantized, but
+# diffq's hot-swap scaffold (worker/device/adapters.py) is not shown to keep the graphs
+# over it: refused until a test shows it.
+ADAPTERS_OVER_QUANT = ("quant:{scheme} with LoRA adapters: a hot-swap is not shown to keep the compiled graphs over "
+                       "quantized base weights; run the adapters at full precision, or the scheme without adapters")
+
+
+def local_refusal(models, specs, device: str, compile_mode: str, adapters: bool = False) -> str | None:
     """Why one of `specs` cannot run on `device` under `compile_mode` for one of the
     local models (families read from their folders; hub ids: the worker says on load),
     before any worker starts."""
@@ -67,7 +84,13 @@ def local_refusal(models, specs, device: str, compile_mode: str) -> str | None:
     for model in models:
         family = family_of(model)
         for spec in specs:
-            if family is not None and (reason := refusal(parse(spec), backend, compile_mode, family)):
+            speedup = parse(spec)
+            if family is None:  # a hub id: what needs no family is still refused here
+                reason = speedup is not None and speedup.quant is not None and refusal(
+                    Speedup(quant=speedup.quant), backend, compile_mode, None, adapters=adapters)
+            else:
+                reason = refusal(speedup, backend, compile_mode, family, adapters=adapters)
+            if reason:
                 return f"--speedup {spec}: {reason}"
     return None
 
@@ -115,12 +138,37 @@ class Speedups:
 
     def __init__(self):
         self._applied: dict[int, Applied] = {}
+        # The device's compute capability, read once (`check_device`) where a scheme needs one.
+        self.capability: tuple[int, int] | None = None
+        self._checked = False
 
-    def prepare(self, spec: str | None, backend, compile_mode: str, family) -> Speedup | None:
+    def check_device(self, backend) -> None:
+        """At the worker's start (and before a first scheme loads): read what the scheme
+        table checks of the device."""
+        if not self._checked:
+            self.capability = quantize.device_capability(backend)
+            self._checked = True
+
+    def scheme(self, spec: str | None, backend, compile_mode: str, *, dtype: str, adapters: bool) -> str | None:
+        """The quantization scheme a batch's pipeline is loaded with (None: full precision),
+        refused (SpeedupUnsupported) before anything loads where this worker cannot run it."""
+        speedup = parse(spec)
+        if speedup is None or speedup.quant is None:
+            return None
+        self.check_device(backend)
+        reason = (refusal(Speedup(quant=speedup.quant), backend, compile_mode, None, dtype=dtype, adapters=adapters)
+                  or quantize.capability_refusal(speedup.quant, backend, self.capability))
+        if reason:
+            raise SpeedupUnsupported(reason)
+        return speedup.quant
+
+    def prepare(self, spec: str | None, backend, compile_mode: str, family, *, dtype: str | None = None,
+                adapters: bool = False) -> Speedup | None:
         """The parsed spec, refused (SpeedupUnsupported) where this worker cannot run it;
         off the device."""
         speedup = parse(spec)
-        if reason := refusal(speedup, backend, compile_mode, family):
+        reason = refusal(speedup, backend, compile_mode, family, dtype=dtype, adapters=adapters)
+        if reason:
             raise SpeedupUnsupported(reason)
         return speedup
 

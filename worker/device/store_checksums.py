@@ -3,7 +3,7 @@
 second read: each piece's digest is kept with the piece, and the whole file's is made
 from them at the end.
 
-    expect = s3_expectation(head, part_sizes)      # or gcs_expectation(file)
+    expect = expectation(storage.stored_checksums(file))   # core/storage: S3, GCS
     pieces = expect.pieces(size, PART_BYTES)       # [(offset, length), ...]
     h = expect.hasher(); h.update(bytes_of_piece); digest = h.digest()
     expect.problem([digest, ...], pieces, path)    # None, or what is wrong
@@ -24,14 +24,16 @@ import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
+from diffq.core.storage import StoredChecksums
+
 log = logging.getLogger("diffq.worker")
 
-# Cheapest first among what S3 can keep (botocore's S3 model: ChecksumAlgorithm). The
-# CRCs first: hardware-assisted in awscrt (several GB/s per core) and, alone, they
-# combine over pieces (no second read); then XXHASH (fast, but no combine), SHA
+# Cheapest first among what S3 can keep (botocore's S3 model: ChecksumAlgorithm; GCS's
+# CRC32C and MD5 are among them). The CRCs first: hardware-assisted in awscrt (several
+# GB/s per core) and, alone, they combine over pieces (no second read); then XXHASH (fast, but no combine), SHA
 # (~1-2 GB/s with SHA extensions), MD5 (~0.8 GB/s). docs/BENCHMARKS.md.
-S3_ALGORITHMS = ("CRC64NVME", "CRC32C", "CRC32", "XXHASH3", "XXHASH64", "XXHASH128",
-                 "SHA1", "SHA256", "SHA512", "MD5")
+ALGORITHMS = ("CRC64NVME", "CRC32C", "CRC32", "XXHASH3", "XXHASH64", "XXHASH128",
+              "SHA1", "SHA256", "SHA512", "MD5")
 _COMBINABLE = ("CRC64NVME", "CRC32C", "CRC32")
 _CRC_BYTES = {"CRC64NVME": 8, "CRC32C": 4, "CRC32": 4}
 _HASH_CHUNK = 8 * 1024 * 1024
@@ -161,53 +163,14 @@ def _file_digest(path: Path, h) -> bytes:
     return h.digest()
 
 
-def s3_checksums(response: dict) -> tuple[dict[str, str], dict[str, str], bool, bool]:
-    """From a HEAD (ChecksumMode=ENABLED) of the listed object: its full-object and
-    composite checksums, whether it is a multipart upload, whether its ETag is an MD5
-    (not with KMS or customer-key encryption)."""
-    etag = response.get("ETag", "").strip('"')
-    encrypted = response.get("ServerSideEncryption", "").startswith("aws:kms") or response.get("SSECustomerAlgorithm")
-    multipart = "-" in etag
-    full_object = response.get("ChecksumType") == "FULL_OBJECT"
-    full, composite = {}, {}
-    for algorithm in S3_ALGORITHMS:
-        value = response.get(f"Checksum{algorithm}")
-        if not value:
-            continue
-        if algorithm == "CRC64NVME" or ("-" not in value and (full_object or not multipart)):
-            full[algorithm] = value  # CRC64NVME is full-object only
-        elif multipart and not full_object:
-            # A multipart upload's checksum of its parts' checksums ("…-N"; moto leaves
-            # out the "-N" and the type).
-            composite[algorithm] = value
-    return full, composite, multipart, not encrypted
-
-
-def s3_needs_parts(response: dict) -> bool:
-    """Whether the check is over parts (their sizes needed): a multipart object with no
-    full-object checksum, checked by a composite one or its ETag."""
-    full, composite, multipart, etag_is_md5 = s3_checksums(response)
-    return multipart and not full and bool(composite or etag_is_md5)
-
-
-def s3_expectation(response: dict, parts: tuple[int, ...] = ()) -> Expectation:
-    """The cheapest check of an S3 object a HEAD (ChecksumMode=ENABLED) describes."""
-    full, composite, multipart, etag_is_md5 = s3_checksums(response)
-    etag = response.get("ETag", "").strip('"')
-    if algorithm := next((a for a in S3_ALGORITHMS if a in full), None):
-        return Expectation("full", algorithm, full[algorithm])
-    if algorithm := next((a for a in S3_ALGORITHMS if a in composite), None):
-        return Expectation("composite", algorithm, composite[algorithm], parts)
-    if etag_is_md5:
-        return Expectation("etag", "MD5", etag, parts if multipart else ())
-    return Expectation(None, no_checksum_note="KMS-encrypted with no stored checksum (upload it with a checksum, "
-                                              "e.g. boto3 >= 1.36's default CRC32)")
-
-
-def gcs_expectation(crc32c: str | None, md5: str | None) -> Expectation:
-    """GCS keeps a crc32c of every object (composite ones too) and an md5 of most."""
-    if crc32c:
-        return Expectation("full", "CRC32C", crc32c)
-    if md5:
-        return Expectation("full", "MD5", md5)
-    return Expectation(None, no_checksum_note="the store lists no checksum")
+def expectation(stored: StoredChecksums) -> Expectation:
+    """The cheapest check of an object from what its store keeps of it: a full-object
+    checksum, else a composite one over its parts, else an ETag that is an MD5; else
+    the size alone (with the store's reason, said once)."""
+    if algorithm := next((a for a in ALGORITHMS if a in stored.full), None):
+        return Expectation("full", algorithm, stored.full[algorithm])
+    if algorithm := next((a for a in ALGORITHMS if a in stored.composite), None):
+        return Expectation("composite", algorithm, stored.composite[algorithm], stored.parts)
+    if stored.etag_md5:
+        return Expectation("etag", "MD5", stored.etag_md5, stored.parts)
+    return Expectation(None, no_checksum_note=stored.none_note)

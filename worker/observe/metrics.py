@@ -3,6 +3,15 @@
 The task code calls the small `observe_*` functions; nothing here imports torch.
 Metrics live in a private registry so a process serves exactly its own series,
 plus the standard process collector (memory, CPU, open files).
+
+A labelled child is created at its first `.labels()`; a series that starts at its
+post-event value hides that event from `rate()`/`increase()`, and a ratio whose
+denominator has no series has no value. So the children this process knows it will
+use are exported at 0 before any event: each queue's (and its shape's) when the
+queue is served (`serving`: at start and at discovery), the refusal reasons
+(`refusals`), the store stages (at import). prometheus_client's docs ("Labels":
+"metrics with labels are not initialized when declared … call the .labels() method
+alone") and Prometheus' ("Avoid missing metrics", instrumentation practices).
 """
 
 from __future__ import annotations
@@ -13,6 +22,8 @@ from collections import deque
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 from prometheus_client import start_http_server
+
+from diffq.core.records import DEGENERATE_CHECKS
 
 REGISTRY = CollectorRegistry()
 ProcessCollector(registry=REGISTRY)
@@ -64,6 +75,11 @@ BUSY = Gauge("diffq_device_busy_ratio", "Share of recent wall time the device sp
 UPLOAD_FAILURES = Counter("diffq_upload_failures",
                           "Stores into the run folder that failed (the batch handed back or retried without "
                           "using an attempt)", ["stage"], registry=REGISTRY)
+# Where a store fails: `store` (the sink's, the batch handed back) or `lookup` (a
+# run-folder read or write on the task's side, retried without an attempt).
+STORE_STAGES = ("store", "lookup")
+for _stage in STORE_STAGES:
+    UPLOAD_FAILURES.labels(_stage)
 LEASE_LAPSES = Counter("diffq_lease_lapses", "Deliveries held past DIFFQ_MAX_HOLD_S and left to lapse",
                        registry=REGISTRY)
 REDELIVERIES = Counter("diffq_redeliveries",
@@ -102,6 +118,24 @@ class BusyWindow:
 
 _busy = BusyWindow()
 BUSY.set_function(_busy.ratio)
+
+
+def serving(queue: str, shape_label: str | None = None) -> None:
+    """A queue this process serves from now on: its children (and its shape's, where
+    known) exported at 0 before its first batch."""
+    for metric in (IMAGES, BATCHES, BATCH_SECONDS, FAILURES, REDELIVERIES):
+        metric.labels(queue)
+    for kind in DEGENERATE_CHECKS:
+        DEGENERATE.labels(queue, kind)
+    if shape_label is not None:
+        for metric in (COMPILES, COMPILE_SECONDS, RECOMPILES, GRAPH_FALLBACKS):
+            metric.labels(shape_label)
+
+
+def refusals(reasons) -> None:
+    """The reasons this process may dead-letter a delivery for, exported at 0."""
+    for reason in reasons:
+        DEAD_LETTERS.labels(reason)
 
 
 def observe_batch(queue: str, items: int, generate_s: float) -> None:
@@ -151,8 +185,7 @@ def observe_degenerate(queue: str, kind: str, n: int = 1) -> None:
 
 
 def observe_upload_failure(stage: str) -> None:
-    """A store that failed: `store` (the sink's, the batch handed back) or `lookup`
-    (a run-folder read or write on the task's side, retried without an attempt)."""
+    """A store that failed, at one of STORE_STAGES."""
     UPLOAD_FAILURES.labels(stage).inc()
 
 
@@ -178,7 +211,7 @@ def follower() -> None:
     REGISTRY.unregister(BUSY)
 
 
-def start_server(port: int, addr: str = "0.0.0.0") -> int:
+def start_server(port: int, addr: str) -> int:
     """Serve /metrics from a daemon thread; returns the bound port (0 picks a free one)."""
     server, _thread = start_http_server(port, addr=addr, registry=REGISTRY)
     return server.server_port

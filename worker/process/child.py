@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import logging
 import os
 import signal
 import sys
@@ -23,7 +24,7 @@ from diffq.worker.device import compile_cache
 from diffq.worker.observe import heap
 from diffq.worker.observe import startup
 from diffq.worker.observe.lifeline import die_with_parent
-from diffq.worker.delivery.spec import EXIT_FATAL, QUIET_ENV, ChildSpec
+from diffq.worker.delivery.spec import EXIT_FATAL, QUIET_ENV, QUIET_LOGGERS, ChildSpec
 
 
 def _write_env_report(path: str) -> None:
@@ -87,6 +88,8 @@ def child_main(spec_json: str) -> None:
     if spec.env_report:
         _write_env_report(spec.env_report)
     warnings.filterwarnings("ignore", message=".*superuser privileges.*")
+    for name in QUIET_LOGGERS:
+        logging.getLogger(name).setLevel(logging.ERROR)
 
     import torch  # noqa: E402 - deliberately after pinning
 
@@ -107,7 +110,7 @@ def child_main(spec_json: str) -> None:
         install_json_logging(spec.loglevel)
     if settings.metrics_port is not None:
         # One scrape endpoint per process: base port + its place in the pod (the pod's named ports).
-        metrics.start_server(settings.metrics_port + spec.position)
+        metrics.start_server(settings.metrics_port + spec.position, settings.metrics_addr)
         metrics.observe_restarts(spec.restarts)
     group = _join_group(spec) if spec.world_size > 1 else None
     if group is not None and not group.leader:

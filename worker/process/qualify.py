@@ -57,7 +57,7 @@ from diffq.core.adapters import AdapterLayout
 from diffq.core.contract import AdapterRef
 from diffq.core.options import DEFAULTS
 from diffq.worker.sink.store import as_image
-from diffq.worker.delivery.spec import QUIET_ENV, ChildSpec
+from diffq.worker.delivery.spec import QUIET_ENV, QUIET_LOGGERS, ChildSpec
 
 # Versions reported besides the backend's own packages (backends.py cache_packages).
 PACKAGES = ("torch", "diffusers", "transformers")
@@ -314,6 +314,7 @@ def measure_speedups(session, height: int, width: int, *, oom=out_of_memory) -> 
         items = session.speedup_items(batch_size)
         active = []
         for call, entry in zip(calls, entries):
+            _reset_peak(session.backend)
             try:
                 generated, graphs = session.speedup_call(height, width, spec.steps, batch_size, call.speedup, items)
             except Exception as exc:  # noqa: BLE001 - the candidate's failure, not the run's
@@ -330,7 +331,11 @@ def measure_speedups(session, height: int, width: int, *, oom=out_of_memory) -> 
                 continue
             _save(generated.images, spec, height, width, call.index)
             entry.update(first_call_s=round(generated.generate_s, 6), first_call_graphs=graphs,
-                         degenerate=sum(1 for kind in generated.degenerate if kind))
+                         degenerate=sum(1 for kind in generated.degenerate if kind),
+                         # A quant: scheme's stored weights; the device's peak over this first call
+                         # (every pipeline the child holds included: full compute's stays loaded).
+                         transformer_weight_bytes=generated.record_extra.get("transformer_weight_bytes"),
+                         device_peak_bytes=_memory(session.backend)["device_peak_bytes"])
             active.append((call, entry))
         for _ in range(spec.speedup_repeats):
             for call, entry in active:
@@ -355,6 +360,18 @@ def measure_speedups(session, height: int, width: int, *, oom=out_of_memory) -> 
             entry["seconds_per_image"] = round(median / call.batch_size, 6)
         results.append(entry)
     return results
+
+
+def _reset_peak(backend) -> None:
+    """Start a candidate's peak device memory afresh, where the backend reports one."""
+    if backend.peak_memory is None:
+        return
+    import torch
+
+    try:
+        torch.accelerator.reset_peak_memory_stats()
+    except Exception:  # noqa: BLE001 - a backend without the statistic: its peak is since start
+        pass
 
 
 def _failed(entry: dict, exc: BaseException, batch_size: int, oom) -> None:
@@ -459,6 +476,8 @@ def main(spec_path: str) -> int:
     out.mkdir(parents=True, exist_ok=True)
     for name, value in QUIET_ENV.items():
         os.environ.setdefault(name, value)
+    for name in QUIET_LOGGERS:
+        logging.getLogger(name).setLevel(logging.ERROR)
     os.environ.update(spec.child.env())
     collected = _Collected()
     logging.getLogger().addHandler(collected)

@@ -53,7 +53,8 @@ def manifests(
     out: Annotated[Optional[str], typer.Option("--out", help="Write <name>.yaml per shape here instead of stdout")] = None,
     feeds: Feeds = None,
     monitoring: Annotated[bool, typer.Option("--monitoring", help="Also render the Prometheus Operator's PodMonitor (every worker process and the backlog service), a PrometheusRule of alerts and a Grafana dashboard ConfigMap (kube-prometheus-stack)")] = False,
-    alert: Annotated[Optional[list[str]], typer.Option("--alert", help="With --monitoring: an alert threshold, NAME=VALUE (repeat), e.g. stall_minutes=45; docs/fleet.md lists them and their defaults")] = None,
+    alert: Annotated[Optional[list[str]], typer.Option("--alert", help="With --monitoring: an alert's threshold, window or wait (its `for`), NAME=VALUE (repeat), e.g. stall_minutes=45, failure_ratio=0.1 (a ratio in [0, 1]); docs/fleet.md lists them, their kinds and defaults")] = None,
+    runbook_url: Annotated[Optional[str], typer.Option("--runbook-url", help="With --monitoring: the runbook page (your copy of docs/fleet.md, rendered): each alert's runbook_url is BASE#<its name, lower case>. Default: none")] = None,
     price_per_device_hour: Annotated[Optional[float], typer.Option("--price-per-device-hour", min=0.0, help="With --monitoring: the dashboard's cost per 1,000 images (else device-hours per 1,000 images)")] = None,
     monitoring_release: Annotated[str, typer.Option("--monitoring-release", help="With --monitoring: the `release` label kube-prometheus-stack's Prometheus selects monitors and rules by")] = "kube-prometheus-stack",
 ) -> None:
@@ -96,9 +97,10 @@ def manifests(
 
             monitors.attach(rendered, options, monitors.MonitoringOptions(
                 thresholds=monitors.parse_thresholds(alert or []), release=monitoring_release,
-                price_per_device_hour=price_per_device_hour))
-        elif alert or price_per_device_hour is not None:
-            raise ValueError("--alert and --price-per-device-hour shape what --monitoring renders: add --monitoring")
+                price_per_device_hour=price_per_device_hour, runbook_url=monitors.check_runbook_url(runbook_url)))
+        elif alert or price_per_device_hour is not None or runbook_url is not None:
+            raise ValueError("--alert, --runbook-url and --price-per-device-hour shape what --monitoring renders: "
+                             "add --monitoring")
     except ValueError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2)

@@ -3,8 +3,8 @@
 Everything diffq does with kombu and Celery beyond their public API lives in this
 package, one class per broker (redis.py, rabbitmq.py, sqs.py, embedded.py); the
 transport table (diffq/core/transports.py) holds the facts about each broker as data
-and points at its object. Here: the Celery app factory both sides build
-(`make_celery`), the task envelope the producer splices batches into
+and points at its object (the Celery app both sides build, which reads the table, is
+app.py: nothing here imports the table back). Here: the task envelope the producer splices batches into
 (`TaskMessages`, Celery's own `as_task_v2` taken once as a template), kombu's
 `Producer.batch` publisher, depths by passive declare, the arrival stamp of kombu's
 virtual transports, the held deliveries of kombu's virtual QoS, and the dead letters'
@@ -21,15 +21,17 @@ import json
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import orjson
-from celery import Celery
 from kombu import Exchange, Queue
 from kombu.exceptions import OperationalError
 
 from diffq.core.contract import QUEUE_PREFIX as PREFIX
-from diffq.core.settings import get_settings
 from diffq.core.signing import HEADER as SIGNATURE, Keys
+
+if TYPE_CHECKING:
+    from celery import Celery
 
 TASK_NAME = "diffq.generate_batch"
 # Where a worker puts messages it cannot take (not JSON, pickle, wrong schema, too
@@ -66,47 +68,6 @@ class StillHeld:
 
     tag: str
     restore: Callable[[], None]
-
-
-# -- the app both sides build ----------------------------------------------------------------
-
-
-def make_celery(broker_url: str, transport_options: dict | None = None) -> Celery:
-    """The app both sides build. How a worker consumes and acks (late acks, prefetch 1,
-    reject on a lost worker) is the worker's own policy: worker/delivery/celery_adapter.py."""
-    from diffq.core.transports import transport_for  # the table points at the broker classes
-
-    settings = get_settings()
-    transport = transport_for(broker_url)
-    broker = transport.broker
-    options = {**broker.options(settings), **settings.broker_transport_options, **(transport_options or {})}
-
-    app = Celery("diffq", broker=broker_url, set_as_current=False)
-    if broker.kombu_transport:
-        app.conf.broker_transport = broker.kombu_transport
-    app.conf.update(
-        # JSON only: pickle is refused on both sides.
-        task_serializer="json",
-        accept_content=["json"],
-        result_serializer="json",
-        task_ignore_result=True,
-        result_backend=None,
-        broker_transport_options=options,
-        # Celery reads the visibility timeout in two more places (result backend,
-        # and the Redis `visibility_timeout` default); set all of them.
-        result_backend_transport_options={"visibility_timeout": settings.visibility_timeout},
-        visibility_timeout=settings.visibility_timeout,
-        broker_connection_retry_on_startup=True,
-        task_create_missing_queues=True,
-        task_default_queue="diffq.default",
-        worker_hijack_root_logger=False,
-        worker_redirect_stdouts=False,
-        worker_send_task_events=transport.monitored if settings.task_events is None else settings.task_events,
-        worker_enable_remote_control=transport.monitored,
-        task_send_sent_event=False,
-    )
-    return app
-
 
 
 # -- the envelope: Celery's task message around a batch ---------------------------------------

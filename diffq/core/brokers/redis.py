@@ -57,13 +57,11 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import Future
-from queue import Empty
 
 import orjson
 from kombu.transport import redis as kombu_redis
 from kombu.transport import virtual
 from kombu.utils.encoding import bytes_to_str
-from kombu.utils.eventio import poll
 from kombu.utils.json import loads
 
 from diffq.core.brokers.base import (DEAD_LETTERS, PEEKED_LETTERS, PREFIX, Broker, ConnectionLost, DeadLetterReport,
@@ -261,42 +259,6 @@ def _settle(lost: ConnectionLost) -> None:
     lost.settle()
     log.warning("the broker connection is gone: delivery %s is settled by the broker (given back "
                 "at the close, or back once its lease lapses)", lost.tag)
-
-
-class HandPoller:
-    """Many connections' consumers on one poller, driven by hand as Celery's hub drives one
-    worker's: kombu's Redis poller (`MultiChannelPoller`, the transport's `cycle`) sends a
-    connection's BRPOPs at its poll start and reads their replies, which its consumers'
-    callbacks receive. For a simulated fleet (bench/fleet.py), a worker per connection."""
-
-    def __init__(self):
-        self.poller = poll()
-        self._owners: dict[int, tuple[object, object]] = {}  # fd -> (owner, its connection's cycle)
-
-    def add(self, connection) -> None:
-        """The connection's poller now polls on this one (register_with_event_loop's part)."""
-        connection.transport.cycle.on_poll_init(self.poller)
-
-    def start(self, connection, owner) -> None:
-        """A poll start for the connection: its BRPOPs sent where none is outstanding."""
-        cycle = connection.transport.cycle
-        cycle.on_poll_start()
-        for fd in cycle._fd_to_chan:
-            self._owners[fd] = (owner, cycle)
-
-    def wait(self, timeout: float) -> list:
-        """Poll up to `timeout` s and read each reply; the owner of each connection that
-        had one (a BRPOP that timed out delivered nothing)."""
-        woken = []
-        for fd, event in self.poller.poll(timeout) or ():
-            entry = self._owners.get(fd)
-            if entry is None:
-                continue
-            owner, cycle = entry
-            with contextlib.suppress(Empty):  # the BRPOP timed out: nothing queued
-                cycle.handle_event(fd, event)
-            woken.append(owner)
-        return woken
 
 
 # -- publishing ------------------------------------------------------------------------------

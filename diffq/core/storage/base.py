@@ -9,6 +9,7 @@ import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
 
@@ -244,15 +245,59 @@ def split_bucket_url(url: str) -> tuple[str, str]:
     return netloc, prefix
 
 
+@dataclass(frozen=True)
+class RemoteFile:
+    """One object as a bucket's listing describes it (`BucketStorage.describe`). A model's
+    revision is a digest of these fields (core/model_store.py): their names and order are
+    part of every pinned revision."""
+
+    key: str  # relative to the storage's prefix
+    size: int
+    etag: str | None = None  # S3, quotes stripped
+    version: str | None = None  # S3 VersionId (versioned buckets) or GCS generation
+    md5: str | None = None  # GCS md5Hash (base64); composite objects have none
+    crc32c: str | None = None  # GCS crc32c (base64)
+
+
+@dataclass(frozen=True)
+class StoredChecksums:
+    """What a store keeps of one object to check its bytes by, as the store spells each
+    value; the fetch picks the cheapest (worker/device/store_checksums.py `expectation`)."""
+
+    full: dict[str, str] = field(default_factory=dict)  # algorithm -> checksum of the whole object
+    composite: dict[str, str] = field(default_factory=dict)  # algorithm -> checksum of its parts' checksums
+    etag_md5: str = ""  # an ETag that is an MD5 (of the object; "…-N": of its N parts' MD5s)
+    parts: tuple[int, ...] = ()  # a multipart object's real part sizes, where the check is over parts
+    none_note: str = ""  # why nothing but the size can be checked, where nothing is kept
+
+
+@dataclass(frozen=True)
+class BucketAccess:
+    """A bucket reached with settings of its own (a model bucket's credentials): each store
+    takes what applies to it."""
+
+    endpoint_url: str | None = None  # S3
+    profile: str | None = None  # S3: a named AWS profile
+    max_attempts: int | None = None  # S3: botocore's attempts per call
+    credentials_file: str | None = None  # GCS: a service-account JSON file
+
+
 class BucketStorage(Storage):
     """Shared plumbing of the object-store backends: bucket/prefix and a lazy client.
 
     The client is created on first use, in the process that uses it: a storage
     object is cheap, picklable, and safe to create before a worker pool forks
     (a client inherited across fork would share its connection pool).
+
+    Besides the Storage interface, what a model's fetch reads (worker/device/model_fetch.py):
+    the listing with what the store keeps of each object (`describe`), its checksums
+    (`stored_checksums`) and ranged reads of exactly the listed object (`read_pinned`).
+    These raise the client library's own errors, unwrapped: the fetch tells an outage it
+    waits out from a refusal by them (worker/device/fetch_patience.py).
     """
 
     scheme: str
+    service: str  # the store's name in messages ("S3", "GCS")
 
     def __init__(self, bucket: str, prefix: str = ""):
         prefix = prefix.strip("/")
@@ -281,9 +326,32 @@ class BucketStorage(Storage):
         return self._client
 
     def client(self):
-        """The store's own client (boto3's, google-cloud-storage's), this process's: for
-        what the Storage interface does not cover (a model folder's fetch and listing)."""
+        """The store's own client (boto3's, google-cloud-storage's), this process's."""
         return self._get_client()
+
+    @classmethod
+    @abstractmethod
+    def with_access(cls, bucket: str, prefix: str, access: BucketAccess) -> BucketStorage:
+        """The storage of bucket/prefix reached with `access`."""
+
+    @abstractmethod
+    def describe(self, name: str = "") -> Iterator[RemoteFile]:
+        """Every object whose key starts with `name`, as the listing describes it (sizes,
+        ETags, versions or generations, checksums); folder markers left out."""
+
+    @abstractmethod
+    def stored_checksums(self, file: RemoteFile) -> StoredChecksums:
+        """What the store keeps of the listed object to check its bytes by."""
+
+    @abstractmethod
+    def read_pinned(self, file: RemoteFile, first: int, last: int, sink: Callable[[memoryview], None]) -> None:
+        """Bytes `first`..`last` (inclusive) of exactly the listed object, handed to `sink`
+        as they arrive (each view valid during the call only). A stream the store cuts
+        returns early: the caller counts what arrived."""
+
+    @abstractmethod
+    def changed_since_listed(self, exc: BaseException) -> bool:
+        """Whether `exc` says the object is no longer the one listed (a failed precondition)."""
 
     def __getstate__(self):
         state = self.__dict__.copy()

@@ -15,7 +15,8 @@ from google.cloud import storage
 from google.cloud.storage.exceptions import InvalidResponse
 from google.cloud.storage.retry import DEFAULT_RETRY
 
-from .base import BucketStorage, NotFound, StorageError, atomic_write, validate_prefix
+from .base import (BucketAccess, BucketStorage, NotFound, RemoteFile, StorageError, StoredChecksums, atomic_write,
+                   validate_prefix)
 
 # google-cloud-storage uploads files larger than this in resumable sessions.
 _RESUMABLE_THRESHOLD = 8 * 1024 * 1024
@@ -37,6 +38,7 @@ class GCSStorage(BucketStorage):
     """
 
     scheme = "gs"
+    service = "GCS"
     # GCS sustains about one write per second to the same object name (more gets 429s).
     min_rewrite_interval_s = 1.0
 
@@ -64,6 +66,36 @@ class GCSStorage(BucketStorage):
             session.mount("https://", adapter)
             session.mount("http://", adapter)
         return client
+
+    @classmethod
+    def with_access(cls, bucket, prefix, access: BucketAccess):
+        return cls(bucket, prefix, credentials_file=access.credentials_file)
+
+    # -- a model's fetch: the listing, the checksums and ranged reads of the listed generation --
+
+    def describe(self, name=""):
+        for blob in self._get_client().list_blobs(self.bucket_name, prefix=self.prefix + name):
+            key = blob.name[len(self.prefix):]
+            if key and not key.endswith("/"):
+                yield RemoteFile(key=key, size=blob.size, version=str(blob.generation), md5=blob.md5_hash,
+                                 crc32c=blob.crc32c)
+
+    def stored_checksums(self, file):
+        """GCS keeps a crc32c of every object (composite ones too) and an md5 of most: both
+        come with the listing, no request."""
+        full = {name: value for name, value in (("CRC32C", file.crc32c), ("MD5", file.md5)) if value}
+        return StoredChecksums(full=full, none_note="the store lists no checksum")
+
+    def read_pinned(self, file, first, last, sink):
+        """A ranged download of the listed generation (exactly the revision listed, even if a
+        newer one lands), each chunk handed on as it arrives."""
+        blob = self._get_client().bucket(self.bucket_name).blob(
+            self._name(file.key), generation=int(file.version) if file.version else None)
+        # retry=None: a failure comes back to the caller, whose stream continues from its last byte.
+        blob.download_to_file(_Sink(sink), start=first, end=last, raw_download=True, checksum=None, retry=None)
+
+    def changed_since_listed(self, exc):
+        return isinstance(exc, gexc.GoogleAPICallError) and exc.code == 412
 
     def _blob(self, key: str) -> storage.Blob:
         name = self._name(key)  # validate before touching the client
@@ -161,3 +193,14 @@ class GCSStorage(BucketStorage):
             except gexc.PreconditionFailed:
                 return False
         return True
+
+
+class _Sink:
+    """A file object for google-cloud-storage's download that hands each chunk on."""
+
+    def __init__(self, sink):
+        self.sink = sink
+
+    def write(self, data) -> int:
+        self.sink(memoryview(data))
+        return len(data)

@@ -14,7 +14,7 @@ from boto3.s3.transfer import TransferConfig
 from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError
 
-from .base import BucketStorage, NotFound, StorageError, validate_prefix
+from .base import BucketAccess, BucketStorage, NotFound, RemoteFile, StorageError, StoredChecksums, validate_prefix
 
 # botocore's standard retry mode waits rand(0, 1) * min(0.05 s * 2**i, 20 s)
 # before retry i on connection errors and 5xx. Ten attempts add up to 12.8 s on
@@ -31,6 +31,12 @@ _MAX_PARTS = 10_000
 # AWS answers 409 ConditionalRequestConflict when a conditional write races
 # another one in flight, and asks clients to retry; botocore does not.
 _CONFLICT_RETRIES = 5
+# The checksums S3 can keep of an object (botocore's S3 model: ChecksumAlgorithm), each
+# in a HEAD's `Checksum<NAME>` field when asked with ChecksumMode=ENABLED.
+CHECKSUM_ALGORITHMS = ("CRC64NVME", "CRC32C", "CRC32", "XXHASH3", "XXHASH64", "XXHASH128",
+                       "SHA1", "SHA256", "SHA512", "MD5")
+# A pinned read's chunk: fits the caches (8 MiB measured slower, docs/BENCHMARKS.md).
+_STREAM_CHUNK = 1024 * 1024
 
 
 def _status(e: ClientError) -> int | None:
@@ -53,6 +59,7 @@ class S3Storage(BucketStorage):
     """
 
     scheme = "s3"
+    service = "S3"
 
     def __init__(
         self,
@@ -91,6 +98,107 @@ class S3Storage(BucketStorage):
         return boto3.session.Session(profile_name=self.profile).client(
             "s3", endpoint_url=self.endpoint_url, config=config
         )
+
+    @classmethod
+    def with_access(cls, bucket, prefix, access: BucketAccess):
+        return cls(bucket, prefix, endpoint_url=access.endpoint_url, profile=access.profile,
+                   max_attempts=access.max_attempts)
+
+    # -- a model's fetch: the listing, the checksums and ranged reads of the listed object --
+
+    def describe(self, name=""):
+        pages = self._get_client().get_paginator("list_objects_v2").paginate(
+            Bucket=self.bucket_name, Prefix=self.prefix + name)
+        for page in pages:
+            for obj in page.get("Contents", ()):
+                key = obj["Key"][len(self.prefix):]
+                if key and not key.endswith("/"):  # folder markers
+                    yield RemoteFile(key=key, size=obj["Size"], etag=obj.get("ETag", "").strip('"') or None)
+
+    def _pinned(self, file: RemoteFile) -> dict:
+        args = {"Bucket": self.bucket_name, "Key": self._name(file.key)}
+        if file.etag:  # the object listed, never one uploaded since
+            args["IfMatch"] = f'"{file.etag}"'
+        return args
+
+    def stored_checksums(self, file):
+        """A HEAD of the listed object (ChecksumMode=ENABLED) and, where the check is over
+        parts, each part's real size (a HEAD with PartNumber=N per part: S3 leaves
+        GetObjectAttributes' parts out exactly for the ETag rule, moto always)."""
+        client = self._get_client()
+        head = client.head_object(**self._pinned(file), ChecksumMode="ENABLED")
+        if not self.over_parts(head):
+            return self.checksums_of(head)
+        count = int(head["ETag"].strip('"').rpartition("-")[2])
+        # (No If-Match: moto compares it with the part's own ETag. Part sizes of a newer
+        # upload fail the check: refused as corrupt, never loaded.)
+        name = self._name(file.key)
+        parts = tuple(client.head_object(Bucket=self.bucket_name, Key=name, PartNumber=n)["ContentLength"]
+                      for n in range(1, count + 1))
+        return self.checksums_of(head, parts)
+
+    @staticmethod
+    def checksums_of(head: dict, parts: tuple[int, ...] = ()) -> StoredChecksums:
+        """What a HEAD (ChecksumMode=ENABLED) says S3 keeps: full-object and composite
+        checksums, and the ETag where it is an MD5 (not with KMS or customer-key encryption)."""
+        etag = head.get("ETag", "").strip('"')
+        encrypted = head.get("ServerSideEncryption", "").startswith("aws:kms") or head.get("SSECustomerAlgorithm")
+        multipart = "-" in etag
+        full_object = head.get("ChecksumType") == "FULL_OBJECT"
+        full, composite = {}, {}
+        for algorithm in CHECKSUM_ALGORITHMS:
+            value = head.get(f"Checksum{algorithm}")
+            if not value:
+                continue
+            if algorithm == "CRC64NVME" or ("-" not in value and (full_object or not multipart)):
+                full[algorithm] = value  # CRC64NVME is full-object only
+            elif multipart and not full_object:
+                # A multipart upload's checksum of its parts' checksums ("…-N"; moto leaves
+                # out the "-N" and the type).
+                composite[algorithm] = value
+        return StoredChecksums(full=full, composite=composite, etag_md5="" if encrypted else etag,
+                               parts=parts if multipart else (),
+                               none_note="KMS-encrypted with no stored checksum (upload it with a checksum, "
+                                         "e.g. boto3 >= 1.36's default CRC32)")
+
+    @classmethod
+    def over_parts(cls, head: dict) -> bool:
+        """Whether the check is over parts (their sizes needed): a multipart object with no
+        full-object checksum, checked by a composite one or its ETag."""
+        checksums = cls.checksums_of(head)
+        multipart = "-" in head.get("ETag", "")
+        return multipart and not checksums.full and bool(checksums.composite or checksums.etag_md5)
+
+    def read_pinned(self, file, first, last, sink):
+        """One ranged GET (If-Match the listed ETag), read straight from the socket into a
+        buffer (http.client's readinto), past urllib3's and botocore's copies of each chunk.
+        That reaches two private names, read here only: botocore's StreamingBody keeps the
+        urllib3 response as `_raw_stream` (botocore/response.py:55, 1.44) and urllib3's
+        HTTPResponse keeps http.client's as `_fp` (urllib3/response.py:794, 2.8); without
+        them (another release) the body's public read() is used."""
+        response = self._get_client().get_object(**self._pinned(file), Range=f"bytes={first}-{last}")
+        body = response["Body"]
+        raw = getattr(body, "_raw_stream", None)
+        readinto = getattr(getattr(raw, "_fp", None), "readinto", None)
+        view = memoryview(bytearray(_STREAM_CHUNK))
+        left = last - first + 1
+        try:
+            while left > 0:
+                if readinto is not None:
+                    n = readinto(view[:min(left, _STREAM_CHUNK)])
+                    chunk = view[:n]
+                else:
+                    chunk = memoryview(body.read(min(left, _STREAM_CHUNK)))
+                    n = len(chunk)
+                if not n:
+                    return
+                sink(chunk)
+                left -= n
+        finally:
+            (raw or body).close()
+
+    def changed_since_listed(self, exc):
+        return isinstance(exc, ClientError) and (_status(exc) == 412 or _code(exc) == "PreconditionFailed")
 
     @contextmanager
     def _errors(self, op: str, key: str):
