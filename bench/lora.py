@@ -25,8 +25,16 @@ Goal: many ≥ 0.95 × one.
 and, interleaved with it, by diffusers' `load_lora_weights(..., hotswap=True)`, the path
 before; the median milliseconds of each.
 
+`--modes swap,fuse` compares LoRA modes instead (`--lora-mode`, worker/device/lora_modes.py):
+per repeat, the same `--items` rows over `--adapters` adapters of mixed rank (`--ranks`,
+cycled: the layout pads every slot to the largest) under each mode, and the same rows
+without any adapter (no layout: the base model's graphs). Per mode: s/image with adapters
+over s/image without (in-run, as above), and a set change's cost (the records'
+`adapter_swap_s`: a hot-swap under swap, a weight write under fuse).
+
     python -m bench.lora [--items 288] [--adapters 24] [--batch 4] [--size 128] [--steps 4]
-                         [--rank 8] [--repeats 3] [--compile regional] [--swap-loop N] [--json]
+                         [--rank 8] [--repeats 3] [--compile regional] [--swap-loop N]
+                         [--modes swap,fuse [--ranks 4,8,16,32]] [--json]
 """
 
 from __future__ import annotations
@@ -68,14 +76,15 @@ def batches_of(out: Path) -> list[dict]:
     return sorted(found.values(), key=lambda batch: batch["started"])
 
 
-def diffq_run(model: str, rows: list[dict], root: Path, args) -> dict:
+def diffq_run(model: str, rows: list[dict], root: Path, args, lora_mode: str | None = None) -> dict:
     """One `diffq run`: its in-run rate and swap cost, from the records."""
     source = root / f"prompts-{time.monotonic_ns()}.jsonl"
     source.write_text("".join(json.dumps(row) + "\n" for row in rows))
     out = root / f"run-{time.monotonic_ns()}"
     command = [sys.executable, "-m", "diffq", "run", str(source), "--model", model, "--out", str(out),
                "--workers", "1", "--batch-size", str(args.batch), "--steps", str(args.steps), "--height",
-               str(args.size), "--width", str(args.size), "--compile", args.compile, "--no-progress"]
+               str(args.size), "--width", str(args.size), "--compile", args.compile, "--no-progress",
+               *(("--lora-mode", lora_mode) if lora_mode else ())]
     started = time.perf_counter()
     proc = subprocess.run(command, capture_output=True, text=True)
     wall = time.perf_counter() - started
@@ -106,6 +115,45 @@ def diffq_run(model: str, rows: list[dict], root: Path, args) -> dict:
             "swap_s_median": round(statistics.median([b["swap_s"] for b in later if b["swap_s"] > 0] or [0.0]), 4),
             "graphs_after_first": sum(batch["graphs"] for batch in batches
                                       if batch is not firsts[batch["worker"]])}
+
+
+def modes_bench(model: str, adapters: list[str], root: Path, args) -> dict:
+    """Each mode's run over the adapters against the same rows without adapters, interleaved."""
+    modes = [mode for mode in args.modes.split(",") if mode]
+    many = rows_for(args.items, adapters, True)
+    bare = [{key: value for key, value in row.items() if key != "lora"} for row in many]
+    load = [round(os.getloadavg()[0], 2)]
+    runs: dict[str, list[dict]] = {name: [] for name in ["none", *modes]}
+    for repeat in range(args.repeats):
+        order = ["none", *modes] if repeat % 2 == 0 else [*modes[::-1], "none"]
+        for name in order:
+            runs[name].append(diffq_run(model, bare if name == "none" else many, root, args,
+                                        None if name == "none" else name))
+            print(json.dumps({name: runs[name][-1]}), file=sys.stderr, flush=True)
+    load.append(round(os.getloadavg()[0], 2))
+    per_image = {name: [1 / run["images_per_s"] for run in found] for name, found in runs.items()}
+    return {"modes": modes, "ranks": args.ranks, "items": args.items, "adapters": args.adapters, "batch": args.batch,
+            "size": args.size, "steps": args.steps, "repeats": args.repeats, "compile": args.compile,
+            "load_average": load, "runs": runs,
+            "s_per_image": {name: round(statistics.median(values), 5) for name, values in per_image.items()},
+            "over_none": {mode: [round(w / n, 3) for w, n in zip(per_image[mode], per_image["none"])]
+                          for mode in modes},
+            "change_s_median": {mode: statistics.median(run["swap_s_median"] for run in runs[mode]) for mode in modes},
+            "graphs_after_first": {name: max(run["graphs_after_first"] for run in found) for name, found in runs.items()},
+            "command": f"python -m bench.lora --modes {args.modes} --ranks {args.ranks} --items {args.items} "
+                       f"--adapters {args.adapters} --batch {args.batch} --size {args.size} --steps {args.steps} "
+                       f"--repeats {args.repeats}"}
+
+
+def render_modes(result: dict) -> list[str]:
+    lines = [f"`{result['command']}` (load average {result['load_average'][0]} → {result['load_average'][1]}):", "",
+             "| mode | s/image (median) | with / without adapters, per repeat | set change s (median) "
+             "| graphs after the first batch |", "|---|---|---|---|---|"]
+    for name, seconds in result["s_per_image"].items():
+        ratios = ", ".join(f"{r:.3f}" for r in result["over_none"].get(name, [])) or "—"
+        change = f"{result['change_s_median'][name]:.4f}" if name in result["change_s_median"] else "—"
+        lines.append(f"| {name} | {seconds:.5f} | {ratios} | {change} | {result['graphs_after_first'][name]} |")
+    return lines
 
 
 def swap_loop(model: str, adapters: list[str], swaps: int) -> dict:
@@ -156,6 +204,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--compile", default="regional")
     parser.add_argument("--swap-loop", type=int, default=0, metavar="N")
+    parser.add_argument("--modes", default="", help="LoRA modes to compare, e.g. swap,fuse")
+    parser.add_argument("--ranks", default="4,8,16,32", help="with --modes: the adapters' ranks, cycled")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     if args.swap_loop:
@@ -172,6 +222,16 @@ def main(argv: list[str] | None = None) -> dict:
     per = args.items // args.adapters
     if args.items % args.adapters or per % args.batch:
         parser.error(f"--items {args.items} over --adapters {args.adapters} must be whole batches of {args.batch}")
+    if args.modes:
+        ranks = [int(rank) for rank in args.ranks.split(",")]
+        with tempfile.TemporaryDirectory(prefix="diffq-bench-lora-") as tmp:
+            root = Path(tmp)
+            model = str(build_tiny_pipeline(root / "model", family="flux"))
+            adapters = [str(build_tiny_lora(model, root / "loras" / f"a{k:02d}.safetensors",
+                                            rank=ranks[k % len(ranks)], seed=k)) for k in range(args.adapters)]
+            result = modes_bench(model, adapters, root, args)
+        print(json.dumps(result) if args.json else "\n".join(render_modes(result)))
+        return result
     with tempfile.TemporaryDirectory(prefix="diffq-bench-lora-") as tmp:
         root = Path(tmp)
         model = str(build_tiny_pipeline(root / "model", family="flux"))

@@ -47,10 +47,11 @@ def _pixels(images) -> np.ndarray:
 
 
 def _plain(flux, compile_: bool, adapter: str | None = None, scale: float = 1.0, *,
-           stack: tuple[tuple[str, float], ...] = ()) -> np.ndarray:
+           stack: tuple[tuple[str, float], ...] = (), fused: bool = False) -> np.ndarray:
     """A plain diffusers run of the same items: the adapter (or each of `stack`, (path,
-    scale) pairs) loaded the ordinary way (no hotswap) and set active with its scale,
-    compiled as the host compiles (each repeated block's forward)."""
+    scale) pairs) loaded the ordinary way (no hotswap) and set active with its scale
+    (`fused`: then fused into the weights with `fuse_lora` and unloaded, as diffusers'
+    docs do it), compiled as the host compiles (each repeated block's forward)."""
     from diffusers import FluxPipeline
 
     pipe = FluxPipeline.from_pretrained(flux, local_files_only=True)
@@ -60,6 +61,9 @@ def _plain(flux, compile_: bool, adapter: str | None = None, scale: float = 1.0,
         pipe.load_lora_weights(path, adapter_name=f"plain{k}")
     if stack:
         pipe.set_adapters([f"plain{k}" for k in range(len(stack))], [weight for _, weight in stack])
+    if stack and fused:
+        pipe.fuse_lora(adapter_names=[f"plain{k}" for k in range(len(stack))])
+        pipe.unload_lora_weights()
     if compile_:
         # Each plain pipeline is a new module under the same block code: room for their graphs.
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)

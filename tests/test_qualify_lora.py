@@ -57,9 +57,11 @@ def test_hot_swaps_compile_nothing_and_show_in_the_images(flux, loras, tmp_path)
     # The scaffold's zeros change no image: parity against a CPU reference that has none.
     assert report["parity"]["passed"]
     assert report["checks"]["lora"]["status"] == "pass" and report["passed"] is True
-    assert "0 graphs compiled over 5 swap(s)" in report["checks"]["lora"]["detail"]
+    assert "0 graphs compiled over 5 change(s)" in report["checks"]["lora"]["detail"]
+    assert lora["lora_mode"] == "swap" and lora["refused"] is None and lora["change_check"]["showed"]
+    assert lora["s_per_image_with"] > 0 and lora["s_per_image_without"] > 0
     text = q.render_text(report)
-    assert f"lora {SHAPE} b1: slot rank 8" in text and "PASS  lora:" in text
+    assert f"lora {SHAPE} b1: --lora-mode swap, rank 8" in text and "PASS  lora:" in text
     page = (tmp_path / "r" / "index.html").read_text()
     assert "LoRA hot-swap" in page and loras[8] in page
 
@@ -72,15 +74,35 @@ def test_a_recompile_or_an_unseen_swap_fails_the_check():
 
     found = {"adapters": [{"path": "a.safetensors", "scale": 1.0, "revision": None}], "rank": 4, "targets": 2,
              "shape": SHAPE, "swaps": [swap("adapter"), swap("scale"), swap("none", vs_none=0)], "unseen": [],
-             "swap_s": {"median": 0.01}, "scale_change_s": {"median": 0.01}}
+             "recompiled": [], "refused": None, "swap_s": {"median": 0.01}, "scale_change_s": {"median": 0.01}}
     assert q.lora_check(found)["status"] == "pass"
-    found["swaps"][1] = swap("scale", graphs=2)
+    found["recompiled"] = ["scale a.safetensors 2"]
     check = q.lora_check(found)
     assert check["status"] == "fail" and "graphs compiled after the first batch: scale a.safetensors 2" in check["detail"]
-    found["swaps"][1] = swap("scale")
+    found["recompiled"] = []
     found["unseen"] = ["a.safetensors@1: the same pixels as without an adapter"]
     check = q.lora_check(found)
     assert check["status"] == "fail" and "not seen in the images: a.safetensors@1" in check["detail"]
+    found["unseen"], found["refused"] = [], "--lora-mode swap: the change from none to a.safetensors@1 did not show"
+    check = q.lora_check(found)
+    assert check["status"] == "fail" and "change check: --lora-mode swap: the change" in check["detail"]
+
+
+def test_which_batch_may_compile_is_the_modes():
+    """Under swap and fuse no batch after the first may compile; under compile each new
+    set may (a backend that bakes weights), but not going back to a set served before."""
+    from diffq.core.adapters import AdapterLayout
+    from diffq.worker.device.hotswap_check import ADAPTER, NONE, SCALE, HotswapCheck, Swap
+
+    def swaps(*graphs):
+        return [Swap(change=change, adapter=None if change == NONE else "a", scale=None if change == NONE else 1.0,
+                     graphs_compiled=count, swap_s=0.01, generate_s=0.1, vs_none=0 if change == NONE else 5,
+                     vs_previous=5) for change, count in zip((ADAPTER, SCALE, NONE), graphs)]
+
+    layout = AdapterLayout(targets=("x",), rank=4)
+    assert [s.change for s in HotswapCheck(layout, 0, mode="swap", swaps=swaps(2, 0, 0)).recompiled] == [ADAPTER]
+    assert HotswapCheck(layout, 0, mode="compile", swaps=swaps(2, 2, 0)).ok
+    assert [s.change for s in HotswapCheck(layout, 0, mode="compile", swaps=swaps(2, 2, 1)).recompiled] == [NONE]
 
 
 def test_unseen_swaps_are_read_from_the_pixels():
@@ -95,6 +117,21 @@ def test_unseen_swaps_are_read_from_the_pixels():
     assert swap("scale", 0.5, 3, 0).unseen == "a@0.5: the same pixels as at its previous scale"
     assert swap("none", None, BACK_TO_NONE_LEVELS, 9).unseen is None
     assert "stale adapter" in swap("none", None, BACK_TO_NONE_LEVELS + 1, 9).unseen
+
+
+def test_under_the_stand_in_swap_fails_its_change_check(flux, loras, monkeypatch):
+    """Inductor's freezing (TORCHINDUCTOR_FREEZING=1, torch/_inductor/config.py) bakes the
+    weights into the graphs, as Neuron and TPU do: a swap writes what the graphs never
+    read. (compile under the stand-in: tests/test_lora_modes.py, host and run.)"""
+    monkeypatch.setenv("TORCHINDUCTOR_FREEZING", "1")
+    args = ("--model", flux, "--shapes", SHAPE, "--steps", "1", "--repeats", "1", "--compile", "regional",
+            "--lora", f"{loras[4]},{loras[8]}@0.8", "--json")
+    code, report, output = run(*args, "--lora-mode", "swap")
+    assert code == 1, output
+    lora, check = report["lora"], report["checks"]["lora"]
+    assert lora["lora_mode"] == "swap" and lora["swaps"] == [] and lora["change_check"]["moved"] == 0
+    assert "--lora-mode swap: the change from none to" in lora["refused"] and "did not show" in lora["refused"]
+    assert check["status"] == "fail" and check["detail"].count("change check: --lora-mode swap") == 1
 
 
 def test_a_device_row_that_refuses_hotswap_is_refused_before_any_child(flux, loras):

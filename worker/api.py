@@ -27,6 +27,8 @@ SURFACE: dict[str, tuple[str, str | None]] = {
     "DEFAULT_ATTENTION": ("device.speedups", "DEFAULT_ATTENTION"),
     "local_refusal": ("device.speedups", "local_refusal"),
     "speedup_refusal": ("device.speedups", "refusal"),
+    # The LoRA mode table (torch-free)
+    "lora_modes": ("device.lora_modes", None),
     "sharding_plan": ("device.tensor_parallel", "sharding_plan"),
     # A worker process's plan and what it takes
     "DEFAULT_DEGENERATE_POLICY": ("delivery.spec", "DEFAULT_DEGENERATE_POLICY"),

@@ -9,11 +9,17 @@ from __future__ import annotations
 from enum import Enum
 
 from diffq.core import families
-from diffq.worker.api import backends
+from diffq.worker.api import backends, lora_modes
 
 Device = Enum("Device", {name: name for name in backends.DEVICES}, type=str)
 CompileMode = Enum("CompileMode", {mode.replace("-", "_"): mode for mode in backends.COMPILE_MODES}, type=str)
 Dtype = Enum("Dtype", {name: name for name in backends.DTYPE_CHOICES}, type=str)
+# The LoRA mode table (worker/device/lora_modes.py).
+LoraMode = Enum("LoraMode", {name: name for name in lora_modes.LORA_MODES}, type=str)
+LORA_MODE_HELP = ("How a batch's LoRA adapter set goes into the pipeline: "
+                  + "; ".join(f"{mode.name}: {mode.graph}" for mode in lora_modes.LORA_MODES.values())
+                  + f" (default {lora_modes.DEFAULT_LORA_MODE}; README, LoRA adapters)")
+DEFAULT_LORA_MODE = LoraMode(lora_modes.DEFAULT_LORA_MODE)
 # The family table's names (diffq/core/families.py); each has a tiny builder.
 Family = Enum("Family", {name.replace("-", "_"): name for name in families.BY_NAME}, type=str)
 # Every backend row's `generations` (a device without a detectable one names it here).

@@ -13,7 +13,7 @@ from rich.table import Table
 
 from diffq.app.choices import GENERATION_HELP, CompileMode, DeviceGeneration, Dtype, Family
 from diffq.app.commands import cancel, data, fleet, plan, qualify
-from diffq.app.options import (DEFAULT_ON_DEGENERATE, AllowFallback, Broker, Compile, CompileCache, Devices,
+from diffq.app.options import (DEFAULT_LORA_MODE, DEFAULT_ON_DEGENERATE, AllowFallback, LoraModeOpt, Broker, Compile, CompileCache, Devices,
                                DtypeOpt, Feeds, Generation, LocalWorkers, Model, Offload, OnDegenerate, Out, Prompts,
                                RunId, Routing, SeedBase, Threads, Warmup, Window, check_compile, device_options, err,
                                fail, generation_options, local_worker_options, out)
@@ -230,6 +230,7 @@ def worker(
     device_generation: Annotated[Optional[DeviceGeneration], typer.Option("--generation", "--tpu-generation", help=GENERATION_HELP)] = None,
     allow_fallback: AllowFallback = False,
     on_degenerate: OnDegenerate = DEFAULT_ON_DEGENERATE,
+    lora_mode: LoraModeOpt = DEFAULT_LORA_MODE,
     plan: Annotated[bool, typer.Option("--plan", help="Print each child's pinning and queues as JSON (no --queues needed); start nothing")] = False,
     out_prefix: Annotated[Optional[list[str]], typer.Option("--out-prefix", help="Run folders this worker may write to: the prefix `diffq submit --out` folders live under (s3://BUCKET/runs, gs://BUCKET/runs or an absolute path; repeat or comma-separate). Default: DIFFQ_ALLOWED_OUT_PREFIXES; on a network broker, with neither and no --run, refused unless --any-out")] = None,
     any_out: Annotated[bool, typer.Option("--any-out", help="No run-folder scope: write into whatever run folder a batch names")] = False,
@@ -265,7 +266,8 @@ def worker(
                               generation=device_generation.value if device_generation else None,
                               allowed_out_prefixes=prefixes, loglevel=loglevel,
                               drain_timeout_s=drain_timeout, allow_fallback=allow_fallback,
-                              on_degenerate=on_degenerate.value, runs=runs, **discovery)
+                              on_degenerate=on_degenerate.value, lora_mode=lora_mode.value, runs=runs,
+                              **discovery)
         if not plan:
             _refuse_unscoped(broker, runs, prefixes, any_out)
         _say_what_is_admitted(broker, specs)
@@ -416,12 +418,15 @@ def status(
 
 def _print_by_adapter(by_adapter) -> None:
     table = Table(title="by adapter set")
-    for column in ("adapters (path@scale (revision))", "images", "batches", "img/s", "swap_s"):
-        table.add_column(column, justify="left" if column.startswith("adapters") else "right")
+    for column in ("adapters (path@scale (revision))", "mode", "images", "batches", "img/s", "swap_s"):
+        table.add_column(column, justify="left" if column.startswith(("adapters", "mode")) else "right")
     for group in by_adapter.rows():
-        table.add_row(group.label, str(group.images), str(group.batches), f"{group.images_per_s:.2f}",
+        table.add_row(group.label, group.mode, str(group.images), str(group.batches), f"{group.images_per_s:.2f}",
                       f"{group.swap_s:.3f}")
     out.print(table)
+    for worker, (changed, batches) in sorted(by_adapter.changes.items()):
+        out.print(f"{worker}: {changed} adapter set change(s) over {batches} batch(es)", markup=False,
+                  highlight=False, soft_wrap=True)
     for queue, graphs in sorted(by_adapter.graphs.items()):
         out.print(f"{queue}: {graphs.compiled} graph(s) compiled, {graphs.steady} after a worker's first batch"
                   + (" (a steady-state recompile)" if graphs.steady else ""), markup=False, highlight=False,

@@ -17,7 +17,7 @@ from typing import Annotated, Literal, Optional
 import typer
 from rich.console import Console
 
-from diffq.app.choices import CompileMode, Device, Dtype
+from diffq.app.choices import DEFAULT_LORA_MODE, LORA_MODE_HELP, CompileMode, Device, Dtype, LoraMode
 from diffq.core.contract import bounds
 from diffq.core.options import GenerationOptions
 from diffq.producer.feed import DEFAULT_WINDOW
@@ -52,6 +52,7 @@ DtypeOpt = Annotated[Dtype, typer.Option("--dtype", help="Pipeline dtype, part o
 DeviceOpt = Annotated[Device, typer.Option("--device", help="Device kind, from the backend table")]
 Compile = Annotated[CompileMode, typer.Option("--compile", help="none | full (whole transformer) | regional (repeated blocks) | defer-fuse (TPU only); checked against the device")]
 CompileCache = Annotated[Optional[str], typer.Option("--compile-cache", help="Compile cache: a shared directory used in place, or s3://… / gs://… / file://… mirrored locally (pull before warmup, push after compiling)")]
+LoraModeOpt = Annotated[LoraMode, typer.Option("--lora-mode", help=LORA_MODE_HELP)]
 Offload = Annotated[Optional[str], typer.Option("--offload", help="'model': enable_model_cpu_offload()")]
 RunId = Annotated[Optional[str], typer.Option("--run-id", help="Run id (default: random)")]
 SeedBase = Annotated[Optional[str], typer.Option("--seed-base", help="Derive item seeds from this instead of the run id (reproducible reruns)")]
@@ -279,13 +280,15 @@ class LocalWorkers:
     threads: int
     allow_fallback: bool
     on_degenerate: DegeneratePolicy
+    lora_mode: LoraMode = DEFAULT_LORA_MODE
 
     def kwargs(self) -> dict:
         """As the embedded runner takes them (diffq/app/runner.py LocalWorkers)."""
         return dict(devices=self.devices.slots(), device=self.devices.device.value, compile=self.compile.value,
                     compile_cache=self.compile_cache, offload=self.offload,
                     warmup=[w for w in (self.warmup or "").split(",") if w], threads=self.threads,
-                    allow_fallback=self.allow_fallback, on_degenerate=self.on_degenerate.value)
+                    allow_fallback=self.allow_fallback, on_degenerate=self.on_degenerate.value,
+                    lora_mode=self.lora_mode.value)
 
     def given(self) -> list[str]:
         """Options given other than their defaults."""
@@ -293,7 +296,8 @@ class LocalWorkers:
             ("--compile", self.compile.value != "none"), ("--compile-cache", self.compile_cache),
             ("--offload", self.offload), ("--warmup", self.warmup), ("--threads", self.threads != 1),
             ("--allow-fallback", self.allow_fallback),
-            ("--on-degenerate", self.on_degenerate != DEFAULT_ON_DEGENERATE)) if value]
+            ("--on-degenerate", self.on_degenerate != DEFAULT_ON_DEGENERATE),
+            ("--lora-mode", self.lora_mode != DEFAULT_LORA_MODE)) if value]
 
 
 Warmup = Annotated[Optional[str], typer.Option("--warmup", help="Compile before consuming: 'auto' (every shape served) or HxW[,HxW…]")]
@@ -310,7 +314,8 @@ def local_worker_options():
     params = device_part + [_option("compile", Compile, CompileMode("none")), _option("compile_cache", CompileCache, None),
                             _option("offload", Offload, None), _option("warmup", Warmup, None),
                             _option("threads", Threads, 1), _option("allow_fallback", AllowFallback, False),
-                            _option("on_degenerate", OnDegenerate, DEFAULT_ON_DEGENERATE)]
+                            _option("on_degenerate", OnDegenerate, DEFAULT_ON_DEGENERATE),
+                            _option("lora_mode", LoraModeOpt, DEFAULT_LORA_MODE)]
 
     def build(**values) -> LocalWorkers:
         devices = build_devices(**{name: values.pop(name) for name in names})

@@ -30,13 +30,16 @@ same child measures them; here each is compared with full compute at its batch s
 on the same prompts and seeds (PSNR and SSIM per image), judged against the budget,
 and the fastest within it is each shape's choice in the profile (core/profile.py).
 
-`--lora A,B`: refused where the backend table's `hotswap` column says a swap may not
-keep the compile mode's graphs; each adapter checked and pinned here as submit checks a
-row's (core/adapters.py `RunAdapters`), before any child starts. The device child loads
-the scaffold of their layout before compiling and, after its measurement, hot-swaps
-each adapter in, changes its scale alone, and goes back to none, one batch each
-(worker/device/hotswap_check.py): any graph compiled by those batches fails the `lora`
-check.
+`--lora A,B [--lora-mode M]`: refused where the LoRA mode table says the mode cannot
+serve this device and compile mode (worker/device/lora_modes.py `refusal`: swap and fuse
+where the backend table's `hotswap` column says the graphs may not read the weights);
+each adapter checked and pinned here as submit checks a row's (core/adapters.py
+`RunAdapters`), before any child starts. The device child installs the mode (swap: the
+scaffold of their layout before compiling) and, after its measurement, puts each adapter
+in, changes its scale alone, and goes back to none, one batch each
+(worker/device/hotswap_check.py): a graph compiled by those batches (under compile: by
+going back to a set already served) fails the `lora` check, and so does the host's change
+check (its probe did not move at the first change: the mode's writes are not read).
 """
 
 from __future__ import annotations
@@ -60,7 +63,7 @@ from diffq.core.adapters import AdapterError, AdapterLayout, RunAdapters
 from diffq.core.contract import AdapterRef
 from diffq.core.options import DEFAULTS
 from diffq.core.records import DEGENERATE_CHECKS
-from diffq.worker.api import COMPILING_MODES, QUALIFY_MAIN, REFERENCE, RunConfig, get_backend
+from diffq.worker.api import COMPILING_MODES, QUALIFY_MAIN, REFERENCE, RunConfig, get_backend, lora_modes
 
 REFERENCE_FILE = "reference.json"
 PSNR_CAP = 100.0
@@ -210,7 +213,7 @@ def _child_spec(config: RunConfig, *, slot: int, threads: int, compile_cache: st
     (child,) = plan_children(device=config.device, devices=[slot], broker_url="memory://", queues=[],
                              name_prefix="diffq-qualify", threads=threads, compile=config.compile,
                              compile_cache=compile_cache, offload=config.offload, models=[settings.model],
-                             dtype=config.dtype)
+                             dtype=config.dtype, **({"lora_mode": lora.mode} if lora else {}))
     return QualifySpec(child=child, model=settings.model, dtype=config.dtype,
                        shapes=settings.shapes if measure else settings.parity_shapes,
                        extra_parity_shapes=extra, batch_size=settings.batch_size, steps=settings.steps,
@@ -229,15 +232,17 @@ def _child_spec(config: RunConfig, *, slot: int, threads: int, compile_cache: st
 class LoraPlan:
     refs: list[AdapterRef]  # pinned
     layout: AdapterLayout
+    mode: str = lora_modes.DEFAULT_LORA_MODE
 
 
-def plan_lora(backend, compile_mode: str, model: str, specs: list[str]) -> LoraPlan:
+def plan_lora(backend, compile_mode: str, model: str, specs: list[str],
+              mode: str = lora_modes.DEFAULT_LORA_MODE) -> LoraPlan:
     """The adapters of `--lora`, each checked and pinned as submit checks a row's (the
     allow-list, its header, the fit to the model's transformer), and their layout; refused
     where the backend table says a hot-swap may not keep this compile mode's graphs."""
     from diffq.core.settings import get_settings
 
-    if reason := backend.adapter_refusal(compile_mode):
+    if reason := lora_modes.refusal(backend, compile_mode, mode):
         raise QualifyError(f"--lora refused: {reason}")
     if not specs:
         raise QualifyError("--lora names no adapter")
@@ -251,28 +256,36 @@ def plan_lora(backend, compile_mode: str, model: str, specs: list[str]) -> LoraP
         if any(ref.path == seen.path for seen in refs):
             raise QualifyError(f"--lora {spec}: names {ref.path} twice")
         refs.append(ref)
-    return LoraPlan(refs=refs, layout=run.layout)
+    return LoraPlan(refs=refs, layout=run.layout, mode=mode)
 
 
 def lora_check(found: dict) -> dict:
     """Pass when no batch after the first compiled a graph and every change showed in its
     images; the swap times said."""
-    said = (f"{len(found['adapters'])} adapter(s) in a rank-{found['rank']} slot over {found['targets']} module(s) "
-            f"at {found['shape']}: ")
-    compiled = [swap for swap in found["swaps"] if swap["graphs_compiled"]]
-    troubles = (["graphs compiled after the first batch: " + ", ".join(
-        f"{swap['change']} {swap['adapter'] or 'none'} {swap['graphs_compiled']}" for swap in compiled)]
-        if compiled else [])
+    mode = found.get("lora_mode", lora_modes.DEFAULT_LORA_MODE)
+    said = (f"{len(found['adapters'])} adapter(s), --lora-mode {mode}, rank {found['rank']} over {found['targets']} "
+            f"module(s) at {found['shape']}: ")
+    troubles = [f"change check: {found['refused']}"] if found.get("refused") else []
+    if found.get("recompiled"):
+        troubles.append("graphs compiled after the first batch: " + ", ".join(found["recompiled"]))
     troubles += [f"not seen in the images: {why}" for why in found["unseen"]]
     if troubles:
         return {"status": "fail", "detail": said + "; ".join(troubles)}
-    return {"status": "pass", "detail": said + f"0 graphs compiled over {len(found['swaps'])} swap(s); swap median "
-            f"{found['swap_s']['median']:.4f} s, scale change median {found['scale_change_s']['median']:.4f} s"}
+    graphs = sum(swap["graphs_compiled"] for swap in found["swaps"])
+    return {"status": "pass", "detail": said + f"{graphs} graphs compiled over {len(found['swaps'])} change(s); "
+            f"change median {found['swap_s']['median']:.4f} s, scale change median "
+            f"{found['scale_change_s']['median']:.4f} s"}
 
 
 def lora_lines(found: dict) -> list[str]:
-    lines = [f"lora {found['shape']} b{found['batch_size']}: slot rank {found['rank']} over {found['targets']} "
-             f"module(s) ({found['layout']}), first batch {found['first_graphs']} graphs"]
+    lines = [f"lora {found['shape']} b{found['batch_size']}: --lora-mode {found.get('lora_mode', 'swap')}, rank "
+             f"{found['rank']} over {found['targets']} module(s) ({found['layout']}), first batch "
+             f"{found['first_graphs']} graphs"]
+    if found.get("s_per_image_with") is not None:
+        lines.append(f"  s/image without adapters {found['s_per_image_without']:.4f}, with "
+                     f"{found['s_per_image_with']:.4f}")
+    if found.get("refused"):
+        lines.append(f"  change check: {found['refused']}")
     lines += [f"  {swap['change']:7} {swap['adapter'] or 'none'}" + (f"@{swap['scale']:g}" if swap["adapter"] else "")
               + f": {swap['graphs_compiled']} graphs, swap {swap['swap_s']:.4f} s, call {swap['generate_s']:.3f} s, "
                 f"{swap['vs_none']} levels from none"
@@ -736,7 +749,7 @@ def qualify(model: str, *, device: str = "cpu", slot: int = 0, compile: str = "n
             threads: int = 1, compile_cache: str | None = None, repeats: int = DEFAULT_REPEATS,
             reference_max_pixels: int = REFERENCE_MAX_PIXELS, timeout: float | None = None,
             speedups: SpeedupOptions | None = None, announce: Callable[[str], None] | None = None,
-            lora: list[str] | None = None) -> dict:
+            lora: list[str] | None = None, lora_mode: str = lora_modes.DEFAULT_LORA_MODE) -> dict:
     """Run the qualification and return the report (the `--json` object).
 
     `speedups`: tune them too (`--speedups`); `announce` hears, before any child
@@ -755,7 +768,7 @@ def qualify(model: str, *, device: str = "cpu", slot: int = 0, compile: str = "n
         resolve_model(model)
     except ModelUnavailable as exc:
         raise QualifyError(str(exc)) from None
-    adapters = plan_lora(backend, compile, model, lora) if lora is not None else None
+    adapters = plan_lora(backend, compile, model, lora, lora_mode) if lora is not None else None
     settings = _settings(model, reference, shapes, batch_size, steps, guidance_scale, max_sequence_length,
                          prompts_file, reference_max_pixels)
     config = RunConfig(device=device, dtype=dtype, compile=compile, offload=offload)
@@ -1087,10 +1100,13 @@ def _lora_html(found: dict) -> str:
                    [[swap["change"], swap["adapter"] or "none", "-" if swap["scale"] is None else f"{swap['scale']:g}",
                      swap["graphs_compiled"], f"{swap['swap_s']:.4f}", f"{swap['generate_s']:.3f}", swap["vs_none"],
                      swap["vs_previous"]] for swap in found["swaps"]])
-    return (f"<h2>LoRA hot-swap</h2><p>At {html.escape(found['shape'])}, batch size {found['batch_size']}: a slot of "
-            f"rank {found['rank']} over {found['targets']} module(s) ({html.escape(found['layout'])}), loaded before "
-            f"the compile; the first batch compiled {found['first_graphs']} graph(s), each batch after it must "
-            f"compile none.</p>{adapters}{swaps}")
+    refused = (f"<p><b>Change check failed:</b> {html.escape(found['refused'])}</p>" if found.get("refused")
+               else "")
+    return (f"<h2>LoRA hot-swap</h2><p>At {html.escape(found['shape'])}, batch size {found['batch_size']}, "
+            f"<code>--lora-mode {html.escape(found.get('lora_mode', 'swap'))}</code>: rank {found['rank']} over "
+            f"{found['targets']} module(s) ({html.escape(found['layout'])}); the first batch compiled "
+            f"{found['first_graphs']} graph(s), each batch after it must compile none (under compile: none going "
+            f"back to a set already served).</p>{refused}{adapters}{swaps}")
 
 
 def _speedups_html(found: dict, device_dir: Path) -> str:

@@ -52,6 +52,7 @@ from diffq.producer.submit import CeleryPublisher, make_options, new_run_id, sub
 from diffq.worker.api import RunScope
 from diffq.worker.api import local_refusal
 from diffq.worker.api import get_backend
+from diffq.worker.api import lora_modes
 from diffq.worker.api import resolve_model
 from diffq.worker.api import DEFAULT_DEGENERATE_POLICY
 from diffq.worker.api import Supervisor, plan_children
@@ -153,13 +154,15 @@ class LocalWorkers:
     threads: int = 1
     allow_fallback: bool = False
     on_degenerate: str = DEFAULT_DEGENERATE_POLICY
+    lora_mode: str = lora_modes.DEFAULT_LORA_MODE
 
     def check(self, models: list[str], speedups=(), adapters: bool = False) -> None:
         # A compile mode, speed-up or LoRA hot-swap the family or device cannot take fails
         # here, not in every worker.
         if reason := (compile_refusal(models, self.compile) or local_refusal(models, speedups, self.device,
                                                                               self.compile, adapters)
-                      or (adapters and get_backend(self.device).adapter_refusal(self.compile))):
+                      or (adapters and lora_modes.refusal(get_backend(self.device), self.compile,
+                                                          self.lora_mode))):
             raise ValueError(reason)
 
     def specs(self, broker_url: str, transport_options: dict, queues: list[str], models: list[str], dtype: str,
@@ -171,7 +174,7 @@ class LocalWorkers:
             compile=self.compile, compile_cache=self.compile_cache, offload=self.offload,
             warmup=self.warmup or [], models=models, dtype=dtype, allow_fallback=self.allow_fallback,
             on_degenerate=self.on_degenerate, runs=list(runs), adapter_layouts=adapter_layouts or {},
-            schemes=schemes)
+            schemes=schemes, lora_mode=self.lora_mode)
 
 
 def run(
@@ -189,6 +192,7 @@ def run(
     threads: int = 1,
     allow_fallback: bool = False,
     on_degenerate: str = DEFAULT_DEGENERATE_POLICY,
+    lora_mode: str = lora_modes.DEFAULT_LORA_MODE,
     progress: bool = True,
     console: Console | None = None,
     run_id: str | None = None,
@@ -203,7 +207,7 @@ def run(
     started = time.monotonic()
     local = LocalWorkers(workers=workers, device=device, devices=devices, compile=compile,
                          compile_cache=compile_cache, offload=offload, warmup=warmup, threads=threads,
-                         allow_fallback=allow_fallback, on_degenerate=on_degenerate)
+                         allow_fallback=allow_fallback, on_degenerate=on_degenerate, lora_mode=lora_mode)
     resolve_model(model)
     chosen = GenerationOptions.given(options, generation)
     keep_columns = chosen.keep_columns

@@ -242,6 +242,7 @@ class BatchMeasures(Strict):
     model_revision: str | None = None  # an object-storage model's (core/model_store.py)
     graphs_compiled: int = 0  # graphs the batch's call compiled (dynamo's unique_graphs)
     adapter_swap_s: float = 0.0  # the batch's LoRA hot-swap (worker/device/adapters.py)
+    lora_mode: str | None = None  # how its adapter set went in (worker/device/lora_modes.py); a LoRA run's only
     # The transformer's parameters and buffers as stored (quantized under a quant: scheme).
     transformer_weight_bytes: int | None = None
 
@@ -301,6 +302,9 @@ class ImageRecord(Strict):
     # and the seconds the batch's hot-swap took (0 when the slot already held them).
     adapters: Annotated[list | None, JsonText("string")] = None
     adapter_swap_s: float = 0.0
+    # How the worker put the set in (swap, fuse, compile: worker/device/lora_modes.py);
+    # null outside a LoRA run.
+    lora_mode: Annotated[str | None, Dtype("string")] = None
     # The bytes of the transformer's weights the call ran with, as stored: a `quant:`
     # scheme's (worker/device/quantize.py) shows here; null in records of older workers.
     transformer_weight_bytes: Annotated[int | None, Dtype("int64")] = None

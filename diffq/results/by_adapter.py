@@ -6,7 +6,11 @@ Both from the image records alone (`ImageRecord.adapters`, `adapter_swap_s`,
 - an adapter group is one adapter set as the records name it: each adapter's path,
   pinned revision and scale (a scale is a group of its own: rows are batched by it);
   rows without an adapter are the group "none". Its images/s is over the device time
-  its batches spent: their calls plus their hot-swaps;
+  its batches spent: their calls plus their hot-swaps; the LoRA modes its batches were
+  made under (`lora_mode`: swap, fuse, compile; one unless workers were started apart);
+- set changes per worker: its batches that changed the adapter set they found in the
+  pipeline (`adapter_swap_s` > 0), against its batches: a worker meets sets in runs (rows
+  of one set come in whole batches), which the `fuse` and `compile` modes count on;
 - graphs per shape: the sum over its batches of `graphs_compiled`, and the part of it
   compiled by a batch that was not its worker's first of that shape: a steady-state
   recompile, which a hot-swap must never cause (0 when all is well).
@@ -40,6 +44,11 @@ class AdapterGroup:
     batches: int = 0
     generate_s: float = 0.0
     swap_s: float = 0.0
+    modes: set = field(default_factory=set)  # the records' lora_mode (none before modes were recorded)
+
+    @property
+    def mode(self) -> str:
+        return "+".join(sorted(self.modes)) or "-"
 
     @property
     def label(self) -> str:
@@ -52,7 +61,7 @@ class AdapterGroup:
 
     def to_json(self) -> dict:
         return {"adapters": [{"path": p, "revision": r, "scale": s} for p, r, s in self.key],
-                "images": self.images, "batches": self.batches, "generate_s": round(self.generate_s, 4),
+                "lora_mode": self.mode, "images": self.images, "batches": self.batches, "generate_s": round(self.generate_s, 4),
                 "swap_s": round(self.swap_s, 4), "images_per_s": round(self.images_per_s, 4)}
 
 
@@ -77,6 +86,7 @@ class ByAdapter:
 
     groups: dict[tuple, AdapterGroup] = field(default_factory=dict)
     graphs: dict[str, ShapeGraphs] = field(default_factory=dict)  # queue -> graphs
+    changes: dict[str, list[int]] = field(default_factory=dict)  # worker -> [set changes, batches]
 
     def add(self, records: list[ImageRecord]) -> None:
         head = records[0]
@@ -86,6 +96,11 @@ class ByAdapter:
         group.batches += 1
         group.generate_s += head.generate_s
         group.swap_s += head.adapter_swap_s
+        counted = self.changes.setdefault(head.worker, [0, 0])
+        counted[0] += head.adapter_swap_s > 0
+        counted[1] += 1
+        if head.lora_mode:
+            group.modes.add(head.lora_mode)
         graphs = self.graphs.setdefault(head.queue, ShapeGraphs())
         graphs.compiled += head.graphs_compiled
         # A worker's first batch of a shape compiles (records are not in time order: the
@@ -106,10 +121,15 @@ class ByAdapter:
         if not self.with_adapters:
             return []
         width = max(len(g.label) for g in self.groups.values())
-        return ["", "adapters (path@scale (revision))           images  batches  img/s  swap_s"] + [
-            f"  {g.label:<{max(width, 40)}} {g.images:>6} {g.batches:>8} {g.images_per_s:>6.2f} {g.swap_s:>7.3f}"
-            for g in self.rows()]
+        return ["", f"{'adapters (path@scale (revision))':<{max(width, 40) + 2}} mode     images  batches  img/s  "
+                    f"swap_s"] + [
+            f"  {g.label:<{max(width, 40)}} {g.mode:<8} {g.images:>6} {g.batches:>8} {g.images_per_s:>6.2f} "
+            f"{g.swap_s:>7.3f}" for g in self.rows()] + [
+            f"  {worker}: {changed} set change(s) over {batches} batch(es)"
+            for worker, (changed, batches) in sorted(self.changes.items())]
 
     def to_json(self) -> dict:
         return {"adapters": [g.to_json() for g in self.rows()],
+                "set_changes": {worker: {"changes": changed, "batches": batches}
+                                for worker, (changed, batches) in sorted(self.changes.items())},
                 "graphs": {queue: graphs.to_json() for queue, graphs in sorted(self.graphs.items())}}

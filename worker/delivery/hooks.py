@@ -41,7 +41,7 @@ from diffq.worker.delivery.door import Delivered
 from diffq.worker.delivery.failures import storage_trouble, write_failure
 from diffq.worker.device.models import ModelUnavailable
 from diffq.worker.device.pipeline_host import (AdapterOrderError, AdapterUnsupported, CompileUnsupported,
-                                               FamilyUnsupported, SpeedupUnsupported)
+                                               FamilyUnsupported, LoraChangeUnseen, SpeedupUnsupported)
 from diffq.worker.delivery.runtime import OutNotAllowed, Runtime
 
 log = logging.getLogger("diffq.worker")
@@ -168,6 +168,10 @@ class Metrics(BatchHook):
     def on_received(self, batch: Batch) -> None:
         if batch.delivery.returned:  # another holder lost it (a lapsed lease: a lost host) or handed it back
             metrics.observe_redelivery(batch.message.shape.queue)
+
+    def on_error(self, batch: Batch, exc: Exception) -> None:
+        if isinstance(exc, LoraChangeUnseen):  # its batch fails permanently (Retries), and so do later adapter batches
+            metrics.observe_lora_change_unseen(batch.runtime.host.lora_mode)
 
     def after_generate(self, batch: Batch, generated) -> None:
         shape = batch.message.shape

@@ -72,7 +72,7 @@ class Runtime:
         """The runtime of a worker process; its sink helper starts importing now, while
         the model loads."""
         rt = cls(spec=spec, host=PipelineHost(backend=spec.backend, compile_mode=spec.compile,
-                                              offload=spec.offload, group=group,
+                                              offload=spec.offload, group=group, lora_mode=spec.lora_mode,
                                               checks=frozenset(spec.degenerate_policy)))
         transport = transport_for(spec.broker_url)
         discovery = Discovery(transport, spec.serve_models, spec.rabbitmq_api,

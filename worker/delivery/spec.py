@@ -17,6 +17,7 @@ from diffq.core.contract import AUTO_DTYPE, ShapeKey, queue_dtype, shape_from_qu
 from diffq.worker.delivery.admission import RunScope
 from diffq.worker.device.backends import COMPILING_MODES, Backend, Placement, get_backend
 from diffq.worker.device.compile_cache import CachePlan, plan_cache
+from diffq.worker.device.lora_modes import DEFAULT_LORA_MODE, LORA_MODES
 
 # Exit code for a child that can never succeed (bad model, bad option): the
 # supervisor must not restart it in a loop.
@@ -76,6 +77,8 @@ class ChildSpec(BaseModel):
     # Per model, the LoRA layout of the runs it serves (their manifests'): its scaffold goes
     # in before the model is preloaded and compiled (`diffq run`; else on the first batch).
     adapter_layouts: dict[str, AdapterLayout] = Field(default_factory=dict)
+    # How a batch's adapter set goes into the pipeline (worker/device/lora_modes.py LORA_MODES).
+    lora_mode: str = DEFAULT_LORA_MODE
     # The quantization schemes (core/speedups.py SCHEMES; None: full precision) the runs'
     # batches name: each model is preloaded with each (`diffq run`), so a quantized run
     # never holds a full-precision copy it does not use. None: full precision only.
@@ -105,12 +108,13 @@ class ChildSpec(BaseModel):
     # Where `--<option> auto` read the devices: the variable and its value (for --plan).
     allocation: dict | None = None
 
-    @field_validator("on_degenerate")
+    @field_validator("on_degenerate", "lora_mode")
     @classmethod
-    def _known_policy(cls, policy: str) -> str:
-        if policy not in DEGENERATE_POLICIES:
-            raise ValueError(f"--on-degenerate {policy}: choose {', '.join(DEGENERATE_POLICIES)}")
-        return policy
+    def _in_its_table(cls, value: str, info) -> str:
+        table = {"on_degenerate": DEGENERATE_POLICIES, "lora_mode": LORA_MODES}[info.field_name]
+        if value not in table:
+            raise ValueError(f"--{info.field_name.replace('_', '-')} {value}: choose {', '.join(table)}")
+        return value
 
     @property
     def degenerate_policy(self) -> dict[str, str]:

@@ -67,6 +67,14 @@ class Loaded:
     nbytes: int
     _per_slot: dict = field(default_factory=dict, repr=False)
 
+    def pairs(self) -> dict[str, tuple]:
+        """Per target module its (lora_A, lora_B) weights: down [r, in], up [out, r]."""
+        found: dict[str, dict] = {}
+        for key, tensor in self.state_dict.items():
+            module, _, which = key[len(TRANSFORMER_PREFIX):-len(".weight")].rpartition(".")
+            found.setdefault(module, {})[which] = tensor
+        return {module: (parts["lora_A"], parts["lora_B"]) for module, parts in found.items()}
+
     def for_slot(self, name: str) -> dict:
         """The weights under the slot's peft keys (`<module>.lora_A.<slot>.weight`), as
         diffusers maps them for a hot-swap (loaders/peft.py, map_state_dict_for_hotswap);
@@ -181,6 +189,12 @@ def scaffold_state_dict(layout: AdapterLayout, transformer: torch.nn.Module) -> 
     return state_dict
 
 
+def canonical(adapters) -> tuple[AdapterRef, ...]:
+    """A set in one order (by path and revision), whatever order a row wrote: the float
+    sum of its deltas then runs in one order, so the same set gives the same pixels."""
+    return tuple(sorted(adapters, key=lambda ref: (ref.path, ref.revision or "")))
+
+
 def slot_names(slots: int) -> tuple[str, ...]:
     """The adapter names diffq gives peft, one per slot. None is a substring of another:
     peft's hot-swap zero-fills every model key that contains the swapped name
@@ -204,6 +218,7 @@ class AdapterSlot:
     layout: AdapterLayout
     cache: AdapterCache
     current: tuple = ()  # per slot its AdapterRef, None: the scaffold's zeros
+    mode = "swap"  # the LoRA mode this is (lora_modes.py LORA_MODES)
     swaps: int = 0
     swap_seconds: float = 0.0
     _zeros: Loaded | None = field(default=None, repr=False)
@@ -216,8 +231,13 @@ class AdapterSlot:
     def names(self) -> tuple[str, ...]:
         return slot_names(self.layout.slots)
 
+    @property
+    def held(self) -> tuple[AdapterRef, ...]:
+        """The set the slots hold."""
+        return tuple(ref for ref in self.current if ref is not None)
+
     @classmethod
-    def install(cls, pipe, layout: AdapterLayout, cache: AdapterCache) -> AdapterSlot:
+    def install(cls, pipe, layout: AdapterLayout, cache: AdapterCache, **_) -> AdapterSlot:
         """Steps 1 and 2: before the transformer is compiled (refused after)."""
         transformer = pipe.transformer
         if compiled := compiled_modules(transformer):
@@ -267,8 +287,7 @@ class AdapterSlot:
         if len(adapters) > len(names):
             raise AdapterUnsupported(f"{len(adapters)} adapters in one batch, but the run's layout has "
                                      f"{len(names)} slot(s)")
-        wanted = (*sorted(adapters, key=lambda ref: (ref.path, ref.revision or "")),
-                  *(None,) * (len(names) - len(adapters)))
+        wanted = (*canonical(adapters), *(None,) * (len(names) - len(adapters)))
         if wanted == self.current:
             return 0.0
         started = time.perf_counter()
@@ -279,7 +298,7 @@ class AdapterSlot:
                 self._swap(pipe, name, self._zeros)
                 continue
             loaded = self.cache.get(ref, type(pipe))
-            self._check_targets(ref, loaded)
+            self.check_targets(self.layout, ref, loaded)
             if held is None or (ref.path, ref.revision) != (held.path, held.revision):
                 self._swap(pipe, name, loaded)
             self._scale(name, loaded.scalings, ref.scale)
@@ -291,10 +310,11 @@ class AdapterSlot:
                  or "none", elapsed)
         return elapsed
 
-    def _check_targets(self, ref: AdapterRef, loaded: Loaded) -> None:
-        outside = sorted(set(loaded.scalings) - set(self.layout.targets))
+    @staticmethod
+    def check_targets(layout: AdapterLayout, ref: AdapterRef, loaded: Loaded) -> None:
+        outside = sorted(set(loaded.scalings) - set(layout.targets))
         if outside:
-            raise AdapterUnsupported(f"adapter {ref.path} targets {', '.join(outside[:3])}, outside the slot's "
+            raise AdapterUnsupported(f"adapter {ref.path} targets {', '.join(outside[:3])}, outside the "
                                      f"layout (the run's union of target modules): it would need a recompile")
 
     def _swap(self, pipe, name: str, loaded: Loaded) -> None:
@@ -316,6 +336,6 @@ class AdapterSlot:
                 self._scalings[module][name].fill_(base * scale)
 
     def stats(self) -> dict:
-        return {"swaps": self.swaps, "swap_seconds": round(self.swap_seconds, 4), "cache_hits": self.cache.hits,
+        return {"mode": self.mode, "swaps": self.swaps, "swap_seconds": round(self.swap_seconds, 4), "cache_hits": self.cache.hits,
                 "cache_misses": self.cache.misses, "rank": self.layout.rank, "targets": len(self.layout.targets),
                 "slots": self.layout.slots}

@@ -1,4 +1,5 @@
-"""`qualify --lora A,B`'s check: hot-swapping a run's adapters keeps the compiled graphs.
+"""`qualify --lora A,B [--lora-mode M]`'s check: changing a run's adapter set keeps the
+compiled graphs (or, under `--lora-mode compile`, compiles once per new set), and shows.
 
 On this device and compile mode, through the pipeline host a worker serves with
 (PipelineHost.use_adapters, worker/device/adapters.py): the scaffold for the adapters'
@@ -10,6 +11,8 @@ the images: a device whose graphs baked the LoRA weights or scalings in as const
 (backends.py, the TPU row) would compile nothing and change nothing. An adapter's batch
 must differ from the no-adapter batch, a scale change from the batch before it, and
 back to none must give the first batch's pixels again (within BACK_TO_NONE_LEVELS).
+The host's own change check (lora_apply.ChangeCheck) runs at the first adapter batch; a
+change it did not see ends the check there, its reason said (`refused`).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import numpy as np
 
 from diffq.core import adapters as A
 from diffq.core.contract import AdapterRef, BatchItem, BatchParams, ShapeKey
+from diffq.worker.device.lora_apply import LoraChangeUnseen
 from diffq.worker.device.pipeline_host import PipelineHost
 
 # What each checked batch changes in the slot.
@@ -63,16 +67,33 @@ class Swap:
 class HotswapCheck:
     layout: A.AdapterLayout
     first_graphs: int  # the first batch's compile (no adapter; 0 when the host had served the shape)
+    mode: str = "swap"
+    first_generate_s: float = 0.0
+    batch_size: int = 1
     swaps: list[Swap] = field(default_factory=list)
+    refused: str | None = None  # the host's change check did not see a change: why
+    change_check: dict | None = None  # its probe: moved and noise
 
     @property
     def unseen(self) -> list[str]:
         return [why for swap in self.swaps if (why := swap.unseen)]
 
     @property
+    def recompiled(self) -> list[Swap]:
+        """Batches that compiled where none may: any under swap and fuse; under compile, a
+        set seen before (back to none)."""
+        return [swap for swap in self.swaps if swap.graphs_compiled and (self.mode != "compile"
+                                                                           or swap.change == NONE)]
+
+    @property
     def ok(self) -> bool:
-        """No swap's batch compiled a graph, and each swap shows in the images."""
-        return all(swap.graphs_compiled == 0 for swap in self.swaps) and not self.unseen
+        """No batch compiled a graph it should not have, and each change shows in the images."""
+        return not self.recompiled and not self.unseen and self.refused is None
+
+    def per_image(self, changes: tuple[str, ...]) -> float | None:
+        """Median seconds per image of the batches of these changes (their calls)."""
+        found = [swap.generate_s for swap in self.swaps if swap.change in changes]
+        return round(statistics.median(found) / self.batch_size, 6) if found else None
 
     def seconds(self, change: str) -> dict | None:
         """The swap times of one kind of change: median, max and count."""
@@ -81,9 +102,13 @@ class HotswapCheck:
                 "count": len(found)} if found else None
 
     def to_json(self) -> dict:
-        return {"ok": self.ok, "rank": self.layout.rank, "targets": len(self.layout.targets),
+        return {"ok": self.ok, "lora_mode": self.mode, "refused": self.refused, "change_check": self.change_check,
+                "s_per_image_without": round(self.first_generate_s / self.batch_size, 6),
+                "s_per_image_with": self.per_image((ADAPTER, SCALE)),
+                "rank": self.layout.rank, "targets": len(self.layout.targets),
                 "layout": self.layout.label, "first_graphs": self.first_graphs,
                 "graphs_after_first": sum(swap.graphs_compiled for swap in self.swaps), "unseen": self.unseen,
+                "recompiled": [f"{s.change} {s.adapter or 'none'} {s.graphs_compiled}" for s in self.recompiled],
                 "swap_s": self.seconds(ADAPTER), "scale_change_s": self.seconds(SCALE), "none_s": self.seconds(NONE),
                 "swaps": [{"change": s.change, "adapter": s.adapter, "scale": s.scale,
                            "graphs_compiled": s.graphs_compiled, "swap_s": round(s.swap_s, 6),
@@ -111,12 +136,21 @@ def check_hotswap(host: PipelineHost, shape: ShapeKey, adapters: list[AdapterRef
         return host.generate(shape, params, items)
 
     first = batch(None)
-    result = HotswapCheck(layout=layout, first_graphs=first.graphs)
+    result = HotswapCheck(layout=layout, first_graphs=first.graphs, mode=host.lora_mode,
+                          first_generate_s=first.generate_s, batch_size=len(items))
     previous = first.images
     plan = [(change, ref) for one in adapters
             for change, ref in ((ADAPTER, one), (SCALE, one.model_copy(update={"scale": other_scale(one.scale)})))]
     for change, ref in [*plan, (NONE, None)]:
-        generated = batch(ref)
+        try:
+            generated = batch(ref)
+        except LoraChangeUnseen as exc:
+            result.refused = str(exc)
+            break
+        finally:
+            if host.change_check is not None:
+                result.change_check = {"moved": host.change_check.moved, "noise": host.change_check.noise,
+                                       "showed": host.change_check.showed}
         result.swaps.append(Swap(change=change, adapter=ref.path if ref else None, scale=ref.scale if ref else None,
                                  graphs_compiled=generated.graphs, swap_s=generated.adapter_swap_s,
                                  generate_s=generated.generate_s, vs_none=_levels(generated.images, first.images),

@@ -23,9 +23,11 @@ from diffq.core.families import Family, FamilyError, family_for_class
 from diffq.core.records import DEGENERATE_CHECKS, FLAT_MAX_LEVELS
 from diffq.worker.device import dynamo_quirks
 from diffq.worker.device.adapters import (AdapterCache, AdapterOrderError,  # noqa: F401 (hooks: permanent errors)
-                                          AdapterSlot, AdapterUnsupported)
-from diffq.worker.device import faults
+                                          AdapterUnsupported)
+from diffq.worker.device import faults, lora_modes
 from diffq.worker.device.backends import COMPILING_MODES, DTYPES, Backend, GraphFallback, resolve
+from diffq.worker.device.lora_apply import ChangeCheck, LoraChangeUnseen, informative
+from diffq.worker.device.lora_modes import DEFAULT_LORA_MODE, LORA_MODES
 from diffq.worker.device.models import local_model
 from diffq.worker.device.quantize import quantize, weight_bytes
 from diffq.worker.device.speedups import Speedups, SpeedupUnsupported  # noqa: F401 (hooks: a permanent error)
@@ -173,6 +175,12 @@ class PipelineHost:
     # label -> layout, for every layout a run this worker read declares (`know_layout`).
     known_layouts: dict = field(default_factory=dict, repr=False, compare=False)
     adapter_cache: AdapterCache = field(default_factory=AdapterCache, repr=False, compare=False)
+    # How a set goes into a pipeline (lora_modes.py LORA_MODES: swap, fuse, compile).
+    lora_mode: str = DEFAULT_LORA_MODE
+    # The change check (lora_modes.ChangeCheck), once per life at the first set change that
+    # moves the weights; failed, the reason every later batch naming adapters fails with.
+    change_check: ChangeCheck | None = None
+    lora_refused: str | None = None
 
     @property
     def compiles(self) -> bool:
@@ -191,9 +199,9 @@ class PipelineHost:
         self._threads.bound = True
 
     def adapter_refusal(self) -> str | None:
-        """Why this backend and compile mode take no LoRA adapters (the backend table's
-        `hotswap` column), or None."""
-        return self.backend.adapter_refusal(self.compile_mode)
+        """Why this backend, compile mode and LoRA mode take no LoRA adapters (the backend
+        table's `hotswap` column, lora_modes.refusal), or None."""
+        return lora_modes.refusal(self.backend, self.compile_mode, self.lora_mode)
 
     def use_adapters(self, model: str, layout: AdapterLayout) -> None:
         """Serve LoRA adapters of `layout` on `model`: its scaffold goes in when the model
@@ -308,7 +316,8 @@ class PipelineHost:
             quantize(pipe.transformer, quant)
         self.weight_bytes[key] = weight_bytes(pipe.transformer)
         if (layout := self.adapter_layouts.get(model)) is not None:
-            self.adapter_slots[key] = AdapterSlot.install(pipe, layout, self.adapter_cache)
+            self.adapter_slots[key] = LORA_MODES[self.lora_mode].installer()(
+                pipe, layout, self.adapter_cache, backend=self.backend, compile_mode=self.compile_mode)
         self._compile(pipe, family)
         self._families[key] = family
         log.info("loaded %s (%s) on %s in %.1fs", model, type(pipe).__name__,
@@ -399,8 +408,10 @@ class PipelineHost:
                 self.group.announce(shape, params, items)
             graphs_before = graphs_compiled()
             fallbacks_before = fallback_count(self.backend.graph_fallback)
+            # Its change check runs without a speed-up; under --lora-mode compile a new set's
+            # graphs are compiled on this call, by design, not a recompile.
+            swap_s, new_set = self._apply_adapters(pipe, key, shape, params, family)
             self.speedups.apply(pipe, speedup, params.num_inference_steps)
-            swap_s = self._apply_adapters(pipe, key, params)
             started = time.perf_counter()
             try:
                 with torch.inference_mode():
@@ -420,6 +431,8 @@ class PipelineHost:
                 record_extra = {**record_extra, "model_revision": self.revisions[shape.model]}
             if swap_s:
                 record_extra = {**record_extra, "adapter_swap_s": round(swap_s, 4)}
+            if shape.lora is not None:
+                record_extra = {**record_extra, "lora_mode": self.lora_mode}
             if key in self.weight_bytes:  # measured at load (a stand-in pipeline has no transformer)
                 record_extra = {**record_extra, "transformer_weight_bytes": self.weight_bytes[key]}
             ended_at = time.time()
@@ -428,7 +441,7 @@ class PipelineHost:
             if compiled:
                 self.compile_seconds[shape.queue] = elapsed
                 self.compile_graphs[shape.queue] = graphs
-            recompiled = 0 if compiled else graphs
+            recompiled = 0 if compiled or new_set else graphs
             self.recompiles += recompiled
         if compiled:
             for callback in self.on_compiled:  # off the device: the next call may start meanwhile
@@ -440,16 +453,47 @@ class PipelineHost:
                          started_at=started_at, ended_at=ended_at, recompiled=recompiled, graphs=graphs,
                          adapter_swap_s=swap_s)
 
-    def _apply_adapters(self, pipe, key: tuple, params: BatchParams) -> float:
-        """The batch's adapter into its pipeline's slot (on the device's turn: a call may be
-        running on the other thread); the swap's seconds."""
+    def _apply_adapters(self, pipe, key: tuple, shape: ShapeKey, params: BatchParams, family: type[Family]) -> tuple[float, bool]:
+        """The batch's adapter set into its pipeline (on the device's turn: a call may be
+        running on the other thread) by the host's LoRA mode: the seconds it took, and
+        whether the mode gave the set graphs of its own to compile. The first change in
+        this life that moves the weights is checked on a probe first."""
         slot = self.adapter_slots.get(key)
         if slot is None:
             if params.adapters:
                 raise AdapterUnsupported(f"model {key[0]} was loaded without an adapter slot: the scaffold "
                                          f"must go in before compiling (PipelineHost.use_adapters)")
-            return 0.0
-        return slot.apply(pipe, params.adapters)
+            return 0.0, False
+        if self.lora_refused is not None and params.adapters:
+            raise AdapterUnsupported(self.lora_refused)
+        before, compiles = slot.held, getattr(slot, "compiles", 0)
+        if self.change_check is not None or not informative(before, params.adapters):
+            return slot.apply(pipe, params.adapters), getattr(slot, "compiles", 0) > compiles
+        self.speedups.apply(pipe, None, 1)  # the probe at full compute
+        first = self._probe(pipe, shape, family)
+        noise = float((self._probe(pipe, shape, family) - first).abs().max())
+        swap_s = slot.apply(pipe, params.adapters)
+        moved = float((self._probe(pipe, shape, family) - first).abs().max())
+        self.change_check = ChangeCheck(mode=self.lora_mode, before=before, after=slot.held, moved=moved,
+                                        noise=noise)
+        if not self.change_check.showed:
+            self.lora_refused = self.change_check.reason()
+            slot.apply(pipe, before)  # back to the weights the graphs hold
+            log.error("%s", self.lora_refused)
+            raise LoraChangeUnseen(self.lora_refused)
+        log.info("lora change check: %s moved the probe by %.3g (noise %.3g)", self.lora_mode, moved, noise)
+        return swap_s, getattr(slot, "compiles", 0) > compiles
+
+    def _probe(self, pipe, shape: ShapeKey, family: type[Family]) -> torch.Tensor:
+        """The change check's probe: a fixed prompt and seeds at the shape (its compiled
+        graphs), one step, the latents out (no decode)."""
+        kwargs = family.call_kwargs(
+            prompts=["a probe of the adapter weights"] * shape.batch_size, negative_prompts=[None] * shape.batch_size,
+            height=shape.height, width=shape.width, num_inference_steps=1,
+            guidance_scale=4.0 if shape.cfg else 1.0, max_sequence_length=shape.max_sequence_length,
+            generator=[torch.Generator("cpu").manual_seed(seed) for seed in range(shape.batch_size)])
+        with torch.inference_mode():
+            return pipe(**{**kwargs, "output_type": "latent"}).images.float()
 
     def warmup(self, shapes: list[ShapeKey]) -> None:
         """Compile `shapes` before consuming, so no batch waits on a compile."""

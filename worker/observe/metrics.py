@@ -52,6 +52,9 @@ GRAPH_FALLBACKS = Counter("diffq_graph_fallbacks",
 UPLOAD_SECONDS = Histogram("diffq_upload_seconds", "Seconds to encode and store one batch",
                            buckets=UPLOAD_BUCKETS, registry=REGISTRY)
 UPLOAD_BYTES = Counter("diffq_upload_bytes", "Bytes of images stored", registry=REGISTRY)
+LORA_CHANGE_UNSEEN = Counter("diffq_lora_change_unseen",
+                             "LoRA set changes the device's output did not show (the worker then serves no adapters)",
+                             ["lora_mode"], registry=REGISTRY)
 FAILURES = Counter("diffq_failures", "Items that failed after every retry", ["queue"], registry=REGISTRY)
 DEGENERATE = Counter("diffq_degenerate_images",
                      "Images a check found degenerate, by check (kind): nonfinite (NaN or infinite values) or "
@@ -163,6 +166,12 @@ def observe_recompile(shape_label: str, graphs: int = 1) -> None:
 def observe_graph_fallback(shape_label: str, calls: int) -> None:
     """When compiled-graph calls of a shape re-ran uncompiled (`Generated.graph_fallbacks`)."""
     GRAPH_FALLBACKS.labels(shape_label).inc(calls)
+
+
+def observe_lora_change_unseen(lora_mode: str) -> None:
+    """When a worker's change check did not see a set change (worker/device/lora_apply.py):
+    from then on it fails every batch naming adapters."""
+    LORA_CHANGE_UNSEEN.labels(lora_mode).inc()
 
 
 def observe_failure(queue: str, n: int) -> None:

@@ -231,7 +231,8 @@ def _follow(spec: ChildSpec, group) -> int:
     # in hand, which needs this rank); a SIGTERM here would break that batch.
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     heap.settle()
-    host = PipelineHost(backend=spec.backend, compile_mode=spec.compile, offload=spec.offload, group=group)
+    host = PipelineHost(backend=spec.backend, compile_mode=spec.compile, offload=spec.offload, group=group,
+                        lora_mode=spec.lora_mode)
     try:
         return follow(group, host, spec.models, spec.dtype)
     except Exception as exc:

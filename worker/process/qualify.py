@@ -179,7 +179,8 @@ class _Session:
         self.spec = spec
         self.backend = spec.child.backend  # read after the extension import: it may register itself
         self.host = PipelineHost(backend=self.backend, compile_mode=spec.child.compile,
-                                 offload=spec.child.offload, checks=frozenset(DEGENERATE_CHECKS))
+                                 offload=spec.child.offload, checks=frozenset(DEGENERATE_CHECKS),
+                                 lora_mode=spec.child.lora_mode)
         self.items = [BatchItem(id=f"q{i}", prompt=prompt, seed=seed)
                       for i, (prompt, seed) in enumerate(zip(spec.prompts, spec.seeds))]
         self.degenerate: dict[str, dict[str, int]] = {}  # shape label -> check -> images it found

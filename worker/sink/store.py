@@ -125,7 +125,8 @@ def fit_image(image, fit: str, height: int | None, width: int | None):
 _EXIF_IFD, _USER_COMMENT = 0x8769, 0x9286
 
 
-def provenance(message: BatchMessage, item, size: tuple[int, int], model_revision: str | None = None) -> dict[str, str]:
+def provenance(message: BatchMessage, item, size: tuple[int, int], model_revision: str | None = None,
+               lora_mode: str | None = None) -> dict[str, str]:
     """What made this image, as text: written into the file itself (off with
     --no-embed-metadata), so it travels with the image wherever it is copied."""
     fields = {
@@ -141,6 +142,7 @@ def provenance(message: BatchMessage, item, size: tuple[int, int], model_revisio
         # The LoRA adapters, each path, scale and pinned revision (JSON: a list).
         "adapters": json.dumps([adapter.model_dump(mode="json") for adapter in message.params.adapters])
         if message.params.adapters else None,
+        "lora_mode": lora_mode,  # how the worker put them in (worker/device/lora_modes.py)
         "diffq_version": __version__,
     }
     return {key: value for key, value in fields.items() if value is not None}
@@ -360,13 +362,13 @@ class Sink:
 
         fit = message.params.fit
         embed = message.params.embed_metadata
-        revision = (record_extra.get("model_revision") if isinstance(record_extra, dict)
-                    else getattr(record_extra, "model_revision", None))
+        revision, lora_mode = ((record_extra.get(name) if isinstance(record_extra, dict)
+                                else getattr(record_extra, name, None)) for name in ("model_revision", "lora_mode"))
 
         def put(index: int) -> tuple[bool, int]:
             item = message.items[index]
             image = fit_image(as_image(images[index]), fit, item.requested_height, item.requested_width)
-            data = encode(image, fmt, provenance(message, item, image.size, revision) if embed else None)
+            data = encode(image, fmt, provenance(message, item, image.size, revision, lora_mode) if embed else None)
             return storage.put_bytes(keys[index], data, content_type=layout.IMAGE_FORMATS[fmt].content_type,
                                      if_absent=True), len(data)
 

@@ -1,0 +1,87 @@
+"""**The LoRA mode table**: how a worker puts a batch's adapter set into its pipeline
+(`--lora-mode` on run, worker and qualify). Torch-free: the CLI and a worker's spec read
+the choices from it; each row names where its applier lives (loaded on first use).
+
+- `swap` (adapters.py `AdapterSlot`): a zero scaffold over the run's layout before the
+  compile, each set hot-swapped into it; the graphs read the LoRA weights as inputs. Every
+  row pays the scaffold's matmuls at the padded rank and K slots.
+- `fuse` (lora_apply.py `FusedWeights`): no scaffold, no LoRA layer in the graph; a set's
+  deltas (scale · alpha/r · B·A, summed over the set) written into the targeted base
+  weights in place, each from a pristine host copy taken at load (never by subtracting
+  the previous set: repeated bf16 round-offs would drift). A set change costs a weight
+  write. Right wherever the compiled graph reads the weights as inputs (CPU and CUDA
+  Inductor).
+- `compile` (lora_apply.py `CompiledSets`): fused as `fuse` before the call, and one
+  compiled graph per (shape, set). Where the graph reads weights as inputs a new set
+  reuses it (nothing to compile); where the backend bakes the weights into its graph
+  (`bakes_weights`: the backend table, or Inductor's freezing, the stand-in for Neuron and
+  TPU), each set gets its own compile, a bounded number kept. Right anywhere.
+
+What no table can promise is checked on the device (lora_apply.py `ChangeCheck`): at a
+host's first set change a fixed small probe runs through the pipeline before and after,
+and its output must move (PipelineHost._apply_adapters). A mode whose writes the graph
+never reads is caught there, before any image is made with the wrong weights.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from dataclasses import dataclass
+
+from diffq.worker.device.backends import COMPILING_MODES
+
+
+@dataclass(frozen=True)
+class LoraMode:
+    name: str
+    # What installs it on a loaded pipeline, before the compile:
+    # (pipe, layout, cache, *, backend, compile_mode) -> its applier (apply, held, stats).
+    install: str
+    graph: str  # what the compiled graph holds (help, qualify's report)
+    needs_graph_inputs: bool  # right only where the graph reads the weights as inputs
+
+    def installer(self):
+        """The install function, its module imported now ("module:Class.method")."""
+        module, _, path = self.install.partition(":")
+        return functools.reduce(getattr, path.split("."), importlib.import_module(module))
+
+
+LORA_MODES: dict[str, LoraMode] = {
+    "swap": LoraMode("swap", "diffq.worker.device.adapters:AdapterSlot.install",
+                     "a zero LoRA scaffold at the layout's rank and slots, each set hot-swapped in",
+                     needs_graph_inputs=True),
+    "fuse": LoraMode("fuse", "diffq.worker.device.lora_apply:FusedWeights.install",
+                     "no LoRA layer: the set fused into the base weights", needs_graph_inputs=True),
+    "compile": LoraMode("compile", "diffq.worker.device.lora_apply:CompiledSets.install",
+                        "no LoRA layer: the set fused, one graph per (shape, set)", needs_graph_inputs=False),
+}
+DEFAULT_LORA_MODE = "swap"
+
+
+def bakes_weights(backend, compile_mode: str) -> bool:
+    """Whether this backend and compile mode bake the weights into the compiled graph: the
+    backend table says so (its `hotswap` column: a swap there does not keep the graphs),
+    or Inductor's freezing is on, which folds parameters into the compiled code when it
+    runs without grad (torch/_inductor/compile_fx.py, `config.freezing and not
+    torch.is_grad_enabled()`; a pipeline call runs under inference mode)."""
+    if compile_mode not in COMPILING_MODES and not backend.eager_compiles:
+        return False
+    import torch._inductor.config
+
+    known = backend.hotswap.get(compile_mode)
+    return known is None or not known.keeps or bool(torch._inductor.config.freezing)
+
+
+def refusal(backend, compile_mode: str, lora_mode: str) -> str | None:
+    """Why `lora_mode` cannot serve adapters on this device and compile mode, or None:
+    swap and fuse need the weights as graph inputs (the backend table's `hotswap` column);
+    compile is right anywhere."""
+    mode = LORA_MODES.get(lora_mode)
+    if mode is None:
+        return f"--lora-mode {lora_mode}: choose {', '.join(LORA_MODES)}"
+    if not mode.needs_graph_inputs:
+        return None
+    if reason := backend.adapter_refusal(compile_mode):
+        return f"{reason} (--lora-mode {lora_mode}; --lora-mode compile compiles per adapter set)"
+    return None
