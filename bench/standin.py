@@ -166,13 +166,15 @@ def install() -> None:
     if getattr(original, "standin", False):
         return
 
-    def _load(self, model: str, dtype: str, quant: str | None = None):
+    def _load(self, model: str, *rest):
+        # `rest`: the key's other parts, as the host passes them (dtype, scheme, …): the
+        # stand-in keys its family as the host keys its pipeline, whatever the key holds.
         if (Path(model) / MARKER).is_file():
             from diffq.core.families import family_of
 
-            self._families[(model, dtype, quant)] = family_of(model)  # what the host builds each call from
+            self._families[(model, *rest)] = family_of(model)  # what the host builds each call from
             return StandInPipeline(model)
-        return original(self, model, dtype, quant)
+        return original(self, model, *rest)
 
     _load.standin = True
     pipeline_host.PipelineHost._load = _load
