@@ -23,15 +23,17 @@ demo: setup
 	$(BIN)/diffq run examples/prompts.jsonl --model out/tiny-flux2-klein --out $(DEMO_OUT) --workers 2 --batch-size 4 --steps 4
 	@echo "images are in $(DEMO_OUT)/images (records in $(DEMO_OUT)/records)"
 
-# The suite's budget: 20 minutes on the 2-core CI machine (20.9 min measured, 1,732 tests;
+# The suite's budget: 20 minutes on the 2-core CI machine (18.6 min measured, 1,732 tests;
 # sequential it was over 50). Its tests wait on servers and subprocesses more than they
 # compute, so 3 workers on 2 cores; each test file runs whole on one worker (its
-# module-scoped servers started once). The run ends with its total and its ten slowest
-# tests, so a regression shows in CI's log the day it lands.
+# module-scoped servers started once), longest files first (tests/durations.json, which
+# scripts/test-durations.py refreshes), so no long file is dealt last to run alone. The run
+# ends with its total and its ten slowest tests, so a regression shows in CI's log the day
+# it lands.
 TEST_WORKERS ?= 3
 test: setup
 	bash scripts/test-services.sh
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=10
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=10
 
 bench: setup
 	$(BIN)/python -m pip install -q -e ".[test,bench]"  # Ray Data, for the comparison only

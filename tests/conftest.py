@@ -34,3 +34,22 @@ def tiny_pipelines(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_model(tiny_pipelines):
     return tiny_pipelines["flux2-klein"]
+
+
+def pytest_collection_modifyitems(config, items):
+    """Longest test files first (tests/durations.json, measured), each file's tests in
+    their own order: `make test` deals whole files to its workers in collection order
+    (--dist loadfile --no-loadscope-reorder), so a long file dealt last no longer runs
+    alone at the end. A file not in the table counts as a median one."""
+    import json
+    from pathlib import Path
+
+    table = json.loads((Path(__file__).parent / "durations.json").read_text())
+    median = sorted(table.values())[len(table) // 2] if table else 0.0
+    root = Path(config.rootpath)
+
+    def weight(item):
+        path = Path(str(item.path)).relative_to(root).as_posix()
+        return (-table.get(path, median), path)
+
+    items.sort(key=weight)  # stable: a file's tests keep their order
