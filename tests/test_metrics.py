@@ -108,7 +108,7 @@ def test_children_a_process_will_use_are_exported_at_zero_before_their_first_eve
     expected |= {("diffq_degenerate_images_total", (("kind", kind), ("queue", queue))) for kind in ("flat", "nonfinite")}
     assert {key: after.get(key) for key in expected} == dict.fromkeys(expected, 0.0)
     # Process-wide children (other tests in this process may have counted on them): exported.
-    everywhere = {("diffq_upload_failures_total", (("stage", stage),)) for stage in ("lookup", "store")}
+    everywhere = {("diffq_upload_failures_total", (("stage", stage),)) for stage in ("try", "lookup", "store")}
     everywhere |= {("diffq_dead_letters_total", (("reason", reason),)) for reason in REASONS}
     assert everywhere <= set(after)
     assert {"malformed", "unsigned", "not_a_batch"} <= set(REASONS)

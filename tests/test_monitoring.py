@@ -277,8 +277,14 @@ CASES: dict[str, list[tuple[list[dict], list[tuple[str, list[dict]]]]]] = {
          [("5m", []), ("15m", [{"shape": "s"}]), ("45m", [])]),
     ],
     "DiffqStorageFailing": [
-        ([_series("diffq_upload_failures_total", "0+1x60", stage="store", **W)], [("5m", []), ("20m", [{}])]),
-        ([_series("diffq_upload_failures_total", "0x60", stage="store", **W)], [("20m", [])]),
+        # As a worker exports them: every stage from 0; storage down from 5m to 35m, the
+        # sink's tries counted as they fail (it has given up on no batch yet).
+        ([_series("diffq_upload_failures_total", "0x5 1+1x30 31x30", stage="try", **W),
+          _series("diffq_upload_failures_total", "0x65", stage="store", **W),
+          _series("diffq_upload_failures_total", "0x65", stage="lookup", **W)],
+         [("5m", []), ("12m", []), ("20m", [{}]), ("35m", [{}]), ("45m", [])]),
+        ([_series("diffq_upload_failures_total", "0x60", stage=stage, **W) for stage in ("try", "store", "lookup")],
+         [("20m", [])]),
     ],
     "DiffqDegenerateImages": [
         ([_series("diffq_images_total", "0+100x60", queue="q1", **W),

@@ -8,7 +8,8 @@ One run of scenarios, each firing within its wait and window and resolving when 
 fault ends: healthy (no alert), a queue whose every item fails (ItemsFailing),
 hostile messages (DeadLettersGrowing), the backlog service restarted mid-stall (the
 stall keeps its age: RunStalled never resolves), the backlog service kept down
-(BacklogServiceDown fires, no run alert resolves), one recompile (Recompiles).
+(BacklogServiceDown fires, no run alert resolves), one recompile (Recompiles),
+storage failing (StorageFailing, from the sink's failed tries as they happen).
 """
 
 from __future__ import annotations
@@ -41,7 +42,8 @@ NS = "diffq"
 # Waits and windows short enough for a test, each through its own `--alert`.
 SHORT = ["stall_minutes=0.25", "stall_for_minutes=0", "failure_window_minutes=0.34", "failure_for_minutes=0",
          "dead_letter_window_minutes=0.34",
-         "backlog_down_minutes=0.1", "recompile_window_minutes=0.34"]
+         "backlog_down_minutes=0.1", "recompile_window_minutes=0.34", "storage_window_minutes=0.34",
+         "storage_minutes=0"]
 POISON = "poisoned-prompt"
 # A CPU worker compiles nothing here (and a real recompile on CPU costs minutes of
 # inductor): one recompile is this process's, the worker's own metrics module serving
@@ -257,12 +259,16 @@ def test_the_rendered_alerts_fire_and_resolve_in_a_real_prometheus(tmp_path, mak
     try:
         fleet.start_prometheus(binary)
         fleet.start_backlog()
-        fleet.start_worker()
 
         # Healthy: a run completes; every series is in, and no alert is pending or firing.
+        # The worker starts once the backlog service reports the run: a run this small is
+        # fed whole and leaves the feeds folder within a second, maybe between two scrapes.
         healthy, queue = submit_run(tmp_path, "healthy", prefix, tiny_model, broker, n=4)
-        wait(fleet, lambda: status(healthy).done == 4, "the healthy run", timeout=300)
         run_id = read_manifest(open_storage(healthy)).run_id
+        wait(fleet, lambda: fleet.query(f'diffq_run_items{{run="{run_id}", state="pending"}} == 4'),
+             "the backlog service reporting the run")
+        fleet.start_worker()
+        wait(fleet, lambda: status(healthy).done == 4, "the healthy run", timeout=300)
         wait(fleet, lambda: fleet.query(f'max_over_time(diffq_run_items{{run="{run_id}", state="done"}}[1m]) == 4')
              and fleet.query(f'diffq_images_total{{queue="{queue}", pool!=""}} == 4'), "the run's series scraped")
         # (A stall while the worker started, seconds long, is fair: it resolves now.)
@@ -331,8 +337,22 @@ def test_the_rendered_alerts_fire_and_resolve_in_a_real_prometheus(tmp_path, mak
         wait(fleet, lambda: not any(a["labels"]["alertname"] == "DiffqRunStalled" for a in fleet.alerts()),
              "RunStalled resolved")
 
-        # Storage failing is not here: the sink retries a failing store inside its helper
-        # process (worker/sink/store.py) and counts nothing the worker's /metrics serves,
-        # so DiffqStorageFailing cannot fire yet (seen here: 16 failed stores, no series moved).
+        # Storage failing: a run folder whose images/ is a file, so every image put fails
+        # in the filesystem (as a store denying writes does; chmod would not stop root).
+        # The sink's helper retries without giving up; each failed try is counted by the
+        # worker as it happens, so StorageFailing fires while the fault lasts.
+        blocked = Path(prefix) / "blocked"
+        blocked.mkdir()
+        (blocked / "images").write_bytes(b"")
+        blocked_out, _ = submit_run(tmp_path, "blocked", prefix, tiny_model, broker, n=2)
+        wait(fleet, lambda: firing(fleet, "DiffqStorageFailing"), "StorageFailing")
+        assert fleet.query('diffq_upload_failures_total{stage="try", pod!~".*-probe"} > 0')
+        assert fleet.query('diffq_upload_failures_total{stage="store"} == 0')  # no batch given up on
+        assert status(blocked_out).done == 0
+        # The fault ends: the next try stores the batch, and the alert resolves a window later.
+        (blocked / "images").unlink()
+        wait(fleet, lambda: status(blocked_out).done == 2, "the blocked run stored once storage healed")
+        wait(fleet, lambda: not any(a["labels"]["alertname"] == "DiffqStorageFailing" for a in fleet.alerts()),
+             "StorageFailing resolved")
     finally:
         fleet.close()

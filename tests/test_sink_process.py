@@ -23,6 +23,7 @@ from PIL import Image
 from diffq.core import layout, progress
 from diffq.core.contract import BatchItem, BatchMessage, BatchParams, ShapeKey
 from diffq.core.storage import open_storage
+from diffq.worker.observe import metrics
 from diffq.worker.sink.store import Pixels, Sink
 from diffq.worker.sink.helper import SinkError, SinkLost, SinkProcess, Slots, make_sink
 from tests.helpers import MEASURED
@@ -190,14 +191,20 @@ def test_a_dead_helper_fails_what_it_held_and_the_next_batch_gets_a_new_one(tmp_
 
 @pytest.mark.parametrize("kind", ["images", "arrays"])
 def test_a_storage_error_reaches_the_future_after_the_retries(tmp_path, kind):
-    """Arrays cross in a shared-memory slot: a failed batch gives it back too."""
+    """Arrays cross in a shared-memory slot: a failed batch gives it back too. The
+    failed try is counted in the worker's metrics (the ones it serves), not the helper's."""
     blocker = tmp_path / "file"
     blocker.write_text("not a folder")
     out = str(blocker / "run")
+    def tries() -> float:
+        return metrics.REGISTRY.get_sample_value("diffq_upload_failures_total", {"stage": "try"})
+
+    before = tries()
     sink = SinkProcess(retry_for_s=0)
     try:
         with pytest.raises(SinkError, match="run"):
             store(sink, out, batch(out, 0), (pictures if kind == "images" else arrays_of)(batch(out, 0)), {})
+        assert tries() == before + 1  # no retry past retry_for_s=0: one try
         assert sink._helper.process.poll() is None  # one bad batch does not end the helper
         assert sink.slots.counts() == ((0, 0) if kind == "images" else (1, 1))
     finally:

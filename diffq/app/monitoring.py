@@ -115,8 +115,10 @@ class Thresholds:
     recompile_for_minutes: float = _knob(0, WAIT)
     fallback_window_minutes: float = _knob(15, MINUTES)
     fallback_for_minutes: float = _knob(0, WAIT)
-    # Stores failing (any within the window) for storage_minutes: the sinks retry
-    # without end; storage is down or full.
+    # Stores failing (any within the window) for storage_minutes: storage is down,
+    # full or denied. The sinks retry a failed store for minutes before giving up, and
+    # count each failed try as it happens (stage `try`), so the alert holds while the
+    # fault lasts and resolves a window after it ends.
     storage_window_minutes: float = _knob(5, MINUTES)
     storage_minutes: float = _knob(10, WAIT)
     # Degenerate images (NaN, flat) over images generated, per queue over the window.

@@ -73,11 +73,14 @@ BUSY = Gauge("diffq_device_busy_ratio", "Share of recent wall time the device sp
              registry=REGISTRY)
 # What the fleet's alert rules (diffq/app/monitoring.py) watch beside the above.
 UPLOAD_FAILURES = Counter("diffq_upload_failures",
-                          "Stores into the run folder that failed (the batch handed back or retried without "
-                          "using an attempt)", ["stage"], registry=REGISTRY)
-# Where a store fails: `store` (the sink's, the batch handed back) or `lookup` (a
-# run-folder read or write on the task's side, retried without an attempt).
-STORE_STAGES = ("store", "lookup")
+                          "Stores into the run folder that failed (each try the sink retries, the batch handed "
+                          "back, or retried without using an attempt)", ["stage"], registry=REGISTRY)
+# Where a store fails: `try` (each failed try of the sink's retry loop, a batch's or
+# the progress summary's: while storage stays down it keeps counting, where the sink
+# would otherwise say nothing until it gives up, ten minutes on), `store`
+# (the sink gave up, the batch handed back) or `lookup` (a run-folder read or write on
+# the task's side, retried without an attempt).
+STORE_STAGES = ("try", "store", "lookup")
 for _stage in STORE_STAGES:
     UPLOAD_FAILURES.labels(_stage)
 LEASE_LAPSES = Counter("diffq_lease_lapses", "Deliveries held past DIFFQ_MAX_HOLD_S and left to lapse",

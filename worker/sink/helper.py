@@ -52,7 +52,7 @@ import numpy as np
 from diffq.core.contract import BatchMessage
 from diffq.core.settings import get_settings
 from diffq.core.storage import Storage, open_storage
-from diffq.worker.observe import heap
+from diffq.worker.observe import heap, metrics
 from diffq.worker.sink.store import SINK_NICENESS, BatchOutcome, Handed, Pixels, Sink, place_on_sink_cpus
 
 log = logging.getLogger(__name__)
@@ -144,6 +144,9 @@ class _Helper:
         try:
             while True:
                 reply = json.loads(self._conn.recv_bytes())
+                if reply.get("failed_try"):  # the helper's sink retrying a store: counted here, where it is served
+                    metrics.observe_upload_failure("try")
+                    continue
                 self.replied = True
                 with self._lock:
                     futures = self._pending[reply["job"]]
@@ -446,12 +449,18 @@ def _recv_payload(conn: Connection, reuse: bytearray | None = None) -> bytearray
 
 def serve(conn: Connection, threads: int, retry_for_s: float) -> None:
     """The helper's loop: receive batches, store them with `Sink`, reply per job."""
-    sink = Sink(threads=threads, retry_for_s=retry_for_s)
     sock = socket.socket(fileno=os.dup(conn.fileno()))  # for the slots' descriptors
     slots: dict[int, mmap.mmap] = {}  # the worker's shared-memory slots, by id
     storages: dict[str, Storage] = {}
     reply_lock = threading.Lock()
     buffer: bytearray | None = None
+
+    def send(body: dict) -> None:
+        with reply_lock:
+            try:
+                conn.send_bytes(json.dumps(body).encode())
+            except OSError:
+                pass  # the worker is gone; its batches come back to another one
 
     def reply(job: int, stage: str, done: Future) -> None:
         if done.exception() is not None:
@@ -459,11 +468,10 @@ def serve(conn: Connection, threads: int, retry_for_s: float) -> None:
         else:
             result = done.result()
             body = {"job": job, "stage": stage, "outcome": dataclasses.asdict(result) if result is not None else None}
-        with reply_lock:
-            try:
-                conn.send_bytes(json.dumps(body).encode())
-            except OSError:
-                pass  # the worker is gone; its batches come back to another one
+        send(body)
+
+    # Each failed try told to the worker as it happens: its /metrics is the one scraped.
+    sink = Sink(threads=threads, retry_for_s=retry_for_s, failed_try=lambda: send({"failed_try": 1}))
 
     while True:
         try:

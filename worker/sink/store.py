@@ -28,6 +28,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 
 from pydantic import ValidationError
 
@@ -39,6 +40,7 @@ from diffq.core.records import BatchMeasures, ImageRecord, jsonl
 from diffq.core.settings import get_settings
 from diffq.core.storage import Storage
 from diffq.worker.device.backends import parse_devices
+from diffq.worker.observe import metrics
 
 log = logging.getLogger(__name__)
 
@@ -234,8 +236,12 @@ def keep_pixel_blocks() -> None:
 
 
 class Sink:
-    def __init__(self, threads: int = 4, retry_for_s: float = 600.0):
+    def __init__(self, threads: int = 4, retry_for_s: float = 600.0,
+                 failed_try: Callable[[], None] = partial(metrics.observe_upload_failure, "try")):
+        """`failed_try` is told of each failed try (the worker's metrics; a helper
+        process passes it on to its worker)."""
         keep_pixel_blocks()
+        self._failed_try = failed_try
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="diffq-sink",
                                           initializer=_yield_to_generation)
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="diffq-io",
@@ -343,6 +349,7 @@ class Sink:
                 raise
             except Exception as exc:
                 attempt += 1
+                self._failed_try()
                 if note is not None:
                     note.failed(exc)
                 if time.monotonic() >= deadline:
