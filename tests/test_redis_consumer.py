@@ -13,7 +13,7 @@ import uuid
 import pytest
 from kombu import Connection, Consumer, Queue
 
-from diffq.core.brokers.redis import RedisBroker
+from diffq.core.brokers.redis import RedisBroker, RedisTransport
 from diffq.core.transports import transport_for
 
 
@@ -40,7 +40,7 @@ def test_the_redis_row_installs_the_redis_consumer_channel():
 def test_a_taken_message_is_recorded_unacked_by_the_same_step_and_acked_as_usual(redis_server):
     queue = _queue()
     got = []
-    with Connection(redis_server) as conn:
+    with Connection(redis_server, transport=RedisTransport) as conn:
         conn.Producer().publish({"n": 1}, routing_key=queue.name, declare=[queue])
         channel = conn.channel()
         consumer = Consumer(channel, [queue], callbacks=[lambda body, message: got.append(message)])
@@ -66,7 +66,7 @@ def test_a_message_whose_reply_is_lost_comes_back_when_its_lease_lapses(redis_se
     worker never saw the message. Recorded in the same step, a sweep restores it."""
     queue = _queue()
     options = {"visibility_timeout": 1, "unacked_restore_throttle": 1}
-    with Connection(redis_server, transport_options=options) as conn:
+    with Connection(redis_server, transport=RedisTransport, transport_options=options) as conn:
         conn.Producer().publish("lost reply", routing_key=queue.name, declare=[queue])
         channel = conn.channel()
         channel.basic_consume(queue.name, False, lambda message: None, consumer_tag="t")
@@ -82,7 +82,7 @@ def test_a_message_whose_reply_is_lost_comes_back_when_its_lease_lapses(redis_se
 def test_the_window_bounds_what_one_poll_start_takes(redis_server):
     queue = _queue()
     got = []
-    with Connection(redis_server) as conn:
+    with Connection(redis_server, transport=RedisTransport) as conn:
         producer = conn.Producer()
         for n in range(3):
             producer.publish({"n": n}, routing_key=queue.name, declare=[queue])
@@ -102,7 +102,7 @@ def test_the_window_bounds_what_one_poll_start_takes(redis_server):
 
 def test_an_item_that_is_not_a_kombu_envelope_is_left_for_kombus_read(redis_server):
     queue = _queue()
-    with Connection(redis_server) as conn:
+    with Connection(redis_server, transport=RedisTransport) as conn:
         channel = conn.channel()
         channel.basic_consume(queue.name, False, lambda message: None, consumer_tag="t")
         channel.client.lpush(queue.name, b"not json")
@@ -148,7 +148,7 @@ def test_kombu_alone_cannot_give_back_through_a_collected_connection(redis_serve
 
 def test_a_channel_whose_connection_is_gone_leaves_its_deliveries_to_their_lease(redis_server):
     queue = _queue()
-    conn = Connection(redis_server)
+    conn = Connection(redis_server, transport=RedisTransport)
     channel, got = _held(conn, queue)
     installed = redis_consumer_channel(channel)
     _drain(conn)
@@ -158,7 +158,7 @@ def test_a_channel_whose_connection_is_gone_leaves_its_deliveries_to_their_lease
     got[0].ack()  # a batch finishing after the loss: settled here, raises nothing
     channel.close()  # gives back nothing, raises nothing
     assert installed.left_held == 1 and not channel.qos._delivered
-    with Connection(redis_server) as fresh:
+    with Connection(redis_server, transport=RedisTransport) as fresh:
         client = fresh.default_channel.client
         # Still held in the broker, where the lease sweep finds it once it lapses.
         assert client.hexists("unacked", tag) and client.zscore("unacked_index", tag) is not None
@@ -169,12 +169,12 @@ def test_an_ack_after_the_channel_closed_and_gave_back_is_settled_here(redis_ser
     """A batch finishing after a reconnect whose close gave back what it held: the
     given-back copy is the broker's; the late ack must not end the worker."""
     queue = _queue()
-    conn = Connection(redis_server)
+    conn = Connection(redis_server, transport=RedisTransport)
     channel, got = _held(conn, queue)
     installed = redis_consumer_channel(channel)
     _drain(conn)
     conn.close()  # the broker was back in time: kombu gives the delivery back
     got[0].ack()
     assert installed.left_held == 1
-    with Connection(redis_server) as fresh:
+    with Connection(redis_server, transport=RedisTransport) as fresh:
         assert fresh.default_channel.client.llen(queue.name) == 1
