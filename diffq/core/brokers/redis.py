@@ -7,7 +7,14 @@ the `unacked_mutex`) puts back every entry older than the visibility timeout
 (kombu/transport/redis.py). Renewing a lease = moving the score forward. Each queue
 is one list of its exact name (priority_steps [0]); an empty queue has no key.
 
-The worker's consumer channel (`ConsumerChannel`): what kombu's own lacks, installed on it.
+kombu is extended here through its extension points, never by replacing a method or
+attribute on an object diffq did not create: kombu's Redis `Transport`, `Channel` and
+`QoS` are subclassed (`RedisTransport`, `RedissTransport`, `RedisSentinelTransport`;
+`RedisChannel`, `RedisQoS`) and handed to Celery as its `broker_transport`, a
+"module:Class" path per scheme (`KOMBU_TRANSPORTS`, read by make_celery): the URL keeps
+its scheme, and kombu's process-wide `TRANSPORT_ALIASES` stay as they are. What the
+worker's consumer channel adds (`ConsumerChannel`, switched on by `RedisChannel.serve`):
+
 
 1. A fetch that cannot lose a message: pop and record it in one step.
 
@@ -45,6 +52,33 @@ delivery the channel still holds (`QoS.restore_unacked`); here each one is repor
 to the worker's `closed` hook: `StillHeld` (`channel closed`: a requeue, carried out by
 kombu's own `restore_by_tag`, as kombu's close would), or `ConnectionLost` where the
 connection is already gone.
+
+4. A reply check. A BRPOP reply that is no kombu envelope goes to the worker's
+`on_bad` before kombu parses it (`RedisChannel.guard`), through a subclass of the
+channel's own redis-py client class (`_get_client`), not a replaced reply callback.
+
+kombu's private names that remain, each for a reason kombu offers no public way to meet
+(checked against kombu 5.7; the `kombu<5.8` pin keeps them there):
+- `Channel._brpop_start`, overridden: kombu's poller calls it on every poll start
+  (MultiChannelPoller._register_BRPOP); the only place a fetch can run before the BRPOP.
+- `Channel._get_client`, overridden: where kombu picks its client class (the reply check).
+- `Channel._connparams`, overridden (`RedissChannel`): kombu's TLS default for rediss://.
+- `Channel._queue_cycle` (`consume`, `rotate`) and `Channel._q_for_pri`: the queues and
+  list names kombu's own BRPOP would use, in its round-robin order (the script pops the
+  same lists in the same order; the publisher names lists by `_q_for_pri` too).
+- `Transport._deliver`: hands a taken message to its consumer as `_brpop_read` does.
+- `Transport._callbacks`: wrapped once in `_Arrivals.__init__`, on diffq's own transport
+  (each delivery stamped with its queue: base.py `StampingCallbacks`).
+- `QoS._delivered` (what a closing channel holds, kombu's own `restore_unacked` loop) and
+  `QoS._quick_ack` (forget a delivery here without telling a broker that is gone).
+- `virtual.QoS.append`, past kombu's Redis QoS: its bookkeeping without the Redis write
+  the take script already made.
+
+How the fetch waits: it does not wait inside the script (Redis runs a blocking pop
+inside a script without blocking). The script only looks: it pops and records one
+message if a served queue holds one, and returns nothing otherwise; then, with every
+queue empty, the channel sends kombu's own BRPOP (with its timeout, 1 s by default), and
+the event loop waits on that socket like any other kombu Redis consumer.
 """
 
 from __future__ import annotations
