@@ -22,8 +22,9 @@ def make_celery(broker_url: str, transport_options: dict | None = None) -> Celer
     options = {**broker.options(settings), **settings.broker_transport_options, **(transport_options or {})}
 
     app = Celery("diffq", broker=broker_url, set_as_current=False)
-    if broker.kombu_transport:
-        app.conf.broker_transport = broker.kombu_transport
+    kombu_transport = broker.kombu_transport_for(broker_url)
+    if kombu_transport:  # a class, not an alias: kombu's TRANSPORT_ALIASES stay as they are
+        app.conf.broker_transport = kombu_transport
     app.conf.update(
         # JSON only: pickle is refused on both sides.
         task_serializer="json",

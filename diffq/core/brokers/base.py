@@ -201,7 +201,7 @@ def passive_queue_depths(connection, queues: list[str]) -> dict[str, int]:
 ARRIVAL = "diffq_arrival"
 
 
-class _StampingCallbacks(dict):
+class StampingCallbacks(dict):
     """kombu's virtual transports hand each fetched message to the callback of the
     queue they took it from (kombu/transport/virtual/base.py `Transport._deliver`:
     `self._callbacks[queue](message)`; kombu/transport/SQS/__init__.py
@@ -230,8 +230,8 @@ def stamp_virtual_arrivals(consumer) -> None:
     """Make every delivery to this kombu Consumer's connection carry its queue (once)."""
     transport = consumer.channel.connection
     callbacks = getattr(transport, "_callbacks", None)
-    if isinstance(callbacks, dict) and not isinstance(callbacks, _StampingCallbacks):
-        transport._callbacks = _StampingCallbacks(callbacks)
+    if isinstance(callbacks, dict) and not isinstance(callbacks, StampingCallbacks):
+        transport._callbacks = StampingCallbacks(callbacks)
 
 
 def virtual_arrival(message, consumer) -> str | None:
@@ -342,6 +342,10 @@ class Broker:
     peek_dead_letters = None
     # stamp_arrivals(consumer): what the consumer needs installed for `arrival` to know.
     stamp_arrivals = staticmethod(stamp_virtual_arrivals)
+
+    def kombu_transport_for(self, broker_url: str) -> str | None:
+        """The kombu Transport class ("module:Class") Celery is handed for this URL."""
+        return self.kombu_transport
 
     def options(self, settings) -> dict:
         """kombu transport options this broker needs (settings -> dict)."""

@@ -7,7 +7,14 @@ the `unacked_mutex`) puts back every entry older than the visibility timeout
 (kombu/transport/redis.py). Renewing a lease = moving the score forward. Each queue
 is one list of its exact name (priority_steps [0]); an empty queue has no key.
 
-The worker's consumer channel (`ConsumerChannel`): what kombu's own lacks, installed on it.
+kombu is extended here through its extension points, never by replacing a method or
+attribute on an object diffq did not create: kombu's Redis `Transport`, `Channel` and
+`QoS` are subclassed (`RedisTransport`, `RedissTransport`, `RedisSentinelTransport`;
+`RedisChannel`, `RedisQoS`) and handed to Celery as its `broker_transport`, a
+"module:Class" path per scheme (`KOMBU_TRANSPORTS`, read by make_celery): the URL keeps
+its scheme, and kombu's process-wide `TRANSPORT_ALIASES` stay as they are. What the
+worker's consumer channel adds (`ConsumerChannel`, switched on by `RedisChannel.serve`):
+
 
 1. A fetch that cannot lose a message: pop and record it in one step.
 
@@ -45,14 +52,43 @@ delivery the channel still holds (`QoS.restore_unacked`); here each one is repor
 to the worker's `closed` hook: `StillHeld` (`channel closed`: a requeue, carried out by
 kombu's own `restore_by_tag`, as kombu's close would), or `ConnectionLost` where the
 connection is already gone.
+
+4. A reply check. A BRPOP reply that is no kombu envelope goes to the worker's
+`on_bad` before kombu parses it (`RedisChannel.guard`), through a subclass of the
+channel's own redis-py client class (`_get_client`), not a replaced reply callback.
+
+kombu's private names that remain, each for a reason kombu offers no public way to meet
+(checked against kombu 5.7; the `kombu<5.8` pin keeps them there):
+- `Channel._brpop_start`, overridden: kombu's poller calls it on every poll start
+  (MultiChannelPoller._register_BRPOP); the only place a fetch can run before the BRPOP.
+- `Channel._get_client`, overridden: where kombu picks its client class (the reply check).
+- `Channel._connparams`, overridden (`RedissChannel`): kombu's TLS default for rediss://.
+- `Channel._queue_cycle` (`consume`, `rotate`) and `Channel._q_for_pri`: the queues and
+  list names kombu's own BRPOP would use, in its round-robin order (the script pops the
+  same lists in the same order; the publisher names lists by `_q_for_pri` too).
+- `Transport._deliver`: hands a taken message to its consumer as `_brpop_read` does.
+- `Transport._callbacks`: wrapped once in `_Arrivals.__init__`, on diffq's own transport
+  (each delivery stamped with its queue: base.py `StampingCallbacks`).
+- `QoS._delivered` (what a closing channel holds, kombu's own `restore_unacked` loop) and
+  `QoS._quick_ack` (forget a delivery here without telling a broker that is gone).
+- `virtual.QoS.append`, past kombu's Redis QoS: its bookkeeping without the Redis write
+  the take script already made.
+
+How the fetch waits: it does not wait inside the script (Redis runs a blocking pop
+inside a script without blocking). The script only looks: it pops and records one
+message if a served queue holds one, and returns nothing otherwise; then, with every
+queue empty, the channel sends kombu's own BRPOP (with its timeout, 1 s by default), and
+the event loop waits on that socket like any other kombu Redis consumer.
 """
 
 from __future__ import annotations
 
 import base64
 import contextlib
+import functools
 import json
 import logging
+import ssl
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -65,8 +101,8 @@ from kombu.utils.encoding import bytes_to_str
 from kombu.utils.json import loads
 
 from diffq.core.brokers.base import (DEAD_LETTERS, PEEKED_LETTERS, PREFIX, Broker, ConnectionLost, DeadLetterReport,
-                                     StillHeld, dashed, envelope_payload, envelope_queue, letter_fields,
-                                     new_task_id)
+                                     StampingCallbacks, StillHeld, dashed, envelope_payload, envelope_queue,
+                                     letter_fields, new_task_id)
 
 log = logging.getLogger(__name__)
 
@@ -109,10 +145,20 @@ return false
 
 
 
-class ConsumerChannel:
-    """Installed on one consumer channel (kombu's Redis `Channel`) by the worker."""
+# The QoS methods `RedisQoS` overrides: the consumer channel's when it has one.
+QOS_METHODS = ("append", "ack", "reject", "restore_unacked")
 
-    def __init__(self, channel, closed: Callable[[StillHeld | ConnectionLost], None] | None = None):
+
+class ConsumerChannel:
+    """The worker's fetch and settling on one consumer channel (`RedisChannel.serve`).
+
+    `kombu`: kombu's own QoS methods (append, ack, reject, restore_unacked) and the
+    channel's own `start` (`_brpop_start`), which the subclasses below override and
+    reach here through `super()`; without it, the ones the channel's QoS carries (a
+    stand-in channel in tests)."""
+
+    def __init__(self, channel, closed: Callable[[StillHeld | ConnectionLost], None] | None = None,
+                 kombu: dict[str, Callable] | None = None):
         self.channel = channel
         # Each delivery still held when the channel closes; None: kombu's own restore.
         self.closed = closed
@@ -120,22 +166,16 @@ class ConsumerChannel:
         self._answers: dict[str, Future] = {}
         self.recorded: set[str] = set()  # delivery tags the script recorded as unacked
         self._script = None
-        qos = channel.qos
-        self._kombu = {name: getattr(qos, name) for name in ("append", "ack", "reject", "restore_unacked")}
-        self._kombu_start = channel._brpop_start
+        if kombu is None:
+            qos = channel.qos
+            kombu = {name: getattr(qos, name) for name in QOS_METHODS}
+            kombu["start"] = channel._brpop_start
+        self._kombu = kombu
+        self._kombu_start = kombu["start"]
         self.taken = 0  # messages taken by the script (tests, bench)
         self.left_held = 0  # deliveries left to their lease once the connection was gone
 
-    def install(self) -> ConsumerChannel:
-        # kombu's poller calls `_brpop_start` on every poll start while the channel can
-        # consume and no BRPOP is outstanding (MultiChannelPoller._register_BRPOP).
-        self.channel._brpop_start = self.start
-        qos = self.channel.qos
-        qos.append, qos.ack, qos.reject, qos.restore_unacked = \
-            self.append, self.ack, self.reject, self.restore_unacked
-        return self
-
-    def start(self, timeout=1):
+    def start(self, timeout=None):
         qos = self.channel.qos
         # Up to the window (one with no window: kombu's own pace), then kombu's BRPOP
         # where there is still room: every queue empty, or no window to fill.
@@ -259,6 +299,162 @@ def _settle(lost: ConnectionLost) -> None:
     lost.settle()
     log.warning("the broker connection is gone: delivery %s is settled by the broker (given back "
                 "at the close, or back once its lease lapses)", lost.tag)
+
+
+# -- kombu's Redis transport, subclassed -------------------------------------------------------
+
+
+class RedisQoS(kombu_redis.QoS):
+    """kombu's Redis QoS; on a consumer channel the worker serves (`RedisChannel.serve`),
+    its append, ack, reject and restore go through the `ConsumerChannel`, which reaches
+    kombu's own through `super()`."""
+
+    def append(self, message, delivery_tag):
+        served = self.channel.diffq
+        if served is None:
+            return super().append(message, delivery_tag)
+        return served.append(message, delivery_tag)
+
+    def ack(self, delivery_tag):
+        served = self.channel.diffq
+        if served is None:
+            return super().ack(delivery_tag)
+        return served.ack(delivery_tag)
+
+    def reject(self, delivery_tag, requeue=False):
+        served = self.channel.diffq
+        if served is None:
+            return super().reject(delivery_tag, requeue=requeue)
+        return served.reject(delivery_tag, requeue=requeue)
+
+    def restore_unacked(self, client=None):
+        served = self.channel.diffq
+        if served is None:
+            return super().restore_unacked(client)
+        return served.restore_unacked(client)
+
+
+class _CheckedReplies:
+    """redis-py's client, each BRPOP reply handed to `checked` (its channel's
+    `_checked_reply`) after redis-py's own parsing and before kombu reads it."""
+
+    def __init__(self, *args, checked: Callable | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._checked = checked
+
+    def parse_response(self, connection, command_name, **options):
+        response = super().parse_response(connection, command_name, **options)
+        if command_name == "BRPOP" and response and self._checked is not None:
+            return self._checked(response)
+        return response
+
+
+@functools.cache
+def _checked_client(base: type) -> type:
+    # kombu's client class: redis.Redis, or its PrefixedStrictRedis under a global key prefix.
+    return type(f"Checked{base.__name__}", (_CheckedReplies, base), {})
+
+
+class _ServedChannel:
+    """What diffq's Redis channels add to kombu's (`RedisChannel`, `RedisSentinelChannel`)."""
+
+    QoS = RedisQoS
+    # The worker's fetch and settling (`serve`); None: kombu's own (a producer's channel).
+    diffq: ConsumerChannel | None = None
+    # on_bad(queue, item, reason) for a popped item that is no kombu envelope (`guard`).
+    on_bad: Callable[[str, bytes, str], None] | None = None
+
+    def serve(self, closed: Callable | None = None) -> ConsumerChannel:
+        """The atomic fetch and the detached settling, on this channel from now on (once)."""
+        if self.diffq is None:
+            qos = self.qos
+            kombu = {name: getattr(super(RedisQoS, qos), name) for name in QOS_METHODS}
+            kombu["start"] = super()._brpop_start
+            self.diffq = ConsumerChannel(self, closed, kombu)
+        return self.diffq
+
+    def guard(self, on_bad: Callable[[str, bytes, str], None]) -> None:
+        self.on_bad = on_bad
+
+    def _brpop_start(self, timeout=None):
+        # kombu's poller calls it on every poll start while the channel can consume and
+        # no BRPOP is outstanding (kombu/transport/redis.py MultiChannelPoller._register_BRPOP).
+        if self.diffq is None:
+            return super()._brpop_start(timeout)
+        return self.diffq.start(timeout)
+
+    def _get_client(self):
+        # kombu builds every client of this channel from it (`_create_client`).
+        base = super()._get_client()
+        if isinstance(base, functools.partial):
+            return functools.partial(_checked_client(base.func), *base.args, checked=self._checked_reply,
+                                     **base.keywords)
+        return functools.partial(_checked_client(base), checked=self._checked_reply)
+
+    def _checked_reply(self, response):
+        """kombu's Redis channel parses a BRPOP reply as its JSON envelope in one step
+        (kombu/transport/redis.py `_brpop_read`); an item another client pushed that is
+        not one raises out of the worker's event loop, which ends the worker and loses
+        the item. Here a malformed item goes to `on_bad(queue, item, reason)` and the
+        read gets nothing (kombu's `Empty`: the loop goes on)."""
+        if self.on_bad is None:
+            return response
+        key, item = response
+        reason = _envelope_problem(item)
+        if reason is None:
+            return response
+        queue = (key.decode() if isinstance(key, bytes) else key).split(PRIORITY_SEP, 1)[0]
+        self.on_bad(queue, item, reason)
+        return None
+
+
+class RedisChannel(_ServedChannel, kombu_redis.Channel):
+    pass
+
+
+class RedissChannel(RedisChannel):
+    """A rediss:// broker: kombu sets TLS without certificate checks for a bare rediss://
+    URL only when the scheme names its transport (kombu/connection.py `_init_params`);
+    handed a class, it does not, so the class keeps that default."""
+
+    connection_class = kombu_redis.Channel.connection_class_ssl
+
+    def _connparams(self, asynchronous=False):
+        params = super()._connparams(asynchronous)
+        if not self.connection.client.ssl:
+            params.setdefault("ssl_cert_reqs", ssl.CERT_NONE)
+        return params
+
+
+class RedisSentinelChannel(_ServedChannel, kombu_redis.SentinelChannel):
+    pass
+
+
+class _Arrivals:
+    """Each delivery stamped with the queue it was taken from (base.py `StampingCallbacks`),
+    by the transport's own callback table."""
+
+    def __init__(self, client, **kwargs):
+        super().__init__(client, **kwargs)
+        self._callbacks = StampingCallbacks(self._callbacks)
+
+
+class RedisTransport(_Arrivals, kombu_redis.Transport):
+    Channel = RedisChannel
+
+
+class RedissTransport(_Arrivals, kombu_redis.Transport):
+    Channel = RedissChannel
+
+
+class RedisSentinelTransport(_Arrivals, kombu_redis.SentinelTransport):
+    Channel = RedisSentinelChannel
+
+
+# Handed to kombu as a class by Celery's `broker_transport` (make_celery), per scheme;
+# the URL keeps its scheme. Not through kombu's TRANSPORT_ALIASES: that is process-wide.
+KOMBU_TRANSPORTS = {"redis": f"{__name__}:RedisTransport", "rediss": f"{__name__}:RedissTransport",
+                    "sentinel": f"{__name__}:RedisSentinelTransport"}
 
 
 # -- publishing ------------------------------------------------------------------------------
@@ -387,12 +583,27 @@ def _envelope_problem(item: bytes | str) -> str | None:
 
 
 
+def _served(channel, what: str) -> bool:
+    """The channel is one of diffq's (make_celery hands kombu `KOMBU_TRANSPORTS`). kombu's
+    own (a `;` failover list switches back to it: kombu/connection.py `switch`) keeps
+    kombu's own behaviour, and the log says so."""
+    if isinstance(channel, _ServedChannel):
+        return True
+    log.warning("the Redis consumer channel is kombu's own %s, not diffq's: %s are off on it",
+                type(channel).__name__, what)
+    return False
+
+
 class RedisBroker(Broker):
     """Redis: leases by the `unacked_index` score, a pipelined LPUSH publisher, one SCAN
     for every queue's depth (shared by the fleet), an atomic fetch on the consumer channel,
     a guard for items that are no kombu envelope, the dead letters' list read by LLEN."""
 
     publisher = RedisLists
+    kombu_transport = KOMBU_TRANSPORTS["redis"]
+
+    def kombu_transport_for(self, broker_url: str) -> str | None:
+        return KOMBU_TRANSPORTS.get(broker_url.split("://", 1)[0].lower(), self.kombu_transport)
 
     def options(self, settings) -> dict:
         return {
@@ -452,45 +663,24 @@ class RedisBroker(Broker):
         return sorted(self.list_depths(connection, prefix))
 
     def guard_deliveries(self, channel, on_bad: Callable[[str, bytes, str], None]) -> None:
-        """Check each item the consumer's channel pops before kombu parses it.
+        """Check each item the consumer's channel pops before kombu parses it: a malformed
+        one goes to `on_bad(queue, item, reason)` (`_ServedChannel._checked_reply`)."""
+        if _served(channel, "the guard for items that are no kombu envelope"):
+            channel.guard(on_bad)
 
-        kombu's Redis channel reads a BRPOP reply and parses the item as its JSON
-        envelope in one step (kombu/transport/redis.py `_brpop_read`); an item another
-        client pushed that is not one raises out of the worker's event loop, which
-        ends the worker and loses the item. A BRPOP response callback sees the reply
-        first: a malformed item goes to `on_bad(queue, item, reason)` and the read
-        returns nothing (kombu's `Empty`: the loop goes on)."""
-        client = channel.client
-        original = client.response_callbacks.get("BRPOP")
-
-        def checked(response, **options):
-            response = original(response, **options) if original else response
-            if not response:
-                return response
-            key, item = response
-            reason = _envelope_problem(item)
-            if reason is None:
-                return response
-            queue = (key.decode() if isinstance(key, bytes) else key).split(PRIORITY_SEP, 1)[0]
-            on_bad(queue, item, reason)
-            return None
-
-        client.set_response_callback("BRPOP", checked)
-
-    def consumer_channel(self, channel, closed: Callable | None = None) -> ConsumerChannel:
-        """Install the atomic fetch and the detached settling on a consumer channel (once);
+    def consumer_channel(self, channel, closed: Callable | None = None) -> ConsumerChannel | None:
+        """The atomic fetch and the detached settling on a consumer channel (once);
         `closed(StillHeld | ConnectionLost)`: the worker's end for each delivery still held
         when the channel closes."""
-        installed = channel.__dict__.get("diffq_consumer")
-        if installed is None:
-            installed = channel.diffq_consumer = ConsumerChannel(channel, closed).install()
-        return installed
+        if _served(channel, "the atomic fetch and the detached settling"):
+            return channel.serve(closed)
+        return None
 
     def answer(self, message) -> Future | None:
         """What this delivery's next ack or reject meets (`ConsumerChannel.answer`); None
         on a channel without diffq's consumer fixes."""
-        installed = getattr(message.channel, "__dict__", {}).get("diffq_consumer")
-        return installed.answer(message.delivery_tag) if installed is not None else None
+        served = getattr(message.channel, "diffq", None)
+        return served.answer(message.delivery_tag) if isinstance(served, ConsumerChannel) else None
 
     def peek_dead_letters(self, connection, limit: int = PEEKED_LETTERS, peeked: Callable | None = None) -> DeadLetterReport:
         """LLEN and the list's head: kombu LPUSHes, so the head holds the newest (read
