@@ -4,7 +4,7 @@ pinned by commit at submit and fetched by the worker at that commit, all through
 huggingface_hub's own code (HfApi.parse_safetensors_file_metadata, model_info,
 hf_hub_download) pointed at the stand-in (its ENDPOINT and URL template, as HF_ENDPOINT
 sets them); and every kind of remote adapter a submit cannot read — the Hub answering
-404 or 403, object storage answering 403 or holding no such key — ending at
+404 or 403, object storage answering 403, holding no such key or not answering — ending at
 `file:line: field 'lora': …` with nothing enqueued and no OUT, exit 2 from `plan`.
 No network: the stand-in answers on 127.0.0.1."""
 
@@ -177,7 +177,7 @@ def test_a_hub_unreachable_at_the_worker_is_left_to_the_batchs_retries(hub, flux
 
 
 @pytest.mark.parametrize("kind", ["hub 404 repo", "hub 404 file", "hub 404 revision", "hub 403 gated",
-                                  "s3 404 key", "s3 403"])
+                                  "s3 404 key", "s3 403", "s3 unreachable"])
 def test_every_remote_refusal_is_file_line_field_exit_2_nothing_enqueued(kind, flux, loras, tmp_path, monkeypatch,
                                                                          request):
     from typer.testing import CliRunner
@@ -202,7 +202,12 @@ def test_every_remote_refusal_is_file_line_field_exit_2_nothing_enqueued(kind, f
         server = request.getfixturevalue("s3_server")
         bucket = f"s3://{server.make_bucket(unique_bucket_name())}"
         open_storage(bucket).upload_file(loras[8], "loras/r8.safetensors")
-        if kind == "s3 403":
+        if kind == "s3 unreachable":
+            from tests.test_lora_files import _closed_port
+
+            monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{_closed_port()}")
+            spec, says = f"{bucket}/loras/r8.safetensors", "127.0.0.1"
+        elif kind == "s3 403":
             proxy = CorruptingProxy(server.endpoint, corrupt="r8.safetensors", status=403, code="AccessDenied")
             monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.__enter__().endpoint)
             spec, says = f"{bucket}/loras/r8.safetensors", "AccessDenied"
