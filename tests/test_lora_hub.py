@@ -113,7 +113,6 @@ def hub(loras, tmp_path, monkeypatch):
                         stand_in.endpoint + "/{repo_id}/resolve/{revision}/{filename}")
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub-cache"))
-    monkeypatch.setenv("HF_HUB_DISABLE_XET", "1")
     monkeypatch.setenv("DIFFQ_MODEL_CACHE", str(tmp_path / "model-cache"))  # where the worker keeps Hub files
     yield stand_in
     stand_in.close()
