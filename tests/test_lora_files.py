@@ -403,3 +403,78 @@ def test_hub_files_are_named_by_the_hubs_uri_with_the_scale_last(tmp_path, monke
     (tmp_path / "org" / "styles" / "ink.safetensors").write_bytes(b"")
     assert A.hub_spelling("org/styles/ink.safetensors") is None
     assert A.allowed("hf://org/styles/ink.safetensors", ["org"])
+
+
+# --- at the worker: a file that cannot be loaded fails its batch for good ------------------
+
+
+@pytest.mark.parametrize("fault, says", [
+    ("conversion raises", "FluxPipeline.lora_state_dict could not convert this kohya file (KeyError: "),
+    ("weights cut short", "its weights cannot be read (SafetensorError: "),
+    ("changed after submit", "changed since the run pinned it"),
+])
+def test_an_adapter_the_worker_cannot_load_fails_its_batch_for_good_naming_it(fault, says, flux, files, tmp_path,
+                                                                              model_cache, monkeypatch):
+    """Through the worker's batch task (worker/delivery/tasks.py generate_batch) on the real
+    pipeline host: a batch of a submitted run whose kohya file cannot be converted (diffusers'
+    converter raising), whose body is cut short (the producer reads the header alone, so a
+    truncated download passes submit) or that changed since submit fails at its first
+    attempt, no retry, and its failure record's reason names the adapter."""
+    import shutil
+
+    from diffusers import FluxPipeline
+
+    from diffq.core.records import FailureRecord
+    from diffq.producer.submit import submit
+    from diffq.worker.delivery.outcomes import Outcome
+    from diffq.worker.delivery.runtime import Runtime
+    from diffq.worker.delivery.spec import ChildSpec
+    from tests.test_delivery import StubSink, StubTask, run_task
+    from tests.test_lora_run import ARGS, Recording
+
+    path = tmp_path / "style.safetensors"
+    shutil.copy(files["kohya"], path)
+    if fault == "weights cut short":
+        path.write_bytes(path.read_bytes()[:-64])
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "p", "lora": str(path)}) + "\n")
+    recording, out = Recording(), tmp_path / "out"
+    submit(prompts, str(out), model=flux, publisher=recording, window=None, **ARGS)
+    (message,) = recording.published
+    if fault == "conversion raises":  # as diffusers' fal-kontext converter does on a model it does not know
+        original = FluxPipeline.lora_state_dict  # the scaffold's own load goes through it too
+
+        def raising(cls, state_dict, **kwargs):
+            if isinstance(state_dict, dict) and any(key.startswith("lora_unet_") for key in state_dict):
+                raise KeyError("single_blocks.37.linear1.lora_A.weight")
+            return original(state_dict, **kwargs)
+
+        monkeypatch.setattr(FluxPipeline, "lora_state_dict", classmethod(raising))
+    elif fault == "changed after submit":
+        shutil.copy(files["comfyui"], path)
+    runtime = Runtime(spec=ChildSpec(name="w", broker_url="memory://", queues=[message.shape.queue]),
+                      host=PipelineHost(backend=get_backend("cpu"), compile_mode="none"), sink=StubSink())
+    task = StubTask(runtime)
+    assert run_task(task, message.model_dump(mode="json"))["failed"] == len(message.items)
+    assert runtime.line.reported("task-1") is Outcome.FAILED and not hasattr(task, "retried")
+    (record,) = [FailureRecord.model_validate_json(p.read_text()) for p in (out / "failures").iterdir()]
+    assert record.batch_id == message.batch_id and record.attempts == 1
+    assert f"adapter {path}" in record.error and says in record.error, record.error
+
+
+def test_a_damaged_cached_conversion_is_converted_again(flux, files, model_cache):
+    from pathlib import Path
+
+    from diffusers import FluxPipeline
+
+    from diffq.worker.device.lora_files import convert
+
+    (ref,) = A.RunAdapters(flux).add(files["kohya"])
+    data = Path(files["kohya"]).read_bytes()
+    first = convert(ref, files["kohya"], data, FluxPipeline)
+    (kept,) = (model_cache / "lora-converted").iterdir()
+    kept.write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{damaged")
+    again = convert(ref, files["kohya"], data, FluxPipeline)
+    assert again.state_dict.keys() == first.state_dict.keys() and again.scalings == first.scalings
+    assert all(torch.equal(again.state_dict[key], first.state_dict[key]) for key in first.state_dict)
+    assert load_file(str(kept)).keys() >= first.state_dict.keys()  # kept again, whole

@@ -2,9 +2,11 @@
 LoRA files as people have them, row by row: kohya, kohya under ComfyUI's
 `diffusion_model.`, XLabs, a raw PEFT save, a kohya file whose text-encoder part the row
 drops, the same adapters in diffusers' layout as diffusers' own `FluxPipeline.lora_state_dict`
-converts them, a stack of two and none. Each converted file gives the pixels of its
-diffusers-layout twin, the hot-swaps compile nothing after the worker's first batch, and
-every record names the layout the file came in and the text-encoder part dropped."""
+converts them, a stack of two, none, and adapters with per-module alphas and ranks and
+with use_rslora. Each converted file gives the pixels of its diffusers-layout twin, the
+hot-swaps compile nothing after the worker's first batch, every record names the layout
+the file came in and the text-encoder part dropped, and the scalings diffq writes give
+the pixels of diffusers' ordinary load_lora_weights compiled the same way."""
 
 from __future__ import annotations
 
@@ -12,7 +14,9 @@ import json
 
 import pytest
 
-from tests.test_lora import BATCH, STEPS, flux, loras  # noqa: F401  (fixtures)
+import numpy as np
+
+from tests.test_lora import BATCH, STEPS, _plain, flux, loras, tolerance  # noqa: F401  (fixtures)
 from tests.test_lora_files import SAME, VISIBLE, _apart, files  # noqa: F401  (the files, built in the test)
 from tests.test_lora_run import _images
 
@@ -22,7 +26,7 @@ def _rows(files, loras) -> dict[str, object]:
             "comfyui": files["comfyui"], "xlabs": files["xlabs"], "xlabs_diffusers": files["xlabs by diffusers"],
             "peft": files["peft"], "diffusers": loras[8],
             "kohya_te": {"path": files["kohya+te"], "text_encoder": "drop"},
-            "stack": [files["kohya"], f"{files['xlabs']}@0.5"]}
+            "stack": [files["kohya"], f"{files['xlabs']}@0.5"], "alphas": files["alphas"], "rslora": files["rslora"]}
 
 
 @pytest.fixture(scope="module")
@@ -77,3 +81,19 @@ def test_records_name_the_layout_and_the_dropped_text_encoder_part(files_run, fi
     assert [(a["file_layout"], a["text_encoder"]) for a in adapters["kohya_te"]] == [("kohya", "drop")]
     assert [(a["file_layout"], a["scale"]) for a in adapters["stack"]] == [("kohya", 1.0), ("xlabs", 0.5)]
     assert "file_layout" not in adapters["diffusers"][0] and "text_encoder" not in adapters["diffusers"][0]
+
+
+@pytest.mark.slow
+def test_alphas_rslora_and_mixed_ranks_match_load_lora_weights_compiled_the_same_way(files_run, files, flux,
+                                                                                       tolerance):
+    """Per-module alphas and ranks (alpha_pattern, rank_pattern) and use_rslora: the run's
+    images within what compiling alone changes of diffusers' own load_lora_weights, its
+    blocks compiled as the worker compiles them. (A kohya conversion's mixed ranks: its
+    images are its diffusers twin's above, and that twin's are load_lora_weights' in
+    test_lora_files.py, eager; a third compiled plain pipeline would add a minute here.)"""
+    out, _ = files_run
+    images = _images(out)
+    for name in ("alphas", "rslora"):
+        got = np.stack([images[f"{name}-{k}"] for k in range(BATCH)])
+        assert np.abs(got - _plain(flux, True, files[name])).max() <= tolerance, name
+        assert np.abs(got - np.stack([images[f"none-{k}"] for k in range(BATCH)])).max() > VISIBLE, name

@@ -184,6 +184,11 @@ def _bad(kind: str, tmp_path: Path) -> tuple[str, str]:
         save_file({f"{q}.lora_A.weight": torch.zeros(4, 32), f"{q}.lora_B.weight": torch.zeros(32, 4)}, str(path),
                   metadata={"lora_adapter_metadata": json.dumps({"transformer.use_dora": True})})
         return str(path), "DoRA"
+    if kind == "refused layout":  # kohya's bias delta: diffusers' converter would drop it with a log line
+        proj = "lora_unet_double_blocks_0_img_attn_proj"
+        save_file({f"{proj}.lora_down.weight": torch.zeros(4, 32), f"{proj}.lora_up.weight": torch.zeros(32, 4),
+                   f"{proj}.alpha": torch.tensor(4.0), f"{proj}.diff_b": torch.zeros(32)}, str(path))
+        return str(path), "a bias or norm delta"
     if kind == "missing file":
         return str(tmp_path / "nowhere.safetensors"), "no such file"
     if kind == "scale out of range":
@@ -192,7 +197,7 @@ def _bad(kind: str, tmp_path: Path) -> tuple[str, str]:
 
 
 @pytest.mark.parametrize("kind", ["wrong model", "corrupt header", "text encoder", "incompatible config",
-                                  "missing file", "scale out of range", "not allowed"])
+                                  "refused layout", "missing file", "scale out of range", "not allowed"])
 def test_a_bad_adapter_is_refused_at_submit_naming_file_line_field_and_nothing_is_enqueued(
         kind, tmp_path, flux, loras, monkeypatch):
     if kind == "not allowed":

@@ -16,6 +16,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from typer.testing import CliRunner
 
 from diffq.app import qualify as q
@@ -169,3 +170,24 @@ def test_an_adapter_named_twice_and_none_at_all_are_refused(flux, loras):
     for given, message in ((f"{loras[4]},{loras[4]}@0.5", f"names {loras[4]} twice"), (",", "names no adapter")):
         result = CliRunner().invoke(app, ["qualify", "--model", flux, "--lora", given], env={"COLUMNS": "1000"})
         assert result.exit_code == 2 and message in result.output, result.output
+
+
+def test_a_text_encoder_part_is_refused_unless_lora_text_encoder_drop(flux, tmp_path):
+    """qualify takes --lora-text-encoder as run, submit and plan do (core/options.py):
+    refused by default naming the option; with drop the file passes and the next adapter's
+    fault is the one said (no device is started to find it)."""
+    from tests.test_lora_files import KOHYA, TE, _kohya, _random
+
+    te = {f"{TE}.lora_down.weight": torch.zeros(4, 32), f"{TE}.lora_up.weight": torch.zeros(32, 4)}
+    path = _kohya(_random(flux, KOHYA, seed=5), tmp_path / "kohya-te.safetensors", extra=te)
+    missing = str(tmp_path / "missing.safetensors")
+    for given, says in (([], f"error: --lora {path}: {path}: has a text-encoder LoRA part"),
+                        (["--lora-text-encoder", "drop"], f"error: --lora {missing}: {missing}: no such file")):
+        result = CliRunner().invoke(app, ["qualify", "--model", flux, "--lora", f"{path},{missing}", *given],
+                                    env={"COLUMNS": "1000"})
+        assert result.exit_code == 2, result.output
+        assert says in result.output, result.output
+    assert "--lora-text-encoder drop" in CliRunner().invoke(
+        app, ["qualify", "--model", flux, "--lora", path], env={"COLUMNS": "1000"}).output
+    plan = q.plan_lora(q.get_backend("cpu"), "none", flux, [path], text_encoder="drop")
+    assert [(ref.text_encoder, ref.file_layout) for ref in plan.refs] == [("drop", "kohya")]

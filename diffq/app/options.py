@@ -164,10 +164,8 @@ def generation_params(fields=None) -> list[inspect.Parameter]:
             continue
         flag = "--" + name.replace("_", "-")
         annotation, default = info.annotation, info.default
-        choices = typing.get_args(annotation) if typing.get_origin(annotation) is Literal else ()
-        if choices:
-            annotation = Enum(name.title().replace("_", ""), {c: c for c in choices}, type=str)
-            default = annotation(default)
+        if choices := _choices(name, annotation):
+            annotation, default = choices, choices(default)
             option = typer.Option(flag, help=info.description)
         elif annotation is bool:
             option = typer.Option(f"{flag}/--no-{flag[2:]}", help=info.description)
@@ -201,10 +199,19 @@ def generation_option(name: str, *, note: str | None = None, unset: object = Non
     annotation, limits = info.annotation, contract_range(GenerationOptions, name)
     if words := _words_beside_int(annotation):
         limits, annotation = words[0], int
+    elif choices := _choices(name, annotation):  # the command receives the Enum: `.value` is the word
+        annotation = choices
     help = (note or info.description) + (f" (default {unset})" if unset is not None else "")
     option = typer.Option("--" + name.replace("_", "-"), *([SHORT_FLAGS[name]] if name in SHORT_FLAGS else []),
                           **limits, help=help)
     return Annotated[annotation if unset is None else Optional[annotation], option]
+
+
+def _choices(name: str, annotation) -> type[Enum] | None:
+    """A `Literal[words]` field as the Enum typer offers as choices, else None."""
+    if typing.get_origin(annotation) is not Literal:
+        return None
+    return Enum(name.title().replace("_", ""), {c: c for c in typing.get_args(annotation)}, type=str)
 
 
 def _words_beside_int(annotation):

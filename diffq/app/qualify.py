@@ -236,7 +236,7 @@ class LoraPlan:
 
 
 def plan_lora(backend, compile_mode: str, model: str, specs: list[str],
-              mode: str = lora_modes.DEFAULT_LORA_MODE) -> LoraPlan:
+              mode: str = lora_modes.DEFAULT_LORA_MODE, text_encoder: str | None = None) -> LoraPlan:
     """The adapters of `--lora`, each checked and pinned as submit checks a row's (the
     allow-list, its header, the fit to the model's transformer), and their layout; refused
     where the backend table says a hot-swap may not keep this compile mode's graphs."""
@@ -246,7 +246,7 @@ def plan_lora(backend, compile_mode: str, model: str, specs: list[str],
         raise QualifyError(f"--lora refused: {reason}")
     if not specs:
         raise QualifyError("--lora names no adapter")
-    run = RunAdapters(model, allowed_prefixes=get_settings().allowed_adapters)
+    run = RunAdapters(model, allowed_prefixes=get_settings().allowed_adapters, text_encoder=text_encoder)
     refs = []
     for index, spec in enumerate(specs):
         try:
@@ -749,12 +749,14 @@ def qualify(model: str, *, device: str = "cpu", slot: int = 0, compile: str = "n
             threads: int = 1, compile_cache: str | None = None, repeats: int = DEFAULT_REPEATS,
             reference_max_pixels: int = REFERENCE_MAX_PIXELS, timeout: float | None = None,
             speedups: SpeedupOptions | None = None, announce: Callable[[str], None] | None = None,
-            lora: list[str] | None = None, lora_mode: str = lora_modes.DEFAULT_LORA_MODE) -> dict:
+            lora: list[str] | None = None, lora_mode: str = lora_modes.DEFAULT_LORA_MODE,
+            lora_text_encoder: str | None = None) -> dict:
     """Run the qualification and return the report (the `--json` object).
 
     `speedups`: tune them too (`--speedups`); `announce` hears, before any child
     starts, how many candidates and compiles that costs. `lora`: adapter specs
-    (`PATH`, `PATH@SCALE`) to hot-swap on the device (`--lora`)."""
+    (`PATH`, `PATH@SCALE`) to hot-swap on the device (`--lora`); `lora_text_encoder`:
+    `drop` runs a file's transformer part without its text-encoder part (`--lora-text-encoder`)."""
     from diffq.worker.api import ModelUnavailable, resolve_model
 
     backend = get_backend(device)
@@ -768,7 +770,7 @@ def qualify(model: str, *, device: str = "cpu", slot: int = 0, compile: str = "n
         resolve_model(model)
     except ModelUnavailable as exc:
         raise QualifyError(str(exc)) from None
-    adapters = plan_lora(backend, compile, model, lora, lora_mode) if lora is not None else None
+    adapters = plan_lora(backend, compile, model, lora, lora_mode, lora_text_encoder) if lora is not None else None
     settings = _settings(model, reference, shapes, batch_size, steps, guidance_scale, max_sequence_length,
                          prompts_file, reference_max_pixels)
     config = RunConfig(device=device, dtype=dtype, compile=compile, offload=offload)

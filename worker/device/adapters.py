@@ -52,6 +52,10 @@ SLOTS = (SLOT, *(f"stack{i}" for i in range(1, MAX_STACK)))  # below 10: no name
 CACHE_BYTES = 2 * 1024**3
 
 
+# The folder under the model cache that holds adapters fetched from the Hub.
+HUB_FOLDER = "lora-hub"
+
+
 class AdapterOrderError(RuntimeError):
     """The scaffold must go in before any compile: after one, the graphs would not see it."""
 
@@ -137,12 +141,21 @@ def _local_path(ref: AdapterRef) -> str:
             raise  # not permanent: the batch is retried
         except ModelStoreError as exc:
             raise AdapterUnsupported(str(exc)) from None
-    if where is Source.HUB:  # not tested here: no Hub
+    if where is Source.HUB:  # tests/test_lora_hub.py: against a stand-in for the Hub
         from huggingface_hub import hf_hub_download
-        from huggingface_hub.errors import EntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError
+        from huggingface_hub.errors import (EntryNotFoundError, LocalEntryNotFoundError, RepositoryNotFoundError,
+                                            RevisionNotFoundError)
 
+        from diffq.core.settings import get_settings
+
+        # Into a folder of the model cache per repo and commit, as a plain file: the Hub
+        # cache's snapshot is a link into its blobs, which the header's local read refuses
+        # as a key outside its folder (core/storage/local.py).
+        into = Path(get_settings().model_cache) / HUB_FOLDER / folder / (ref.revision or "main")
         try:
-            return hf_hub_download(folder, name, revision=ref.revision)
+            return hf_hub_download(folder, name, revision=ref.revision, local_dir=into)
+        except LocalEntryNotFoundError:
+            raise  # the Hub unreachable and no copy here: not permanent, the batch is retried
         except (EntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError) as exc:
             # Gone, or never there (a gated repo included): no retry helps. Anything else
             # (a refused connection, a 5xx) is left to the batch's retries.

@@ -28,6 +28,7 @@ for a file that says nothing, as diffusers derives it (utils/peft_utils.py get_p
 from __future__ import annotations
 
 import hashlib
+import logging
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +38,8 @@ import torch
 from diffq.core.adapters import (ALPHA_SUFFIX, FILE_LAYOUTS, PEFT_PREFIX, TEXT_ENCODER_PREFIXES, TRANSFORMER_PREFIX,
                                  AdapterError, AdapterInfo, check_text_encoder, content_revision, inspect)
 from diffq.core.contract import AdapterRef
+
+log = logging.getLogger("diffq.worker")
 
 # The folder under the model cache that holds converted adapters.
 CONVERTED_FOLDER = "lora-converted"
@@ -60,8 +63,6 @@ def convert(ref: AdapterRef, path: str, data: bytes, pipeline_class: type | None
     """The adapter at `path` (its bytes `data`, at the revision the run pinned) in
     diffusers' layout, checked again as the producer checked it; `pipeline_class`
     (the loaded pipeline's) converts a layout diffusers converts."""
-    from safetensors.torch import load
-
     from diffq.core.families import FamilyError, family_for_class
 
     try:
@@ -78,14 +79,27 @@ def convert(ref: AdapterRef, path: str, data: bytes, pipeline_class: type | None
         if pipeline_class is None:
             raise AdapterUnsupported(f"adapter {ref.path}: a {info.layout} file, converted by a pipeline class, "
                                      f"but none was given")
-        state_dict, alphas = _cached(ref, info, data, lambda: _by_diffusers(load(data), info, pipeline_class))
+        state_dict, alphas = _cached(ref, info, data, lambda: _by_diffusers(_load(ref, data), info, pipeline_class))
     else:
         state_dict = {TRANSFORMER_PREFIX + key.removeprefix(PEFT_PREFIX) if layout.converter == "prefix" else key:
-                      tensor for key, tensor in load(data).items() if not key.startswith(TEXT_ENCODER_PREFIXES)}
+                      tensor for key, tensor in _load(ref, data).items() if not key.startswith(TEXT_ENCODER_PREFIXES)}
         alphas = {key[len(TRANSFORMER_PREFIX):-len(ALPHA_SUFFIX)]: float(state_dict.pop(key))
                   for key in [k for k in state_dict if k.endswith(ALPHA_SUFFIX)]}
     _check_all_in(ref, info, state_dict)
     return Converted(state_dict=state_dict, scalings=scalings(info, state_dict, alphas), layout=info.layout)
+
+
+def _load(ref: AdapterRef, data: bytes) -> dict[str, torch.Tensor]:
+    """The file's tensors; a file whose header was fine but whose body is not (cut short,
+    damaged) fails its batch for good, naming the adapter."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load
+
+    try:
+        return load(data)
+    except (SafetensorError, ValueError, RuntimeError) as exc:
+        raise AdapterUnsupported(f"adapter {ref.path}: its weights cannot be read ({type(exc).__name__}: "
+                                 f"{exc})") from None
 
 
 def _by_diffusers(state_dict: dict, info: AdapterInfo, pipeline_class: type) -> tuple[dict, dict]:
@@ -93,7 +107,12 @@ def _by_diffusers(state_dict: dict, info: AdapterInfo, pipeline_class: type) -> 
     producer refused it unless the ref says drop). `lora_state_dict` returns a tuple
     (state dict, alphas) where the class honours `return_alphas`, else the state dict."""
     text = set(info.text_encoder_keys)
-    out = pipeline_class.lora_state_dict({k: v for k, v in state_dict.items() if k not in text}, return_alphas=True)
+    try:
+        out = pipeline_class.lora_state_dict({k: v for k, v in state_dict.items() if k not in text},
+                                             return_alphas=True)
+    except Exception as exc:  # diffusers' converters raise KeyError, ValueError, ...: the file's fault, for good
+        raise AdapterUnsupported(f"adapter {info.path}: {pipeline_class.__name__}.lora_state_dict could not "
+                                 f"convert this {info.layout} file ({type(exc).__name__}: {exc})") from None
     converted, network_alphas = (out[0], out[1]) if isinstance(out, tuple) else (out, None)
     alphas = {key.removeprefix(TRANSFORMER_PREFIX).removesuffix(ALPHA_SUFFIX): float(value)
               for key, value in (network_alphas or {}).items()}
@@ -105,19 +124,31 @@ def _by_diffusers(state_dict: dict, info: AdapterInfo, pipeline_class: type) -> 
 
 def _cached(ref: AdapterRef, info: AdapterInfo, data: bytes, make) -> tuple[dict, dict]:
     """A conversion from the node's cache, or made now and kept there."""
-    from safetensors.torch import load_file, save
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
 
     from diffq.core.settings import get_settings
-    from diffq.core.storage.base import atomic_write
 
     revision = ref.revision or content_revision(data)
     key = hashlib.sha256(f"{ref.path}\n{revision}".encode()).hexdigest()[:32]
     file = Path(get_settings().model_cache) / CONVERTED_FOLDER / f"{key}-{info.layout}.safetensors"
     if file.is_file():
-        state_dict = load_file(str(file))
+        try:
+            state_dict = load_file(str(file))
+        except (SafetensorError, OSError) as exc:  # a damaged copy of ours: converted again below
+            log.warning("lora %s: the cached conversion %s cannot be read (%s); converting again", ref.path, file, exc)
+            return _convert_and_keep(ref, file, revision, make)
         alphas = {k[:-len(ALPHA_SUFFIX)]: float(state_dict.pop(k)) for k in [k for k in state_dict
                                                                            if k.endswith(ALPHA_SUFFIX)]}
         return state_dict, alphas
+    return _convert_and_keep(ref, file, revision, make)
+
+
+def _convert_and_keep(ref: AdapterRef, file: Path, revision: str, make) -> tuple[dict, dict]:
+    from safetensors.torch import save
+
+    from diffq.core.storage.base import atomic_write
+
     state_dict, alphas = make()
     file.parent.mkdir(parents=True, exist_ok=True)
     kept = {**state_dict, **{f"{module}{ALPHA_SUFFIX}": torch.tensor(alpha) for module, alpha in alphas.items()}}

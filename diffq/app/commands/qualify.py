@@ -52,6 +52,7 @@ def register(app: typer.Typer) -> None:
         max_batch_size: Annotated[Optional[int], typer.Option("--max-batch-size", min=1, help="With --speedups: batch sizes 1, 2, 4, ... up to this (default --batch-size); an out-of-memory stops there")] = None,
         lora: Annotated[Optional[list[str]], typer.Option("--lora", help="A,B[,C…] (repeatable): LoRA adapters, each PATH or PATH@SCALE, checked as submit checks them, then hot-swapped on the device after the measurement: a swap that compiles a graph fails; swap and scale-change times (docs/qualify.md)")] = None,
         lora_mode: LoraModeOpt = DEFAULT_LORA_MODE,
+        lora_text_encoder: generation_option("lora_text_encoder", unset="refuse") = None,
         devices: Devices = None,
     ) -> None:
         """Qualify a device before you scale: compile vs steady state, recompiles, fallback ops, parity, memory.
@@ -86,7 +87,7 @@ def register(app: typer.Typer) -> None:
                 compile_cache=compile_cache or get_settings().compile_cache, repeats=repeats,
                 reference_max_pixels=reference_max_pixels, speedups=tuning,
                 lora=[spec.strip() for given in lora for spec in given.split(",") if spec.strip()] if lora else None,
-                lora_mode=lora_mode.value,
+                lora_mode=lora_mode.value, lora_text_encoder=lora_text_encoder.value if lora_text_encoder else None,
                 announce=lambda line: err.print(line, highlight=False, markup=False, soft_wrap=True))
         except (QualifyError, ValueError) as exc:
             fail(str(exc))
