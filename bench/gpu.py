@@ -112,13 +112,48 @@ T5_LAYERS = 2
 # What the device machine lacks (its image holds torch, transformers, accelerate,
 # safetensors, numpy, pillow, pyarrow, rich, typer, prometheus-client, python-dateutil,
 # ...: /work/.library/device/KINDS.md): diffq's dependency closure less those, carried as
-# cp312 wheels at the versions installed here, which the suite ran. boto3 and
-# google-cloud-storage stay behind: storage loads them on demand, and this run, with both
-# absent, completed every part here.
+# cp312 wheels at the versions installed here, which the suite ran (`uncarried` checks
+# it; torchao for quant:SCHEME). LEFT_BEHIND stays behind: each is loaded on demand.
 CARRIED = ("diffusers", "importlib-metadata", "lazy-importer", "celery", "kombu", "billiard", "vine", "amqp",
            "click-didyoumean", "click-repl", "click-plugins", "prompt-toolkit", "wcwidth", "tzlocal", "redis",
            "pydantic", "pydantic-core", "pydantic-settings", "python-dotenv", "annotated-types", "typing-inspection",
-           "typing-extensions", "orjson")
+           "typing-extensions", "orjson", "torchao")
+# The device image's packages (KINDS.md, "Python packages already there", read off a
+# machine on 2026-11-17): `uncarried` checks CARRIED against diffq's closure less these.
+DEVICE_IMAGE = frozenset("""
+absl-py accelerate aiofiles aiohappyeyeballs aiohttp aiosignal annotated-doc anyio attrs botorch build certifi
+charset-normalizer chex click cloudpickle cmake colorama contourpy coverage cuda-bindings cuda-core cuda-pathfinder
+cuda-toolkit cupy-cuda13x cycler cython diffrax e3nn einops equinox etils execnet filelock flatbuffers flax fonttools
+formulaic frozenlist fsspec gpytorch grpcio h11 h5py hf-xet httpcore httpx huggingface-hub humanize hypothesis idna
+imageio iniconfig interface-meta jax jax-cuda13-pjrt jax-cuda13-plugin jaxlib jaxtyping jinja2 joblib kiwisolver
+lazy-loader lightning lightning-utilities linear-operator lineax llvmlite lxml markdown markdown-it-py markupsafe
+matplotlib mdurl meson ml-dtypes mpi4py mpmath msgpack multidict multipledispatch mypy-extensions nanobind narwhals
+networkx ninja numba numba-cuda numpy numpyro nvidia-cublas nvidia-cuda-cupti nvidia-cuda-nvrtc nvidia-cuda-runtime
+nvidia-cudnn-cu13 nvidia-cufft nvidia-cufile nvidia-curand nvidia-cusolver nvidia-cusparse nvidia-cusparselt-cu13
+nvidia-ml-py nvidia-nccl-cu13 nvidia-nvjitlink nvidia-nvshmem-cu13 nvidia-nvtx onnx onnx-ir onnxruntime onnxscript
+opencv-python-headless optax opt-einsum opt-einsum-fx optimistix orbax-checkpoint packaging pandas pathspec patsy peft
+pillow pip pluggy portalocker prometheus-client propcache protobuf psutil pyarrow pybind11 py-cpuinfo pygments
+pyparsing pyproject-hooks pyre-extensions pytest pytest-benchmark pytest-cov pytest-mock pytest-timeout pytest-xdist
+python-dateutil pytorch-lightning pyyaml regex requests rich sacrebleu safetensors scikit-build-core scikit-image
+scikit-learn scipy seaborn sentencepiece sentence-transformers setuptools shellingham simplejson six sortedcontainers
+statsmodels sympy tabulate tensorboard tensorboard-data-server tensorstore threadpoolctl tifffile tiktoken timm
+tokenizers toolz torch torchaudio torchdiffeq torch-geometric torchmetrics torchvision tqdm transformers treescope
+triton typer typing-extensions typing-inspect urllib3 uvloop wadler-lindig werkzeug wheel wrapt xarray xxhash yarl
+zipp""".split())
+# diffq's dependencies the GPU run never imports, left behind with the reason (each is
+# imported only inside the feature that needs it; test_bench_gpu imports the run's
+# modules with them blocked).
+# Each: (the module it provides, why the GPU run does without it).
+LEFT_BEHIND = {
+    "boto3": ("boto3", "s3:// storage and model fetch (core/storage/s3.py, loaded on demand)"),
+    "google-cloud-storage": ("google.cloud.storage", "gs:// storage (core/storage/gcs.py, loaded on demand)"),
+    "grafana-foundation-sdk": ("grafana_foundation_sdk",
+                               "fleet dashboards (app/monitoring.py imports it in the function that builds them)"),
+}
+# The device's interpreter, for requirement markers.
+DEVICE_PYTHON = {"python_version": "3.12", "python_full_version": "3.12.3", "sys_platform": "linux",
+                 "platform_system": "Linux", "platform_machine": "x86_64", "implementation_name": "cpython",
+                 "platform_python_implementation": "CPython", "os_name": "posix"}
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64",
              "manylinux1_x86_64")
 CARRY_LIMIT_MB = 64
@@ -807,6 +842,43 @@ def render(result: dict | None) -> list[str]:
 
 
 # --- the wheels the device machine lacks --------------------------------------------
+
+
+def uncarried(root: str = "diffq") -> list[str]:
+    """`root`'s runtime dependency closure, as installed here (requirement markers read
+    for the device's CPython 3.12 on Linux, an extra only where a requirement names it),
+    that neither the device image holds nor CARRIED carries, LEFT_BEHIND apart: what
+    the GPU run would fail to import there. Empty when the wheel list is whole."""
+    from importlib import metadata
+
+    from packaging.markers import default_environment
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    carried, left = {canonicalize_name(n) for n in CARRIED}, {canonicalize_name(n) for n in LEFT_BEHIND}
+    image = {canonicalize_name(n) for n in DEVICE_IMAGE}
+    environment = {**default_environment(), **DEVICE_PYTHON}
+    missing, seen, stack = set(), set(), [(root, frozenset())]
+    while stack:
+        name, extras = stack.pop()
+        for line in metadata.requires(name) or ():
+            need = Requirement(line)
+            if need.marker and not any(need.marker.evaluate({**environment, "extra": extra})
+                                       for extra in (extras or {""})):
+                continue
+            dist = canonicalize_name(need.name)
+            if dist in left or dist in image or (dist, frozenset(need.extras)) in seen:
+                continue
+            seen.add((dist, frozenset(need.extras)))
+            if dist not in carried:
+                missing.add(dist)
+            try:
+                stack.append((need.name, frozenset(need.extras)))
+                metadata.distribution(need.name)
+            except metadata.PackageNotFoundError:
+                stack.pop()  # not installed here: its own needs unknown, itself already counted
+                missing.add(dist)
+    return sorted(missing)
 
 
 def download_wheels(folder: Path) -> dict:

@@ -94,3 +94,52 @@ def test_a_second_call_loads_the_kept_model_and_carries_the_first_calls_figures_
     assert after["earlier"]["parts"] == ["a"] and after["cut"] == []
     best = before["figures"]["a"]["probe"]["best_batch_size"]
     assert after["figures"]["c"]["speedups"]["batch_size"] == max(2, best)
+
+
+# -- what the device machine is carried --------------------------------------------------
+
+
+def test_every_runtime_dependency_the_gpu_run_needs_is_carried_or_on_the_image(monkeypatch):
+    """diffq's dependency closure (for the device's CPython 3.12) less the device image's
+    packages and LEFT_BEHIND is within CARRIED: torchao (quant:SCHEME, a core dependency,
+    not on the image) among the wheels; a wheel dropped from the list is named."""
+    from bench import gpu
+
+    assert gpu.uncarried() == []
+    assert "torchao" in gpu.CARRIED and "torchao" not in gpu.DEVICE_IMAGE
+    monkeypatch.setattr(gpu, "CARRIED", tuple(n for n in gpu.CARRIED if n not in ("torchao", "kombu")))
+    assert gpu.uncarried() == ["kombu", "torchao"]
+    monkeypatch.setattr(gpu, "LEFT_BEHIND", {})
+    assert {"boto3", "google-cloud-storage", "grafana-foundation-sdk"} <= set(gpu.uncarried())
+
+
+BLOCKED_IMPORT = """
+import importlib, sys
+# None in sys.modules: an import raises ModuleNotFoundError and importlib.util.find_spec
+# answers None, as where the package is not installed.
+for module in sys.argv[1].split(","):
+    sys.modules[module] = None
+for name in sys.argv[2:]:
+    importlib.import_module(name)
+from diffq.worker.device.quantize import torchao_config
+torchao_config("int8wo")
+print("ok")
+"""
+
+
+def test_the_gpu_runs_modules_import_without_what_is_left_behind():
+    """The modules the GPU run loads (the CLI, run, worker, qualify's child, the pipeline
+    host and the quantizer's torchao configs) import with LEFT_BEHIND's modules refused,
+    as on the device, where they are absent."""
+    modules = ["bench.gpu", "diffq.app.cli", "diffq.app.runner", "diffq.app.qualify", "diffq.worker.process.qualify",
+               "diffq.worker.process.child", "diffq.worker.delivery.celery_adapter",
+               "diffq.worker.device.pipeline_host"]
+    from bench.gpu import LEFT_BEHIND
+
+    blocked = ",".join(module for module, _ in LEFT_BEHIND.values())
+    proc = subprocess.run([sys.executable, "-c", BLOCKED_IMPORT, blocked, *modules], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-2000:]
+    proc = subprocess.run([sys.executable, "-c", BLOCKED_IMPORT, blocked, "diffq.core.storage.s3"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert "ModuleNotFoundError: import of boto3 halted" in proc.stderr  # the check above can fail
