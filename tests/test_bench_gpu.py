@@ -24,7 +24,9 @@ def gpu_bench(out: Path, *args: str, timeout: float = 400) -> subprocess.Complet
 @pytest.mark.slow
 def test_tiny_dry_run_writes_every_part(tmp_path):
     out = tmp_path / "gpu"
-    proc = gpu_bench(out, "--items", "2", "--deadline", "540", timeout=580)  # a deadline: the test below
+    # (e) apart, below: three qualify processes would take the CPU minutes.
+    proc = gpu_bench(out, "--items", "2", "--deadline", "540", "--parts", "a,b,c,d",
+                     timeout=580)  # a deadline: the test below
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads((out / "gpu.json").read_text())
     figures = result["figures"]
@@ -68,12 +70,36 @@ def test_the_deadline_cuts_cleanly(tmp_path):
     proc = gpu_bench(out, "--deadline", "4", timeout=120)  # mid-build or mid-(a): a process is stopped
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads((out / "gpu.json").read_text())
-    steps = ["build", "a", "b", "c", "d"]
+    steps = ["build", "a", "b", "c", "d", "e"]
     stopped = result["cut"][0].split(":")[0]
     assert stopped in ("build", "a") and "stopped at the deadline" in result["cut"][0]
     assert result["cut"][1:] == steps[steps.index(stopped) + 1:]
     assert result["wall_s"] < 30  # stopped, not waited for
     assert (out / "gpu.png").is_file()
+
+
+@pytest.mark.slow
+def test_the_lora_part_qualifies_a_mode_with_adapters_written_for_the_built_model(tmp_path):
+    """(e) on the tiny pipeline, one mode (each is the same `diffq qualify --lora`
+    process): two adapters of ranks 8 and 16 written without loading the transformer's
+    weights, each change seen in the images, no graph after the first batch; its table."""
+    from bench import gpu
+
+    out = tmp_path / "gpu"
+    proc = gpu_bench(out, "--parts", "e", "--lora-modes", "swap", "--deadline", "300", timeout=360)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads((out / "gpu.json").read_text())
+    e = result["figures"]["e"]
+    assert result["cut"] == [] and "error" not in e, e
+    assert e["adapters"]["ranks"] == [8, 16] and set(e) == {"adapters", "swap"}
+    swap = e["swap"]
+    assert swap["exit"] == 0 and swap["check"]["status"] == "pass" and swap["rank"] == 16
+    assert swap["graphs_after_first"] == 0 and swap["unseen"] == [] and swap["refused"] is None
+    assert [c["change"] for c in swap["changes"]] == ["adapter", "scale", "adapter", "scale", "none"]
+    assert all(c["vs_none"] > 0 for c in swap["changes"][:-1]) and swap["changes"][-1]["vs_none"] == 0
+    assert swap["s_per_image_with"] > 0 and swap["s_per_image_without"] > 0
+    (row,) = [line for line in gpu.render(result) if line.startswith("| swap |")]
+    assert row.startswith("| swap | pass | 0 |")
 
 
 @pytest.mark.slow
