@@ -870,7 +870,7 @@ def render(result: dict | None) -> list[str]:
              "To run it (a session lent the `device` tool's H200; 15 minutes of device time in all):", "",
              "1. here: `.venv/bin/python -m bench.gpu --wheels .whl` (the cp312 wheels the device machine lacks, "
              "at the versions the suite ran, and a check that the tree and wheels fit the 64 MiB a call carries: "
-             "on 2026-12-04, 23 wheels, 11.8 MiB, with the tree 15.2 MiB);",
+             "on 2026-12-04, 23 wheels, 11.8 MiB, with the tree 15.2 MiB; torchao, carried since, adds 3.2 MiB);",
              "2. the device tool's `run` with `command: bash bench/gpu_device.sh`, `carry: [\".whl\"]`, "
              "`timeout_s: 420` (bench.gpu stops itself at 330 s and writes `gpu.json`, `gpu.png` and `gpu.log` "
              "under `$OUT` after each figure); what the deadline cut, in a second call right after (the machine "
