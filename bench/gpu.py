@@ -1,7 +1,8 @@
 """Real-size figures on one accelerator: a FLUX.1-dev-sized pipeline with random weights,
 the whole `diffq run` against the bare diffusers loop, compile, speed-ups and qualify.
 
-    python -m bench.gpu --out DIR [--tiny] [--deadline S] [--parts a,b,c,d] [--items N] [--keep-model]
+    python -m bench.gpu --out DIR [--tiny] [--deadline S] [--parts a,b,c,d,e] [--lora-modes swap,fuse,compile]
+                           [--items N] [--keep-model]
     python -m bench.gpu --wheels DIR      # here: the cp312 wheels the device machine lacks
 
 No weights exist on the device machine and nothing can be fetched there, so step 0
@@ -29,7 +30,12 @@ order, so that a run cut short keeps the first:
     same batch size, and, apart, across batch sizes;
 (d) `diffq qualify --speedups --profile` end to end on one shape (judged against the
     full-compute images of (c) as its saved reference: a CPU reference of a 12B model
-    would take longer than the whole call), its profile then driving a `diffq run`.
+    would take longer than the whole call), its profile then driving a `diffq run`;
+(e) `diffq qualify --lora A,B --lora-mode M --compile regional` per LoRA mode (swap,
+    fuse, compile; two random adapters of mixed rank written for the built transformer
+    without loading its weights): graphs after the first batch, whether each change
+    showed, the change's time, s/image with and without adapters — what settles the
+    LoRA mode table for the device (issue 59).
 
 Each figure is printed as it is taken; `DIR/gpu.json` (device, driver, torch and
 diffusers versions, the exact configs) and `DIR/gpu.png` are rewritten after each
@@ -58,7 +64,10 @@ from bench.e2e import timeline
 from bench.speedups import prompts
 
 ROOT = Path(__file__).resolve().parents[1]
-PARTS = ("a", "b", "c", "d")
+PARTS = ("a", "b", "c", "d", "e")
+# (e)'s LoRA modes (worker/device/lora_modes.py), each one `diffq qualify --lora` process.
+LORA_MODES = ("swap", "fuse", "compile")
+LORA_RANKS = (8, 16)  # two adapters of mixed rank: the layout pads to the larger
 RESULT = "gpu.json"
 CHART = "gpu.png"
 # Published anchors on the same work (FLUX.1-dev, 1024², 28 steps), for docs/BENCHMARKS.md.
@@ -112,13 +121,48 @@ T5_LAYERS = 2
 # What the device machine lacks (its image holds torch, transformers, accelerate,
 # safetensors, numpy, pillow, pyarrow, rich, typer, prometheus-client, python-dateutil,
 # ...: /work/.library/device/KINDS.md): diffq's dependency closure less those, carried as
-# cp312 wheels at the versions installed here, which the suite ran. boto3 and
-# google-cloud-storage stay behind: storage loads them on demand, and this run, with both
-# absent, completed every part here.
+# cp312 wheels at the versions installed here, which the suite ran (`uncarried` checks
+# it; torchao for quant:SCHEME). LEFT_BEHIND stays behind: each is loaded on demand.
 CARRIED = ("diffusers", "importlib-metadata", "lazy-importer", "celery", "kombu", "billiard", "vine", "amqp",
            "click-didyoumean", "click-repl", "click-plugins", "prompt-toolkit", "wcwidth", "tzlocal", "redis",
            "pydantic", "pydantic-core", "pydantic-settings", "python-dotenv", "annotated-types", "typing-inspection",
-           "typing-extensions", "orjson")
+           "typing-extensions", "orjson", "torchao")
+# The device image's packages (KINDS.md, "Python packages already there", read off a
+# machine on 2026-11-17): `uncarried` checks CARRIED against diffq's closure less these.
+DEVICE_IMAGE = frozenset("""
+absl-py accelerate aiofiles aiohappyeyeballs aiohttp aiosignal annotated-doc anyio attrs botorch build certifi
+charset-normalizer chex click cloudpickle cmake colorama contourpy coverage cuda-bindings cuda-core cuda-pathfinder
+cuda-toolkit cupy-cuda13x cycler cython diffrax e3nn einops equinox etils execnet filelock flatbuffers flax fonttools
+formulaic frozenlist fsspec gpytorch grpcio h11 h5py hf-xet httpcore httpx huggingface-hub humanize hypothesis idna
+imageio iniconfig interface-meta jax jax-cuda13-pjrt jax-cuda13-plugin jaxlib jaxtyping jinja2 joblib kiwisolver
+lazy-loader lightning lightning-utilities linear-operator lineax llvmlite lxml markdown markdown-it-py markupsafe
+matplotlib mdurl meson ml-dtypes mpi4py mpmath msgpack multidict multipledispatch mypy-extensions nanobind narwhals
+networkx ninja numba numba-cuda numpy numpyro nvidia-cublas nvidia-cuda-cupti nvidia-cuda-nvrtc nvidia-cuda-runtime
+nvidia-cudnn-cu13 nvidia-cufft nvidia-cufile nvidia-curand nvidia-cusolver nvidia-cusparse nvidia-cusparselt-cu13
+nvidia-ml-py nvidia-nccl-cu13 nvidia-nvjitlink nvidia-nvshmem-cu13 nvidia-nvtx onnx onnx-ir onnxruntime onnxscript
+opencv-python-headless optax opt-einsum opt-einsum-fx optimistix orbax-checkpoint packaging pandas pathspec patsy peft
+pillow pip pluggy portalocker prometheus-client propcache protobuf psutil pyarrow pybind11 py-cpuinfo pygments
+pyparsing pyproject-hooks pyre-extensions pytest pytest-benchmark pytest-cov pytest-mock pytest-timeout pytest-xdist
+python-dateutil pytorch-lightning pyyaml regex requests rich sacrebleu safetensors scikit-build-core scikit-image
+scikit-learn scipy seaborn sentencepiece sentence-transformers setuptools shellingham simplejson six sortedcontainers
+statsmodels sympy tabulate tensorboard tensorboard-data-server tensorstore threadpoolctl tifffile tiktoken timm
+tokenizers toolz torch torchaudio torchdiffeq torch-geometric torchmetrics torchvision tqdm transformers treescope
+triton typer typing-extensions typing-inspect urllib3 uvloop wadler-lindig werkzeug wheel wrapt xarray xxhash yarl
+zipp""".split())
+# diffq's dependencies the GPU run never imports, left behind with the reason (each is
+# imported only inside the feature that needs it; test_bench_gpu imports the run's
+# modules with them blocked).
+# Each: (the module it provides, why the GPU run does without it).
+LEFT_BEHIND = {
+    "boto3": ("boto3", "s3:// storage and model fetch (core/storage/s3.py, loaded on demand)"),
+    "google-cloud-storage": ("google.cloud.storage", "gs:// storage (core/storage/gcs.py, loaded on demand)"),
+    "grafana-foundation-sdk": ("grafana_foundation_sdk",
+                               "fleet dashboards (app/monitoring.py imports it in the function that builds them)"),
+}
+# The device's interpreter, for requirement markers.
+DEVICE_PYTHON = {"python_version": "3.12", "python_full_version": "3.12.3", "sys_platform": "linux",
+                 "platform_system": "Linux", "platform_machine": "x86_64", "implementation_name": "cpython",
+                 "platform_python_implementation": "CPython", "os_name": "posix"}
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64",
              "manylinux1_x86_64")
 CARRY_LIMIT_MB = 64
@@ -131,8 +175,8 @@ class Bench:
     """The measurements in order, each against the deadline, the JSON rewritten after each."""
 
     def __init__(self, scale: Scale, out: Path, deadline_s: float, parts: tuple[str, ...], items: int,
-                 keep_model: bool = False):
-        self.scale, self.out, self.parts, self.items = scale, out, parts, items
+                 keep_model: bool = False, lora_modes: tuple[str, ...] = LORA_MODES):
+        self.scale, self.out, self.parts, self.items, self.lora_modes = scale, out, parts, items, lora_modes
         # --keep-model: a second call on the same (still warm) machine loads the first's
         # pipeline instead of building and saving it again, and carries on its figures
         # (the parts it does not run again, and (a)'s best batch size).
@@ -316,28 +360,10 @@ class Bench:
         command = [sys.executable, "-m", "diffq", "qualify", "--model", self.model, "--device", scale.device,
                    "--reference", str(reference), "--speedups", "--profile", str(profile),
                    "--max-candidates", str(scale.qualify_candidates), "--repeats", "1", "--json"]
-        log = self.work / "d-qualify.out"
-        budget = self.left()
-        if budget <= 1:
-            raise Cut("d-qualify")
-        started = time.perf_counter()
-        with log.open("wb") as sink:
-            proc = subprocess.Popen(command, stdout=sink, stderr=subprocess.PIPE, cwd=self.work, env=self.env,
-                                    start_new_session=True)
-            try:
-                _, err = proc.communicate(timeout=budget)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-                raise Cut("d-qualify") from None
-        seconds = round(time.perf_counter() - started, 2)
-        try:
-            found = json.loads(log.read_text())
-        except ValueError:
-            raise Failed(f"qualify exited with {proc.returncode}: {err.decode(errors='replace')[-400:]}") from None
+        found, seconds, code = self.json_process("d-qualify", command)
         shapes = found.get("speedups", {}).get("shapes", [])
         self.say("d", "qualify", {
-            "process_s": seconds, "exit": proc.returncode, "passed": found.get("passed"),
+            "process_s": seconds, "exit": code, "passed": found.get("passed"),
             "checks": {k: v.get("status") for k, v in found.get("checks", {}).items()},
             "chosen": [s.get("chosen") for s in shapes],
             "candidates": [{k: c.get(k) for k in ("speedup", "batch_size", "seconds_per_image", "time_vs_full",
@@ -350,7 +376,61 @@ class Bench:
         self.say("d", "run with the profile", {k: run[k] for k in ("process_s", "steady_s", "in_run_s", "speedups",
                                                                     "batch_sizes", "images")})
 
+    # --- (e) qualify --lora per LoRA mode ---------------------------------------------
+
+    def part_e(self) -> None:
+        """Per mode, `diffq qualify --lora A,B --lora-mode M --compile regional`: graphs
+        compiled after the first batch, whether each change showed, the change's time and
+        s/image with and without adapters (issue 59: what a lent device settles for the
+        mode table). Judged against (c)'s full-compute images; on the CPU dry run, a CPU
+        reference if (c) did not run."""
+        scale = self.scale
+        reference = getattr(self, "reference", None) or ("cpu" if scale.device == "cpu" else None)
+        if not reference:
+            raise Failed("(e) needs (c)'s full-compute images as its reference")
+        loras = self.child("e-loras", "loras", {"model": self.model, "out": str(self.work / "loras"),
+                                                "ranks": list(LORA_RANKS)})
+        self.say("e", "adapters", {k: loras[k] for k in ("ranks", "targets", "bytes", "process_s")})
+        for mode in self.lora_modes:
+            command = [sys.executable, "-m", "diffq", "qualify", "--model", self.model, "--device", scale.device,
+                       "--reference", str(reference), "--compile", "regional", "--lora", ",".join(loras["paths"]),
+                       "--lora-mode", mode, "--shapes", f"{scale.size}x{scale.size}", "--steps", str(scale.steps),
+                       "--max-sequence-length", str(scale.max_sequence_length), "--guidance-scale",
+                       str(scale.guidance_scale), "--repeats", "1", "--json"]
+            found, seconds, code = self.json_process(f"e-{mode}", command)
+            lora = found.get("lora") or {}
+            self.say("e", mode, {
+                "process_s": seconds, "exit": code, "check": found.get("checks", {}).get("lora"),
+                **{k: lora.get(k) for k in ("batch_size", "rank", "targets", "first_graphs", "recompiled", "unseen",
+                                            "refused", "swap_s", "scale_change_s", "s_per_image_without",
+                                            "s_per_image_with")},
+                "graphs_after_first": sum(swap["graphs_compiled"] for swap in lora.get("swaps", [])),
+                "changes": [{k: swap.get(k) for k in ("change", "adapter", "graphs_compiled", "swap_s", "vs_none")}
+                            for swap in lora.get("swaps", [])]})
+
     # --- shared -----------------------------------------------------------------------
+
+    def json_process(self, name: str, command: list[str]) -> tuple[dict, float, int]:
+        """A process printing one JSON object (`--json`): it, its seconds, its exit code."""
+        log = self.work / f"{name}.out"
+        budget = self.left()
+        if budget <= 1:
+            raise Cut(name)
+        started = time.perf_counter()
+        with log.open("wb") as sink:
+            proc = subprocess.Popen(command, stdout=sink, stderr=subprocess.PIPE, cwd=self.work, env=self.env,
+                                    start_new_session=True)
+            try:
+                _, err = proc.communicate(timeout=budget)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                raise Cut(name) from None
+        try:
+            found = json.loads(log.read_text())
+        except ValueError:
+            raise Failed(f"{name} exited with {proc.returncode}: {err.decode(errors='replace')[-400:]}") from None
+        return found, round(time.perf_counter() - started, 2), proc.returncode
 
     def workload(self, batch: int) -> dict:
         s = self.scale
@@ -673,7 +753,46 @@ def write_reference(directory: Path, settings_class, image_path, spec: dict, ite
                                                         "made_with": made_with}, indent=2) + "\n")
 
 
-CHILDREN = {"build": child_build, "bare": child_bare, "speedups": child_speedups}
+def child_loras(spec: dict) -> dict:
+    """LoRA files for the built model's transformer, one per rank, without loading its
+    weights (a FLUX.1-dev-sized one is 24 GB): the transformer made on the meta device,
+    PEFT's adapter added to the tiny adapters' targets, each A and B drawn at random on
+    the host (B scaled as the tiny adapters' are, so a change shows in the images)."""
+    import diffusers
+    import torch
+    from accelerate import init_empty_weights
+    from diffusers import DiffusionPipeline
+    from peft import LoraConfig, get_peft_model_state_dict
+
+    from diffq.app.tiny import TINY_LORA_GAIN, TINY_LORA_TARGETS
+
+    config = DiffusionPipeline.load_config(spec["model"])
+    pipeline_class = getattr(diffusers, config["_class_name"])
+    transformer_class = getattr(diffusers, config["transformer"][1])
+    with init_empty_weights():
+        transformer = transformer_class.from_config(transformer_class.load_config(spec["model"],
+                                                                                  subfolder="transformer"))
+    out, paths, size = Path(spec["out"]), [], 0
+    generator = torch.Generator().manual_seed(0)
+    for k, rank in enumerate(spec["ranks"]):
+        name = f"lora{k}"
+        with init_empty_weights():
+            transformer.add_adapter(LoraConfig(r=rank, lora_alpha=rank, target_modules=list(TINY_LORA_TARGETS)),
+                                    adapter_name=name)
+        layers = {}
+        for key, meta in get_peft_model_state_dict(transformer, adapter_name=name).items():
+            fan_in = meta.shape[1]
+            value = torch.randn(tuple(meta.shape), generator=generator) / fan_in ** 0.5
+            layers[key] = (value * TINY_LORA_GAIN if ".lora_B." in key else value).to(torch.bfloat16)
+        path = out / f"{name}-r{rank}.safetensors"
+        out.mkdir(parents=True, exist_ok=True)
+        pipeline_class.save_lora_weights(str(out), transformer_lora_layers=layers, weight_name=path.name)
+        paths.append(str(path))
+        size += path.stat().st_size
+    return {"paths": paths, "ranks": spec["ranks"], "targets": list(TINY_LORA_TARGETS), "bytes": size}
+
+
+CHILDREN = {"build": child_build, "bare": child_bare, "speedups": child_speedups, "loras": child_loras}
 
 
 # --- the chart ---------------------------------------------------------------------
@@ -743,16 +862,20 @@ def render(result: dict | None) -> list[str]:
              "pixels are identical in another composition of the same batch size and, apart, at batch size 1; "
              "(d) `diffq qualify --speedups` on the shape, its profile then driving a `diffq run` (judged against "
              "(c)'s full-compute images saved as its `--reference`: qualify's default CPU float32 reference of a "
-             "12B-parameter transformer would need ~48 GB of host memory and outlast the call).", "",
+             "12B-parameter transformer would need ~48 GB of host memory and outlast the call); (e) `diffq "
+             "qualify --lora A,B --lora-mode M --compile regional` per LoRA mode (swap, fuse, compile; two random "
+             "adapters of ranks 8 and 16 over the attention projections): graphs after the first batch, whether "
+             "each change showed, the change's time, s/image with and without adapters — the figures that settle "
+             "the device's LoRA mode (issue 59).", "",
              "To run it (a session lent the `device` tool's H200; 15 minutes of device time in all):", "",
              "1. here: `.venv/bin/python -m bench.gpu --wheels .whl` (the cp312 wheels the device machine lacks, "
              "at the versions the suite ran, and a check that the tree and wheels fit the 64 MiB a call carries: "
-             "on 2026-12-04, 23 wheels, 11.8 MiB, with the tree 15.2 MiB);",
+             "on 2026-12-04, 23 wheels, 11.8 MiB, with the tree 15.2 MiB; torchao, carried since, adds 3.2 MiB);",
              "2. the device tool's `run` with `command: bash bench/gpu_device.sh`, `carry: [\".whl\"]`, "
              "`timeout_s: 420` (bench.gpu stops itself at 330 s and writes `gpu.json`, `gpu.png` and `gpu.log` "
              "under `$OUT` after each figure); what the deadline cut, in a second call right after (the machine "
              "still warm: the pipeline kept under /tmp is loaded, not built again, and the first call's figures "
-             "carry on into the second's `gpu.json`): `PARTS=b,c,d bash bench/gpu_device.sh`;",
+             "carry on into the second's `gpu.json`): `PARTS=b,c,d,e bash bench/gpu_device.sh` (the LoRA modes alone: `PARTS=c,e`, (c) giving (e) its reference);",
              "3. copy `gpu.json` and `gpu.png` into docs/ and `python -m bench --render`.", "",
              "Published anchors on the same work (same model, resolution and steps):", ""]
     lines += [f"- {anchor}" for anchor in ANCHORS] + [
@@ -803,10 +926,56 @@ def render(result: dict | None) -> list[str]:
                   f"`{chosen.get('speedup') or 'full compute'}` at batch size {chosen.get('batch_size')}"
                   + (f"; the run with its profile: {d['run with the profile']['steady_s']} s a batch"
                      if "run with the profile" in d else "") + ".", ""]
+    e = {mode: found for mode, found in figures.get("e", {}).items() if mode in LORA_MODES}
+    if e:
+        lines += ["(e) `diffq qualify --lora` per mode (`--compile regional`):", "",
+                  "| mode | check | graphs after the first batch | change s (median) | s/image without | "
+                  "s/image with |", "|---|---|---|---|---|---|"]
+        lines += [f"| {mode} | {(r.get('check') or {}).get('status', 'exit %s' % r.get('exit'))} | "
+                  f"{r['graphs_after_first']} | {(r.get('swap_s') or {}).get('median', '–')} | "
+                  f"{r.get('s_per_image_without', '–')} | {r.get('s_per_image_with', '–')} |"
+                  for mode, r in e.items()] + [""]
     return lines + ["![bench.gpu](gpu.png)", ""]
 
 
 # --- the wheels the device machine lacks --------------------------------------------
+
+
+def uncarried(root: str = "diffq") -> list[str]:
+    """`root`'s runtime dependency closure, as installed here (requirement markers read
+    for the device's CPython 3.12 on Linux, an extra only where a requirement names it),
+    that neither the device image holds nor CARRIED carries, LEFT_BEHIND apart: what
+    the GPU run would fail to import there. Empty when the wheel list is whole."""
+    from importlib import metadata
+
+    from packaging.markers import default_environment
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    carried, left = {canonicalize_name(n) for n in CARRIED}, {canonicalize_name(n) for n in LEFT_BEHIND}
+    image = {canonicalize_name(n) for n in DEVICE_IMAGE}
+    environment = {**default_environment(), **DEVICE_PYTHON}
+    missing, seen, stack = set(), set(), [(root, frozenset())]
+    while stack:
+        name, extras = stack.pop()
+        for line in metadata.requires(name) or ():
+            need = Requirement(line)
+            if need.marker and not any(need.marker.evaluate({**environment, "extra": extra})
+                                       for extra in (extras or {""})):
+                continue
+            dist = canonicalize_name(need.name)
+            if dist in left or dist in image or (dist, frozenset(need.extras)) in seen:
+                continue
+            seen.add((dist, frozenset(need.extras)))
+            if dist not in carried:
+                missing.add(dist)
+            try:
+                stack.append((need.name, frozenset(need.extras)))
+                metadata.distribution(need.name)
+            except metadata.PackageNotFoundError:
+                stack.pop()  # not installed here: its own needs unknown, itself already counted
+                missing.add(dist)
+    return sorted(missing)
 
 
 def download_wheels(folder: Path) -> dict:
@@ -838,10 +1007,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--out", type=Path, help="where gpu.json and gpu.png are written")
     parser.add_argument("--tiny", action="store_true", help="the tiny FLUX.1 pipeline on the CPU (a dry run)")
     parser.add_argument("--deadline", type=float, default=330.0, help="seconds for everything (default 330)")
-    parser.add_argument("--parts", default=",".join(PARTS), help="which of a,b,c,d to run, in order")
+    parser.add_argument("--parts", default=",".join(PARTS), help="which of a,b,c,d,e to run, in order")
     parser.add_argument("--items", type=int, help="images per process in (a), per batch size (x the batch size)")
     parser.add_argument("--keep-model", action="store_true",
                         help="keep the built pipeline under the temp dir, and load it from there if a run kept it")
+    parser.add_argument("--lora-modes", default=",".join(LORA_MODES), help="(e)'s LoRA modes, in order")
     parser.add_argument("--wheels", type=Path, metavar="DIR", help="download the wheels the device lacks into DIR")
     parser.add_argument("--child", nargs=2, metavar=("ROLE", "SPEC"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -857,9 +1027,12 @@ def main(argv: list[str] | None = None) -> dict:
         parser.error("--out DIR is required")
     parts = tuple(p for p in args.parts.split(",") if p)
     if unknown := set(parts) - set(PARTS):
-        parser.error(f"--parts: unknown {', '.join(sorted(unknown))} (a, b, c, d)")
+        parser.error(f"--parts: unknown {', '.join(sorted(unknown))} (a, b, c, d, e)")
     scale = TINY if args.tiny else REAL
-    return Bench(scale, args.out, args.deadline, parts, args.items or scale.items, args.keep_model).run()
+    lora_modes = tuple(m for m in args.lora_modes.split(",") if m)
+    if unknown := set(lora_modes) - set(LORA_MODES):
+        parser.error(f"--lora-modes: unknown {', '.join(sorted(unknown))} ({', '.join(LORA_MODES)})")
+    return Bench(scale, args.out, args.deadline, parts, args.items or scale.items, args.keep_model, lora_modes).run()
 
 
 if __name__ == "__main__":

@@ -20,4 +20,4 @@ export PYTHONPATH=$site:$repo PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_O
 cd /tmp || exit 1
 nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv,noheader
 df -h /tmp | tail -1
-python3 -m bench.gpu --out "$out" --deadline "${DEADLINE:-330}" --parts "${PARTS:-a,b,c,d}" --keep-model "$@" 2>&1 | tee "$out/gpu.log"
+python3 -m bench.gpu --out "$out" --deadline "${DEADLINE:-330}" --parts "${PARTS:-a,b,c,d,e}" --keep-model "$@" 2>&1 | tee "$out/gpu.log"

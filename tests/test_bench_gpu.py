@@ -24,7 +24,9 @@ def gpu_bench(out: Path, *args: str, timeout: float = 400) -> subprocess.Complet
 @pytest.mark.slow
 def test_tiny_dry_run_writes_every_part(tmp_path):
     out = tmp_path / "gpu"
-    proc = gpu_bench(out, "--items", "2", "--deadline", "540", timeout=580)  # a deadline: the test below
+    # (e) apart, below: three qualify processes would take the CPU minutes.
+    proc = gpu_bench(out, "--items", "2", "--deadline", "540", "--parts", "a,b,c,d",
+                     timeout=580)  # a deadline: the test below
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads((out / "gpu.json").read_text())
     figures = result["figures"]
@@ -68,12 +70,36 @@ def test_the_deadline_cuts_cleanly(tmp_path):
     proc = gpu_bench(out, "--deadline", "4", timeout=120)  # mid-build or mid-(a): a process is stopped
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads((out / "gpu.json").read_text())
-    steps = ["build", "a", "b", "c", "d"]
+    steps = ["build", "a", "b", "c", "d", "e"]
     stopped = result["cut"][0].split(":")[0]
     assert stopped in ("build", "a") and "stopped at the deadline" in result["cut"][0]
     assert result["cut"][1:] == steps[steps.index(stopped) + 1:]
     assert result["wall_s"] < 30  # stopped, not waited for
     assert (out / "gpu.png").is_file()
+
+
+@pytest.mark.slow
+def test_the_lora_part_qualifies_a_mode_with_adapters_written_for_the_built_model(tmp_path):
+    """(e) on the tiny pipeline, one mode (each is the same `diffq qualify --lora`
+    process): two adapters of ranks 8 and 16 written without loading the transformer's
+    weights, each change seen in the images, no graph after the first batch; its table."""
+    from bench import gpu
+
+    out = tmp_path / "gpu"
+    proc = gpu_bench(out, "--parts", "e", "--lora-modes", "swap", "--deadline", "300", timeout=360)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads((out / "gpu.json").read_text())
+    e = result["figures"]["e"]
+    assert result["cut"] == [] and "error" not in e, e
+    assert e["adapters"]["ranks"] == [8, 16] and set(e) == {"adapters", "swap"}
+    swap = e["swap"]
+    assert swap["exit"] == 0 and swap["check"]["status"] == "pass" and swap["rank"] == 16
+    assert swap["graphs_after_first"] == 0 and swap["unseen"] == [] and swap["refused"] is None
+    assert [c["change"] for c in swap["changes"]] == ["adapter", "scale", "adapter", "scale", "none"]
+    assert all(c["vs_none"] > 0 for c in swap["changes"][:-1]) and swap["changes"][-1]["vs_none"] == 0
+    assert swap["s_per_image_with"] > 0 and swap["s_per_image_without"] > 0
+    (row,) = [line for line in gpu.render(result) if line.startswith("| swap |")]
+    assert row.startswith("| swap | pass | 0 |")
 
 
 @pytest.mark.slow
@@ -94,3 +120,52 @@ def test_a_second_call_loads_the_kept_model_and_carries_the_first_calls_figures_
     assert after["earlier"]["parts"] == ["a"] and after["cut"] == []
     best = before["figures"]["a"]["probe"]["best_batch_size"]
     assert after["figures"]["c"]["speedups"]["batch_size"] == max(2, best)
+
+
+# -- what the device machine is carried --------------------------------------------------
+
+
+def test_every_runtime_dependency_the_gpu_run_needs_is_carried_or_on_the_image(monkeypatch):
+    """diffq's dependency closure (for the device's CPython 3.12) less the device image's
+    packages and LEFT_BEHIND is within CARRIED: torchao (quant:SCHEME, a core dependency,
+    not on the image) among the wheels; a wheel dropped from the list is named."""
+    from bench import gpu
+
+    assert gpu.uncarried() == []
+    assert "torchao" in gpu.CARRIED and "torchao" not in gpu.DEVICE_IMAGE
+    monkeypatch.setattr(gpu, "CARRIED", tuple(n for n in gpu.CARRIED if n not in ("torchao", "kombu")))
+    assert gpu.uncarried() == ["kombu", "torchao"]
+    monkeypatch.setattr(gpu, "LEFT_BEHIND", {})
+    assert {"boto3", "google-cloud-storage", "grafana-foundation-sdk"} <= set(gpu.uncarried())
+
+
+BLOCKED_IMPORT = """
+import importlib, sys
+# None in sys.modules: an import raises ModuleNotFoundError and importlib.util.find_spec
+# answers None, as where the package is not installed.
+for module in sys.argv[1].split(","):
+    sys.modules[module] = None
+for name in sys.argv[2:]:
+    importlib.import_module(name)
+from diffq.worker.device.quantize import torchao_config
+torchao_config("int8wo")
+print("ok")
+"""
+
+
+def test_the_gpu_runs_modules_import_without_what_is_left_behind():
+    """The modules the GPU run loads (the CLI, run, worker, qualify's child, the pipeline
+    host and the quantizer's torchao configs) import with LEFT_BEHIND's modules refused,
+    as on the device, where they are absent."""
+    modules = ["bench.gpu", "diffq.app.cli", "diffq.app.runner", "diffq.app.qualify", "diffq.worker.process.qualify",
+               "diffq.worker.process.child", "diffq.worker.delivery.celery_adapter",
+               "diffq.worker.device.pipeline_host"]
+    from bench.gpu import LEFT_BEHIND
+
+    blocked = ",".join(module for module, _ in LEFT_BEHIND.values())
+    proc = subprocess.run([sys.executable, "-c", BLOCKED_IMPORT, blocked, *modules], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-2000:]
+    proc = subprocess.run([sys.executable, "-c", BLOCKED_IMPORT, blocked, "diffq.core.storage.s3"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert "ModuleNotFoundError: import of boto3 halted" in proc.stderr  # the check above can fail

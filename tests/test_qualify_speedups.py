@@ -222,9 +222,11 @@ def test_out_of_memory_stops_larger_batch_sizes_and_a_failure_is_the_candidates(
         return SimpleNamespace(images=images, generate_s=0.5 * batch_size, degenerate=[None] * batch_size,
                                record_extra={"transformer_weight_bytes": 100}), 0
 
+    released = []
     session = SimpleNamespace(spec=spec, speedup_call=speedup_call, speedup_items=lambda n: list(range(n)),
-                              backend=get_backend("cpu"))
+                              backend=get_backend("cpu"), release=released.append)
     found = {e["index"]: e for e in measure_speedups(session, 16, 16)}
+    assert released == [None]  # full compute's pipeline, once it ran out of memory
     assert found[1]["error"].startswith("RuntimeError: No viable backend") and "seconds_per_image" not in found[1]
     assert found[2]["seconds_per_image"] == 0.5 and found[2]["steady_s"]["calls"] == 2
     assert found[4]["seconds_per_image"] == 0.5 and found[3]["first_call_graphs"] == 0
@@ -233,6 +235,64 @@ def test_out_of_memory_stops_larger_batch_sizes_and_a_failure_is_the_candidates(
     assert (4, "ok") not in seen and seen.count((4, None)) == 1
     assert speedup_image_path(tmp_path, 16, 16, 4, 1).is_file()
     assert not speedup_image_path(tmp_path, 16, 16, 1, 0).exists()
+
+
+def test_quant_schemes_are_probed_alone_where_full_compute_ran_out_of_memory(tmp_path):
+    """Full compute out of memory at batch 4: the cache there is not tried (full compute's
+    weights), but each quantization scheme is, alone, full compute's pipeline released
+    first and each scheme's after its probe; a scheme out of memory itself is not tried
+    at a larger batch. The table compares a fitting scheme's first items with full
+    compute's at batch 2, the largest that fitted, and says so."""
+    import torch
+
+    from diffq.worker.process.qualify import SpeedupCall, measure_speedups
+
+    planned = [(None, 2), (None, 4), ("taylorseer", 4), ("quant:int8wo", 4), ("quant:int8dq", 4),
+               (None, 8), ("quant:int8wo", 8), ("quant:int8dq", 8)]
+    calls = [SpeedupCall(index=i, speedup=s, batch_size=b) for i, (s, b) in enumerate(planned)]
+    spec = SimpleNamespace(speedups=calls, steps=2, speedup_repeats=2, out_dir=str(tmp_path))
+    held, seen, released = set(), [], []
+    fits = {None: 2, "int8wo": 8, "int8dq": 2}  # the largest batch each pipeline's memory takes
+
+    def speedup_call(height, width, steps, batch_size, speedup, items):
+        seen.append((batch_size, speedup))
+        scheme = speedup.removeprefix("quant:") if speedup and speedup.startswith("quant:") else None
+        held.add(scheme)
+        if batch_size > fits[scheme] or len(held) > 1 and batch_size > 2:  # two pipelines: never both past 2
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        images = [np.full((16, 16, 3), 7 + k, dtype=np.uint8) for k in range(batch_size)]
+        return SimpleNamespace(images=images, generate_s=0.5 * batch_size, degenerate=[None] * batch_size,
+                               record_extra={"transformer_weight_bytes": 30 if scheme else 100}), 0
+
+    def release(quant):
+        released.append(quant)
+        held.discard(quant)
+
+    session = SimpleNamespace(spec=spec, speedup_call=speedup_call, speedup_items=lambda n: list(range(n)),
+                              backend=get_backend("cpu"), release=release)
+    entries = measure_speedups(session, 16, 16)
+    found = {e["index"]: e for e in entries}
+    assert found[1]["out_of_memory"] == 4 and found[2]["out_of_memory"] == 4 and (4, "taylorseer") not in seen
+    assert found[3]["alone"] and found[3]["seconds_per_image"] == 0.5 and found[3]["steady_s"]["calls"] == 2
+    assert found[3]["transformer_weight_bytes"] == 30
+    assert found[4]["out_of_memory"] == 4 and (8, "quant:int8dq") not in seen  # itself, at 4: not tried at 8
+    assert found[5]["out_of_memory"] == 4 and (8, None) not in seen
+    assert found[6]["seconds_per_image"] == 0.5 and found[7]["out_of_memory"] == 4
+    assert released == [None, "int8wo", "int8dq", "int8wo"]
+
+    plan = {"measure": [{"index": c.index, "speedup": c.speedup, "batch_size": c.batch_size} for c in calls],
+            "batch_sizes": [2, 4, 8], "compiles": 0, "compiles_detail": "", "announce": "", "seeds": [1, 2],
+            "not_offered": [], "refused": [], "skipped": [], "largest_batch_size": 8}
+    table = q.speedup_results(plan, [{"shape": "16x16", "height": 16, "width": 16, "candidates": entries}], tmp_path,
+                              q.SpeedupOptions())
+    rows = {(c["speedup"], c["batch_size"]): c for c in table["shapes"][0]["candidates"]}
+    wo = rows[("quant:int8wo", 4)]
+    assert wo["reference_batch_size"] == 2 and wo["psnr"] == 100 and wo["ssim"] == 1.0 and len(wo["images"]) == 2
+    assert wo["time_vs_full"] == 1.0 and wo["verdict"] in ("chosen", "within budget")
+    assert rows[("quant:int8dq", 4)]["refused"] == "out of memory"
+    assert rows[("quant:int8dq", 8)]["refused"] == "out of memory at batch size 4"
+    assert rows[("taylorseer", 4)]["refused"] == "full compute ran out of memory at batch size 4"
+    assert "against its batch 2" in q._speedup_status(wo)
 
 
 def test_ssim_is_one_for_identical_images_and_falls_with_noise():

@@ -180,6 +180,26 @@ def test_bfloat16_weights_keep_their_scales_biases_and_norms(tiny_pipelines):
     assert stored <= 0.6 * full, (stored, full)
 
 
+def test_a_released_scheme_frees_its_pipeline_and_loads_again_the_same(tiny_pipelines):
+    """PipelineHost.release (qualify probes each scheme alone where full compute ran out
+    of memory): the scheme's pipeline and what is kept per pipeline go, full precision's
+    stays; its next batch loads it again, traced anew, with the same image."""
+    import weakref
+
+    host, model = _host(), tiny_pipelines["flux"]
+    full = _generate(host, model, ["a"], None)
+    first = _generate(host, model, ["a"], "quant:int8wo")
+    key = host.key(model, "float32", "int8wo")
+    gone = weakref.ref(host._pipelines[key])
+    assert host.release(model, "float32", "int8wo") and not host.release(model, "float32", "int8wo")
+    assert gone() is None and key not in host.weight_bytes and key not in host._families
+    assert list(host._pipelines) == [host.key(model, "float32")] and all(q is None for _, q in host._traced)
+    again = _generate(host, model, ["a"], "quant:int8wo")
+    assert np.array_equal(again.images[0], first.images[0]) and not np.array_equal(again.images[0], full.images[0])
+    assert again.record_extra["transformer_weight_bytes"] == first.record_extra["transformer_weight_bytes"]
+    assert host.recompiles == 0
+
+
 def test_the_stored_bytes_count_a_subclass_by_its_inner_tensors():
     import torch
 

@@ -584,12 +584,17 @@ def speedup_results(plan: dict, tuned: list[dict] | None, device_dir: Path, opti
                    "index": call["index"], "failed": False}
             if "out_of_memory" in entry:
                 at = entry["out_of_memory"]
-                row["refused"] = ("out of memory" if at == call["batch_size"] and call["speedup"] is not None else
-                                  f"full compute ran out of memory at batch size {at}")
+                row["refused"] = (f"full compute ran out of memory at batch size {at}"
+                                  if entry.get("untried") or call["speedup"] is None else
+                                  "out of memory" if at == call["batch_size"] else f"out of memory at batch size {at}")
             elif "error" in entry or "seconds_per_image" not in entry:
                 row.update(refused=f"failed: {entry.get('error', 'not measured')}", failed=True)
             else:
-                reference = full.get(call["batch_size"])
+                # A scheme probed where full compute ran out of memory (`alone`): against full
+                # compute's images of the same first items at the largest batch size that fitted.
+                reference = full.get(call["batch_size"]) or max(
+                    (e for size, e in full.items() if size < call["batch_size"]),
+                    key=lambda e: e["batch_size"], default=None)
                 row.update(seconds_per_image=entry["seconds_per_image"], steady_s=entry["steady_s"],
                            transformer_weight_bytes=entry.get("transformer_weight_bytes"),
                            device_peak_bytes=entry.get("device_peak_bytes"),
@@ -601,7 +606,11 @@ def speedup_results(plan: dict, tuned: list[dict] | None, device_dir: Path, opti
                     row["time_vs_full"] = round(entry["seconds_per_image"] / reference["seconds_per_image"], 4)
                 if call["speedup"] is None:
                     row["within_budget"] = True
+                elif reference is None:
+                    row.update(refused="failed: no full-compute images to compare with", failed=True)
                 else:
+                    if reference["batch_size"] != call["batch_size"]:
+                        row["reference_batch_size"] = reference["batch_size"]
                     per_image = fidelity(images(reference), images(entry))
                     row.update(psnr=min(i["psnr_db"] for i in per_image), ssim=min(i["ssim"] for i in per_image),
                                images=per_image)
@@ -945,7 +954,8 @@ def _speedup_status(c: dict) -> str:
         return f"skipped: {c['skipped']}"
     if c.get("refused"):
         return f"refused: {c['refused']}"
-    return c.get("verdict", "")
+    against = c.get("reference_batch_size")
+    return c.get("verdict", "") + (f" (full compute out of memory: against its batch {against})" if against else "")
 
 
 def _mib(value: int | None) -> str:

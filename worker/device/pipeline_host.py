@@ -276,6 +276,24 @@ class PipelineHost:
             self._pipelines[key] = self._load(*key)
         return self._pipelines[key]
 
+    def release(self, model: str, dtype: str, quant: str | None = None) -> bool:
+        """Drop `model`'s pipeline at `dtype` and `quant` (and what is kept per pipeline),
+        so its memory can serve another: qualify probes a quantization scheme at a batch
+        size where full compute ran out of memory, one scheme's pipeline at a time. On
+        the device's turn; its next use loads it again. Whether one was loaded."""
+        key = self.key(model, dtype, quant)
+        with self._device:
+            pipe = self._pipelines.pop(key, None)
+            if pipe is None:
+                return False
+            self.speedups.forget(pipe)  # keyed by id(): a later pipeline may reuse it
+            for kept in (self._families, self.weight_bytes, self.adapter_slots):
+                kept.pop(key, None)
+            self._traced -= {seen for seen in self._traced if self.key(seen[0].model, seen[0].dtype, seen[1]) == key}
+            del pipe
+            free_device_memory()
+        return True
+
     def _load(self, model: str, dtype: str, quant: str | None = None):
         from diffusers import DiffusionPipeline
         from diffusers.utils import logging as diffusers_logging
@@ -624,6 +642,18 @@ def fallback_count(fallback: GraphFallback | None) -> int:
         if not logger.isEnabledFor(logging.WARNING):
             logger.setLevel(logging.WARNING)  # a quieter --loglevel must not hide one from the count
     return _ANNOUNCEMENTS[key].count
+
+
+def free_device_memory() -> None:
+    """Collect what was dropped and hand the device's cached blocks back, where the
+    backend keeps a cache (none on the CPU)."""
+    import gc
+
+    gc.collect()
+    try:
+        torch.accelerator.empty_cache()
+    except Exception:  # noqa: BLE001 - no accelerator (CPU), or one without a cache to empty
+        pass
 
 
 def graphs_compiled() -> int:

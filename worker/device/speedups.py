@@ -172,6 +172,10 @@ class Speedups:
             raise SpeedupUnsupported(reason)
         return speedup
 
+    def forget(self, pipe) -> None:
+        """A pipeline dropped (PipelineHost.release): its id may be reused by the next."""
+        self._applied.pop(id(pipe), None)
+
     def apply(self, pipe, speedup: Speedup | None, steps: int) -> None:
         """On the device's turn, just before the call."""
         applied = self._applied.get(id(pipe))

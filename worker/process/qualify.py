@@ -223,6 +223,11 @@ class _Session:
             num_inference_steps=steps, guidance_scale=self.spec.guidance_scale, speedup=speedup), items)
         return generated, graphs_compiled() - before
 
+    def release(self, quant: str | None) -> None:
+        """Drop the pipeline quantized by `quant` (None: full precision), its memory freed
+        for the next probe (PipelineHost.release)."""
+        self.host.release(self.spec.model, self.spec.dtype, quant)
+
     def speedup_items(self, batch_size: int):
         from diffq.core.contract import BatchItem
 
@@ -280,16 +285,15 @@ def out_of_memory(exc: BaseException) -> bool:
     return isinstance(exc, torch.OutOfMemoryError) or "out of memory" in text or "resource_exhausted" in text
 
 
-def _free_memory() -> None:
-    import gc
+def _scheme(spec: str | None) -> str | None:
+    """The quantization scheme a candidate's spec names (its own pipeline), or None."""
+    from diffq.core.speedups import SpeedupError, parse
 
-    import torch
-
-    gc.collect()
     try:
-        torch.accelerator.empty_cache()
-    except Exception:  # noqa: BLE001 - no accelerator (CPU), or one without a cache to empty
-        pass
+        parsed = parse(spec)
+    except SpeedupError:
+        return None
+    return parsed.quant if parsed is not None else None
 
 
 def measure_speedups(session, height: int, width: int, *, oom=out_of_memory) -> list[dict]:
@@ -297,19 +301,24 @@ def measure_speedups(session, height: int, width: int, *, oom=out_of_memory) -> 
 
     Per batch size: full compute, then each speed-up, one call each (images saved), then
     `speedup_repeats` interleaved rounds of timed calls. Full compute out of memory at a
-    batch size: it and every larger batch size are not measured (`out_of_memory`)."""
+    batch size: the caches (full compute's weights) are not measured there nor at any
+    larger batch size (`out_of_memory`), but a quantization scheme's smaller weights may
+    fit: with full compute's pipeline released, each scheme is probed alone (`alone`:
+    its first call, its timed calls, then its pipeline released for the next), until it
+    runs out of memory itself; the parent compares it with full compute at the largest
+    batch size that fitted."""
     spec = session.spec
     groups: dict[int, list] = {}
     for call in spec.speedups:
         groups.setdefault(call.batch_size, []).append(call)
     found: dict[int, dict] = {}
     oom_at = None
+    scheme_oom: dict[str, int] = {}  # a scheme probed alone -> the batch size it ran out of memory at
     for batch_size, calls in groups.items():
         entries = [found.setdefault(call.index, {"index": call.index, "speedup": call.speedup,
                                                  "batch_size": batch_size, "steady": []}) for call in calls]
         if oom_at is not None:
-            for entry in entries:
-                entry["out_of_memory"] = oom_at
+            _alone(session, height, width, batch_size, calls, entries, oom_at, scheme_oom, oom)
             continue
         items = session.speedup_items(batch_size)
         active = []
@@ -322,33 +331,19 @@ def measure_speedups(session, height: int, width: int, *, oom=out_of_memory) -> 
                 if call.speedup is None:  # no reference at this batch size: nothing to compare against
                     if "out_of_memory" in entry:
                         oom_at = batch_size  # and every larger batch size
-                        for other in entries[1:]:
-                            other["out_of_memory"] = batch_size
+                        session.release(None)  # its memory to the schemes' probes
+                        active = []
+                        _alone(session, height, width, batch_size, calls[1:], entries[1:], oom_at, scheme_oom, oom)
                     else:
                         for other in entries[1:]:
                             other["error"] = f"full compute failed at batch size {batch_size}"
                     break
                 continue
-            _save(generated.images, spec, height, width, call.index)
-            entry.update(first_call_s=round(generated.generate_s, 6), first_call_graphs=graphs,
-                         degenerate=sum(1 for kind in generated.degenerate if kind),
-                         # A quant: scheme's stored weights; the device's peak over this first call
-                         # (every pipeline the child holds included: full compute's stays loaded).
-                         transformer_weight_bytes=generated.record_extra.get("transformer_weight_bytes"),
-                         device_peak_bytes=_memory(session.backend)["device_peak_bytes"])
+            _record_first(session, entry, generated, graphs, height, width, call.index)
             active.append((call, entry))
         for _ in range(spec.speedup_repeats):
             for call, entry in active:
-                if "error" in entry or "out_of_memory" in entry:
-                    continue
-                try:
-                    generated, graphs = session.speedup_call(height, width, spec.steps, batch_size, call.speedup,
-                                                             items)
-                except Exception as exc:  # noqa: BLE001
-                    _failed(entry, exc, batch_size, oom)
-                    continue
-                entry["steady"].append(generated.generate_s)
-                entry["steady_graphs"] = entry.get("steady_graphs", 0) + graphs
+                _timed(session, call, entry, height, width, batch_size, items, oom)
     results = []
     for call in spec.speedups:
         entry = found[call.index]
@@ -360,6 +355,59 @@ def measure_speedups(session, height: int, width: int, *, oom=out_of_memory) -> 
             entry["seconds_per_image"] = round(median / call.batch_size, 6)
         results.append(entry)
     return results
+
+
+def _record_first(session, entry: dict, generated, graphs: int, height: int, width: int, index: int) -> None:
+    _save(generated.images, session.spec, height, width, index)
+    entry.update(first_call_s=round(generated.generate_s, 6), first_call_graphs=graphs,
+                 degenerate=sum(1 for kind in generated.degenerate if kind),
+                 # A quant: scheme's stored weights; the device's peak over this first call
+                 # (every pipeline the child holds included: full compute's stays loaded,
+                 # unless it ran out of memory and the scheme is probed alone).
+                 transformer_weight_bytes=generated.record_extra.get("transformer_weight_bytes"),
+                 device_peak_bytes=_memory(session.backend)["device_peak_bytes"])
+
+
+def _timed(session, call, entry: dict, height: int, width: int, batch_size: int, items, oom) -> None:
+    if "error" in entry or "out_of_memory" in entry:
+        return
+    try:
+        generated, graphs = session.speedup_call(height, width, session.spec.steps, batch_size, call.speedup, items)
+    except Exception as exc:  # noqa: BLE001
+        _failed(entry, exc, batch_size, oom)
+        return
+    entry["steady"].append(generated.generate_s)
+    entry["steady_graphs"] = entry.get("steady_graphs", 0) + graphs
+
+
+def _alone(session, height: int, width: int, batch_size: int, calls, entries, oom_at: int,
+           scheme_oom: dict[str, int], oom) -> None:
+    """At a batch size past full compute's memory: each quantization scheme's candidate
+    by itself, its pipeline released after; the rest marked as full compute's."""
+    items = None
+    for call, entry in zip(calls, entries):
+        scheme = _scheme(call.speedup)
+        if scheme is None:
+            entry.update(out_of_memory=oom_at, untried=True)
+            continue
+        entry["alone"] = True
+        if scheme in scheme_oom:
+            entry["out_of_memory"] = scheme_oom[scheme]
+            continue
+        items = items or session.speedup_items(batch_size)
+        _reset_peak(session.backend)
+        try:
+            generated, graphs = session.speedup_call(height, width, session.spec.steps, batch_size, call.speedup,
+                                                     items)
+        except Exception as exc:  # noqa: BLE001 - the candidate's failure, not the run's
+            _failed(entry, exc, batch_size, oom)
+        else:
+            _record_first(session, entry, generated, graphs, height, width, call.index)
+            for _ in range(session.spec.speedup_repeats):
+                _timed(session, call, entry, height, width, batch_size, items, oom)
+        if "out_of_memory" in entry:
+            scheme_oom[scheme] = batch_size
+        session.release(scheme)
 
 
 def _reset_peak(backend) -> None:
@@ -376,8 +424,10 @@ def _reset_peak(backend) -> None:
 
 def _failed(entry: dict, exc: BaseException, batch_size: int, oom) -> None:
     if oom(exc):
+        from diffq.worker.device.pipeline_host import free_device_memory
+
         entry["out_of_memory"] = batch_size
-        _free_memory()
+        free_device_memory()
     else:
         entry["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:500]
 
