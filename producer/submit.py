@@ -346,8 +346,32 @@ def manifest_defaults(options: RunOptions, defaults: Defaults, seed_base: str, k
 
 def encode_plan(prompts: Iterable[Prompt], options: RunOptions, seed_base: str, run_id: str,
                 out: str) -> Iterator[EncodedBatch]:
-    """The run's batches as plan lines and messages (the same bytes for the same rows)."""
-    return map(BatchEncoder(run_id, out).encode, bucket(prompts, options, seed_base))
+    """The run's batches as plan lines and messages (the same bytes for the same rows, in
+    the same order). A run with LoRA adapters has them grouped by adapter set
+    (`grouped_by_set`): the plan's order is what submit and the feeder publish."""
+    encode = BatchEncoder(run_id, out).encode
+    batches = bucket(prompts, options, seed_base)
+    if not options.adapter_labels:
+        return map(encode, batches)
+    return grouped_by_set((batch.params.adapters, encode(batch)) for batch in batches)
+
+
+def grouped_by_set(keyed: Iterable[tuple[tuple, EncodedBatch]]) -> Iterator[EncodedBatch]:
+    """Every batch of one adapter set after the other, sets in the order their first batch
+    came (stable: the same rows give the same order). A worker takes its queue in order,
+    one batch at a time (prefetch 1), so it stays on a set while the queue has batches of
+    it: under fuse and compile a set change is a weight write or a compile, and it then
+    changes sets about once per set it serves, not once per batch; under swap the order
+    costs nothing. The batches wait in a local temporary file (memory: 8 bytes a batch)."""
+    with tempfile.TemporaryFile(prefix="diffq-sets-") as spill:
+        offsets: dict[tuple, array] = {}
+        for key, message in keyed:
+            offsets.setdefault(key, array("q")).append(spill.tell())
+            pickle.dump(tuple(message), spill, protocol=pickle.HIGHEST_PROTOCOL)
+        for positions in offsets.values():
+            for position in positions:
+                spill.seek(position)
+                yield EncodedBatch(*pickle.load(spill))
 
 
 def write_plan_part(storage: Storage, part: int, messages: list[EncodedBatch],

@@ -91,6 +91,34 @@ def test_an_adapter_first_named_late_in_the_file_still_labels_every_batch(tmp_pa
     assert sorted(len(m.items) for m in messages) == [1, 1, 2, 2, 2]  # 7 without: 4 batches; 1 with: 1
 
 
+def _set_runs(messages) -> list[tuple]:
+    """The adapter sets in publishing order, one entry per run of consecutive batches."""
+    sets = [tuple((ref.path, ref.scale) for ref in m.params.adapters) for m in messages]
+    return [s for k, s in enumerate(sets) if k == 0 or sets[k - 1] != s]
+
+
+def test_batches_are_published_grouped_by_adapter_set_by_submit_and_the_feeder(tmp_path, flux, loras):
+    # Rows round-robin over 6 sets (one with none): bucketed alone, each set's batches
+    # would fill one after another's (s0 s1 … s5 s0 s1 …); published, each set's come together.
+    scales = [None, 0.2, 0.4, 0.6, 0.8, 1.0]
+    rows = [{"id": f"r{k}", "prompt": "p", "lora": "none" if scales[k % 6] is None else f"{loras[4]}@{scales[k % 6]}"}
+            for k in range(6 * 2 * 3)]  # 3 batches of 2 per set
+    (tmp_path / "all").mkdir()
+    messages, _ = _submitted(tmp_path / "all", rows, flux)
+    assert len(messages) == 18 and len(_set_runs(messages)) == 6  # one run of batches per set
+    assert [s[0][1] if s else None for s in _set_runs(messages)] == scales  # the order their first batch came
+    assert sorted(item.id for m in messages for item in m.items) == sorted(row["id"] for row in rows)
+    # The same rows, the same order (resume's restore compares plan parts byte for byte).
+    again, _ = _submitted(tmp_path, rows, flux)
+    assert [(m.batch_id, [i.id for i in m.items]) for m in again] == [
+        (m.batch_id, [i.id for i in m.items]) for m in messages]
+    # Windowed: the feeder publishes the plan's order, so its first window is the first sets'.
+    recording = Recording()
+    submit(tmp_path / "prompts.jsonl", str(tmp_path / "windowed"), model=flux, publisher=recording, window=4,
+           **ARGS)
+    assert [m.batch_id for m in recording.published] == [m.batch_id for m in messages[:4]]
+
+
 def test_plan_shows_the_adapter_groups_and_what_grouping_costs_in_padding(tmp_path, flux, loras):
     from typer.testing import CliRunner
 
