@@ -146,6 +146,41 @@ def test_plan_shows_the_adapter_groups_and_what_grouping_costs_in_padding(tmp_pa
     assert as_json["adapters"]["extra_batches"] == 1
 
 
+def test_plan_shows_per_lora_mode_the_set_changes_compiles_and_the_scaffolds_share(tmp_path, flux, loras):
+    from diffusers import FluxTransformer2DModel
+    from typer.testing import CliRunner
+
+    from diffq.app.cli import app
+
+    # Two shapes: 64² over three sets (none, r4, r8), 32x64 over one (r8).
+    rows = ([{"prompt": "p", "lora": "none"}] * 2 + [{"prompt": "p", "lora": f"{loras[4]}@0.8"}] * 2
+            + [{"prompt": "p", "lora": f"{loras[8]}@0.5"}] * 3
+            + [{"prompt": "p", "lora": f"{loras[8]}@0.5", "height": 32, "width": 64}] * 2)
+    prompts = _jsonl(tmp_path / "prompts.jsonl", rows)
+    adapters = plan(prompts, model=flux, **ARGS).to_json()["adapters"]
+    assert sorted(adapters["sets_per_queue"].values()) == [1, 3]
+    modes = adapters["modes"]
+    assert (modes["swap"]["set_changes"], modes["swap"]["compiles"]) == (4, 2)
+    assert (modes["fuse"]["set_changes"], modes["fuse"]["compiles"]) == (4, 2)
+    assert (modes["compile"]["compiles"], modes["compile"]["compiles_where_weights_are_graph_inputs"]) == (4, 2)
+    # The scaffold's share, counted here from the loaded transformer's Linear modules:
+    # K slots × padded rank × (in + out) per target, against every Linear's in × out.
+    transformer = FluxTransformer2DModel.from_pretrained(flux, subfolder="transformer")
+    linears = {name: module for name, module in transformer.named_modules() if isinstance(module, torch.nn.Linear)}
+    layout = A.layout([A.inspect(loras[4]), A.inspect(loras[8])])
+    extra = layout.slots * layout.rank * sum(linears[t].in_features + linears[t].out_features for t in layout.targets)
+    share = 100 * extra / sum(m.in_features * m.out_features for m in linears.values())
+    assert modes["swap"]["scaffold_percent"] == pytest.approx(share, abs=0.01)
+    assert adapters["layouts"][flux]["scaffold_percent"] == pytest.approx(share, abs=0.01)
+    assert ("warning" in modes["swap"]) == (share > 5)  # a tiny transformer's width is near the rank
+    table = CliRunner().invoke(app, ["plan", str(prompts), "--model", flux, "--batch-size", "2", "--height", "64",
+                                     "--width", "64"], env={"COLUMNS": "300"})
+    assert table.exit_code == 0, table.output
+    assert "per --lora-mode" in table.output and f"+{modes['swap']['scaffold_percent']:g} % linear work" in table.output
+    assert "4 (per shape and set where weights are baked; 2 where they are graph inputs)" in table.output
+    assert ("warning: the swap scaffold adds" in table.output) == (share > 5)
+
+
 def test_a_run_without_adapters_is_as_before(tmp_path, flux):
     messages, out = _submitted(tmp_path, [{"prompt": "p"}, {"prompt": "q", "lora": "none"}], flux)
     for message in messages:
