@@ -16,6 +16,9 @@ first publishes the same batches again at worst, on the same guard; a count it m
 is never more than it published itself, so nothing is skipped. No broker offers
 publish-and-mark atomically; this order needs none.
 
+The feeder publishes each queue's batches in the source's order: a run with LoRA
+adapters has them grouped by adapter set there (submit.py `grouped_by_set`).
+
 The source is the plan (`plan`) or what `resume` / `retry-failed` re-planned (written
 under `feed/<source>/`); `feed.json` names the current one and is written only by
 those, so a feeder's late mark cannot undo a resume. A cancelled run is not fed

@@ -177,6 +177,10 @@ class RowAdapters:
         """Per model whose rows name adapters: the union of their targets at the padded rank."""
         return {model: run.layout for model, run in sorted(self._runs.items()) if run.layout is not None}
 
+    def scaffold_shares(self) -> dict[str, float]:
+        """Per model with a layout: what the swap scaffold adds to each row's linear work."""
+        return {model: run.scaffold_share() for model, run in sorted(self._runs.items()) if run.layout is not None}
+
     def revisions(self) -> dict[str, str]:
         """Every adapter of the run: path -> the revision pinned at submit."""
         return {path: revision for run in self._runs.values() for path, revision in sorted(run.revisions.items())}

@@ -32,6 +32,7 @@ from pathlib import Path
 
 from diffq import __version__
 from diffq.core import layout
+from diffq.core.adapters import SCAFFOLD_WARN
 from diffq.core.contract import BatchMessage, ShapeKey
 from diffq.core.model_store import revisions
 from diffq.core.options import GenerationOptions
@@ -98,6 +99,10 @@ class Plan:
     # grouping by adapter set costs is the difference.
     batches_without_adapter_groups: int = 0
     padded_without_adapter_groups: int = 0
+    # Per shape queue with adapters, its distinct adapter sets ("none" one of them); per
+    # model, what the swap scaffold adds to each row's linear work (core/adapters.py).
+    sets_per_queue: dict[str, int] = field(default_factory=dict)
+    scaffold_shares: dict[str, float] = field(default_factory=dict)
 
     @property
     def models(self) -> list[str]:
@@ -112,12 +117,32 @@ class Plan:
     def padded_slots(self) -> int:
         return sum(padded_slots(shape) for shape in self.shapes)
 
+    def lora_modes_json(self) -> dict:
+        """What each LoRA mode (worker/device/lora_modes.py) is expected to cost this run on a
+        fleet taking each queue in order (the plan is grouped by set: `grouped_by_set`):
+        set changes (a fleet meets each set of a queue once; a worker at most once per set it
+        serves, plus one), compiles (one per shape per compile cache; under compile, where the
+        backend bakes the weights, one per (shape, set)) and, for swap, the scaffold's work."""
+        changes = sum(self.sets_per_queue.values())
+        per_set = changes + self.compiles - len(self.sets_per_queue)
+        share = max(self.scaffold_shares.values(), default=0.0)
+        swap = {"set_changes": changes, "compiles": self.compiles, "scaffold_percent": round(100 * share, 2)}
+        if share > SCAFFOLD_WARN:
+            swap["warning"] = (f"the swap scaffold adds {100 * share:.1f} % to every row's linear work (over "
+                               f"{100 * SCAFFOLD_WARN:g} %): fuse or compile computes none of it")
+        return {"swap": swap,
+                "fuse": {"set_changes": changes, "compiles": self.compiles},
+                "compile": {"set_changes": changes, "compiles": per_set,
+                            "compiles_where_weights_are_graph_inputs": self.compiles}}
+
     def adapters_json(self) -> dict:
         """The adapter groups and what batching by them costs in padding (`diffq plan`)."""
         extra = self.batches - self.batches_without_adapter_groups
         return {"layouts": {model: {"label": layout.label, "rank": layout.rank, "targets": len(layout.targets),
-                                     "slots": layout.slots}
+                                     "slots": layout.slots,
+                                     "scaffold_percent": round(100 * self.scaffold_shares.get(model, 0.0), 2)}
                             for model, layout in self.adapter_layouts.items()},
+                "sets_per_queue": dict(sorted(self.sets_per_queue.items())), "modes": self.lora_modes_json(),
                 "groups": [group.to_json() for group in self.adapter_groups],
                 "batches_without_grouping": self.batches_without_adapter_groups, "extra_batches": extra,
                 "extra_padded_slots": self.padded_slots - self.padded_without_adapter_groups}
@@ -215,6 +240,7 @@ class Validation:
         per_steps: dict[str, dict[int, tuple[int, int]]] = {}
         groups: dict[tuple, AdapterGroup] = {}
         ungrouped: Counter = Counter()  # rows per group but for the adapter set
+        sets: dict[str, set] = {}  # queue -> its adapter sets
         for (model, height, width, cfg, steps, guidance, lora), count in self._per_group.items():
             shape = shape_for(options, model, height, width, cfg)
             shapes[shape.queue] = shape
@@ -229,6 +255,7 @@ class Validation:
                 group.batches += made
                 group.padded_slots += made * shape.batch_size - count
                 ungrouped[(shape, steps, guidance)] += count
+                sets.setdefault(shape.queue, set()).add(lora)
         asked = {shape_for(options, *key).queue: sizes for key, sizes in self._requested.items()}
         mask = (1 << _SIDE_BITS) - 1
         summaries = [ShapeSummary(shape=shapes[q], queue=q, items=items[q], batches=batches[q],
@@ -243,7 +270,9 @@ class Validation:
                     adapter_groups=sorted(groups.values(), key=lambda group: (-group.items, group.label)),
                     batches_without_adapter_groups=sum(without.values()),
                     padded_without_adapter_groups=sum(n * key[0].batch_size - ungrouped[key]
-                                                      for key, n in without.items()))
+                                                      for key, n in without.items()),
+                    sets_per_queue={queue: len(found) for queue, found in sets.items()},
+                    scaffold_shares=self.adapters.scaffold_shares() if layouts else {})
 
 
 class SizeTally:
@@ -346,8 +375,32 @@ def manifest_defaults(options: RunOptions, defaults: Defaults, seed_base: str, k
 
 def encode_plan(prompts: Iterable[Prompt], options: RunOptions, seed_base: str, run_id: str,
                 out: str) -> Iterator[EncodedBatch]:
-    """The run's batches as plan lines and messages (the same bytes for the same rows)."""
-    return map(BatchEncoder(run_id, out).encode, bucket(prompts, options, seed_base))
+    """The run's batches as plan lines and messages (the same bytes for the same rows, in
+    the same order). A run with LoRA adapters has them grouped by adapter set
+    (`grouped_by_set`): the plan's order is what submit and the feeder publish."""
+    encode = BatchEncoder(run_id, out).encode
+    batches = bucket(prompts, options, seed_base)
+    if not options.adapter_labels:
+        return map(encode, batches)
+    return grouped_by_set((batch.params.adapters, encode(batch)) for batch in batches)
+
+
+def grouped_by_set(keyed: Iterable[tuple[tuple, EncodedBatch]]) -> Iterator[EncodedBatch]:
+    """Every batch of one adapter set after the other, sets in the order their first batch
+    came (stable: the same rows give the same order). A worker takes its queue in order,
+    one batch at a time (prefetch 1), so it stays on a set while the queue has batches of
+    it: under fuse and compile a set change is a weight write or a compile, and it then
+    changes sets about once per set it serves, not once per batch; under swap the order
+    costs nothing. The batches wait in a local temporary file (memory: 8 bytes a batch)."""
+    with tempfile.TemporaryFile(prefix="diffq-sets-") as spill:
+        offsets: dict[tuple, array] = {}
+        for key, message in keyed:
+            offsets.setdefault(key, array("q")).append(spill.tell())
+            pickle.dump(tuple(message), spill, protocol=pickle.HIGHEST_PROTOCOL)
+        for positions in offsets.values():
+            for position in positions:
+                spill.seek(position)
+                yield EncodedBatch(*pickle.load(spill))
 
 
 def write_plan_part(storage: Storage, part: int, messages: list[EncodedBatch],

@@ -372,3 +372,92 @@ def test_a_lora_runs_queue_is_watched_and_served_by_its_models_pool(device, tmp_
                              env=plan_env(device, broker, deployment)).stdout)
     [child] = {json.dumps(child["serve_models"]) for child in plan}
     assert startup_queues(broker, json.loads(child), dtypes=get_backend(device).served_dtypes) == [queue]
+
+
+def on_cpu(args: list[str], cache: Path) -> list[str]:
+    """A rendered worker's container args with its device faked by this machine's CPU: the
+    device option and its device list (the backend table's `device_option`) become `--device
+    cpu`, and its compile mode none (the device's compiler is what the flag chose); the
+    rest (--queues, --model, --dtype, the drain) as rendered."""
+    device_option = get_backend(args[args.index("--device") + 1]).device_option
+    kept, skip = [], 0
+    for k, arg in enumerate(args):
+        if skip:
+            skip -= 1
+        elif arg in ("--device", device_option, "--compile"):
+            skip = 1
+        else:
+            kept.append(arg.replace(CACHE_MOUNT, str(cache)))
+    return ["--device", "cpu", "--compile", "none", *kept]
+
+
+@pytest.mark.parametrize("device", [name for name in DEPLOYABLE if get_backend(name).k8s.pool == "shape"])
+def test_a_lora_run_is_found_and_served_by_a_per_shape_pool(device, tmp_path, make_redis_server, tiny_pipelines):
+    """A LoRA run submitted on defaults to a fleet rendered for Neuron or TPU (per-shape
+    pools, --allowed-adapters): its queue is the rendered one with the layout label
+    (`Q.r4-…`). The pool's KEDA triggers count it (the backlog service's `?queue=Q` sums Q
+    and its layout-labelled variants), the rendered worker's discovery finds it (`--queues
+    Q` keeps Q's LoRA runs), and that worker, its device faked by the CPU, finishes the run."""
+    from diffq.app.backlog import Backlog, model_backlogs, serve
+    from diffq.app.tiny import build_tiny_lora
+
+    flux = tiny_pipelines["flux"]
+    loras = tmp_path / "loras"
+    lora = str(build_tiny_lora(flux, loras / "style.safetensors", rank=4, seed=1))
+    broker = make_redis_server().url
+    prompts = write_prompts(tmp_path / "prompts.jsonl", n=5)
+    out = str(tmp_path / "run")
+    cli("submit", str(prompts), "--model", flux, "--out", out, "--broker", broker, "--lora", f"{lora}@0.8",
+        "--height", "64", "--width", "64")
+    published = published_queues(broker)
+    [queue] = published
+    docs = render(tmp_path, "--model", flux, "--shapes", "64x64", "--device", device, "--allowed-adapters",
+                  str(loras))
+    [(deployment, scaled)] = pools(docs)
+    args = worker_args(deployment)
+    rendered_queue = args[args.index("--queues") + 1]
+    assert queue.startswith(rendered_queue + ".r4-") and queue != rendered_queue
+    assert json.loads(rendered_env(deployment)["DIFFQ_ALLOWED_ADAPTERS"]) == [str(loras)]
+
+    # KEDA: the broker trigger names the rendered queue; the backlog trigger counts the LoRA run's.
+    assert {t["metadata"].get("listName") for t in scaled["spec"]["triggers"] if t["type"] == "redis"} == \
+        {rendered_queue}
+    [backlog] = [t for t in scaled["spec"]["triggers"] if t["type"] == "metrics-api"]
+    server = serve(Backlog(lambda: model_backlogs(broker), refresh_s=0), "127.0.0.1", 0)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = backlog["metadata"]["url"].replace(f"diffq-backlog.diffq.svc:{BACKLOG_PORT}",
+                                                 f"127.0.0.1:{server.server_address[1]}")
+        with urllib.request.urlopen(url, timeout=10) as response:
+            body = json.loads(response.read())
+    finally:
+        server.shutdown()
+    assert body[backlog["metadata"]["valueLocation"]] == published[queue] == 2  # 5 items, batches of 4
+    assert body["queues"] == published
+
+    # Discovery: the rendered worker keeps its queue's LoRA runs.
+    [child] = json.loads(invoke("worker", *args, "--plan", env=plan_env(device, broker, deployment)).stdout)[:1]
+    assert child["queues"] == [rendered_queue] and child["variants_of"] == [rendered_queue]
+    backend = get_backend(device)
+    assert startup_queues(broker, dtypes=backend.served_dtypes, variants_of=child["variants_of"]) == [queue]
+
+    # Served: the rendered args and env, the device faked by the CPU.
+    pod_env = {name: value.replace(CACHE_MOUNT, str(tmp_path / "cache"))
+               for name, value in rendered_env(deployment).items()}
+    pod_env.pop("DIFFQ_METRICS_PORT", None)  # no fixed port on a shared test machine
+    env = {**os.environ, **pod_env, "DIFFQ_BROKER_URL": broker}
+    worker = subprocess.Popen([sys.executable, "-m", "diffq", *ENTRYPOINT[1:], *on_cpu(args, tmp_path / "cache"),
+                               "--loglevel", "ERROR"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while (st := status(out)).done + st.failed < st.total:
+            assert worker.poll() is None, worker.stdout.read().decode()[-3000:]
+            assert time.monotonic() < deadline, f"timed out: {st}"
+            time.sleep(0.5)
+    finally:
+        os.killpg(worker.pid, signal.SIGTERM)
+        code = worker.wait(timeout=120)
+    assert code == 0 and (st.done, st.failed) == (5, 0)
+    records = list(iter_records(open_storage(out)))
+    assert {r.queue for r in records} == {queue} and all(r.adapters for r in records)

@@ -149,3 +149,47 @@ def test_under_the_stand_in_a_compile_run_matches_diffusers_fused_the_ordinary_w
             pair = np.stack([images[f"{name}-0"], images[f"{name}-1"]])
             assert np.abs(pair - plain).max() <= LEVELS, name
     torch._dynamo.reset()
+
+
+# --- publishing grouped by set ----------------------------------------------------------
+
+# 24 sets (two ranks, twelve scales each), three rows each, written round-robin: bucketed
+# alone each set's batch fills after every other set's (s0 s1 … s23 s0 …); published
+# grouped by set (producer/submit.py `grouped_by_set`). Batch size 1, so a worker serving
+# n batches would change sets about n times in the file's order: more than the bound below.
+MIXED_SETS, PER_SET, MIXED_WORKERS = 24, 3, 2
+
+
+def set_changes(records) -> dict[str, tuple[int, int]]:
+    """worker -> (set changes, sets served), from its records in the order it generated
+    them (its first set counts as a change)."""
+    per_worker: dict[str, list] = {}
+    for record in sorted({record.batch_id: record for record in records}.values(),
+                         key=lambda r: r.generate_started_at):
+        per_worker.setdefault(record.worker, []).append(json.dumps(record.adapters))
+    return {worker: (sum(1 for k, s in enumerate(sets) if k == 0 or sets[k - 1] != s), len(set(sets)))
+            for worker, sets in per_worker.items()}
+
+
+@pytest.mark.slow
+def test_a_mixed_run_of_24_sets_under_fuse_changes_sets_about_once_per_set(flux, loras, tmp_path):
+    from tests.helpers import diffq
+
+    sets = [f"{loras[rank]}@{scale / 10:g}" for rank in (4, 8) for scale in range(1, 13)]
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"row-{k}", "prompt": f"a tiny prompt {k % 3}", "seed": k,
+                                           "lora": sets[k % MIXED_SETS]}) + "\n"
+                               for k in range(MIXED_SETS * PER_SET)))
+    out = tmp_path / "out"
+    proc = diffq("run", str(prompts), "--model", flux, "--out", str(out), "--batch-size", "1", "--steps", "1",
+                 "--max-sequence-length", "16", "--height", str(SIDE), "--width", str(SIDE),
+                 "--workers", str(MIXED_WORKERS), "--lora-mode", "fuse", "--no-progress", check=False)
+    total = MIXED_SETS * PER_SET
+    assert f"{total}/{total} images, 0 failed" in proc.stdout + proc.stderr, proc.stdout + proc.stderr
+    records = list(iter_records(open_storage(str(out))))
+    assert len({json.dumps(record.adapters) for record in records}) == MIXED_SETS
+    changes = set_changes(records)
+    print("set changes per worker (changes, sets served):", changes)
+    assert sum(1 for _ in records) == total and changes
+    for worker, (changed, served) in changes.items():
+        assert changed <= served + 1, (worker, changes)

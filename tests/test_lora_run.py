@@ -91,6 +91,34 @@ def test_an_adapter_first_named_late_in_the_file_still_labels_every_batch(tmp_pa
     assert sorted(len(m.items) for m in messages) == [1, 1, 2, 2, 2]  # 7 without: 4 batches; 1 with: 1
 
 
+def _set_runs(messages) -> list[tuple]:
+    """The adapter sets in publishing order, one entry per run of consecutive batches."""
+    sets = [tuple((ref.path, ref.scale) for ref in m.params.adapters) for m in messages]
+    return [s for k, s in enumerate(sets) if k == 0 or sets[k - 1] != s]
+
+
+def test_batches_are_published_grouped_by_adapter_set_by_submit_and_the_feeder(tmp_path, flux, loras):
+    # Rows round-robin over 6 sets (one with none): bucketed alone, each set's batches
+    # would fill one after another's (s0 s1 … s5 s0 s1 …); published, each set's come together.
+    scales = [None, 0.2, 0.4, 0.6, 0.8, 1.0]
+    rows = [{"id": f"r{k}", "prompt": "p", "lora": "none" if scales[k % 6] is None else f"{loras[4]}@{scales[k % 6]}"}
+            for k in range(6 * 2 * 3)]  # 3 batches of 2 per set
+    (tmp_path / "all").mkdir()
+    messages, _ = _submitted(tmp_path / "all", rows, flux)
+    assert len(messages) == 18 and len(_set_runs(messages)) == 6  # one run of batches per set
+    assert [s[0][1] if s else None for s in _set_runs(messages)] == scales  # the order their first batch came
+    assert sorted(item.id for m in messages for item in m.items) == sorted(row["id"] for row in rows)
+    # The same rows, the same order (resume's restore compares plan parts byte for byte).
+    again, _ = _submitted(tmp_path, rows, flux)
+    assert [(m.batch_id, [i.id for i in m.items]) for m in again] == [
+        (m.batch_id, [i.id for i in m.items]) for m in messages]
+    # Windowed: the feeder publishes the plan's order, so its first window is the first sets'.
+    recording = Recording()
+    submit(tmp_path / "prompts.jsonl", str(tmp_path / "windowed"), model=flux, publisher=recording, window=4,
+           **ARGS)
+    assert [m.batch_id for m in recording.published] == [m.batch_id for m in messages[:4]]
+
+
 def test_plan_shows_the_adapter_groups_and_what_grouping_costs_in_padding(tmp_path, flux, loras):
     from typer.testing import CliRunner
 
@@ -116,6 +144,41 @@ def test_plan_shows_the_adapter_groups_and_what_grouping_costs_in_padding(tmp_pa
     assert "LoRA adapter groups" in table.output and "costs 1 batches and 2 padded slots" in table.output
     as_json = json.loads(CliRunner().invoke(app, [*cli, "--json"]).output)
     assert as_json["adapters"]["extra_batches"] == 1
+
+
+def test_plan_shows_per_lora_mode_the_set_changes_compiles_and_the_scaffolds_share(tmp_path, flux, loras):
+    from diffusers import FluxTransformer2DModel
+    from typer.testing import CliRunner
+
+    from diffq.app.cli import app
+
+    # Two shapes: 64² over three sets (none, r4, r8), 32x64 over one (r8).
+    rows = ([{"prompt": "p", "lora": "none"}] * 2 + [{"prompt": "p", "lora": f"{loras[4]}@0.8"}] * 2
+            + [{"prompt": "p", "lora": f"{loras[8]}@0.5"}] * 3
+            + [{"prompt": "p", "lora": f"{loras[8]}@0.5", "height": 32, "width": 64}] * 2)
+    prompts = _jsonl(tmp_path / "prompts.jsonl", rows)
+    adapters = plan(prompts, model=flux, **ARGS).to_json()["adapters"]
+    assert sorted(adapters["sets_per_queue"].values()) == [1, 3]
+    modes = adapters["modes"]
+    assert (modes["swap"]["set_changes"], modes["swap"]["compiles"]) == (4, 2)
+    assert (modes["fuse"]["set_changes"], modes["fuse"]["compiles"]) == (4, 2)
+    assert (modes["compile"]["compiles"], modes["compile"]["compiles_where_weights_are_graph_inputs"]) == (4, 2)
+    # The scaffold's share, counted here from the loaded transformer's Linear modules:
+    # K slots × padded rank × (in + out) per target, against every Linear's in × out.
+    transformer = FluxTransformer2DModel.from_pretrained(flux, subfolder="transformer")
+    linears = {name: module for name, module in transformer.named_modules() if isinstance(module, torch.nn.Linear)}
+    layout = A.layout([A.inspect(loras[4]), A.inspect(loras[8])])
+    extra = layout.slots * layout.rank * sum(linears[t].in_features + linears[t].out_features for t in layout.targets)
+    share = 100 * extra / sum(m.in_features * m.out_features for m in linears.values())
+    assert modes["swap"]["scaffold_percent"] == pytest.approx(share, abs=0.01)
+    assert adapters["layouts"][flux]["scaffold_percent"] == pytest.approx(share, abs=0.01)
+    assert ("warning" in modes["swap"]) == (share > 5)  # a tiny transformer's width is near the rank
+    table = CliRunner().invoke(app, ["plan", str(prompts), "--model", flux, "--batch-size", "2", "--height", "64",
+                                     "--width", "64"], env={"COLUMNS": "300"})
+    assert table.exit_code == 0, table.output
+    assert "per --lora-mode" in table.output and f"+{modes['swap']['scaffold_percent']:g} % linear work" in table.output
+    assert "4 (per shape and set where weights are baked; 2 where they are graph inputs)" in table.output
+    assert ("warning: the swap scaffold adds" in table.output) == (share > 5)
 
 
 def test_a_run_without_adapters_is_as_before(tmp_path, flux):

@@ -38,7 +38,7 @@ import urllib.parse
 from collections import Counter
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from diffq.core.contract import model_slug, queue_slug
+from diffq.core.contract import model_slug, queue_slug, without_layout
 
 PORT = 9500
 # KEDA polls each ScaledObject every 15 s; many pools share one listing.
@@ -99,8 +99,9 @@ class Backlog:
         `refresh_s` only while the broker cannot be read: `error` says why)."""
         backlogs, age, error = self.current()
         fresh = {"age_s": round(age, 1)} | ({"error": error} if error else {})
-        if queue is not None:  # a per-shape pool's (Neuron, TPU): its own queue
-            return {"queue": queue, "backlog": backlogs.get(queue_slug(queue) or "", {}).get(queue, 0), **fresh}
+        if queue is not None:  # a per-shape pool's (Neuron, TPU): its own queue and its LoRA runs' of that shape
+            mine = {q: n for q, n in backlogs.get(queue_slug(queue) or "", {}).items() if without_layout(q) == queue}
+            return {"queue": queue, "backlog": sum(mine.values()), "queues": mine, **fresh}
         if model is None:
             totals = Counter({slug: sum(queues.values()) for slug, queues in backlogs.items()})
             runs = {"runs": self._runs()} if self._runs is not None else {}

@@ -300,7 +300,7 @@ def _served_queues(broker: str, queues: str | None, run: str | None, model: str 
         models = models or manifest.models or [manifest.defaults.model]
         runs = [RunScope.of(storage.url, manifest.run_id)]
     if names:
-        return names, models, {}, runs
+        return names, models, _variants(broker, names, rabbitmq_api) if not run else {}, runs
     from diffq.worker.api import startup_queues
 
     serve = [m for m in (serve_models or "").split(",") if m] or models
@@ -310,6 +310,17 @@ def _served_queues(broker: str, queues: str | None, run: str | None, model: str 
         except ValueError as exc:
             fail(str(exc))
     return names, models, {"discover": True, "serve_models": serve, "rabbitmq_api": rabbitmq_api}, runs
+
+
+def _variants(broker: str, names: list[str], rabbitmq_api: str | None) -> dict:
+    """--queues Q (a per-shape pool's): Q's LoRA runs too, `Q.r16-…` (the same shape with a
+    layout), found by the worker's discovery where the broker can list its queues."""
+    from diffq.core.transports import transport_for
+
+    transport = transport_for(broker)
+    if transport.broker.list_queues is None or (transport.list_needs_api and not rabbitmq_api):
+        return {}
+    return {"discover": True, "rabbitmq_api": rabbitmq_api, "variants_of": list(names)}
 
 
 def _worker_prefixes(out_prefix: list[str] | None, any_out: bool, setting) -> list[str]:

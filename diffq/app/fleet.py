@@ -493,7 +493,7 @@ def render(shapes: list[ShapeKey], options: FleetOptions) -> dict[str, list[dict
     (per model where the profile's workers serve every shape, else per shape queue)."""
     options.check_out()
     rendered = {"common": common(options)}
-    if options.profile.pool == "model" or options.fed:
+    if options.profile.pool == "model" or options.fed or options.allowed_adapters:
         rendered["common"] += backlog_service(options)
     if options.profile.pool == "model":
         pools: dict[tuple[str, str], list[str]] = {}
@@ -511,7 +511,9 @@ def render(shapes: list[ShapeKey], options: FleetOptions) -> dict[str, list[dict
         name = k8s_name(shape.queue)
         annotations = {"diffq/queue": shape.queue}
         triggers = queue_triggers([shape.queue], options)
-        if options.fed:  # the queue holds only the window: scale on the whole backlog
+        # The queue holds only the window, or LoRA runs come on its layout-labelled variants
+        # (`Q.r16-…`, served by its workers): scale on the backlog, which counts them all.
+        if options.fed or options.allowed_adapters:
             triggers.append(backlog_trigger(shape.model, options, queue=shape.queue))
         rendered[name] = [deployment(name, worker_args(shape, options), [shape.model], annotations, options),
                           scaled_object(name, [shape.queue], triggers, annotations, options)]

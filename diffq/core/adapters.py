@@ -804,6 +804,27 @@ class RunAdapters:
     def layout(self) -> AdapterLayout | None:
         return layout(self.infos.values(), self.slots)
 
+    def scaffold_share(self) -> float | None:
+        """The run's scaffold over this model's transformer (`scaffold_share`); None without adapters."""
+        run_layout = self.layout
+        return None if run_layout is None else scaffold_share(run_layout, self._weights or {})
+
+
+# Above this share of the base transformer's linear work, `diffq plan` warns that the
+# scaffold (swap) costs every row more than a cheaper mode would (issue 59).
+SCAFFOLD_WARN = 0.05
+
+
+def scaffold_share(layout: AdapterLayout, weights: dict[str, list[int]]) -> float:
+    """What the swap scaffold adds to every row's linear work, as a share of the base
+    transformer's: per token each of its K slots computes, in each target module, a down
+    (in × r) and an up (r × out) matmul at the padded rank r, against every Linear's
+    in × out (its 2-D weights). Every Linear is counted as if it saw every token (the
+    modulation linears see one per sample: the base is overstated there a little)."""
+    base = sum(shape[0] * shape[1] for name, shape in weights.items() if name.endswith(".weight") and len(shape) == 2)
+    extra = layout.slots * layout.rank * sum(sum(weights[f"{target}.weight"]) for target in layout.targets)
+    return extra / base if base else 0.0
+
 
 def run_layout(specs: Iterable[tuple[str, object]], model: str, *,
                allowed_prefixes: Iterable[str] = ()) -> AdapterLayout | None:

@@ -8,6 +8,9 @@ queued anywhere it listens on the shapes it has compiled. Celery's own consumer 
 switches queues: `add_task_queue` / `cancel_task_queue`.
 Queue names parse back to shapes with `diffq.core.contract.shape_from_queue`.
 
+A worker given --queues (a per-shape pool: Neuron, TPU) discovers, where the broker can
+list, those queues' LoRA runs: the same shape with a layout label (`Q.r16-…`).
+
 A worker started without --queues discovers them: every few seconds it lists the
 broker's diffq shape queues (the broker object's `list_queues`), keeps those of
 its models (--models; the queue name carries a model slug), and adds them to what
@@ -28,7 +31,7 @@ import random
 import time
 from collections.abc import Callable
 
-from diffq.core.contract import is_shape_queue
+from diffq.core.contract import is_shape_queue, without_layout
 from diffq.core.brokers.base import PREFIX, CannotList
 from diffq.core.transports import Transport, transport_for
 
@@ -58,7 +61,7 @@ class Discovery:
     interval = 2.0
 
     def __init__(self, transport: Transport, models: list[str] | None = None, api: str | None = None,
-                 prefix: str = PREFIX, dtypes: tuple[str, ...] | None = None):
+                 prefix: str = PREFIX, dtypes: tuple[str, ...] | None = None, variants_of: list[str] | None = None):
         if transport.broker.list_queues is None:
             raise CannotList(f"no queues: a {transport.name} broker cannot list its queues; "
                              "name them with --queues or --run")
@@ -70,24 +73,29 @@ class Discovery:
         self.prefix = prefix
         # The shape-key dtypes this worker's backend serves (auto and the ones it runs).
         self.dtypes = dtypes
+        # A worker given --queues (a per-shape pool's) keeps only those queues' LoRA runs:
+        # the same shape with a layout label (`Q.r16-…`), compiled as Q.
+        self.variants_of = set(variants_of) if variants_of else None
 
     def find(self, connection) -> list[str]:
         return self.keep(self.transport.broker.list_queues(connection, self.prefix, self.api))
 
     def keep(self, names) -> list[str]:
         """The shape queues among `names` that this worker serves."""
-        return [queue for queue in names if is_shape_queue(queue, self.models, self.dtypes)]
+        return [queue for queue in names if is_shape_queue(queue, self.models, self.dtypes)
+                and (self.variants_of is None or without_layout(queue) in self.variants_of)]
 
 
 def startup_queues(broker_url: str, models: list[str] | None = None, api: str | None = None, *,
-                   transport_options: dict | None = None, dtypes: tuple[str, ...] | None = None) -> list[str]:
+                   transport_options: dict | None = None, dtypes: tuple[str, ...] | None = None,
+                   variants_of: list[str] | None = None) -> list[str]:
     """The queues a worker without --queues starts on: one listing now. Raises
     CannotList (saying what to pass instead) where the broker cannot list, before
     anything starts; [] while the broker is not up yet (the workers connect with
     Celery's retries and list it then)."""
     from diffq.core.brokers.app import make_celery
 
-    discovery = Discovery(transport_for(broker_url), models, api, dtypes=dtypes)
+    discovery = Discovery(transport_for(broker_url), models, api, dtypes=dtypes, variants_of=variants_of)
     try:
         with make_celery(broker_url, transport_options).connection_for_write() as connection:
             connection.ensure_connection(max_retries=1)

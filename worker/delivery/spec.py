@@ -64,6 +64,8 @@ class ChildSpec(BaseModel):
     # of `serve_models` (empty: every model's). `rabbitmq_api`: AMQP's listing.
     discover: bool = False
     serve_models: list[str] = Field(default_factory=list)
+    # With --queues: discover only these queues' LoRA runs (routing.py `Discovery`).
+    variants_of: list[str] = Field(default_factory=list)
     rabbitmq_api: str | None = None
     # compile-aware: drain already-compiled shapes before taking a new one.
     routing: Literal["compile-aware", "round-robin"] = "compile-aware"
@@ -206,6 +208,7 @@ class ChildSpec(BaseModel):
             "auto_dtype": backend.default_dtype,
             "serves_dtypes": list(backend.served_dtypes),
             **({"discover": True, "serve_models": self.serve_models} if self.discover else {}),
+            **({"variants_of": self.variants_of} if self.variants_of else {}),
             "compile": self.compile,
             "compile_backend": backend.compile_backend,
             "compile_options": backend.compile_options if self.compile in COMPILING_MODES else None,

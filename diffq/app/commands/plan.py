@@ -30,7 +30,7 @@ def register(app: typer.Typer) -> None:
     def plan(
         prompts: Prompts,
         model: Model,
-        as_json: Annotated[bool, typer.Option("--json", help='{"total": N, "shapes": [{"height", "width", "items", "batches", "padded_slots", "queue", "steps"}…], "adapters": {"layouts", "groups", "extra_batches", "extra_padded_slots"} with LoRA adapters, "fleet": {…} with --rates}')] = False,
+        as_json: Annotated[bool, typer.Option("--json", help='{"total": N, "shapes": [{"height", "width", "items", "batches", "padded_slots", "queue", "steps"}…], "adapters": {"layouts", "groups", "extra_batches", "extra_padded_slots", "sets_per_queue", "modes": {"swap"|"fuse"|"compile": {"set_changes", "compiles", …}}} with LoRA adapters, "fleet": {…} with --rates}')] = False,
         rates: Rates = None,
         deadline: Annotated[Optional[str], typer.Option("--deadline", help="With --rates: finish within this long (6h, 90m, 1h30m, seconds): prints the devices and pods needed")] = None,
         devices: Annotated[Optional[int], typer.Option("--devices", min=1, help="With --rates: this many devices; prints the finishing time")] = None,
@@ -104,6 +104,29 @@ def _print_adapters(console, adapters: dict) -> None:
     console.print(f"grouping by adapter set costs {adapters['extra_batches']} batches and "
                   f"{adapters['extra_padded_slots']} padded slots ({adapters['batches_without_grouping']} batches "
                   f"without it)", highlight=False)
+    _print_lora_modes(console, adapters["modes"])
+
+
+def _print_lora_modes(console, modes: dict) -> None:
+    """Per --lora-mode, what the run is expected to cost (producer/submit.py `lora_modes_json`)."""
+    from rich.table import Table
+
+    table = Table(title="per --lora-mode (each queue's batches published grouped by set)")
+    for column in ("mode", "set changes", "compiles", "per row"):
+        table.add_column(column, justify="left" if column in ("mode", "per row") else "right", overflow="fold")
+    swap, fuse, compile_ = modes["swap"], modes["fuse"], modes["compile"]
+    table.add_row("swap", f"{swap['set_changes']} (hot-swaps)", f"{swap['compiles']} (0 after a shape's first)",
+                  f"+{swap['scaffold_percent']:g} % linear work (the scaffold)")
+    table.add_row("fuse", f"{fuse['set_changes']} (weight writes)", str(fuse["compiles"]), "the base model's")
+    table.add_row("compile", str(compile_["set_changes"]),
+                  f"{compile_['compiles']} (per shape and set where weights are baked; "
+                  f"{compile_['compiles_where_weights_are_graph_inputs']} where they are graph inputs)",
+                  "the base model's")
+    console.print(table)
+    console.print("set changes: a fleet meets each set of a queue once; a worker at most once per set it serves, "
+                  "plus one", highlight=False)
+    if "warning" in swap:
+        console.print(f"warning: {swap['warning']}", style="yellow", highlight=False)
 
 
 def _print_plan(console, plan: dict, batch_size: int) -> None:
