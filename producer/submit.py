@@ -35,7 +35,9 @@ from diffq.core import layout
 from diffq.core.contract import BatchMessage, ShapeKey
 from diffq.core.model_store import revisions
 from diffq.core.options import GenerationOptions
-from diffq.core.records import RequestedSize, RunDefaults, RunManifest, ShapeSummary, parse_plan_part, plan_part
+from diffq.core.adapters import set_digest
+from diffq.core.records import (AdapterSet, RequestedSize, RunDefaults, RunManifest, ShapeSummary, parse_plan_part,
+                                plan_part)
 from diffq.core.storage import Storage, open_storage
 from diffq.core.transports import transport_for
 from diffq.producer.bucketing import RunOptions, bucket, group_key, shape_for
@@ -111,6 +113,11 @@ class Plan:
     @property
     def padded_slots(self) -> int:
         return sum(padded_slots(shape) for shape in self.shapes)
+
+    def adapter_sets(self) -> dict[str, AdapterSet]:
+        """The manifest's adapter sets: digest -> adapters and items (rows without one are not a set)."""
+        return {digest: AdapterSet(adapters=list(group.adapters), items=group.items, batches=group.batches)
+                for group in self.adapter_groups if (digest := set_digest(group.adapters)) is not None}
 
     def adapters_json(self) -> dict:
         """The adapter groups and what batching by them costs in padding (`diffq plan`)."""
@@ -591,6 +598,7 @@ def write_manifest(storage: Storage, prompts: str | Path, plan: Plan, run_id: st
         model_revisions=revisions(plan.models),  # pinned: workers load these or refuse
         adapter_layouts=plan.adapter_layouts,
         adapter_revisions=plan.adapters.revisions() if plan.adapters is not None else {},
+        adapter_sets=plan.adapter_sets(),
     )
     body = json.dumps(manifest.model_dump(mode="json"), indent=2).encode()
     if not storage.put_bytes(layout.MANIFEST, body, content_type="application/json", if_absent=True):
