@@ -27,3 +27,12 @@ def test_a_quick_soak_stores_every_batch_and_caps_the_set_labels(tmp_path):
     labelled = {sample.labels["adapter_set"] for family in metrics.SET_IMAGES.collect() for sample in family.samples
                 if sample.name.endswith("_total")}
     assert metrics.OTHER_SET in labelled and len(labelled - {metrics.OTHER_SET}) <= metrics.MAX_SET_LABELS
+
+
+def test_the_backlog_service_lets_go_of_runs_that_left(tmp_path):
+    """Runs come and go over scrapes (an abandoned one's folder deleted): the collector
+    holds only the runs still listed."""
+    result = soak.backlog_soak(str(tmp_path), scrapes=80, every_s=300.0, sample_every=10)
+    # A run an hour (12 scrapes of 5 min), each listed 3 hours (36 scrapes): 7 started, 4
+    # left (3 finished, the 4th abandoned and its folder deleted), 3 held.
+    assert result["runs"] == 7 and result["runs_held"] == 3, result
