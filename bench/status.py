@@ -170,13 +170,14 @@ class FleetRun:
     the old format."""
 
     def __init__(self, out: str, items: int, writers: int, *, failed_batches: int = 100,
-                 redelivered: float = 0.01, seed: int = 0, v1: bool = False):
+                 redelivered: float = 0.01, seed: int = 0, v1: bool = False, sets: int = 0):
         import numpy as np
 
         from diffq.core import layout
         from diffq.core.contract import ShapeKey
         from diffq.core.progress import ProgressLog
-        from diffq.core.records import FailureRecord, RunManifest, ShapeSummary
+        from diffq.core.contract import AdapterRef
+        from diffq.core.records import AdapterSet, FailureRecord, RunManifest, ShapeSummary
         from diffq.core.storage import open_storage
         from diffq.producer.messages import batch_id_prefix
 
@@ -185,11 +186,19 @@ class FleetRun:
                          cfg=False)
         self.queue = shape.queue
         batches = items // BATCH
+        # `sets` LoRA adapter sets, batch i under set i % sets (credits and failures name it).
+        self.sets = [f"{n:08x}" for n in range(sets)]
+        adapter_sets = {digest: AdapterSet(adapters=[AdapterRef(path=f"s3://loras/style-{n}.safetensors",
+                                                                revision=f"sha256:{n:032x}")],
+                                           items=len(range(n, batches, sets)) * BATCH,
+                                           batches=len(range(n, batches, sets)))
+                        for n, digest in enumerate(self.sets)}
         storage.put_bytes(layout.MANIFEST, RunManifest(
             run_id="bench", created_at=time.time(), source="bench.jsonl", out=storage.url, total=items,
             batches=batches, plan_parts=0, shapes=[ShapeSummary(shape=shape, queue=shape.queue, items=items,
                                                                 batches=batches)],
-            defaults=run_defaults(shape), diffq_version="bench").model_dump_json().encode())
+            defaults=run_defaults(shape), diffq_version="bench",
+            adapter_sets=adapter_sets).model_dump_json().encode())
         rng = np.random.default_rng(seed)
         owner = rng.integers(0, writers, batches, dtype=np.int32)
         again = rng.random(batches) < redelivered  # a second copy, to another writer
@@ -201,7 +210,7 @@ class FleetRun:
         for b in self.failing:  # split; the first half done, the second failed
             storage.put_bytes(layout.failure_key(self.id(b) + ".s1"), FailureRecord(
                 run_id="bench", batch_id=self.id(b) + ".s1", item_ids=self._items(b)[BATCH // 2:], error="OOM",
-                attempts=3, worker="w", failed_at=0.0).model_dump_json().encode())
+                attempts=3, worker="w", failed_at=0.0, adapter_set=self._set(b)).model_dump_json().encode())
         # Each writer's batches in queue order (as it took them), the copies among them.
         credits = np.concatenate([np.arange(batches), np.flatnonzero(again)])
         holders = np.concatenate([owner, second[again]])
@@ -231,11 +240,15 @@ class FleetRun:
     def _items(batch: int) -> list[str]:
         return [f"i{batch * BATCH + k}" for k in range(BATCH)]
 
+    def _set(self, index: int) -> str | None:
+        return self.sets[index % len(self.sets)] if self.sets else None
+
     def _credit(self, log, index: int, full: list[str]) -> None:
+        named = {"adapter_set": self._set(index), "mode": "swap"} if self.sets else {}
         if index in self.failing:
-            log.add(self.id(index) + ".s0", self.queue, self._items(index)[:BATCH // 2])
+            log.add(self.id(index) + ".s0", self.queue, self._items(index)[:BATCH // 2], **named)
         else:
-            log.add(self.id(index), self.queue, full)
+            log.add(self.id(index), self.queue, full, **named)
 
     def land(self, writers: range) -> None:
         """These writers credit their held-back batch and rewrite their segment, as the sink does."""
@@ -463,6 +476,23 @@ def scale_section(rows: list[dict] | None = None) -> list[str]:
             "![status at scale](scale_status.png)", "", *goal_table(scale_goals(rows)), ""]
 
 
+def measure_sets(out: str, items: int, writers: int, sets: int) -> dict:
+    """`diffq status --by-adapter --json` of a run over `sets` adapter sets, its own process."""
+    run = FleetRun(out, items, writers, sets=sets)
+    run.land(range(writers))
+    measured = whole_process_status(out, repeats=3, args=("--json", "--by-adapter"))
+    last = json.loads(subprocess.run([sys.executable, "-m", "diffq", "status", "--json", "--by-adapter", out],
+                                     capture_output=True, text=True, check=True, env=bytecode_cached()).stdout)
+    rows = [row for row in last["adapter_sets"] if row["set"]]
+    assert len(rows) == sets and sum(r["done"] for r in rows) == last["done"], "per-set counts add up"
+    assert sum(r["failed"] for r in rows) == last["failed"] == run.failed
+    row = {"items": items, "writers": writers, "sets": sets, **{k: measured[k] for k in
+                                                                 ("status_s", "cpu_s", "peak_rss_mb")},
+           "command": f"python -m bench.status --scale {items}:{writers} --sets {sets}"}
+    print(json.dumps(row))
+    return row
+
+
 def _sizes(text: str) -> list[tuple[int, int]]:
     return [tuple(int(x) for x in pair.split(":")) for pair in text.split(",") if pair]
 
@@ -480,6 +510,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--s3-scale", help="ITEMS:WRITERS,...: the same on moto's S3 server")
     parser.add_argument("--v1", action="store_true", help="--scale: segments in the old format (every credit "
                                                           "spelled out), as older workers wrote them")
+    parser.add_argument("--sets", type=int, default=0,
+                        help="--scale: the run's batches over this many LoRA adapter sets, and time "
+                             "`status --by-adapter --json` as its own process (issue 64's goal: 10M items, 20 sets, "
+                             "<= 2 s, <= 300 MB)")
     parser.add_argument("--json", type=Path, help="--scale: also write the rows here (added to what it holds)")
     parser.add_argument("--plot", type=Path, help="--scale: plot the rows of --json here")
     args = parser.parse_args(argv)
@@ -491,6 +525,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
 
 def measure_all(args, workdir: Path) -> list[dict]:
+    if args.sets:
+        return [measure_sets(str(workdir / f"run-{items}-{writers}"), items, writers, args.sets)
+                for items, writers in _sizes(args.scale or "10000000:100")]
     if args.scale or args.s3_scale:
         rows = []
         v1, flag = (" (v1 segments)", " --v1") if args.v1 else ("", "")

@@ -36,7 +36,9 @@ from diffq.core.adapters import SCAFFOLD_WARN
 from diffq.core.contract import BatchMessage, ShapeKey
 from diffq.core.model_store import revisions
 from diffq.core.options import GenerationOptions
-from diffq.core.records import RequestedSize, RunDefaults, RunManifest, ShapeSummary, parse_plan_part, plan_part
+from diffq.core.adapters import set_digest
+from diffq.core.records import (AdapterSet, RequestedSize, RunDefaults, RunManifest, ShapeSummary, parse_plan_part,
+                                plan_part)
 from diffq.core.storage import Storage, open_storage
 from diffq.core.transports import transport_for
 from diffq.producer.bucketing import RunOptions, bucket, group_key, shape_for
@@ -134,6 +136,11 @@ class Plan:
                 "fuse": {"set_changes": changes, "compiles": self.compiles},
                 "compile": {"set_changes": changes, "compiles": per_set,
                             "compiles_where_weights_are_graph_inputs": self.compiles}}
+
+    def adapter_sets(self) -> dict[str, AdapterSet]:
+        """The manifest's adapter sets: digest -> adapters and items (rows without one are not a set)."""
+        return {digest: AdapterSet(adapters=list(group.adapters), items=group.items, batches=group.batches)
+                for group in self.adapter_groups if (digest := set_digest(group.adapters)) is not None}
 
     def adapters_json(self) -> dict:
         """The adapter groups and what batching by them costs in padding (`diffq plan`)."""
@@ -644,6 +651,7 @@ def write_manifest(storage: Storage, prompts: str | Path, plan: Plan, run_id: st
         model_revisions=revisions(plan.models),  # pinned: workers load these or refuse
         adapter_layouts=plan.adapter_layouts,
         adapter_revisions=plan.adapters.revisions() if plan.adapters is not None else {},
+        adapter_sets=plan.adapter_sets(),
     )
     body = json.dumps(manifest.model_dump(mode="json"), indent=2).encode()
     if not storage.put_bytes(layout.MANIFEST, body, content_type="application/json", if_absent=True):

@@ -62,10 +62,10 @@ def test_every_layout_runs_with_the_pixels_of_diffusers_conversion(files_run, fi
 
 
 def test_hot_swaps_over_converted_files_compile_nothing_after_the_first_batch(files_run):
-    from diffq.results.status import status
+    from diffq.results.report import build_report
 
     out, _ = files_run
-    graphs = status(str(out), by_adapter=True).by_adapter.graphs
+    graphs = build_report(str(out)).by_adapter.graphs
     assert graphs and all(g.compiled > 0 and g.steady == 0 for g in graphs.values()), graphs
 
 

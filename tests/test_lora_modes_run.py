@@ -111,7 +111,7 @@ def test_status_by_adapter_shows_the_mode(runs):
 
     result = CliRunner().invoke(app, ["status", str(runs["fuse"]), "--by-adapter", "--json"])
     assert result.exit_code == 0, result.output
-    groups = json.loads(result.output)["by_adapter"]["adapters"]
+    groups = json.loads(result.output)["adapter_sets"]  # from the credits, which name the mode
     assert len(groups) == len(SETS) and {group["lora_mode"] for group in groups} == {"fuse"}
     table = CliRunner().invoke(app, ["status", str(runs["compile"]), "--by-adapter"], env={"COLUMNS": "300"})
     assert table.exit_code == 0 and "mode" in table.output and "compile" in table.output

@@ -114,3 +114,25 @@ def test_children_a_process_will_use_are_exported_at_zero_before_their_first_eve
     assert {"malformed", "unsigned", "not_a_batch"} <= set(REASONS)
     metrics.observe_recompile(shape)
     assert scrape(port)[("diffq_recompiles_total", (("shape", shape),))] == 1.0  # 0 then 1: an increase of 1
+
+
+def test_adapter_set_labels_are_capped_and_the_rest_count_as_other():
+    """Per-set series carry the set's short digest, at most MAX_SET_LABELS per process;
+    the next sets count under `other` (issue 64)."""
+    labels = metrics._SetLabels(most=3)
+    assert [labels(f"d{i}") for i in range(5)] == ["d0", "d1", "d2", metrics.OTHER_SET, metrics.OTHER_SET]
+    assert labels("d1") == "d1"  # a known set keeps its label
+    before = metrics.SET_FAILURES.labels("d0")._value.get()
+    metrics.observe_failure("q-sets", 3, None)  # no adapters: no per-set series
+    assert metrics.SET_FAILURES.labels("d0")._value.get() == before
+
+
+def test_a_sets_images_and_failures_are_served_by_its_digest(port):
+    before = scrape(port)
+    metrics.observe_batch("q-sets", 4, 0.2, "5e7d1a2b")
+    metrics.observe_failure("q-sets", 2, "5e7d1a2b")
+    after = scrape(port)
+    key = (("adapter_set", "5e7d1a2b"),)
+    assert after[("diffq_adapter_set_images_total", key)] - before.get(("diffq_adapter_set_images_total", key), 0) == 4
+    assert after[("diffq_adapter_set_failures_total", key)] - before.get(("diffq_adapter_set_failures_total", key),
+                                                                         0) == 2

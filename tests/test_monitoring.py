@@ -229,6 +229,14 @@ CASES: dict[str, list[tuple[list[dict], list[tuple[str, list[dict]]]]]] = {
         # Every item of a queue fails: no images series at all (the bad model or device case).
         ([_series("diffq_failures_total", "0+1x60", queue="q3", **W)], [("40m", [{"queue": "q3"}])]),
     ],
+    # One set of twenty fails every item: 0.05 of the queue (ItemsFailing quiet), 1 of its own.
+    "DiffqAdapterSetFailing": [
+        ([*[_series("diffq_adapter_set_images_total", "0+10x60", adapter_set=f"s{i:02d}", **W) for i in range(19)],
+          *[_series("diffq_adapter_set_failures_total", "0x60", adapter_set=f"s{i:02d}", **W) for i in range(19)],
+          _series("diffq_adapter_set_images_total", "0x60", adapter_set="s19", **W),
+          _series("diffq_adapter_set_failures_total", "0+10x60", adapter_set="s19", **W)],
+         [("5m", []), ("40m", [{"adapter_set": "s19"}])]),
+    ],
     "DiffqWorkerRestarting": [
         ([_series("kube_pod_container_status_restarts_total", "0 0 1 2 3 3x30", pod="a", container="worker"),
           _series("diffq_worker_restarts", "0x5 1 2 3x30", pod="b"),
@@ -513,7 +521,9 @@ def test_rules_and_panels_name_only_what_a_real_worker_and_backlog_service_expor
         "diffq_graph_fallbacks_total": metrics.GRAPH_FALLBACKS,
         "diffq_failures_total": metrics.FAILURES, "diffq_degenerate_images_total": metrics.DEGENERATE,
         "diffq_upload_failures_total": metrics.UPLOAD_FAILURES, "diffq_redeliveries_total": metrics.REDELIVERIES,
-        "diffq_lease_lapses_total": metrics.LEASE_LAPSES}
+        "diffq_lease_lapses_total": metrics.LEASE_LAPSES,
+        "diffq_adapter_set_images_total": metrics.SET_IMAGES,
+        "diffq_adapter_set_failures_total": metrics.SET_FAILURES}
     for name, metric in declared.items():
         assert name in worker_names, f"the worker does not export {name}"
         assert worker_names[name] <= set(metric._labelnames)

@@ -388,7 +388,7 @@ def status(
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output (with --watch: one line per refresh)")] = False,
     watch: Annotated[bool, typer.Option("--watch", "-w", help="Live progress until nothing is pending (Ctrl-C to stop)")] = False,
     interval: Annotated[float, typer.Option("--interval", min=0.1, help="Seconds between refreshes with --watch")] = 2.0,
-    by_adapter: Annotated[bool, typer.Option("--by-adapter", help="Also the images per LoRA adapter set (path, revision, scale) with their images/s, and the graphs compiled per shape after a worker's first batch (reads every image record: slower on a big run)")] = False,
+    by_adapter: Annotated[bool, typer.Option("--by-adapter", help="Also done / failed / pending per LoRA adapter set (its short digest, adapters and scales), from the progress summary; a run submitted before sets were listed falls back to its image records")] = False,
 ) -> None:
     """Progress of a run, read from its run folder alone (no broker needed)."""
     from diffq.core.runfolder import NotARun
@@ -423,6 +423,13 @@ def status(
                      if st.feed.waiting_for_feeder else ""), markup=False, highlight=False, soft_wrap=True)
     if st.trouble:
         out.print(st.trouble, style="bold yellow", markup=False, highlight=False)
+    if st.adapter_sets is not None:
+        from diffq.results.by_adapter import set_lines
+
+        out.print("\n".join(["", "by adapter set", *set_lines(st.adapter_sets)]), markup=False, highlight=False,
+                  soft_wrap=True)
+    if st.adapter_note:
+        out.print(st.adapter_note, markup=False, highlight=False, soft_wrap=True)
     if st.by_adapter is not None:
         _print_by_adapter(st.by_adapter)
 

@@ -252,6 +252,7 @@ P_COMPILES = "Compiles, recompiles and graph fallbacks per hour"
 P_RESTARTS = "Restarts"
 P_SERVICE = "Backlog service and feeder"
 P_COST = "Cost per 1,000 images"
+P_SETS = "Images and failures per adapter set"
 
 ALERTS: tuple[Alert, ...] = (
     Alert("DiffqRunStalled", "critical", "{stall_for_s}s",
@@ -283,6 +284,18 @@ ALERTS: tuple[Alert, ...] = (
           "More than {failure_ratio} of the items finished on {{ $labels.queue }} failed after every retry "
           "(failure records in each run's OUT/failures).",
           "{queues}", P_FAILURES),
+    # One LoRA set of twenty failing every item is 0.05 of its queue's: under
+    # ItemsFailing's ratio. Each set's own ratio, the same threshold; the label is the
+    # set's short digest (capped per worker: worker/observe/metrics.py MAX_SET_LABELS).
+    Alert("DiffqAdapterSetFailing", "warning", "{failure_for_s}s",
+          """sum by (namespace, adapter_set) (rate(diffq_adapter_set_failures_total{{ns}}[{failure_window_s}s]))
+             / (sum by (namespace, adapter_set) (rate(diffq_adapter_set_failures_total{{ns}}[{failure_window_s}s]))
+                + sum by (namespace, adapter_set) (rate(diffq_adapter_set_images_total{{ns}}[{failure_window_s}s])))
+             > {failure_ratio}""",
+          "Items of LoRA adapter set {{ $labels.adapter_set }} fail after every retry",
+          "More than {failure_ratio} of the items finished with adapter set {{ $labels.adapter_set }} failed "
+          "after every retry (`diffq status OUT --by-adapter` names the set's adapters).",
+          "{queues}", P_SETS),
     Alert("DiffqWorkerRestarting", "warning", "{restart_for_s}s",
           """max by (namespace, pod) (increase(kube_pod_container_status_restarts_total{{ns},
                  container=~"worker|backlog"}[{restart_window_s}s])) >= {restarts}
@@ -500,6 +513,10 @@ def _panels(price: float | None) -> list[tuple[str, str, list[tuple[str, str]]]]
          [("backlog service up", 'max(up{{ns}, container="backlog"})'),
           ("seconds since the feeder's last pass", "time() - max(diffq_feeder_last_pass_timestamp_seconds{{ns}})")]),
         (P_COST, "currencyUSD" if price is not None else "short", [cost]),
+        (P_SETS, "short",
+         [("images/s {{adapter_set}}", "sum by (adapter_set) (rate(diffq_adapter_set_images_total{{pool}}[5m]))"),
+          ("failed items/s {{adapter_set}}",
+           "sum by (adapter_set) (rate(diffq_adapter_set_failures_total{{pool}}[5m]))")]),
     ]
 
 

@@ -27,6 +27,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from diffq.core import layout
 from diffq.core.progress import ProgressSummary
 from diffq.core.records import RunManifest
 from diffq.core.runfolder import read_manifest
@@ -79,6 +80,11 @@ class RunMetrics(Collector):
         for out in dict.fromkeys(listed + list(self._runs)):
             try:
                 run = self._runs.get(out)
+                if run is not None and out not in listed and not run.storage.exists(layout.MANIFEST):
+                    # Left the listing and its folder deleted: not held (and read) for ever. An
+                    # unlisted run still there stays until nothing is pending (its stall alerts).
+                    del self._runs[out]
+                    continue
                 if run is None:
                     storage = open_storage(out)
                     run = self._runs[out] = _Run(storage, read_manifest(storage), ProgressSummary(storage))

@@ -337,6 +337,20 @@ def pin(refs: tuple[AdapterRef, ...], revisions: dict[str, str] | None = None) -
     return tuple(ref if ref.revision else ref.model_copy(update={"revision": revisions[ref.path]}) for ref in refs)
 
 
+SET_DIGEST_CHARS = 8
+
+
+def set_digest(refs: Iterable[AdapterRef]) -> str | None:
+    """An adapter set's short name: a digest of each adapter's path, pinned revision and
+    scale, in order (a scale is a set of its own: rows are batched by it). What credits,
+    failures, the manifest's `adapter_sets` and the metrics' `adapter_set` label carry:
+    bounded, and no path leaks into a label. None for no adapters."""
+    key = [[ref.path, ref.revision, float(ref.scale)] for ref in refs]
+    if not key:
+        return None
+    return hashlib.sha1(json.dumps(key, separators=(",", ":")).encode()).hexdigest()[:SET_DIGEST_CHARS]
+
+
 def allowed(path: str, prefixes: Iterable[str]) -> bool:
     """An adapter under one of the allow-list's prefixes (DIFFQ_ALLOWED_ADAPTERS), on a path
     boundary: `s3://bucket/loras`, `/data/loras` (absolute), a Hub org or repo (`org`,

@@ -149,15 +149,19 @@ class ProgressLog:
         self._start_segment()
 
     def _start_segment(self) -> None:
-        self._numbered: dict[tuple[str, str, int, int], list[int]] = {}  # (queue, prefix, width, items)
+        # (queue, prefix, width, items, adapter set, lora mode) -> indexes
+        self._numbered: dict[tuple[str, str, int, int, str | None, str | None], list[int]] = {}
         self._queues: dict[str, list[Credit]] = {}
+        self._sets: dict[str, tuple[str, str | None]] = {}  # spelled-out credits' adapter sets
         self._batches: set[str] = set()
         self._bytes = 0
         self._written = 0  # the size of this segment's last write
         self._dirty = False
 
-    def add(self, batch_id: str, queue: str, item_ids: list[str]) -> None:
-        """Credit a batch (in memory; `flush` stores it)."""
+    def add(self, batch_id: str, queue: str, item_ids: list[str], adapter_set: str | None = None,
+            mode: str | None = None) -> None:
+        """Credit a batch (in memory; `flush` stores it), with its adapter set's digest
+        (core/adapters.py set_digest) and lora mode where it has adapters."""
         if batch_id in self._batches:
             return
         if self._bytes >= SEGMENT_BYTES:
@@ -167,12 +171,15 @@ class ProgressLog:
         number = plan_number(batch_id)
         if number is not None:
             prefix, width, index = number
-            self._numbered.setdefault((queue, prefix, width, len(item_ids)), []).append(index)
+            self._numbered.setdefault((queue, prefix, width, len(item_ids), adapter_set, mode), []).append(index)
             self._bytes += NUMBERED_CREDIT_BYTES
         else:
             credit: Credit = (batch_id, len(item_ids), list(item_ids)) if "." in batch_id else (batch_id, len(item_ids))
             self._queues.setdefault(queue, []).append(credit)
             self._bytes += len(json.dumps(credit, separators=(",", ":"))) + 1
+            if adapter_set is not None:
+                self._sets[batch_id] = (adapter_set, mode)
+                self._bytes += len(batch_id) + len(adapter_set) + len(mode or "") + 12
         self._batches.add(batch_id)
         self._dirty = True
 
@@ -180,11 +187,11 @@ class ProgressLog:
         if not self._dirty:
             return
         numbered = []
-        for (queue, prefix, width, items), indexes in self._numbered.items():
+        for (queue, prefix, width, items, adapter_set, mode), indexes in self._numbered.items():
             start, count, gaps, compressed = pack_indexes(indexes)
             numbered.append(NumberedCredits(queue=queue, prefix=prefix, width=width, items=items, count=count,
-                                            start=start, gaps=gaps, zlib=compressed))
-        body = ProgressSegmentV2(writer=self.writer, numbered=numbered, queues=self._queues,
+                                            start=start, gaps=gaps, zlib=compressed, set=adapter_set, mode=mode))
+        body = ProgressSegmentV2(writer=self.writer, numbered=numbered, queues=self._queues, sets=self._sets,
                                  at=round(time.time(), 3)).model_dump_json()
         # Readers see a change by a listing's sizes alone, and a packed segment can
         # grow by a credit without growing: trailing spaces keep every rewrite longer.
@@ -207,14 +214,16 @@ def parse_segment(body: bytes) -> Iterator[tuple[str, str, int, list[str] | None
             yield credit[0], queue, credit[1], credit[2] if len(credit) > 2 else None
 
 
-def _decode(pair: tuple[str, bytes]) -> tuple[str, tuple[list, dict[str, list[Credit]], float | None]]:
-    """A segment's numbered credits unpacked ((queue, prefix, width), items, indexes), its
-    spelled-out ones, and when it was written (None before segments said)."""
+def _decode(pair: tuple[str, bytes]) -> tuple[str, tuple[list, dict[str, list[Credit]], dict, float | None]]:
+    """A segment's numbered credits unpacked ((queue, prefix, width), (items, adapter set,
+    mode), indexes), its spelled-out ones and their adapter sets, and when it was written
+    (None before segments said)."""
     key, body = pair
     segment = _SEGMENT.validate_json(body)
-    numbered = [((n.queue, n.prefix, n.width), n.items, unpack_indexes(n.start, n.count, n.gaps, n.zlib))
+    numbered = [((n.queue, n.prefix, n.width), (n.items, n.set, n.mode),
+                 unpack_indexes(n.start, n.count, n.gaps, n.zlib))
                 for n in getattr(segment, "numbered", ())]
-    return key, (numbered, segment.queues, getattr(segment, "at", None))
+    return key, (numbered, segment.queues, getattr(segment, "sets", {}), getattr(segment, "at", None))
 
 
 def _in_order(pool: ThreadPoolExecutor, work, items, window: int) -> Iterator:
@@ -228,33 +237,40 @@ def _in_order(pool: ThreadPoolExecutor, work, items, window: int) -> Iterator:
         yield pending.popleft().result()
 
 
+# What a credit says of its batch: (items, adapter set digest or None, lora mode or None).
+Kind = tuple[int, str | None, str | None]
+
+
 class _Numbered:
     """What is credited at each index of one (queue, prefix, width): a 1-byte code per
-    index (0: not credited), standing for one of the item counts seen (`sizes`)."""
+    index (0: not credited), standing for one of the kinds seen (`kinds`: item count,
+    adapter set, lora mode; a few per run, so the set costs no memory per batch)."""
 
     CHUNK = 1 << 16  # the array's start is a multiple of this
 
     def __init__(self) -> None:
         self.base = 0
         self.codes = np.zeros(0, np.uint8)
-        self.sizes = [0]  # code -> items
-        self._done: int | None = 0
+        self.kinds: list[Kind] = [(0, None, None)]  # code -> kind
+        self._counts: list[int] | None = [0]  # code -> indexes holding it
 
-    def _code(self, items: int) -> int:
-        if items not in self.sizes:
-            self.sizes.append(items)
-            if len(self.sizes) > np.iinfo(self.codes.dtype).max + 1:  # batch sizes past 255
+    def _code(self, kind: Kind) -> int:
+        if kind not in self.kinds:
+            self.kinds.append(kind)
+            if len(self.kinds) > np.iinfo(self.codes.dtype).max + 1:  # kinds past 255
                 self.codes = self.codes.astype(np.uint16)
-        return self.sizes.index(items)
+        return self.kinds.index(kind)
 
-    def credit(self, indexes: np.ndarray, items: int) -> None:
-        """Credit `items` at each of these indexes (sorted)."""
+    def credit(self, indexes: np.ndarray, kind: Kind | int) -> None:
+        """Credit a kind (or a plain item count) at each of these indexes (sorted)."""
+        if isinstance(kind, int):
+            kind = (kind, None, None)
         if not indexes.size:
             return
         low, high = int(indexes[0]), int(indexes[-1])
-        if low < 0 or high > MAX_INDEX or items < 1:
-            raise ValueError(f"a credit of {items} items at indexes {low}..{high}: outside what a segment holds")
-        code = self._code(items)
+        if low < 0 or high > MAX_INDEX or kind[0] < 1:
+            raise ValueError(f"a credit of {kind[0]} items at indexes {low}..{high}: outside what a segment holds")
+        code = self._code(kind)
         end = self.base + self.codes.size
         if not self.codes.size or low < self.base or high >= end:
             base = low - low % self.CHUNK if not self.codes.size else min(self.base, low - low % self.CHUNK)
@@ -265,18 +281,22 @@ class _Numbered:
             grown[self.base - base:self.base - base + self.codes.size] = self.codes
             self.base, self.codes = base, grown
         self.codes[indexes - self.base if self.base else indexes] = code
-        self._done = None
+        self._counts = None
 
     def has(self, index: int) -> bool:
         at = index - self.base
         return 0 <= at < self.codes.size and bool(self.codes[at])
 
+    def counts(self) -> list[tuple[Kind, int]]:
+        """(kind, batches credited with it), for each kind seen."""
+        if self._counts is None:  # a pass per kind seen (np.bincount would widen every code)
+            self._counts = [int(np.count_nonzero(self.codes == code)) if code else 0
+                            for code in range(len(self.kinds))]
+        return list(zip(self.kinds[1:], self._counts[1:]))
+
     @property
     def done(self) -> int:
-        if self._done is None:  # a pass per item count seen (np.bincount would widen every code)
-            self._done = sum(items * int(np.count_nonzero(self.codes == code))
-                             for code, items in enumerate(self.sizes) if code)
-        return self._done
+        return sum(kind[0] * count for kind, count in self.counts())
 
 
 class ProgressSummary:
@@ -286,15 +306,22 @@ class ProgressSummary:
         self.storage = storage
         self._sizes: dict[str, int] = {}  # segment key -> size when read
         self._failures: dict[str, tuple[str, list[str]]] = {}  # key -> (batch id, item ids)
+        self._failure_sets: dict[str, str | None] = {}  # key -> the failed batch's adapter set
         self._failed_roots: dict[str, set[str]] = {}  # root batch id -> item ids a failure names
         self._numbered: dict[tuple[str, str, int], _Numbered] = {}  # (queue, prefix, width)
         self._by_number: dict[tuple[str, int], list[_Numbered]] = {}  # (prefix, width): across queues
         self._plain: dict[str, tuple[str, int]] = {}  # plan batch id not numbered -> (queue, items)
+        self._sets: dict[str, tuple[str, str | None]] = {}  # spelled-out batch or root -> (set, mode)
         self._derived: dict[str, str] = {}  # derived batch id -> its queue
         self._derived_roots: dict[str, tuple[str, set[str]]] = {}  # root -> (queue, item ids done)
         self.done = 0
         self.failed = 0
         self.done_per_queue: dict[str, int] = {}
+        # Per adapter set digest (None: batches without adapters, and credits written
+        # before credits named their set): items done, failed, and the lora modes seen.
+        self.done_per_set: dict[str | None, int] = {}
+        self.failed_per_set: dict[str | None, int] = {}
+        self.modes_per_set: dict[str | None, set[str]] = {}
         # When an item was last done or failed (a segment's or a failure's time), as
         # written in OUT: whoever reads it, since whenever, sees the same. None: never.
         self.last_progress: float | None = None
@@ -314,17 +341,20 @@ class ProgressSummary:
         sizes = dict(segments)
         with ThreadPoolExecutor(DECODERS) as pool:
             # Decoding (inflating, summing gaps) leaves the GIL; crediting stays in this thread.
-            for key, (numbered, spelled, at) in _in_order(pool, _decode, self.storage.get_many(changed),
-                                                          DECODERS * 2):
+            for key, (numbered, spelled, sets, at) in _in_order(pool, _decode, self.storage.get_many(changed),
+                                                                DECODERS * 2):
                 self._sizes[key] = sizes[key]
                 self._moved(at)
-                for (queue, prefix, width), items, indexes in numbered:
-                    self._array(queue, prefix, width).credit(indexes, items)
+                for (queue, prefix, width), kind, indexes in numbered:
+                    self._array(queue, prefix, width).credit(indexes, kind)
+                for batch_id, (adapter_set, mode) in sets.items():
+                    self._sets.setdefault(root_batch(batch_id), (adapter_set, mode))
                 self._read_spelled(spelled)
         for key, body in self.storage.get_many(key for key in failures if key not in self._failures):
             failure = FailureRecord.model_validate_json(body)
             self._moved(failure.failed_at)
             self._failures[key] = (failure.batch_id, failure.item_ids)
+            self._failure_sets[key] = failure.adapter_set
             self._failed_roots.setdefault(root_batch(failure.batch_id), set()).update(failure.item_ids)
         self._count()
         return self
@@ -393,6 +423,31 @@ class ProgressSummary:
         self.done_per_queue = done_per_queue
         self.done = sum(done_per_queue.values())
         self.failed = len(failed_items(self._failures.values(), self._done_of))
+        self._count_sets(uncovered)
+
+    def _count_sets(self, uncovered: set[str]) -> None:
+        done: dict[str | None, int] = {}
+        modes: dict[str | None, set[str]] = {}
+
+        def add(adapter_set: str | None, mode: str | None, items: int) -> None:
+            done[adapter_set] = done.get(adapter_set, 0) + items
+            if mode:
+                modes.setdefault(adapter_set, set()).add(mode)
+
+        for array in self._numbered.values():
+            for (items, adapter_set, mode), count in array.counts():
+                if count:
+                    add(adapter_set, mode, items * count)
+        for batch_id, (_, items) in self._plain.items():
+            add(*self._sets.get(batch_id, (None, None)), items)
+        for root in uncovered:
+            add(*self._sets.get(root, (None, None)), len(self._derived_roots[root][1]))
+        by_set: dict[str | None, list[tuple[str, list[str]]]] = {}
+        for key, failure in self._failures.items():
+            by_set.setdefault(self._failure_sets.get(key), []).append(failure)
+        self.done_per_set, self.modes_per_set = done, modes
+        self.failed_per_set = {adapter_set: len(failed_items(failures, self._done_of))
+                               for adapter_set, failures in by_set.items()}
 
     def _done_of(self, batch_id: str) -> Container[str]:
         """The items of this batch's root that credits show done."""

@@ -98,6 +98,14 @@ class RunDefaults(Strict):
         return self.model_dump(mode="json", include=self.model_fields_set)
 
 
+class AdapterSet(Strict):
+    """One adapter set of a run (RunManifest.adapter_sets): its adapters, pinned, and items."""
+
+    adapters: list[AdapterRef]
+    items: int = Field(ge=0)
+    batches: int = Field(ge=0)
+
+
 class RunManifest(Strict):
     schema_version: Literal[1] = SCHEMA_VERSION
     run_id: str
@@ -121,6 +129,10 @@ class RunManifest(Strict):
     # not pinned here, or at another revision).
     adapter_layouts: dict[str, AdapterLayout] = Field(default_factory=dict, exclude_if=lambda v: not v)
     adapter_revisions: dict[str, str] = Field(default_factory=dict, exclude_if=lambda v: not v)
+    # Each adapter set of the run (core/adapters.py set_digest -> its adapters and items):
+    # what `status --by-adapter` counts pending against (credits and failures carry the
+    # digest). Absent in runs submitted before it: status says so.
+    adapter_sets: dict[str, AdapterSet] = Field(default_factory=dict, exclude_if=lambda v: not v)
 
 
 # cancel.json: `diffq cancel`'s marker ---------------------------------------------
@@ -366,6 +378,8 @@ class FailureRecord(Strict):
     # Items failed by a degenerate-image check, without a retry: item id -> the check
     # (a DEGENERATE_CHECKS key). None for a failure of the pipeline call.
     degenerate: dict[str, str] | None = None
+    # The batch's adapter set (core/adapters.py set_digest); absent without adapters.
+    adapter_set: str | None = Field(default=None, exclude_if=lambda v: v is None)
 
 
 # progress/<writer>-<n>.json (see progress.py) ---------------------------------------
@@ -395,6 +409,10 @@ class NumberedCredits(Strict):
     start: int = Field(ge=0)
     gaps: str
     zlib: bool = False
+    # The batches' adapter set (core/adapters.py set_digest) and how it went in
+    # (lora_mode); absent without adapters and in segments written before them.
+    set: str | None = Field(default=None, exclude_if=lambda v: v is None)
+    mode: str | None = Field(default=None, exclude_if=lambda v: v is None)
 
 
 class ProgressSegmentV2(Strict):
@@ -405,6 +423,8 @@ class ProgressSegmentV2(Strict):
     writer: str = Field(min_length=1)
     numbered: list[NumberedCredits] = Field(default_factory=list)
     queues: dict[str, list[Credit]] = Field(default_factory=dict)
+    # Spelled-out credits' adapter sets: batch id -> [set digest, lora_mode or null].
+    sets: dict[str, tuple[str, str | None]] = Field(default_factory=dict, exclude_if=lambda v: not v)
     # When its writer last added a credit (Unix seconds): the run's last progress
     # survives any reader's restart (the backlog service's stall clock). None: written
     # before this field.

@@ -1,6 +1,13 @@
-"""A run's images grouped by LoRA adapter set, and the graphs its batches compiled per shape.
+"""A run's items per LoRA adapter set, and the graphs its batches compiled per shape.
 
-Both from the image records alone (`ImageRecord.adapters`, `adapter_swap_s`,
+Per set, done / failed / pending (`status --by-adapter`, `report`): from the progress
+summary (core/progress.py: each credit and failure names its set's short digest,
+core/adapters.py set_digest) against the manifest's `adapter_sets`, never from the
+records: a few segment reads whatever the run's size (`sets_from_summary`). A run
+submitted before manifests listed their sets has no such view (None): callers fall back
+to the records (`ByAdapter`) and say so.
+
+Images/s, swap seconds and graphs from the image records alone (`ImageRecord.adapters`, `adapter_swap_s`,
 `graphs_compiled`), one batch at a time: `report` and `status --by-adapter` read them.
 
 - an adapter group is one adapter set as the records name it: each adapter's path,
@@ -18,11 +25,13 @@ Both from the image records alone (`ImageRecord.adapters`, `adapter_swap_s`,
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
-from diffq.core.records import ImageRecord
+from diffq.core.records import ImageRecord, RunManifest
 
 NONE = "none"  # the group of rows without an adapter
+UNNAMED = "(unnamed)"  # items credited by workers that did not name their set
 
 
 def adapter_key(record: ImageRecord) -> tuple[tuple[str, str | None, float], ...]:
@@ -30,11 +39,103 @@ def adapter_key(record: ImageRecord) -> tuple[tuple[str, str | None, float], ...
     return tuple((a["path"], a.get("revision"), float(a.get("scale", 1.0))) for a in record.adapters or ())
 
 
-def adapter_label(key: tuple[tuple[str, str | None, float], ...]) -> str:
+def short_paths(paths) -> dict[str, str]:
+    """Each path without the folders every one of them shares (and a .safetensors
+    suffix): what tells a run's adapters apart, not where they all live."""
+    paths = sorted(set(paths))
+    split = [path.rstrip("/").split("/") for path in paths]
+    common = 0
+    if len(split) > 1:
+        for parts in zip(*(parts[:-1] for parts in split)):
+            if len(set(parts)) > 1:
+                break
+            common += 1
+    else:
+        common = len(split[0]) - 1 if split else 0
+    return {path: os.path.splitext("/".join(parts[common:]))[0] if parts[-1].endswith(".safetensors")
+            else "/".join(parts[common:]) for path, parts in zip(paths, split)}
+
+
+def adapter_label(key: tuple[tuple[str, str | None, float], ...], short: dict[str, str] | None = None) -> str:
     if not key:
         return NONE
-    return " + ".join(f"{path}@{scale:g}" + (f" ({revision[:19]})" if revision else "")
-                      for path, revision, scale in key)
+    short = short or {}
+    return " + ".join(f"{short.get(path, path)}@{scale:g}" for path, _revision, scale in key)
+
+
+def render_table(headers: list[str], rows: list[list[str]], right: set[int]) -> list[str]:
+    """Text lines of a table (report's and status' text, the same cells as the HTML's)."""
+    widths = [max([len(h)] + [len(row[i]) for row in rows]) for i, h in enumerate(headers)]
+
+    def line(cells) -> str:
+        return "  ".join(cell.rjust(w) if i in right else cell.ljust(w)
+                         for i, (cell, w) in enumerate(zip(cells, widths))).rstrip()
+
+    return [line(headers)] + [line(row) for row in rows]
+
+
+@dataclass
+class SetCounts:
+    """One adapter set of a run: its items as submitted and where they stand."""
+
+    digest: str | None  # None: credits without a set (workers before sets were credited)
+    adapters: list[dict]  # path, revision, scale
+    items: int | None  # None: not in the manifest
+    done: int = 0
+    failed: int = 0
+    modes: set = field(default_factory=set)
+    label: str = ""
+
+    @property
+    def pending(self) -> int | None:
+        return None if self.items is None else max(0, self.items - self.done - self.failed)
+
+    @property
+    def mode(self) -> str:
+        return "+".join(sorted(self.modes)) or "-"
+
+    def to_json(self) -> dict:
+        return {"set": self.digest, "label": self.label, "adapters": self.adapters, "lora_mode": self.mode,
+                "items": self.items, "done": self.done, "failed": self.failed, "pending": self.pending}
+
+
+SET_HEADERS = ["set", "adapters", "mode", "items", "done", "failed", "pending"]
+
+
+def set_cells(rows: list[SetCounts]) -> list[list[str]]:
+    """The per-set table's cells (status' text, report's text and HTML)."""
+    return [[row.digest or "-", row.label, row.mode, "-" if row.items is None else str(row.items), str(row.done),
+             str(row.failed), "-" if row.pending is None else str(row.pending)] for row in rows]
+
+
+def sets_from_summary(manifest: RunManifest, progress) -> list[SetCounts] | None:
+    """Done / failed / pending per adapter set from a refreshed ProgressSummary; None for
+    a run whose manifest lists no sets (no adapters, or submitted before sets were listed)."""
+    if not manifest.adapter_sets:
+        return None
+    short = short_paths(ref.path for entry in manifest.adapter_sets.values() for ref in entry.adapters)
+    rows = []
+    for digest, entry in manifest.adapter_sets.items():
+        key = tuple((ref.path, ref.revision, float(ref.scale)) for ref in entry.adapters)
+        rows.append(SetCounts(digest=digest, adapters=[{"path": p, "revision": r, "scale": s} for p, r, s in key],
+                              items=entry.items, done=progress.done_per_set.get(digest, 0),
+                              failed=progress.failed_per_set.get(digest, 0),
+                              modes=set(progress.modes_per_set.get(digest, ())), label=adapter_label(key, short)))
+    rows.sort(key=lambda row: (-row.items, row.label))
+    # Rows without adapters, and credits from workers that named no set, share the None
+    # digest: what is left of it after the rows without adapters is unnamed.
+    without = manifest.total - sum(entry.items for entry in manifest.adapter_sets.values())
+    unnamed_done = progress.done_per_set.get(None, 0)
+    unnamed_failed = progress.failed_per_set.get(None, 0)
+    if without or unnamed_done or unnamed_failed:
+        rows.append(SetCounts(digest=None, adapters=[], items=without, done=unnamed_done, failed=unnamed_failed,
+                              modes=set(progress.modes_per_set.get(None, ())), label=NONE))
+    return rows
+
+
+def set_lines(rows: list[SetCounts]) -> list[str]:
+    """The per-set table as text."""
+    return render_table(SET_HEADERS, set_cells(rows), right={3, 4, 5, 6})
 
 
 @dataclass
@@ -52,7 +153,7 @@ class AdapterGroup:
 
     @property
     def label(self) -> str:
-        return adapter_label(self.key)
+        return adapter_label(self.key, short_paths(path for path, _, _ in self.key))
 
     @property
     def images_per_s(self) -> float:
@@ -116,15 +217,30 @@ class ByAdapter:
     def rows(self) -> list[AdapterGroup]:
         return sorted(self.groups.values(), key=lambda g: (bool(g.key), g.label))
 
+    def labels(self) -> dict[tuple, str]:
+        """Each group's label, its paths shortened to what tells them apart (a revision
+        added only where two groups would read the same)."""
+        short = short_paths(path for key in self.groups for path, _, _ in key)
+        labels = {key: adapter_label(key, short) for key in self.groups}
+        seen: dict[str, int] = {}
+        for label in labels.values():
+            seen[label] = seen.get(label, 0) + 1
+        return {key: label if seen[label] == 1 else label + " (" + ",".join((r or "-")[:19] for _, r, _ in key) + ")"
+                for key, label in labels.items()}
+
+    HEADERS = ["adapters (path@scale)", "mode", "images", "batches", "img/s", "swap_s"]
+
+    def cells(self) -> list[list[str]]:
+        """The adapter table's cells: the text report's and the HTML page's rows."""
+        labels = self.labels()
+        return [[labels[g.key], g.mode, str(g.images), str(g.batches), f"{g.images_per_s:.2f}", f"{g.swap_s:.3f}"]
+                for g in sorted(self.groups.values(), key=lambda g: (bool(g.key), labels[g.key]))]
+
     def lines(self) -> list[str]:
         """The report's text section (empty for a run without adapters)."""
         if not self.with_adapters:
             return []
-        width = max(len(g.label) for g in self.groups.values())
-        return ["", f"{'adapters (path@scale (revision))':<{max(width, 40) + 2}} mode     images  batches  img/s  "
-                    f"swap_s"] + [
-            f"  {g.label:<{max(width, 40)}} {g.mode:<8} {g.images:>6} {g.batches:>8} {g.images_per_s:>6.2f} "
-            f"{g.swap_s:>7.3f}" for g in self.rows()] + [
+        return ["", *render_table(self.HEADERS, self.cells(), right={2, 3, 4, 5})] + [
             f"  {worker}: {changed} set change(s) over {batches} batch(es)"
             for worker, (changed, batches) in sorted(self.changes.items())]
 

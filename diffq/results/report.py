@@ -51,12 +51,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from diffq.core import layout
-from diffq.core.progress import parse_segment
+from diffq.core.progress import ProgressSummary, parse_segment
 from diffq.core.records import START_PHASES, FailureRecord, FleetPlanFigures, ImageRecord, ShapeSummary, WorkerStart
 from diffq.core.runfolder import (ItemSet, failed_items, first_records, read_failures, read_manifest, read_records,
                                   record_keys)
 from diffq.core.storage import Storage, open_storage
-from diffq.results.by_adapter import ByAdapter
+from diffq.results.by_adapter import SET_HEADERS, ByAdapter, SetCounts, set_cells, set_lines, sets_from_summary
 
 # A gap shorter than both is ordinary scheduling (a broker poll, a hand-over), not a wait.
 WAIT_MIN_S = 5.0
@@ -215,6 +215,9 @@ class Report:
     starts: list[WorkerStart] = field(default_factory=list)  # each worker life's time to first image
     # Images per LoRA adapter set, and graphs compiled per shape (results/by_adapter.py).
     by_adapter: ByAdapter = field(default_factory=ByAdapter)
+    # Done / failed / pending per adapter set, from the progress summary (None: the
+    # manifest lists no sets).
+    adapter_sets: list[SetCounts] | None = None
 
     @property
     def median_time_to_first_image_s(self) -> float | None:
@@ -602,7 +605,8 @@ def build_report(out: str, *, price_per_device_hour: float | None = None, sample
                   rates=_rates(batches, lives, summaries),
                   planned=_planned(storage, manifest.created_at, batches, lives, price_per_device_hour),
                   flagged=sorted(flagged, key=lambda r: r.id), flagged_kinds=flagged_kinds,
-                  starts=_starts(storage), by_adapter=by_adapter)
+                  starts=_starts(storage), by_adapter=by_adapter,
+                  adapter_sets=sets_from_summary(manifest, ProgressSummary(storage).refresh()))
 
 
 # --- text ---------------------------------------------------------------------------
@@ -643,6 +647,8 @@ def render_text(report: Report) -> str:
             lines.append(f"  {'':>11}  RECOMPILED {graphs.steady} graph(s) after a worker's first batch "
                          f"({graphs.compiled} compiled in all)")
     lines += report.by_adapter.lines()
+    if report.adapter_sets is not None:
+        lines += ["", *set_lines(report.adapter_sets)]
     lines += ["", "worker lives          progress writer      device   images  batches  img/s  compile_s  "
                   "generate_s  waiting_s  storing/idle_s"]
     lines += [f"  {w.label:<20} {w.process[:20]:<20} {w.device:<7} {w.images:>6} {w.batches:>8} "
@@ -877,9 +883,10 @@ def render_html(report: Report, thumbs: list[tuple[ImageRecord, bytes]] | None =
     by_adapter = ""
     if report.by_adapter.with_adapters:
         by_adapter = "<h2>Adapters</h2><div class=wide>" + _table(
-            ["adapters (path@scale (revision))", "images", "batches", "images/s", "swap s"],
-            [[g.label, g.images, g.batches, f"{g.images_per_s:.2f}", f"{g.swap_s:.3f}"]
-             for g in report.by_adapter.rows()]) + "</div>"
+            report.by_adapter.HEADERS, report.by_adapter.cells()) + "</div>"
+    if report.adapter_sets is not None:
+        by_adapter += ("<h2>Adapter sets</h2><div class=wide>" + _table(SET_HEADERS, set_cells(report.adapter_sets))
+                       + "</div>")
     if recompiled := [(label.get(q, q), g) for q, g in sorted(report.by_adapter.graphs.items()) if g.steady]:
         by_adapter += "<h2>Recompiles after a worker's first batch</h2>" + _table(
             ["shape", "graphs after the first batch", "graphs in all"],
@@ -960,6 +967,7 @@ def to_json(report: Report) -> dict:
             "failures": dict(report.errors),
             "flagged": {"kinds": dict(report.flagged_kinds), "items": [r.id for r in report.flagged]},
             **report.by_adapter.to_json(),
+            "adapter_sets": [row.to_json() for row in report.adapter_sets] if report.adapter_sets is not None else None,
             "starts": {"median_time_to_first_image_s": report.median_time_to_first_image_s,
                        "device_seconds_starting": report.device_seconds_starting,
                        "lives": [s.model_dump(mode="json") for s in report.starts]}}

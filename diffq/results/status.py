@@ -10,9 +10,10 @@ minute, `trouble` says why ("storage full: No space left on device — waiting, 
 min"): from the trouble notes the workers' sinks leave in OUT, and from a look at a
 local OUT's disk (diffq/core/progress.py `storage_trouble`).
 
-With `by_adapter` (`status --by-adapter`), the images per LoRA adapter set and the
-graphs compiled per shape, from the image records (results/by_adapter.py): every
-record is read, so it costs what `report` does on a big run.
+With `by_adapter` (`status --by-adapter`), done / failed / pending per LoRA adapter
+set, from the same progress summary (results/by_adapter.py `sets_from_summary`). A run
+whose manifest lists no sets (submitted before they were listed) falls back to its
+image records (images per set only; every record read) and says so in `adapter_note`.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from diffq.core.progress import ProgressSummary, storage_trouble
 from diffq.core.records import RunManifest
 from diffq.core.runfolder import ItemSet, NotARun, first_records, read_cancel, read_manifest, read_records, record_keys
 from diffq.core.storage import open_storage
-from diffq.results.by_adapter import ByAdapter
+from diffq.results.by_adapter import ByAdapter, SetCounts, sets_from_summary
 
 __all__ = ["NotARun", "ShapeStatus", "Status", "make_status", "status"]
 
@@ -47,7 +48,9 @@ class Status:
     trouble: str | None = None  # why storing fails, once it has for over a minute
     # A windowed run's batches in the broker and in OUT, and whether a feeder is live.
     feed: RunFeedCounts | None = None
-    by_adapter: ByAdapter | None = None  # with `by_adapter`
+    adapter_sets: list[SetCounts] | None = None  # with `by_adapter`, from the progress summary
+    by_adapter: ByAdapter | None = None  # with `by_adapter`, for a run without adapter_sets: from the records
+    adapter_note: str | None = None  # with `by_adapter`: why the per-set view is not there, or partial
 
     @property
     def pending(self) -> int:
@@ -58,8 +61,11 @@ class Status:
         return self.pending == 0
 
     def to_json(self) -> dict:
-        data = asdict(replace(self, by_adapter=None))
+        data = asdict(replace(self, by_adapter=None, adapter_sets=None))
         data.pop("by_adapter")
+        data.pop("adapter_sets")
+        if self.adapter_sets is not None:
+            data["adapter_sets"] = [row.to_json() for row in self.adapter_sets]
         data["pending"] = self.pending
         data["feed"] = self.feed.to_json() if self.feed else None
         if self.by_adapter is not None:
@@ -87,9 +93,19 @@ def make_status(url: str, manifest: RunManifest, progress: ProgressSummary, *, n
 def status(out: str, *, by_adapter: bool = False) -> Status:
     storage = open_storage(out)
     manifest = read_manifest(storage)
-    result = make_status(storage.url, manifest, ProgressSummary(storage).refresh())
+    progress = ProgressSummary(storage).refresh()
+    result = make_status(storage.url, manifest, progress)
     if by_adapter:
-        result.by_adapter = ByAdapter()
-        for new in first_records((records for _, records in read_records(storage, record_keys(storage))), ItemSet()):
-            result.by_adapter.add(new)
+        result.adapter_sets = sets_from_summary(manifest, progress)
+        if result.adapter_sets is not None:
+            if result.cancelled:
+                result.adapter_note = "the run is cancelled: what is pending per set will not be made"
+        else:  # no adapters, or submitted before manifests listed their sets: the records tell
+            result.adapter_note = ("this run's manifest lists no adapter sets (no adapters, or submitted before diffq "
+                                   "listed them): images per set from every image record; failed and pending per set "
+                                   "unknown")
+            result.by_adapter = ByAdapter()
+            for new in first_records((records for _, records in read_records(storage, record_keys(storage))),
+                                     ItemSet()):
+                result.by_adapter.add(new)
     return result

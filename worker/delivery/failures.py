@@ -15,6 +15,7 @@ from collections import Counter
 from contextlib import contextmanager
 
 from diffq.core import layout
+from diffq.core.adapters import set_digest
 from diffq.core.contract import BatchMessage
 from diffq.core.records import DEGENERATE_CHECKS, FailureRecord
 from diffq.core.storage import Storage
@@ -44,11 +45,12 @@ def write_failure(storage: Storage, message: BatchMessage, error: str, attempts:
                   degenerate: dict[str, str] | None = None) -> None:
     record = FailureRecord(run_id=message.run_id, batch_id=message.batch_id,
                            item_ids=[item.id for item in message.items], error=error[:2000], attempts=attempts,
-                           worker=worker, failed_at=time.time(), degenerate=degenerate)
+                           worker=worker, failed_at=time.time(), degenerate=degenerate,
+                           adapter_set=set_digest(message.params.adapters))
     with storage_trouble():
         storage.put_bytes(layout.failure_key(message.batch_id), record.model_dump_json().encode(),
                           content_type="application/json", if_absent=True)
-    metrics.observe_failure(message.shape.queue, len(message.items))
+    metrics.observe_failure(message.shape.queue, len(message.items), record.adapter_set)
 
 
 def set_aside_degenerate(task, storage: Storage, message: BatchMessage, generated, attempts: int):

@@ -30,6 +30,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from diffq.core import layout
+from diffq.core.adapters import set_digest
 from diffq.core.contract import BatchMessage
 from diffq.core.settings import get_settings
 from diffq.core.signing import HEADER as SIGNATURE
@@ -175,7 +176,8 @@ class Metrics(BatchHook):
 
     def after_generate(self, batch: Batch, generated) -> None:
         shape = batch.message.shape
-        metrics.observe_batch(shape.queue, len(batch.message.items), generated.generate_s)
+        metrics.observe_batch(shape.queue, len(batch.message.items), generated.generate_s,
+                              set_digest(batch.message.params.adapters))
         if generated.compiled:  # eager backends compile too (PipelineHost.compiles)
             metrics.observe_compile(shape.label, generated.generate_s)
         if generated.recompiled:

@@ -56,6 +56,18 @@ LORA_CHANGE_UNSEEN = Counter("diffq_lora_change_unseen",
                              "LoRA set changes the device's output did not show (the worker then serves no adapters)",
                              ["lora_mode"], registry=REGISTRY)
 FAILURES = Counter("diffq_failures", "Items that failed after every retry", ["queue"], registry=REGISTRY)
+# Per LoRA adapter set (its short digest, core/adapters.py set_digest; never a path),
+# batches with adapters only: one set of twenty failing is 0.05 of its queue's items,
+# under ItemsFailing's ratio, so DiffqAdapterSetFailing takes each set's own ratio.
+SET_IMAGES = Counter("diffq_adapter_set_images", "Images generated per LoRA adapter set (short digest)",
+                     ["adapter_set"], registry=REGISTRY)
+SET_FAILURES = Counter("diffq_adapter_set_failures", "Items failed after every retry per LoRA adapter set",
+                       ["adapter_set"], registry=REGISTRY)
+# Distinct set labels one process exports; later sets count under OTHER_SET. First come,
+# first labelled: a counter's series cannot be handed to a commoner set later, and a
+# worker meets a run's sets in the order its batches come, most items first.
+MAX_SET_LABELS = 32
+OTHER_SET = "other"
 DEGENERATE = Counter("diffq_degenerate_images",
                      "Images a check found degenerate, by check (kind): nonfinite (NaN or infinite values) or "
                      "flat (one colour); --on-degenerate decides whether each failed or was stored flagged",
@@ -141,9 +153,35 @@ def refusals(reasons) -> None:
         DEAD_LETTERS.labels(reason)
 
 
-def observe_batch(queue: str, items: int, generate_s: float) -> None:
+class _SetLabels:
+    """The `adapter_set` label of a digest: itself for the first MAX_SET_LABELS, then OTHER_SET."""
+
+    def __init__(self, most: int = MAX_SET_LABELS):
+        self.most = most
+        self._known: set[str] = set()
+        self._lock = threading.Lock()
+
+    def __call__(self, digest: str) -> str:
+        with self._lock:
+            if digest in self._known:
+                return digest
+            if len(self._known) < self.most:
+                self._known.add(digest)
+                # Both series from the first batch on: the alert's ratio needs its denominator.
+                SET_IMAGES.labels(digest)
+                SET_FAILURES.labels(digest)
+                return digest
+            return OTHER_SET
+
+
+set_label = _SetLabels()
+
+
+def observe_batch(queue: str, items: int, generate_s: float, adapter_set: str | None = None) -> None:
     """After a batch generated (padding excluded from `items`)."""
     IMAGES.labels(queue).inc(items)
+    if adapter_set is not None:
+        SET_IMAGES.labels(set_label(adapter_set)).inc(items)
     BATCHES.labels(queue).inc()
     BATCH_SECONDS.labels(queue).observe(generate_s)
     _busy.add(generate_s)
@@ -177,9 +215,11 @@ def observe_lora_change_unseen(lora_mode: str) -> None:
     LORA_CHANGE_UNSEEN.labels(lora_mode).inc()
 
 
-def observe_failure(queue: str, n: int) -> None:
+def observe_failure(queue: str, n: int, adapter_set: str | None = None) -> None:
     """After a failure record for `n` items was written."""
     FAILURES.labels(queue).inc(n)
+    if adapter_set is not None:
+        SET_FAILURES.labels(set_label(adapter_set)).inc(n)
 
 
 def observe_degenerate(queue: str, kind: str, n: int = 1) -> None:

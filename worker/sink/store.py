@@ -35,6 +35,7 @@ from pydantic import ValidationError
 from diffq import __version__
 from diffq.core import layout
 from diffq.core.contract import BatchMessage
+from diffq.core.adapters import set_digest
 from diffq.core.progress import ProgressLog, TroubleNote
 from diffq.core.records import BatchMeasures, ImageRecord, jsonl
 from diffq.core.settings import get_settings
@@ -228,6 +229,11 @@ DEGENERATE_KEY = "degenerate"
 PIXEL_BLOCKS_KEPT = 16
 
 
+def _extra(record_extra, name: str):
+    """A field of the worker's measures (BatchMeasures, or its dict across the sink process)."""
+    return record_extra.get(name) if isinstance(record_extra, dict) else getattr(record_extra, name, None)
+
+
 def keep_pixel_blocks() -> None:
     from PIL import Image
 
@@ -275,9 +281,9 @@ class Sink:
         handed.stored.set_result(outcome)
         # Credited even when the record was there already: the copy that stored it
         # may have died before crediting it.
-        self._credit(storage, message, handed.credited)
+        self._credit(storage, message, handed.credited, _extra(record_extra, "lora_mode"))
 
-    def _credit(self, storage: Storage, message: BatchMessage, credited: Future) -> None:
+    def _credit(self, storage: Storage, message: BatchMessage, credited: Future, lora_mode: str | None = None) -> None:
         """Add the credit; write the segment now, or when the store allows the next
         rewrite of it (GCS: once a second), for every credit waiting by then."""
         credits = self._credits.get(storage.url)
@@ -286,7 +292,8 @@ class Sink:
             if len(self._credits) > MAX_LOGS:
                 self._write_credits(self._credits.popitem(last=False)[1])
         self._credits.move_to_end(storage.url)
-        credits.log.add(message.batch_id, message.shape.queue, [item.id for item in message.items])
+        credits.log.add(message.batch_id, message.shape.queue, [item.id for item in message.items],
+                        set_digest(message.params.adapters), lora_mode)
         credits.waiting.append(credited)
         delay = credits.next_write - time.monotonic()
         if delay <= 0:
@@ -369,8 +376,7 @@ class Sink:
 
         fit = message.params.fit
         embed = message.params.embed_metadata
-        revision, lora_mode = ((record_extra.get(name) if isinstance(record_extra, dict)
-                                else getattr(record_extra, name, None)) for name in ("model_revision", "lora_mode"))
+        revision, lora_mode = (_extra(record_extra, name) for name in ("model_revision", "lora_mode"))
 
         def put(index: int) -> tuple[bool, int]:
             item = message.items[index]
