@@ -1,8 +1,8 @@
 """`diffq qualify --lora A,B` (issue 50): on the device and compile mode asked, the
 adapters' scaffold before the compile, then per adapter a hot-swapped batch and a
 scale-only change, and back to none; each batch after the first must compile 0 graphs
-and show its change in the images. Refused where the backend table's `hotswap` column
-refuses the device row; a bad adapter refused naming it, before any child starts.
+and show its change in the images. Refused where the backend table has no `lora` row for
+the device and compile mode; a bad adapter refused naming it, before any child starts.
 
 End to end on the tiny FLUX.1 pipeline with `diffq tiny-lora` adapters of ranks 4
 (q and v only) and 8, CPU Inductor, regional compile.
@@ -134,11 +134,20 @@ def test_under_the_stand_in_swap_fails_its_change_check(flux, loras, monkeypatch
     assert check["status"] == "fail" and check["detail"].count("change check: --lora-mode swap") == 1
 
 
-def test_a_device_row_that_refuses_hotswap_is_refused_before_any_child(flux, loras):
+def test_a_device_row_without_a_lora_row_is_refused_before_any_child(flux, loras, monkeypatch):
+    # The Neuron row faked without a `lora` row for --compile full (the real one has one).
+    import dataclasses
+
+    from diffq.worker.device import backends
+
+    neuron = backends.BACKENDS["neuron"]
+    monkeypatch.setitem(backends.BACKENDS, "neuron", dataclasses.replace(
+        neuron, lora={mode: facts for mode, facts in neuron.lora.items() if mode != "full"}))
     result = CliRunner().invoke(app, ["qualify", "--model", flux, "--device", "neuron", "--compile", "full",
                                       "--lora", loras[8]], env={"COLUMNS": "300"})
     assert result.exit_code == 2, result.output
-    assert "error: --lora refused: LoRA adapters on --device neuron --compile full: unverified on Neuron" in result.output
+    assert ("error: --lora refused: LoRA adapters on --device neuron --compile full: the backend table has no LoRA "
+            "row") in result.output
 
 
 @pytest.mark.parametrize("bad, why", [

@@ -17,6 +17,7 @@ from diffq.app.options import (DEFAULT_LORA_MODE, DEFAULT_ON_DEGENERATE, AllowFa
                                DtypeOpt, Feeds, Generation, LocalWorkers, Model, Offload, OnDegenerate, Out, Prompts,
                                RunId, Routing, SeedBase, Threads, Warmup, Window, check_compile, device_options, err,
                                fail, generation_options, local_worker_options, out)
+from diffq.core.profile import lora_mode_and_profile
 from diffq.core.settings import get_settings
 from diffq.producer.feed import AUTO, DEFAULT_WINDOW, POLL_S, parse_window
 from diffq.worker.api import DRAIN_TIMEOUT_S
@@ -256,6 +257,12 @@ def worker(
                                               devices.backend.served_dtypes, discover=not plan)
     check_compile(models, compile.value)
     try:
+        mode, lora_profile = lora_mode_and_profile(lora_mode)
+        if tp > 1 and settings.allowed_adapters:
+            from diffq.worker.api import lora_modes
+
+            raise ValueError(f"{lora_modes.TP_REFUSAL.format(tp=tp)} (DIFFQ_ALLOWED_ADAPTERS is set: unset it for "
+                             f"a --tp worker)")
         specs = plan_children(device=devices.device.value, devices=devices.slots(),
                               broker_url=broker, queues=names, threads=threads, compile=compile.value,
                               compile_cache=compile_cache or settings.compile_cache,
@@ -266,7 +273,7 @@ def worker(
                               generation=device_generation.value if device_generation else None,
                               allowed_out_prefixes=prefixes, loglevel=loglevel,
                               drain_timeout_s=drain_timeout, allow_fallback=allow_fallback,
-                              on_degenerate=on_degenerate.value, lora_mode=lora_mode.value, runs=runs,
+                              on_degenerate=on_degenerate.value, lora_mode=mode, lora_profile=lora_profile, runs=runs,
                               **discovery)
         if not plan:
             _refuse_unscoped(broker, runs, prefixes, any_out)
