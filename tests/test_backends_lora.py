@@ -162,3 +162,30 @@ def test_worker_plan_and_run_resolve_auto_through_the_profile(tmp_path):
     result = CliRunner().invoke(app, ["worker", "--plan", "--broker", "memory://", "--lora-mode", "sometimes"],
                                 env={"COLUMNS": "300"})
     assert result.exit_code == 2 and "choose auto, swap, fuse, compile" in result.output
+
+
+@pytest.mark.parametrize("device", ["neuron", "tpu"])
+def test_run_resume_and_worker_on_neuron_and_tpu_take_adapters(device, monkeypatch):
+    """No chip here: run's check and the children it plans, and a worker's host, as the
+    rows stand (auto: compile) and with the row faked as a chip run would prove it (swap)."""
+    from diffq.app.runner import LocalWorkers
+    from diffq.core.adapters import AdapterLayout
+    from diffq.worker.device import backends
+    from diffq.worker.device.backends import LoraFacts
+    from diffq.worker.device.pipeline_host import PipelineHost
+
+    layouts = {"m": AdapterLayout(targets=("x",), rank=4)}
+    kwargs = {"generation": "v6e"} if device == "tpu" else {}
+    for row_mode in ("compile", "swap"):
+        if row_mode == "swap":  # the row as a qualify --lora run on the chip would turn it
+            monkeypatch.setitem(backends.BACKENDS, device, dataclasses.replace(
+                BACKENDS[device], lora={m: LoraFacts("swap", True, "proven") for m in BACKENDS[device].lora}))
+        local = LocalWorkers(device=device, compile="regional")
+        local.check(["m"], adapters=True)  # run and resume check this before any worker starts
+        assert local.resolved_lora_mode() == row_mode
+        (spec,) = plan_children(device=device, devices=[0], broker_url="memory://", queues=[], compile="regional",
+                                adapter_layouts=layouts, lora_mode=local.resolved_lora_mode(), **kwargs)
+        assert spec.lora_mode == row_mode
+        host = PipelineHost(backend=backends.BACKENDS[device], compile_mode="regional")
+        assert host.lora_mode == row_mode and host.adapter_refusal() is None
+        assert lora_modes.bakes_weights(backends.BACKENDS[device], "regional") is (row_mode == "compile")
