@@ -292,7 +292,7 @@ def write_lora_profile(path: Path, report: dict, model: str, backend, compile_mo
 def lora_check(found: dict) -> dict:
     """Pass when no batch after the first compiled a graph and every change showed in its
     images; the swap times said."""
-    mode = found.get("lora_mode", lora_modes.DEFAULT_LORA_MODE)
+    mode = found.get("lora_mode", "swap")
     said = (f"{len(found['adapters'])} adapter(s), --lora-mode {mode}, rank {found['rank']} over {found['targets']} "
             f"module(s) at {found['shape']}: ")
     troubles = [f"change check: {found['refused']}"] if found.get("refused") else []
