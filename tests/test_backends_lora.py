@@ -189,3 +189,20 @@ def test_run_resume_and_worker_on_neuron_and_tpu_take_adapters(device, monkeypat
         host = PipelineHost(backend=backends.BACKENDS[device], compile_mode="regional")
         assert host.lora_mode == row_mode and host.adapter_refusal() is None
         assert lora_modes.bakes_weights(backends.BACKENDS[device], "regional") is (row_mode == "compile")
+
+
+def test_a_tp_worker_with_an_adapter_allow_list_is_refused_at_start():
+    import json
+
+    from typer.testing import CliRunner
+
+    from diffq.app.cli import app
+
+    args = ["worker", "--plan", "--broker", "memory://", "--workers", "2", "--tp", "2"]
+    result = CliRunner().invoke(app, args, env={"DIFFQ_ALLOWED_ADAPTERS": '["s3://loras"]', "COLUMNS": "400"})
+    assert result.exit_code == 2
+    assert "LoRA adapters on a tensor-parallel group (--tp 2)" in result.output
+    assert "DIFFQ_ALLOWED_ADAPTERS is set" in result.output
+    result = CliRunner().invoke(app, args, env={"DIFFQ_ALLOWED_ADAPTERS": None})
+    assert result.exit_code == 0, result.output
+    assert [rank["lora_mode"] for group in json.loads(result.stdout) for rank in group["ranks"]] == ["swap", "swap"]
