@@ -206,3 +206,13 @@ def test_a_tp_worker_with_an_adapter_allow_list_is_refused_at_start():
     result = CliRunner().invoke(app, args, env={"DIFFQ_ALLOWED_ADAPTERS": None})
     assert result.exit_code == 0, result.output
     assert [rank["lora_mode"] for group in json.loads(result.stdout) for rank in group["ranks"]] == ["swap", "swap"]
+    # A LoRA run's queue (its name ends in the layout label) named to a --tp worker.
+    from diffq.core.adapters import AdapterLayout
+    from diffq.core.contract import ShapeKey, queue_name
+
+    label = AdapterLayout(targets=("x",), rank=4).label
+    queue = queue_name(ShapeKey(model="m", height=64, width=64, batch_size=1, max_sequence_length=64, cfg=False,
+                                lora=label))
+    result = CliRunner().invoke(app, [*args, "--queues", queue], env={"DIFFQ_ALLOWED_ADAPTERS": None,
+                                                                       "COLUMNS": "400"})
+    assert result.exit_code == 2 and f"(queue {queue} carries a LoRA layout)" in result.output, result.output

@@ -17,6 +17,7 @@ from diffq.app.options import (DEFAULT_LORA_MODE, DEFAULT_ON_DEGENERATE, AllowFa
                                DtypeOpt, Feeds, Generation, LocalWorkers, Model, Offload, OnDegenerate, Out, Prompts,
                                RunId, Routing, SeedBase, Threads, Warmup, Window, check_compile, device_options, err,
                                fail, generation_options, local_worker_options, out)
+from diffq.core.contract import without_layout
 from diffq.core.profile import lora_mode_and_profile
 from diffq.core.settings import get_settings
 from diffq.producer.feed import AUTO, DEFAULT_WINDOW, POLL_S, parse_window
@@ -258,11 +259,12 @@ def worker(
     check_compile(models, compile.value)
     try:
         mode, lora_profile = lora_mode_and_profile(lora_mode)
-        if tp > 1 and settings.allowed_adapters:
+        if tp > 1 and (settings.allowed_adapters or (lora_queues := [q for q in names if without_layout(q) != q])):
             from diffq.worker.api import lora_modes
 
-            raise ValueError(f"{lora_modes.TP_REFUSAL.format(tp=tp)} (DIFFQ_ALLOWED_ADAPTERS is set: unset it for "
-                             f"a --tp worker)")
+            said = (f"queue {lora_queues[0]} carries a LoRA layout" if not settings.allowed_adapters else
+                    "DIFFQ_ALLOWED_ADAPTERS is set: unset it for a --tp worker")
+            raise ValueError(f"{lora_modes.TP_REFUSAL.format(tp=tp)} ({said})")
         specs = plan_children(device=devices.device.value, devices=devices.slots(),
                               broker_url=broker, queues=names, threads=threads, compile=compile.value,
                               compile_cache=compile_cache or settings.compile_cache,
