@@ -140,7 +140,7 @@ NEURON_LORA_SOURCE = ("parmoham-aws/test-repo-parmoham (a torch-neuronx source m
                       "torch_neuronx/neuron_dynamo_backend/backend.py @ 98154b86 (create_neuron_backend: "
                       "aot_autograd(fw_compiler=..., keep_inference_input_mutations=True, decompositions=...), no "
                       "freezing), fx/fx_transform.py @ 67d8dc4a (convert_fx_to_stablehlo: "
-                      "fx.stateless_fx_import(gm, ...), the graph's placeholders becoming the module's arguments)")
+                      "fx.stateless_fx_import(gm, ...); torch-mlir's importer itself not read)")
 TPU_LORA_SOURCE = ("jonathan1920/torch_tpu (a torch_tpu source mirror): torch_tpu/_internal/compile/_backend.py "
                    "@ 03c2f67a (TpuBackend.__call__: aot_autograd(fw_compiler=..., bw_compiler=..., "
                    "keep_inference_input_mutations=False), no freezing: parameters reach the compiler as "
