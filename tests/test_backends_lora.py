@@ -216,3 +216,19 @@ def test_a_tp_worker_with_an_adapter_allow_list_is_refused_at_start():
     result = CliRunner().invoke(app, [*args, "--queues", queue], env={"DIFFQ_ALLOWED_ADAPTERS": None,
                                                                        "COLUMNS": "400"})
     assert result.exit_code == 2 and f"(queue {queue} carries a LoRA layout)" in result.output, result.output
+
+
+def test_a_tp_group_does_not_discover_lora_runs_queues():
+    """A --tp worker without --queues leaves a LoRA run's queue (its name ends in the layout
+    label) to the single-device workers, rather than taking its batches and failing them."""
+    from diffq.core.adapters import AdapterLayout
+    from diffq.core.contract import ShapeKey, queue_name
+    from diffq.core.transports import transport_for
+    from diffq.worker.delivery.routing import Discovery
+
+    key = ShapeKey(model="m", height=64, width=64, batch_size=1, max_sequence_length=64, cfg=False)
+    plain = queue_name(key)
+    lora = queue_name(key.model_copy(update={"lora": AdapterLayout(targets=("x",), rank=4).label}))
+    transport = transport_for("redis://x")
+    assert Discovery(transport).keep([plain, lora]) == [plain, lora]
+    assert Discovery(transport, layouts=False).keep([plain, lora]) == [plain]

@@ -255,7 +255,8 @@ def worker(
     prefixes = _worker_prefixes(out_prefix, any_out, settings.allowed_out_prefixes)
     names, models, discovery, runs = _served_queues(broker, queues, run, model, serve_models,
                                               rabbitmq_api or settings.rabbitmq_api,
-                                              devices.backend.served_dtypes, discover=not plan)
+                                              devices.backend.served_dtypes, discover=not plan,
+                                              layouts=tp == 1)  # a --tp group takes no adapters
     check_compile(models, compile.value)
     try:
         mode, lora_profile = lora_mode_and_profile(lora_mode)
@@ -290,7 +291,8 @@ def worker(
 
 
 def _served_queues(broker: str, queues: str | None, run: str | None, model: str | None, serve_models: str | None,
-                   rabbitmq_api: str | None, dtypes, *, discover: bool) -> tuple[list[str], list[str], dict, list]:
+                   rabbitmq_api: str | None, dtypes, *, discover: bool,
+                   layouts: bool = True) -> tuple[list[str], list[str], dict, list]:
     """The queues a worker consumes, the models it loads and the runs it serves:
     --queues, plus a run folder's shapes with --run (then only that run's batches are
     taken); with neither, the broker's queues of the served models (discovery goes on
@@ -315,7 +317,7 @@ def _served_queues(broker: str, queues: str | None, run: str | None, model: str 
     serve = [m for m in (serve_models or "").split(",") if m] or models
     if discover:
         try:
-            names = startup_queues(broker, serve, rabbitmq_api, dtypes=dtypes)
+            names = startup_queues(broker, serve, rabbitmq_api, dtypes=dtypes, layouts=layouts)
         except ValueError as exc:
             fail(str(exc))
     return names, models, {"discover": True, "serve_models": serve, "rabbitmq_api": rabbitmq_api}, runs

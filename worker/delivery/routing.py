@@ -28,7 +28,7 @@ import random
 import time
 from collections.abc import Callable
 
-from diffq.core.contract import is_shape_queue
+from diffq.core.contract import is_shape_queue, without_layout
 from diffq.core.brokers.base import PREFIX, CannotList
 from diffq.core.transports import Transport, transport_for
 
@@ -58,7 +58,7 @@ class Discovery:
     interval = 2.0
 
     def __init__(self, transport: Transport, models: list[str] | None = None, api: str | None = None,
-                 prefix: str = PREFIX, dtypes: tuple[str, ...] | None = None):
+                 prefix: str = PREFIX, dtypes: tuple[str, ...] | None = None, layouts: bool = True):
         if transport.broker.list_queues is None:
             raise CannotList(f"no queues: a {transport.name} broker cannot list its queues; "
                              "name them with --queues or --run")
@@ -70,24 +70,29 @@ class Discovery:
         self.prefix = prefix
         # The shape-key dtypes this worker's backend serves (auto and the ones it runs).
         self.dtypes = dtypes
+        # False: a worker that takes no adapters (a --tp group, lora_modes.TP_REFUSAL) leaves
+        # LoRA runs' queues (their names end in the layout label) to the others.
+        self.layouts = layouts
 
     def find(self, connection) -> list[str]:
         return self.keep(self.transport.broker.list_queues(connection, self.prefix, self.api))
 
     def keep(self, names) -> list[str]:
         """The shape queues among `names` that this worker serves."""
-        return [queue for queue in names if is_shape_queue(queue, self.models, self.dtypes)]
+        return [queue for queue in names if is_shape_queue(queue, self.models, self.dtypes)
+                and (self.layouts or without_layout(queue) == queue)]
 
 
 def startup_queues(broker_url: str, models: list[str] | None = None, api: str | None = None, *,
-                   transport_options: dict | None = None, dtypes: tuple[str, ...] | None = None) -> list[str]:
+                   transport_options: dict | None = None, dtypes: tuple[str, ...] | None = None,
+                   layouts: bool = True) -> list[str]:
     """The queues a worker without --queues starts on: one listing now. Raises
     CannotList (saying what to pass instead) where the broker cannot list, before
     anything starts; [] while the broker is not up yet (the workers connect with
     Celery's retries and list it then)."""
     from diffq.core.brokers.app import make_celery
 
-    discovery = Discovery(transport_for(broker_url), models, api, dtypes=dtypes)
+    discovery = Discovery(transport_for(broker_url), models, api, dtypes=dtypes, layouts=layouts)
     try:
         with make_celery(broker_url, transport_options).connection_for_write() as connection:
             connection.ensure_connection(max_retries=1)

@@ -75,8 +75,8 @@ class Runtime:
                                               offload=spec.offload, group=group, lora_mode=spec.lora_mode,
                                               checks=frozenset(spec.degenerate_policy)))
         transport = transport_for(spec.broker_url)
-        discovery = Discovery(transport, spec.serve_models, spec.rabbitmq_api,
-                              dtypes=spec.backend.served_dtypes) if spec.discover else None
+        discovery = Discovery(transport, spec.serve_models, spec.rabbitmq_api, dtypes=spec.backend.served_dtypes,
+                              layouts=spec.world_size == 1) if spec.discover else None
         if spec.routing == "compile-aware" or discovery is not None:
             rt.line.router = Router(spec.queues, rt.compiled_queues, transport, discovery=discovery,
                                     compile_aware=spec.routing == "compile-aware")
