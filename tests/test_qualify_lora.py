@@ -72,6 +72,7 @@ def test_hot_swaps_compile_nothing_and_show_in_the_images(flux, loras, tmp_path)
     [measured] = profile.measured
     assert (measured.mode, measured.ok, measured.s_per_image_with) == ("swap", True, lora["s_per_image_with"])
     assert profile.lora_mode_for("cpu", "regional")[0] == "swap" and profile.lora_mode_for("cuda", "regional") is None
+    assert f"LoRA profile: {lora['profile']} (--lora-mode {lora['profile']}: auto through it)" in text
 
 
 def test_a_recompile_or_an_unseen_swap_fails_the_check():

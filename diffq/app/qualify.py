@@ -324,6 +324,8 @@ def lora_lines(found: dict) -> list[str]:
                                       for name, times in (("swap", found["swap_s"]),
                                                           ("scale change", found["scale_change_s"]),
                                                           ("back to none", found["none_s"])) if times))
+    if found.get("profile"):
+        lines.append(f"  LoRA profile: {found['profile']} (--lora-mode {found['profile']}: auto through it)")
     return lines
 
 
