@@ -592,6 +592,61 @@ def test_the_adapter_allow_list_reaches_every_worker_pod_where_set():
                for d in worker_deployments(render_cli(*args, env={"DIFFQ_ALLOWED_ADAPTERS": None})))
 
 
+def _worker_arg(dep: dict, option: str) -> str:
+    args = dep["spec"]["template"]["spec"]["containers"][0]["args"]
+    return args[args.index(option) + 1]
+
+
+@pytest.mark.parametrize("device, mode", [("cpu", "swap"), ("cuda", "swap"), ("neuron", "compile"), ("tpu", "compile")])
+def test_each_device_renders_the_lora_mode_auto_resolves_to(device, mode, tmp_path):
+    """`--lora-mode auto` (the default) is rendered resolved, per device: the backend
+    table's mode; a mode named is rendered as named; a LoRA profile measured on the device
+    wins, one measured elsewhere does not."""
+    from diffq.core.profile import LoraMeasure, LoraProfile
+
+    args = ("--model", "m", "--shapes", "64x64", "--device", device)
+    assert {_worker_arg(dep, "--lora-mode") for dep in worker_deployments(render_cli(*args))} == {mode}
+    assert {_worker_arg(dep, "--lora-mode") for dep in worker_deployments(render_cli(*args, "--lora-mode", "fuse"))} \
+        == {"fuse"}
+    compile_mode = fleet.FleetOptions(device=device).compile_mode
+    for measured_on, expected in ((device, "fuse"), ("cuda" if device != "cuda" else "cpu", mode)):
+        path = tmp_path / f"lora-{measured_on}.json"
+        LoraProfile(model="m", device=measured_on, compile=compile_mode, measured=[
+            LoraMeasure(mode="swap", ok=False, s_per_image_with=0.5, refused="did not show"),
+            LoraMeasure(mode="fuse", ok=True, s_per_image_with=1.0),
+            LoraMeasure(mode="compile", ok=True, s_per_image_with=1.5)]).dump(path)
+        docs = render_cli(*args, "--lora-mode", str(path))
+        assert {_worker_arg(dep, "--lora-mode") for dep in worker_deployments(docs)} == {expected}, measured_on
+
+
+@pytest.mark.parametrize("device", ["neuron", "tpu"])
+def test_allowed_adapters_on_a_device_compiling_per_set_warn_with_the_compiles(device):
+    args = ["fleet", "manifests", "--model", "m", "--shapes", "64x64,128x128,96x96", "--device", device,
+            "--out-prefix", OUT_PREFIX]
+    result = runner.invoke(app, [*args, "--allowed-adapters", "s3://loras"], env={"DIFFQ_ALLOWED_ADAPTERS": None})
+    assert result.exit_code == 0, result.output
+    assert (f"warning: --allowed-adapters on --device {device} --compile regional: --lora-mode compile compiles one "
+            "graph set per (shape, adapter set): each worker compiles sets x shapes, here sets x 3 shape(s)") \
+        in result.stderr
+    for quiet in ([*args], [*args, "--allowed-adapters", "s3://loras", "--lora-mode", "swap"]):
+        result = runner.invoke(app, quiet, env={"DIFFQ_ALLOWED_ADAPTERS": None})
+        assert result.exit_code == 0 and "--lora-mode compile compiles" not in result.stderr, result.output
+    result = runner.invoke(app, ["fleet", "manifests", "--model", "m", "--shapes", "64x64", "--device", "cpu",
+                                 "--out-prefix", OUT_PREFIX, "--allowed-adapters", "s3://loras"],
+                           env={"DIFFQ_ALLOWED_ADAPTERS": None})
+    assert result.exit_code == 0 and "warning: --allowed-adapters" not in result.stderr
+
+
+def test_a_tp_fleet_with_adapters_is_refused_with_the_reason():
+    result = runner.invoke(app, ["fleet", "manifests", "--model", "m", "--shapes", "64x64", "--device", "neuron",
+                                 "--tp", "2", "--out-prefix", OUT_PREFIX, "--allowed-adapters", "s3://loras"],
+                           env={"DIFFQ_ALLOWED_ADAPTERS": None})
+    assert result.exit_code == 2
+    assert "error: --allowed-adapters: LoRA adapters on a tensor-parallel group (--tp 2)" in result.output
+    assert render_cli("--model", "m", "--shapes", "64x64", "--device", "neuron", "--tp", "2",
+                      env={"DIFFQ_ALLOWED_ADAPTERS": None})
+
+
 @pytest.mark.parametrize("broker", FLEET_BROKERS)
 @pytest.mark.parametrize("device", DEPLOYABLE)
 def test_every_worker_pod_carries_the_prefix_models_and_signing_keys(device, broker):

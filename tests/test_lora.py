@@ -230,15 +230,16 @@ def test_the_adapter_cache_keeps_the_most_recent_within_its_bytes(loras):
     assert small.misses == 4
 
 
-def test_devices_without_evidence_refuse_adapters(flux):
-    assert get_backend("cpu").adapter_refusal("regional") is None
-    assert get_backend("cuda").adapter_refusal("full") is None
+def test_neuron_and_tpu_hosts_take_adapters_compiling_per_set(flux):
+    # The backend rows as they are (no chip here): adapters no longer refused; `auto` is
+    # compile there, a swap asked for is left to the change check.
     for device in ("neuron", "tpu"):
-        reason = get_backend(device).adapter_refusal("regional")
-        assert reason and "refused" in reason
         host = PipelineHost(backend=get_backend(device), compile_mode="regional")
-        with pytest.raises(ValueError, match="unverified"):
-            host.use_adapters(flux, A.AdapterLayout(targets=("x",), rank=4))
+        assert host.lora_mode == "compile" and host.adapter_refusal() is None
+        host.use_adapters(flux, A.AdapterLayout(targets=("x",), rank=4))
+        assert host.adapter_layouts[flux].rank == 4
+        assert PipelineHost(backend=get_backend(device), compile_mode="regional", lora_mode="swap").lora_mode == "swap"
+    assert PipelineHost(backend=get_backend("cpu"), compile_mode="regional").lora_mode == "swap"
 
 
 # --- the header -------------------------------------------------------------------------

@@ -503,6 +503,8 @@ def test_one_run_makes_every_image_once_and_compiles_only_its_first_batch(lora_r
     assert ordered[0][0]["graphs_compiled"] > 0
     assert [records[0]["graphs_compiled"] for records in ordered[1:]] == [0] * 7
     assert all(len({r["graphs_compiled"] for r in records}) == 1 for records in ordered)
+    # No --lora-mode: auto, recorded as what it resolved to on this device (the backend table's swap on CPU).
+    assert {line.get("lora_mode") for line in lines if line.get("adapters")} == {"swap"}
 
 
 @pytest.mark.slow

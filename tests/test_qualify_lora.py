@@ -1,8 +1,8 @@
 """`diffq qualify --lora A,B` (issue 50): on the device and compile mode asked, the
 adapters' scaffold before the compile, then per adapter a hot-swapped batch and a
 scale-only change, and back to none; each batch after the first must compile 0 graphs
-and show its change in the images. Refused where the backend table's `hotswap` column
-refuses the device row; a bad adapter refused naming it, before any child starts.
+and show its change in the images. Refused where the backend table has no `lora` row for
+the device and compile mode; a bad adapter refused naming it, before any child starts.
 
 End to end on the tiny FLUX.1 pipeline with `diffq tiny-lora` adapters of ranks 4
 (q and v only) and 8, CPU Inductor, regional compile.
@@ -36,7 +36,7 @@ def run(*args: str) -> tuple[int, dict | None, str]:
 def test_hot_swaps_compile_nothing_and_show_in_the_images(flux, loras, tmp_path):
     code, report, output = run("--model", flux, "--shapes", SHAPE, "--steps", "1", "--repeats", "1",
                                "--compile", "regional", "--lora", f"{loras[4]},{loras[8]}@0.8",
-                               "--report", str(tmp_path / "r"), "--json")
+                               "--report", str(tmp_path / "r"), "--profile", str(tmp_path / "lora.json"), "--json")
     assert code == 0, output
     lora = report["lora"]
     assert [(s["change"], s["adapter"], s["scale"]) for s in lora["swaps"]] == [
@@ -65,6 +65,15 @@ def test_hot_swaps_compile_nothing_and_show_in_the_images(flux, loras, tmp_path)
     assert f"lora {SHAPE} b1: --lora-mode swap, rank 8" in text and "PASS  lora:" in text
     page = (tmp_path / "r" / "index.html").read_text()
     assert "LoRA hot-swap" in page and loras[8] in page
+    # --profile with --lora: the mode as measured, with the device and versions, for --lora-mode FILE.json.
+    from diffq.core.profile import LoraProfile
+
+    profile = LoraProfile.load(lora["profile"])
+    assert (profile.model, profile.device, profile.compile) == (flux, "cpu", "regional") and "torch" in profile.versions
+    [measured] = profile.measured
+    assert (measured.mode, measured.ok, measured.s_per_image_with) == ("swap", True, lora["s_per_image_with"])
+    assert profile.lora_mode_for("cpu", "regional")[0] == "swap" and profile.lora_mode_for("cuda", "regional") is None
+    assert f"LoRA profile: {lora['profile']} (--lora-mode {lora['profile']}: auto through it)" in text
 
 
 def test_a_recompile_or_an_unseen_swap_fails_the_check():
@@ -120,26 +129,41 @@ def test_unseen_swaps_are_read_from_the_pixels():
     assert "stale adapter" in swap("none", None, BACK_TO_NONE_LEVELS + 1, 9).unseen
 
 
-def test_under_the_stand_in_swap_fails_its_change_check(flux, loras, monkeypatch):
+def test_under_the_stand_in_swap_fails_its_change_check(flux, loras, monkeypatch, tmp_path):
     """Inductor's freezing (TORCHINDUCTOR_FREEZING=1, torch/_inductor/config.py) bakes the
     weights into the graphs, as Neuron and TPU do: a swap writes what the graphs never
     read. (compile under the stand-in: tests/test_lora_modes.py, host and run.)"""
     monkeypatch.setenv("TORCHINDUCTOR_FREEZING", "1")
     args = ("--model", flux, "--shapes", SHAPE, "--steps", "1", "--repeats", "1", "--compile", "regional",
             "--lora", f"{loras[4]},{loras[8]}@0.8", "--json")
-    code, report, output = run(*args, "--lora-mode", "swap")
+    code, report, output = run(*args, "--lora-mode", "swap", "--profile", str(tmp_path / "lora.json"))
     assert code == 1, output
     lora, check = report["lora"], report["checks"]["lora"]
     assert lora["lora_mode"] == "swap" and lora["swaps"] == [] and lora["change_check"]["moved"] == 0
     assert "--lora-mode swap: the change from none to" in lora["refused"] and "did not show" in lora["refused"]
     assert check["status"] == "fail" and check["detail"].count("change check: --lora-mode swap") == 1
+    # The profile keeps the failure: `auto` through it never picks a mode that did not show.
+    from diffq.core.profile import LoraProfile
+
+    [measured] = LoraProfile.load(tmp_path / "lora.json").measured
+    assert (measured.mode, measured.ok) == ("swap", False) and "did not show" in measured.refused
+    assert LoraProfile.load(tmp_path / "lora.json").lora_mode_for("cpu", "regional") is None
 
 
-def test_a_device_row_that_refuses_hotswap_is_refused_before_any_child(flux, loras):
+def test_a_device_row_without_a_lora_row_is_refused_before_any_child(flux, loras, monkeypatch):
+    # The Neuron row faked without a `lora` row for --compile full (the real one has one).
+    import dataclasses
+
+    from diffq.worker.device import backends
+
+    neuron = backends.BACKENDS["neuron"]
+    monkeypatch.setitem(backends.BACKENDS, "neuron", dataclasses.replace(
+        neuron, lora={mode: facts for mode, facts in neuron.lora.items() if mode != "full"}))
     result = CliRunner().invoke(app, ["qualify", "--model", flux, "--device", "neuron", "--compile", "full",
                                       "--lora", loras[8]], env={"COLUMNS": "300"})
     assert result.exit_code == 2, result.output
-    assert "error: --lora refused: LoRA adapters on --device neuron --compile full: unverified on Neuron" in result.output
+    assert ("error: --lora refused: LoRA adapters on --device neuron --compile full: the backend table has no LoRA "
+            "row") in result.output
 
 
 @pytest.mark.parametrize("bad, why", [

@@ -14,12 +14,14 @@ from diffq.worker.api import backends, lora_modes
 Device = Enum("Device", {name: name for name in backends.DEVICES}, type=str)
 CompileMode = Enum("CompileMode", {mode.replace("-", "_"): mode for mode in backends.COMPILE_MODES}, type=str)
 Dtype = Enum("Dtype", {name: name for name in backends.DTYPE_CHOICES}, type=str)
-# The LoRA mode table (worker/device/lora_modes.py).
-LoraMode = Enum("LoraMode", {name: name for name in lora_modes.LORA_MODES}, type=str)
+# The LoRA mode table (worker/device/lora_modes.py): a mode, auto, or (run, worker, fleet
+# manifests) a `qualify --lora --profile` FILE.json, auto resolved through it.
 LORA_MODE_HELP = ("How a batch's LoRA adapter set goes into the pipeline: "
                   + "; ".join(f"{mode.name}: {mode.graph}" for mode in lora_modes.LORA_MODES.values())
-                  + f" (default {lora_modes.DEFAULT_LORA_MODE}; README, LoRA adapters)")
-DEFAULT_LORA_MODE = LoraMode(lora_modes.DEFAULT_LORA_MODE)
+                  + "; auto: the backend table's mode for the device and compile mode (swap on cpu/cuda, compile "
+                  "on neuron/tpu); FILE.json: auto, unless that `qualify --lora --profile` file, measured on this "
+                  f"device, proved a cheaper mode (default {lora_modes.DEFAULT_LORA_MODE}; docs/devices.md)")
+DEFAULT_LORA_MODE = lora_modes.DEFAULT_LORA_MODE
 # The family table's names (diffq/core/families.py); each has a tiny builder.
 Family = Enum("Family", {name.replace("-", "_"): name for name in families.BY_NAME}, type=str)
 # Every backend row's `generations` (a device without a detectable one names it here).

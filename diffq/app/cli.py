@@ -17,6 +17,8 @@ from diffq.app.options import (DEFAULT_LORA_MODE, DEFAULT_ON_DEGENERATE, AllowFa
                                DtypeOpt, Feeds, Generation, LocalWorkers, Model, Offload, OnDegenerate, Out, Prompts,
                                RunId, Routing, SeedBase, Threads, Warmup, Window, check_compile, device_options, err,
                                fail, generation_options, local_worker_options, out)
+from diffq.core.contract import without_layout
+from diffq.core.profile import lora_mode_and_profile
 from diffq.core.settings import get_settings
 from diffq.producer.feed import AUTO, DEFAULT_WINDOW, POLL_S, parse_window
 from diffq.worker.api import DRAIN_TIMEOUT_S
@@ -253,9 +255,17 @@ def worker(
     prefixes = _worker_prefixes(out_prefix, any_out, settings.allowed_out_prefixes)
     names, models, discovery, runs = _served_queues(broker, queues, run, model, serve_models,
                                               rabbitmq_api or settings.rabbitmq_api,
-                                              devices.backend.served_dtypes, discover=not plan)
+                                              devices.backend.served_dtypes, discover=not plan,
+                                              layouts=tp == 1)  # a --tp group takes no adapters
     check_compile(models, compile.value)
     try:
+        mode, lora_profile = lora_mode_and_profile(lora_mode)
+        if tp > 1 and (settings.allowed_adapters or (lora_queues := [q for q in names if without_layout(q) != q])):
+            from diffq.worker.api import lora_modes
+
+            said = (f"queue {lora_queues[0]} carries a LoRA layout" if not settings.allowed_adapters else
+                    "DIFFQ_ALLOWED_ADAPTERS is set: unset it for a --tp worker")
+            raise ValueError(f"{lora_modes.TP_REFUSAL.format(tp=tp)} ({said})")
         specs = plan_children(device=devices.device.value, devices=devices.slots(),
                               broker_url=broker, queues=names, threads=threads, compile=compile.value,
                               compile_cache=compile_cache or settings.compile_cache,
@@ -266,7 +276,7 @@ def worker(
                               generation=device_generation.value if device_generation else None,
                               allowed_out_prefixes=prefixes, loglevel=loglevel,
                               drain_timeout_s=drain_timeout, allow_fallback=allow_fallback,
-                              on_degenerate=on_degenerate.value, lora_mode=lora_mode.value, runs=runs,
+                              on_degenerate=on_degenerate.value, lora_mode=mode, lora_profile=lora_profile, runs=runs,
                               **discovery)
         if not plan:
             _refuse_unscoped(broker, runs, prefixes, any_out)
@@ -281,7 +291,8 @@ def worker(
 
 
 def _served_queues(broker: str, queues: str | None, run: str | None, model: str | None, serve_models: str | None,
-                   rabbitmq_api: str | None, dtypes, *, discover: bool) -> tuple[list[str], list[str], dict, list]:
+                   rabbitmq_api: str | None, dtypes, *, discover: bool,
+                   layouts: bool = True) -> tuple[list[str], list[str], dict, list]:
     """The queues a worker consumes, the models it loads and the runs it serves:
     --queues, plus a run folder's shapes with --run (then only that run's batches are
     taken); with neither, the broker's queues of the served models (discovery goes on
@@ -306,7 +317,7 @@ def _served_queues(broker: str, queues: str | None, run: str | None, model: str 
     serve = [m for m in (serve_models or "").split(",") if m] or models
     if discover:
         try:
-            names = startup_queues(broker, serve, rabbitmq_api, dtypes=dtypes)
+            names = startup_queues(broker, serve, rabbitmq_api, dtypes=dtypes, layouts=layouts)
         except ValueError as exc:
             fail(str(exc))
     return names, models, {"discover": True, "serve_models": serve, "rabbitmq_api": rabbitmq_api}, runs

@@ -33,7 +33,7 @@ from diffq.core.options import GenerationOptions
 from diffq.core.storage import normalise_prefix
 from diffq.core.transports import KedaFacts, KedaScaler, Transport, keda_facts, keda_scaler, transport_for
 from diffq.producer.bucketing import shape_of
-from diffq.worker.api import Backend, K8sPod, get_backend
+from diffq.worker.api import Backend, K8sPod, get_backend, lora_modes
 from diffq.worker.api import DRAIN_MARGIN_S
 from diffq.producer.sources import Prompt
 from diffq.producer.submit import make_options
@@ -196,6 +196,10 @@ class FleetOptions:
     any_out: bool = False
     # LoRA adapters the workers load (DIFFQ_ALLOWED_ADAPTERS: prefixes); empty: not rendered.
     allowed_adapters: tuple[str, ...] = ()
+    # --lora-mode: a mode or auto, and a LoRA profile (core/profile.py LoraProfile) `auto`
+    # goes through; the workers are rendered with the mode it resolves to on the device.
+    lora_mode: str = "auto"
+    lora_profile: object = None
     # From a fleet plan (`diffq plan --json --rates … --deadline …`): the devices each
     # queue needs to meet the deadline; a pool's maxReplicaCount is then its pods.
     planned_devices: dict[str, int] | None = None
@@ -248,6 +252,24 @@ class FleetOptions:
         return get_backend(self.device)
 
     @property
+    def compile_mode(self) -> str:
+        return self.compile or self.profile.compile
+
+    def lora(self) -> tuple[str, str]:
+        """The LoRA mode the workers run (rendered as their --lora-mode) and why."""
+        return lora_modes.resolve(self.backend, self.compile_mode, self.lora_mode, self.lora_profile)
+
+    def lora_warnings(self, shapes: int) -> list[str]:
+        """What `--allowed-adapters` costs where the rendered mode compiles per adapter set."""
+        mode, why = self.lora()
+        facts = self.backend.lora_facts(self.compile_mode)
+        if not self.allowed_adapters or mode != "compile" or (facts is not None and facts.graph_inputs):
+            return []  # compile over weights known to be graph inputs reuses the graphs
+        return [f"--allowed-adapters on --device {self.device} --compile {self.compile_mode}: --lora-mode {mode} "
+                f"compiles one graph set per (shape, adapter set): each worker compiles sets x shapes, here sets x "
+                f"{shapes} shape(s), a first batch's compile for every new set it meets ({why})"]
+
+    @property
     def profile(self) -> K8sPod:
         if self.backend.k8s is None:
             raise ValueError(f"--device {self.device} is not deployable on Kubernetes (its backend table row says so)")
@@ -269,10 +291,13 @@ def _args(options: FleetOptions, serve: list[str]) -> list[str]:
     n = options.devices_per_pod or profile.devices_per_pod
     if n % options.tp:
         raise ValueError(f"--tp {options.tp} must divide the {n} devices per pod")
-    compile = options.compile or profile.compile
+    compile = options.compile_mode
     # The same checks `diffq worker` makes, at render time: the pod's devices are 0..n-1
     # (or whatever the device plugin allocated: the same count).
     backend.check(compile=compile, devices=list(range(n)), tp=options.tp, generation=profile.generation)
+    lora_mode = options.lora()[0]
+    if options.allowed_adapters and (reason := lora_modes.refusal(backend, compile, lora_mode, options.tp)):
+        raise ValueError(f"--allowed-adapters: {reason}")
     # The option that lists a kind's devices comes from the backend table; where the
     # device plugin names the allocated devices, the manifest does not override it.
     option = backend.device_option
@@ -280,7 +305,7 @@ def _args(options: FleetOptions, serve: list[str]) -> list[str]:
     tp = ["--tp", str(options.tp)] if options.tp > 1 else []
     # The drain ends (batch finished or handed back, exit 0) before the pod's grace period.
     drain = max(0, grace_seconds(options) - DRAIN_MARGIN_S)
-    return ["--device", backend.name, *pin, *tp, *serve, "--compile", compile,
+    return ["--device", backend.name, *pin, *tp, *serve, "--compile", compile, "--lora-mode", lora_mode,
             "--compile-cache", f"{CACHE_MOUNT}/compile", "--drain-timeout", str(drain)]
 
 

@@ -17,7 +17,7 @@ from typing import Annotated, Literal, Optional
 import typer
 from rich.console import Console
 
-from diffq.app.choices import DEFAULT_LORA_MODE, LORA_MODE_HELP, CompileMode, Device, Dtype, LoraMode
+from diffq.app.choices import DEFAULT_LORA_MODE, LORA_MODE_HELP, CompileMode, Device, Dtype
 from diffq.core.contract import bounds
 from diffq.core.options import GenerationOptions
 from diffq.producer.feed import DEFAULT_WINDOW
@@ -52,7 +52,16 @@ DtypeOpt = Annotated[Dtype, typer.Option("--dtype", help="Pipeline dtype, part o
 DeviceOpt = Annotated[Device, typer.Option("--device", help="Device kind, from the backend table")]
 Compile = Annotated[CompileMode, typer.Option("--compile", help="none | full (whole transformer) | regional (repeated blocks) | defer-fuse (TPU only); checked against the device")]
 CompileCache = Annotated[Optional[str], typer.Option("--compile-cache", help="Compile cache: a shared directory used in place, or s3://… / gs://… / file://… mirrored locally (pull before warmup, push after compiling)")]
-LoraModeOpt = Annotated[LoraMode, typer.Option("--lora-mode", help=LORA_MODE_HELP)]
+def _lora_mode(value: str) -> str:
+    from diffq.worker.api import lora_modes
+
+    if value in lora_modes.LORA_MODE_CHOICES or value.endswith(".json"):
+        return value
+    raise typer.BadParameter(f"{value!r}: choose {', '.join(lora_modes.LORA_MODE_CHOICES)} or a qualify --lora "
+                             f"profile FILE.json")
+
+
+LoraModeOpt = Annotated[str, typer.Option("--lora-mode", help=LORA_MODE_HELP, callback=_lora_mode)]
 Offload = Annotated[Optional[str], typer.Option("--offload", help="'model': enable_model_cpu_offload()")]
 RunId = Annotated[Optional[str], typer.Option("--run-id", help="Run id (default: random)")]
 SeedBase = Annotated[Optional[str], typer.Option("--seed-base", help="Derive item seeds from this instead of the run id (reproducible reruns)")]
@@ -287,7 +296,7 @@ class LocalWorkers:
     threads: int
     allow_fallback: bool
     on_degenerate: DegeneratePolicy
-    lora_mode: LoraMode = DEFAULT_LORA_MODE
+    lora_mode: str = DEFAULT_LORA_MODE
 
     def kwargs(self) -> dict:
         """As the embedded runner takes them (diffq/app/runner.py LocalWorkers)."""
@@ -295,7 +304,7 @@ class LocalWorkers:
                     compile_cache=self.compile_cache, offload=self.offload,
                     warmup=[w for w in (self.warmup or "").split(",") if w], threads=self.threads,
                     allow_fallback=self.allow_fallback, on_degenerate=self.on_degenerate.value,
-                    lora_mode=self.lora_mode.value)
+                    lora_mode=self.lora_mode)
 
     def given(self) -> list[str]:
         """Options given other than their defaults."""

@@ -30,9 +30,9 @@ same child measures them; here each is compared with full compute at its batch s
 on the same prompts and seeds (PSNR and SSIM per image), judged against the budget,
 and the fastest within it is each shape's choice in the profile (core/profile.py).
 
-`--lora A,B [--lora-mode M]`: refused where the LoRA mode table says the mode cannot
-serve this device and compile mode (worker/device/lora_modes.py `refusal`: swap and fuse
-where the backend table's `hotswap` column says the graphs may not read the weights);
+`--lora A,B [--lora-mode M]`: `auto` resolved as a worker would (the backend table's
+`lora` column, or the profile given); refused where the LoRA mode table says the mode
+cannot serve this device and compile mode (worker/device/lora_modes.py `refusal`);
 each adapter checked and pinned here as submit checks a row's (core/adapters.py
 `RunAdapters`), before any child starts. The device child installs the mode (swap: the
 scaffold of their layout before compiling) and, after its measurement, puts each adapter
@@ -238,10 +238,11 @@ class LoraPlan:
 def plan_lora(backend, compile_mode: str, model: str, specs: list[str],
               mode: str = lora_modes.DEFAULT_LORA_MODE, text_encoder: str | None = None) -> LoraPlan:
     """The adapters of `--lora`, each checked and pinned as submit checks a row's (the
-    allow-list, its header, the fit to the model's transformer), and their layout; refused
-    where the backend table says a hot-swap may not keep this compile mode's graphs."""
+    allow-list, its header, the fit to the model's transformer), and their layout, under
+    `mode` resolved (auto: as a worker resolves it); refused where lora_modes.refusal says."""
     from diffq.core.settings import get_settings
 
+    mode = lora_modes.resolve(backend, compile_mode, mode)[0]
     if reason := lora_modes.refusal(backend, compile_mode, mode):
         raise QualifyError(f"--lora refused: {reason}")
     if not specs:
@@ -259,10 +260,39 @@ def plan_lora(backend, compile_mode: str, model: str, specs: list[str],
     return LoraPlan(refs=refs, layout=run.layout, mode=mode)
 
 
+def write_lora_profile(path: Path, report: dict, model: str, backend, compile_mode: str) -> str:
+    """Add this run's LoRA mode, as measured, to the LoRA profile at `path` (made if
+    absent; one measured on another device, compile mode or model is replaced): what
+    `--lora-mode FILE.json` resolves `auto` through (core/profile.py LoraProfile)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from diffq.core.profile import LoraMeasure, LoraProfile
+
+    def installed(package: str) -> str | None:
+        try:
+            return version(package)
+        except PackageNotFoundError:
+            return None
+
+    found = report["lora"]
+    versions = {p: v for p in ("torch", "diffusers", "peft", *backend.cache_packages) if (v := installed(p))}
+    fresh = LoraProfile(model=model, device=backend.name, compile=compile_mode, versions=versions)
+    profile = LoraProfile.load(path) if Path(path).is_file() else fresh
+    if (profile.model, profile.device, profile.compile, profile.versions) != (model, backend.name, compile_mode,
+                                                                              versions):
+        profile = fresh
+    profile = profile.with_measure(LoraMeasure(
+        mode=found["lora_mode"], ok=report["checks"]["lora"]["status"] == "pass",
+        s_per_image_with=found.get("s_per_image_with"), s_per_image_without=found.get("s_per_image_without"),
+        change_s=(found.get("swap_s") or {}).get("median"), refused=found.get("refused")))
+    profile.dump(path)
+    return str(path)
+
+
 def lora_check(found: dict) -> dict:
     """Pass when no batch after the first compiled a graph and every change showed in its
     images; the swap times said."""
-    mode = found.get("lora_mode", lora_modes.DEFAULT_LORA_MODE)
+    mode = found.get("lora_mode", "swap")
     said = (f"{len(found['adapters'])} adapter(s), --lora-mode {mode}, rank {found['rank']} over {found['targets']} "
             f"module(s) at {found['shape']}: ")
     troubles = [f"change check: {found['refused']}"] if found.get("refused") else []
@@ -294,6 +324,8 @@ def lora_lines(found: dict) -> list[str]:
                                       for name, times in (("swap", found["swap_s"]),
                                                           ("scale change", found["scale_change_s"]),
                                                           ("back to none", found["none_s"])) if times))
+    if found.get("profile"):
+        lines.append(f"  LoRA profile: {found['profile']} (--lora-mode {found['profile']}: auto through it)")
     return lines
 
 
@@ -759,13 +791,14 @@ def qualify(model: str, *, device: str = "cpu", slot: int = 0, compile: str = "n
             reference_max_pixels: int = REFERENCE_MAX_PIXELS, timeout: float | None = None,
             speedups: SpeedupOptions | None = None, announce: Callable[[str], None] | None = None,
             lora: list[str] | None = None, lora_mode: str = lora_modes.DEFAULT_LORA_MODE,
-            lora_text_encoder: str | None = None) -> dict:
+            lora_text_encoder: str | None = None, lora_profile: Path | None = None) -> dict:
     """Run the qualification and return the report (the `--json` object).
 
     `speedups`: tune them too (`--speedups`); `announce` hears, before any child
     starts, how many candidates and compiles that costs. `lora`: adapter specs
     (`PATH`, `PATH@SCALE`) to hot-swap on the device (`--lora`); `lora_text_encoder`:
-    `drop` runs a file's transformer part without its text-encoder part (`--lora-text-encoder`)."""
+    `drop` runs a file's transformer part without its text-encoder part (`--lora-text-encoder`);
+    `lora_profile`: the LoRA profile FILE.json the mode's measure is added to (`--lora --profile`)."""
     from diffq.worker.api import ModelUnavailable, resolve_model
 
     backend = get_backend(device)
@@ -824,6 +857,8 @@ def qualify(model: str, *, device: str = "cpu", slot: int = 0, compile: str = "n
         report["checks"] = checks(report, thresholds)
         if tuning is not None and speedups.profile is not None:
             report["speedups"]["profile"] = write_profile(speedups.profile, report, compile)
+        if adapters is not None and lora_profile is not None and report.get("lora") is not None:
+            report["lora"]["profile"] = write_lora_profile(lora_profile, report, model, backend, compile)
         report["passed"] = all(c["status"] != "fail" for c in report["checks"].values())
         report["wall_s"] = round(time.time() - started, 3)
         if save_reference and not result.get("error"):

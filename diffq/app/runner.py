@@ -43,6 +43,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from diffq.app.run_out import RunBusy, RunFailed, RunOut
 from diffq.core.brokers.embedded import embedded_broker
 from diffq.core.families import compile_refusal
+from diffq.core.profile import lora_mode_and_profile
 from diffq.core.progress import TROUBLE_DIR_ENV
 from diffq.core.options import GenerationOptions
 from diffq.core.records import RunManifest
@@ -154,15 +155,20 @@ class LocalWorkers:
     threads: int = 1
     allow_fallback: bool = False
     on_degenerate: str = DEFAULT_DEGENERATE_POLICY
-    lora_mode: str = lora_modes.DEFAULT_LORA_MODE
+    lora_mode: str = lora_modes.DEFAULT_LORA_MODE  # a mode, auto, or a LoRA profile FILE.json
+
+    def resolved_lora_mode(self) -> str:
+        """The mode the workers will run (`auto` through the profile given, if any)."""
+        mode, profile = lora_mode_and_profile(self.lora_mode)
+        return lora_modes.resolve(get_backend(self.device), self.compile, mode, profile)[0]
 
     def check(self, models: list[str], speedups=(), adapters: bool = False) -> None:
-        # A compile mode, speed-up or LoRA hot-swap the family or device cannot take fails
+        # A compile mode, speed-up or LoRA mode the family or device cannot take fails
         # here, not in every worker.
         if reason := (compile_refusal(models, self.compile) or local_refusal(models, speedups, self.device,
                                                                               self.compile, adapters)
                       or (adapters and lora_modes.refusal(get_backend(self.device), self.compile,
-                                                          self.lora_mode))):
+                                                          self.resolved_lora_mode()))):
             raise ValueError(reason)
 
     def specs(self, broker_url: str, transport_options: dict, queues: list[str], models: list[str], dtype: str,
@@ -174,7 +180,7 @@ class LocalWorkers:
             compile=self.compile, compile_cache=self.compile_cache, offload=self.offload,
             warmup=self.warmup or [], models=models, dtype=dtype, allow_fallback=self.allow_fallback,
             on_degenerate=self.on_degenerate, runs=list(runs), adapter_layouts=adapter_layouts or {},
-            schemes=schemes, lora_mode=self.lora_mode)
+            schemes=schemes, lora_mode=self.resolved_lora_mode())
 
 
 def run(

@@ -88,3 +88,75 @@ class SpeedupProfile(BaseModel):
 def is_profile(value: str | None) -> bool:
     """A --speedup value that names a profile file rather than a spec."""
     return bool(value) and value.endswith(".json") and Path(value).is_file()
+
+
+# --- the LoRA mode a device proved (`qualify --lora A,B --lora-mode M --profile FILE.json`) ---
+
+
+class LoraMeasure(BaseModel):
+    """One LoRA mode as `qualify --lora` measured it on the profile's device."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    mode: str  # swap, fuse, compile (worker/device/lora_modes.py)
+    ok: bool  # its lora check passed: each change showed, no graph compiled where none may
+    s_per_image_with: float | None = None  # steady state, batches with adapters
+    s_per_image_without: float | None = None
+    change_s: float | None = None  # median set-change time
+    refused: str | None = None  # why the change check failed, if it did
+
+
+class LoraProfile(BaseModel):
+    """Per LoRA mode, what `qualify --lora` measured on one device, compile mode and
+    versions; each qualify run of a mode adds (or replaces) its row. `--lora-mode FILE.json`
+    on run, worker and `fleet manifests` is `auto` through it: the cheapest mode that passed
+    (by s/image with adapters), where the worker's device and compile mode are the
+    profile's; elsewhere the backend table's mode (worker/device/lora_modes.py resolve)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    kind: str = "lora"
+    version: int = 1
+    model: str
+    device: str
+    generation: str | None = None
+    compile: str
+    versions: dict[str, str] = Field(default_factory=dict)  # torch and the device's packages, as measured
+    measured: list[LoraMeasure] = Field(default_factory=list)
+
+    @property
+    def chosen(self) -> LoraMeasure | None:
+        passed = [m for m in self.measured if m.ok and m.s_per_image_with is not None]
+        return min(passed, key=lambda m: m.s_per_image_with) if passed else None
+
+    def lora_mode_for(self, device: str, compile_mode: str) -> tuple[str, str] | None:
+        """The proven mode and why, where this profile was measured on `device` and
+        `compile_mode`; None elsewhere (the backend table decides)."""
+        if (self.device, self.compile) != (device, compile_mode) or (chosen := self.chosen) is None:
+            return None
+        versions = ", ".join(f"{name} {version}" for name, version in sorted(self.versions.items()))
+        return chosen.mode, (f"the profile measured on --device {self.device} --compile {self.compile} ({versions}): "
+                             f"{chosen.mode} passed at {chosen.s_per_image_with:g} s/image with adapters")
+
+    def with_measure(self, measure: LoraMeasure) -> LoraProfile:
+        return self.model_copy(update={"measured": [m for m in self.measured if m.mode != measure.mode] + [measure]})
+
+    @classmethod
+    def load(cls, path: str | Path) -> LoraProfile:
+        try:
+            return cls.model_validate_json(Path(path).read_bytes())
+        except ValidationError as exc:
+            field, message = first_error(exc)
+            raise ValueError(f"{path}: not a diffq LoRA profile ({field or 'profile'}: {message})") from None
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"{path}: not a diffq LoRA profile ({str(exc).splitlines()[0]})") from None
+
+    def dump(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.model_dump(mode="json"), indent=2) + "\n")
+
+
+def lora_mode_and_profile(value: str) -> tuple[str, LoraProfile | None]:
+    """`--lora-mode`'s value as (mode or auto, the profile it names or None)."""
+    if value.endswith(".json"):
+        return "auto", LoraProfile.load(value)
+    return value, None

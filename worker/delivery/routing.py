@@ -61,7 +61,8 @@ class Discovery:
     interval = 2.0
 
     def __init__(self, transport: Transport, models: list[str] | None = None, api: str | None = None,
-                 prefix: str = PREFIX, dtypes: tuple[str, ...] | None = None, variants_of: list[str] | None = None):
+                 prefix: str = PREFIX, dtypes: tuple[str, ...] | None = None, variants_of: list[str] | None = None,
+                 layouts: bool = True):
         if transport.broker.list_queues is None:
             raise CannotList(f"no queues: a {transport.name} broker cannot list its queues; "
                              "name them with --queues or --run")
@@ -76,6 +77,9 @@ class Discovery:
         # A worker given --queues (a per-shape pool's) keeps only those queues' LoRA runs:
         # the same shape with a layout label (`Q.r16-…`), compiled as Q.
         self.variants_of = set(variants_of) if variants_of else None
+        # False: a worker that takes no adapters (a --tp group, lora_modes.TP_REFUSAL) leaves
+        # LoRA runs' queues (their names end in the layout label) to the others.
+        self.layouts = layouts
 
     def find(self, connection) -> list[str]:
         return self.keep(self.transport.broker.list_queues(connection, self.prefix, self.api))
@@ -83,19 +87,21 @@ class Discovery:
     def keep(self, names) -> list[str]:
         """The shape queues among `names` that this worker serves."""
         return [queue for queue in names if is_shape_queue(queue, self.models, self.dtypes)
-                and (self.variants_of is None or without_layout(queue) in self.variants_of)]
+                and (self.variants_of is None or without_layout(queue) in self.variants_of)
+                and (self.layouts or without_layout(queue) == queue)]
 
 
 def startup_queues(broker_url: str, models: list[str] | None = None, api: str | None = None, *,
                    transport_options: dict | None = None, dtypes: tuple[str, ...] | None = None,
-                   variants_of: list[str] | None = None) -> list[str]:
+                   variants_of: list[str] | None = None, layouts: bool = True) -> list[str]:
     """The queues a worker without --queues starts on: one listing now. Raises
     CannotList (saying what to pass instead) where the broker cannot list, before
     anything starts; [] while the broker is not up yet (the workers connect with
     Celery's retries and list it then)."""
     from diffq.core.brokers.app import make_celery
 
-    discovery = Discovery(transport_for(broker_url), models, api, dtypes=dtypes, variants_of=variants_of)
+    discovery = Discovery(transport_for(broker_url), models, api, dtypes=dtypes, variants_of=variants_of,
+                          layouts=layouts)
     try:
         with make_celery(broker_url, transport_options).connection_for_write() as connection:
             connection.ensure_connection(max_retries=1)

@@ -76,7 +76,7 @@ class Runtime:
                                               checks=frozenset(spec.degenerate_policy)))
         transport = transport_for(spec.broker_url)
         discovery = Discovery(transport, spec.serve_models, spec.rabbitmq_api, dtypes=spec.backend.served_dtypes,
-                              variants_of=spec.variants_of) if spec.discover else None
+                              variants_of=spec.variants_of, layouts=spec.world_size == 1) if spec.discover else None
         if spec.routing == "compile-aware" or discovery is not None:
             rt.line.router = Router(spec.queues, rt.compiled_queues, transport, discovery=discovery,
                                     compile_aware=spec.routing == "compile-aware")

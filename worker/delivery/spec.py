@@ -17,7 +17,8 @@ from diffq.core.contract import AUTO_DTYPE, ShapeKey, queue_dtype, shape_from_qu
 from diffq.worker.delivery.admission import RunScope
 from diffq.worker.device.backends import COMPILING_MODES, Backend, Placement, get_backend
 from diffq.worker.device.compile_cache import CachePlan, plan_cache
-from diffq.worker.device.lora_modes import DEFAULT_LORA_MODE, LORA_MODES
+from diffq.worker.device import lora_modes
+from diffq.worker.device.lora_modes import DEFAULT_LORA_MODE, LORA_MODE_CHOICES
 
 # Exit code for a child that can never succeed (bad model, bad option): the
 # supervisor must not restart it in a loop.
@@ -79,7 +80,9 @@ class ChildSpec(BaseModel):
     # Per model, the LoRA layout of the runs it serves (their manifests'): its scaffold goes
     # in before the model is preloaded and compiled (`diffq run`; else on the first batch).
     adapter_layouts: dict[str, AdapterLayout] = Field(default_factory=dict)
-    # How a batch's adapter set goes into the pipeline (worker/device/lora_modes.py LORA_MODES).
+    # How a batch's adapter set goes into the pipeline (worker/device/lora_modes.py LORA_MODES);
+    # `auto` resolves from the backend table here (plan_children resolves it with a profile
+    # first), so a spec always names the mode its records will.
     lora_mode: str = DEFAULT_LORA_MODE
     # The quantization schemes (core/speedups.py SCHEMES; None: full precision) the runs'
     # batches name: each model is preloaded with each (`diffq run`), so a quantized run
@@ -113,7 +116,7 @@ class ChildSpec(BaseModel):
     @field_validator("on_degenerate", "lora_mode")
     @classmethod
     def _in_its_table(cls, value: str, info) -> str:
-        table = {"on_degenerate": DEGENERATE_POLICIES, "lora_mode": LORA_MODES}[info.field_name]
+        table = {"on_degenerate": DEGENERATE_POLICIES, "lora_mode": LORA_MODE_CHOICES}[info.field_name]
         if value not in table:
             raise ValueError(f"--{info.field_name.replace('_', '-')} {value}: choose {', '.join(table)}")
         return value
@@ -130,6 +133,11 @@ class ChildSpec(BaseModel):
             if entry != "auto" and not re.fullmatch(r"\d+x\d+", entry):
                 raise ValueError(f"warmup entry '{entry}' is neither 'auto' nor HxW (e.g. 1024x1024)")
         return entries
+
+    @model_validator(mode="after")
+    def _lora_mode_resolved(self) -> ChildSpec:
+        self.lora_mode = lora_modes.resolve(self.backend, self.compile, self.lora_mode)[0]
+        return self
 
     @model_validator(mode="after")
     def _dtypes_served(self) -> ChildSpec:
@@ -212,6 +220,7 @@ class ChildSpec(BaseModel):
             "compile": self.compile,
             "compile_backend": backend.compile_backend,
             "compile_options": backend.compile_options if self.compile in COMPILING_MODES else None,
+            "lora_mode": self.lora_mode,  # resolved (`auto` never reaches a spec)
             "cache_env": backend.cache_env,
             "cache_dir": cache.local_dir,
             "cache_remote": cache.remote,

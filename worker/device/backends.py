@@ -97,42 +97,61 @@ class EagerFallback(Fallback):
 
 
 @dataclass(frozen=True)
-class Hotswap:
-    """Whether hot-swapping a LoRA adapter (worker/device/adapters.py) keeps a compile
-    mode's graphs on a device, and the evidence. Where it is not known, adapters are
-    refused with `why` rather than recompiling silently."""
+class LoraFacts:
+    """How LoRA adapter sets reach a compile mode's graphs on a device (the `lora`
+    column; worker/device/lora_modes.py has the modes), and the evidence.
 
-    keeps: bool
+    `mode`: what `--lora-mode auto` resolves to without a profile measured on the device
+    (a `qualify --lora` profile may prove a cheaper one: diffq/core/profile.py).
+    `graph_inputs`: the compiled graphs are known (tested) to read the weights as inputs,
+    so a swap or fuse is seen and `compile` reuses a graph across sets; where False it is
+    not proven, `compile` recompiles per set (right whatever the backend does) and a swap or
+    fuse asked for explicitly is left to the change check at the first set change."""
+
+    mode: str
+    graph_inputs: bool
     why: str
 
 
 # CPU and CUDA: Inductor. Dynamo lifts module parameters and tensor attributes as graph
-# inputs (torch._dynamo.config.inline_inbuilt_nn_modules, on by default), so a swap
-# that writes new values into the same tensors (peft's hotswap copy_ / fill_) reuses
-# every graph; tests/test_lora.py counts 0 graphs compiled across swaps on CPU. The
-# guards and graph inputs are dynamo's, before any device code.
-_INDUCTOR_HOTSWAP = {
-    "none": Hotswap(True, "eager: nothing compiled"),
-    "regional": Hotswap(True, "Inductor: parameters and peft's scaling tensors are graph inputs; "
-                              "tested on CPU (tests/test_lora.py: 0 graphs compiled across swaps)"),
-    "full": Hotswap(True, "Inductor, the transformer one graph: graph inputs as in regional (not tested separately)"),
+# inputs (torch._dynamo.config.inline_inbuilt_nn_modules, on by default), and Inductor
+# folds them into its code only with freezing (off by default; under no_grad only), so a
+# swap that writes new values into the same tensors (peft's hotswap copy_ / fill_) reuses
+# every graph; tests/test_lora.py counts 0 graphs compiled across swaps on CPU.
+_INDUCTOR_LORA = {
+    "none": LoraFacts("swap", True, "eager: nothing compiled"),
+    "regional": LoraFacts("swap", True, "Inductor without freezing: parameters and peft's scaling tensors are graph "
+                                        "inputs; tested on CPU (tests/test_lora.py: 0 graphs compiled across swaps)"),
+    "full": LoraFacts("swap", True, "Inductor without freezing, the transformer one graph: graph inputs as in "
+                                    "regional (not tested separately)"),
 }
 # CUDA: the same dynamo front and Inductor; not yet run on a GPU by diffq's tests. diffusers'
 # own suite hot-swaps compiled models under error_on_recompile on its CI device
 # (tests/models/testing_utils, LoraHotSwappingForModelTesterMixin).
-_CUDA_HOTSWAP = {mode: Hotswap(True, f"{known.why}; on CUDA not yet run by diffq (diffusers' hotswap tests are)")
-                 for mode, known in _INDUCTOR_HOTSWAP.items()}
-_NEURON_HOTSWAP = Hotswap(False, (
-    "unverified on Neuron: torch-neuronx's dynamo backend (neuron_dynamo_backend/backend.py, fx/fx_importer.py, "
-    "read at parmoham-aws/test-repo-parmoham @ 98154b86 and 67d8dc4a) lowers each graph to StableHLO through "
-    "torch-mlir's FxImporter, and the source read does not settle whether a module's parameters stay runtime "
-    "inputs of the NEFF or are imported as constants; eager Neuron compiles op by op on first use; refused "
-    "rather than recompiling silently"))
-_TPU_HOTSWAP = Hotswap(False, (
-    "unverified on TPU: torch_tpu's backend (_internal/compile/_backend.py @ 03c2f67a, aot_autograd) embeds every "
-    "get_attr tensor of a graph as an MLIR constant (_internal/compile/fx_passes/mark_embedded_constants.py "
-    "@ 15e74f41, sink_get_attr_constants.py @ 81a8ead4): a parameter reaching it as a get_attr would be baked "
-    "into the executable and a swap would not be seen; not checked on a chip, so refused"))
+_CUDA_LORA = {mode: LoraFacts(known.mode, known.graph_inputs,
+                              f"{known.why}; on CUDA not yet run by diffq (diffusers' hotswap tests are)")
+              for mode, known in _INDUCTOR_LORA.items()}
+# Neuron and TPU: the vendor sources read make weights graph inputs likely (both hand
+# dynamo's graph, parameters lifted as placeholders, to stock aot_autograd with no
+# freezing pass), but no chip has shown it: `compile` (one graph per set, right whatever
+# the backend bakes) until a `qualify --lora` profile measured on the device proves swap
+# or fuse. Eager on either device compiles op by op on first use (eager_compiles).
+NEURON_LORA_SOURCE = ("parmoham-aws/test-repo-parmoham (a torch-neuronx source mirror): "
+                      "torch_neuronx/neuron_dynamo_backend/backend.py @ 98154b86 (create_neuron_backend: "
+                      "aot_autograd(fw_compiler=..., keep_inference_input_mutations=True, decompositions=...), no "
+                      "freezing), fx/fx_transform.py @ 67d8dc4a (convert_fx_to_stablehlo: "
+                      "fx.stateless_fx_import(gm, ...); torch-mlir's importer itself not read)")
+TPU_LORA_SOURCE = ("jonathan1920/torch_tpu (a torch_tpu source mirror): torch_tpu/_internal/compile/_backend.py "
+                   "@ 03c2f67a (TpuBackend.__call__: aot_autograd(fw_compiler=..., bw_compiler=..., "
+                   "keep_inference_input_mutations=False), no freezing: parameters reach the compiler as "
+                   "placeholders); fx_passes/mark_embedded_constants.py @ 15e74f41 (apply) embeds only the "
+                   "tensors of get_attr nodes as MLIR constants")
+_NEURON_LORA = LoraFacts("compile", False, (
+    f"weights as graph inputs likely on Neuron ({NEURON_LORA_SOURCE}) but not run on a chip: compile per set until "
+    "a qualify --lora profile measured on Neuron proves swap or fuse"))
+_TPU_LORA = LoraFacts("compile", False, (
+    f"weights as graph inputs likely on TPU ({TPU_LORA_SOURCE}) but not run on a chip: compile per set until a "
+    "qualify --lora profile measured on TPU proves swap or fuse"))
 
 
 @dataclass(frozen=True)
@@ -485,16 +504,13 @@ class Backend:
     # `native` (what full compute runs): kernels this device has. One that fails on the
     # device is shown failed, never hidden; compiling modes refuse a switch.
     attention_candidates: tuple[str, ...] = ()
-    # Per compile mode: whether a LoRA hot-swap keeps the graphs (Hotswap); a mode not
-    # listed refuses adapters.
-    hotswap: dict[str, Hotswap] = field(default_factory=lambda: dict(_INDUCTOR_HOTSWAP))
+    # Per compile mode: how LoRA sets reach its graphs (LoraFacts); a mode not listed
+    # refuses adapters.
+    lora: dict[str, LoraFacts] = field(default_factory=lambda: dict(_INDUCTOR_LORA))
 
-    def adapter_refusal(self, compile_mode: str) -> str | None:
-        """Why LoRA adapters are refused on this device and compile mode, or None."""
-        known = self.hotswap.get(compile_mode)
-        if known is None:
-            return f"LoRA adapters on --device {self.name} --compile {compile_mode}: not known to keep the graphs"
-        return None if known.keeps else f"LoRA adapters on --device {self.name} --compile {compile_mode}: {known.why}"
+    def lora_facts(self, compile_mode: str) -> LoraFacts | None:
+        """The `lora` column's row for a compile mode, or None (adapters refused)."""
+        return self.lora.get(compile_mode)
 
     def speedups_offered(self, compile_mode: str) -> str:
         return self.speedups.get(compile_mode, "none")
@@ -616,7 +632,7 @@ BACKENDS: dict[str, Backend] = {
         device_option="--gpus",
         device_noun="GPUs",
         cache_packages=("triton",),
-        hotswap=_CUDA_HOTSWAP,
+        lora=_CUDA_LORA,
         k8s=K8sPod(resource="nvidia.com/gpu",
                    tolerations=({"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"},),
                    devices_per_pod=1, grace_seconds=900, cpu="8", memory="32Gi", compile="full",
@@ -650,7 +666,7 @@ BACKENDS: dict[str, Backend] = {
         eager_fallback=EagerFallback(env="TORCH_NEURONX_FALLBACK_ONLY_FOR_UNIMPLEMENTED_OPS"),
         default_cache="/tmp/neff_cache",
         cache_packages=("torch-neuronx", "neuronx-cc"),
-        hotswap={mode: _NEURON_HOTSWAP for mode in ("none", "full", "regional")},
+        lora={mode: _NEURON_LORA for mode in ("none", "full", "regional")},
         allocation=(
             # An aws.amazon.com/neuroncore allocation: its cores (aws-neuron-sdk
             # containers/tutorials/ks8-neuron-scheduler-flow.rst, "--env NEURON_RT_VISIBLE_CORES=2,3").
@@ -701,7 +717,7 @@ BACKENDS: dict[str, Backend] = {
         cache_companion_env={"TORCH_TPU_TIER2_COMPILATION_CACHE": "diffq",
                              "TORCH_TPU_INTERNAL_TIER2_COMPILATION_CACHE": "diffq"},
         cache_packages=("torch-tpu", "libtpu"),
-        hotswap={mode: _TPU_HOTSWAP for mode in ("none", "full", "regional", "defer-fuse")},
+        lora={mode: _TPU_LORA for mode in ("none", "full", "regional", "defer-fuse")},
         native_cache_schemes=("gs",),
         generations=tuple(TPU_GENERATIONS),
         detect_generation=detect_tpu_generation,

@@ -56,32 +56,62 @@ LORA_MODES: dict[str, LoraMode] = {
     "compile": LoraMode("compile", "diffq.worker.device.lora_apply:CompiledSets.install",
                         "no LoRA layer: the set fused, one graph per (shape, set)", needs_graph_inputs=False),
 }
-DEFAULT_LORA_MODE = "swap"
+# `auto`: the backend table's `lora` column per device and compile mode (swap on CPU and
+# CUDA, compile on Neuron and TPU) unless a `qualify --lora` profile measured on the device
+# proves a cheaper mode (`resolve`). Records and specs hold the resolved mode, never auto.
+AUTO = "auto"
+LORA_MODE_CHOICES = (AUTO, *LORA_MODES)
+DEFAULT_LORA_MODE = AUTO
+
+
+def resolve(backend, compile_mode: str, lora_mode: str, profile=None) -> tuple[str, str]:
+    """The LoRA mode `lora_mode` means on this device and compile mode, and why: a named
+    mode is itself; `auto` is the profile's proven mode where it was measured on this device
+    and compile mode (diffq/core/profile.py LoraChoice), else the backend table's."""
+    if lora_mode != AUTO:
+        return lora_mode, "asked"
+    proven = profile.lora_mode_for(backend.name, compile_mode) if profile is not None else None
+    if proven is not None:
+        return proven
+    facts = backend.lora_facts(compile_mode)
+    if facts is None:  # adapters are refused there (`refusal`); a mode is still named
+        return "compile", f"--device {backend.name} --compile {compile_mode}: no row in the backend table"
+    return facts.mode, f"the backend table (--device {backend.name} --compile {compile_mode}): {facts.why}"
 
 
 def bakes_weights(backend, compile_mode: str) -> bool:
-    """Whether this backend and compile mode bake the weights into the compiled graph: the
-    backend table says so (its `hotswap` column: a swap there does not keep the graphs),
-    or Inductor's freezing is on, which folds parameters into the compiled code when it
-    runs without grad (torch/_inductor/compile_fx.py, `config.freezing and not
+    """Whether this backend and compile mode may bake the weights into the compiled graph:
+    the backend table does not know them to be graph inputs (its `lora` column), or
+    Inductor's freezing is on, which folds parameters into the compiled code when it runs
+    without grad (torch/_inductor/compile_fx.py, `config.freezing and not
     torch.is_grad_enabled()`; a pipeline call runs under inference mode)."""
     if compile_mode not in COMPILING_MODES and not backend.eager_compiles:
         return False
     import torch._inductor.config
 
-    known = backend.hotswap.get(compile_mode)
-    return known is None or not known.keeps or bool(torch._inductor.config.freezing)
+    known = backend.lora_facts(compile_mode)
+    return known is None or not known.graph_inputs or bool(torch._inductor.config.freezing)
 
 
-def refusal(backend, compile_mode: str, lora_mode: str) -> str | None:
-    """Why `lora_mode` cannot serve adapters on this device and compile mode, or None:
-    swap and fuse need the weights as graph inputs (the backend table's `hotswap` column);
-    compile is right anywhere."""
-    mode = LORA_MODES.get(lora_mode)
-    if mode is None:
-        return f"--lora-mode {lora_mode}: choose {', '.join(LORA_MODES)}"
-    if not mode.needs_graph_inputs:
-        return None
-    if reason := backend.adapter_refusal(compile_mode):
-        return f"{reason} (--lora-mode {lora_mode}; --lora-mode compile compiles per adapter set)"
+# Why a tensor-parallel group takes no adapters: its ranks hold shards of the transformer's
+# weights (tensor_parallel.py), while swap's scaffold, fuse's pristine copies and deltas
+# and the change check's probe are built over whole, unsharded weights on one device.
+TP_REFUSAL = ("LoRA adapters on a tensor-parallel group (--tp {tp}): each rank holds a shard of the weights, and "
+              "the LoRA modes (swap's scaffold, fuse and compile's deltas, the change check) write whole weights on "
+              "one device; serve adapters from single-device workers (--tp 1)")
+
+
+def refusal(backend, compile_mode: str, lora_mode: str, tp: int = 1) -> str | None:
+    """Why `lora_mode` (resolved) cannot serve adapters on this device, compile mode and
+    tensor-parallel degree, or None. Refused: a compile mode the backend table has no `lora`
+    row for, and a --tp group. Not refused: compile is right anywhere, and a swap or fuse
+    where the table does not know the weights to be graph inputs is checked at the first set
+    change (the change check), never trusted blind."""
+    if lora_mode not in LORA_MODES:
+        return f"--lora-mode {lora_mode}: choose {', '.join(LORA_MODE_CHOICES)}"
+    if tp > 1:
+        return TP_REFUSAL.format(tp=tp)
+    if backend.lora_facts(compile_mode) is None:
+        return (f"LoRA adapters on --device {backend.name} --compile {compile_mode}: the backend table has no "
+                f"LoRA row for this compile mode")
     return None

@@ -175,12 +175,16 @@ class PipelineHost:
     # label -> layout, for every layout a run this worker read declares (`know_layout`).
     known_layouts: dict = field(default_factory=dict, repr=False, compare=False)
     adapter_cache: AdapterCache = field(default_factory=AdapterCache, repr=False, compare=False)
-    # How a set goes into a pipeline (lora_modes.py LORA_MODES: swap, fuse, compile).
+    # How a set goes into a pipeline (lora_modes.py LORA_MODES: swap, fuse, compile);
+    # `auto` resolves from the backend table when the host is made.
     lora_mode: str = DEFAULT_LORA_MODE
     # The change check (lora_modes.ChangeCheck), once per life at the first set change that
     # moves the weights; failed, the reason every later batch naming adapters fails with.
     change_check: ChangeCheck | None = None
     lora_refused: str | None = None
+
+    def __post_init__(self):
+        self.lora_mode = lora_modes.resolve(self.backend, self.compile_mode, self.lora_mode)[0]
 
     @property
     def compiles(self) -> bool:
@@ -199,14 +203,15 @@ class PipelineHost:
         self._threads.bound = True
 
     def adapter_refusal(self) -> str | None:
-        """Why this backend, compile mode and LoRA mode take no LoRA adapters (the backend
-        table's `hotswap` column, lora_modes.refusal), or None."""
-        return lora_modes.refusal(self.backend, self.compile_mode, self.lora_mode)
+        """Why this backend, compile mode, LoRA mode and group take no LoRA adapters (the
+        backend table's `lora` column, lora_modes.refusal), or None."""
+        return lora_modes.refusal(self.backend, self.compile_mode, self.lora_mode,
+                                  self.group.world_size if self.group is not None else 1)
 
     def use_adapters(self, model: str, layout: AdapterLayout) -> None:
         """Serve LoRA adapters of `layout` on `model`: its scaffold goes in when the model
-        loads, before it compiles (a preloading worker, qualify). Refused where the backend
-        table says a swap may not keep the graphs, and for a model already loaded with
+        loads, before it compiles (a preloading worker, qualify). Refused where
+        lora_modes.refusal says so (no `lora` row, a --tp group), and for a model already loaded with
         another layout (its graphs are made); a batch naming another layout has its
         model loaded again around it on the device's turn (`_ready`)."""
         if reason := self.adapter_refusal():

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Callable
 from multiprocessing import connection, resource_tracker
 
+from diffq.worker.device import lora_modes
 from diffq.worker.device.backends import Allocation, get_backend
 from diffq.worker.process.child import child_main
 from diffq.worker.delivery.spec import EXIT_FATAL, ChildSpec
@@ -91,6 +92,14 @@ def plan_children(
         spec_fields.setdefault("allocation", devices.source)
     if generation:
         spec_fields["generation"] = generation
+    # `--lora-mode auto` resolved once, here, with the profile where one was given (a
+    # proven mode measured on this device), so every child and record names the same mode.
+    compile_mode = spec_fields.get("compile", "none")
+    spec_fields["lora_mode"] = lora_modes.resolve(backend, compile_mode, spec_fields.get("lora_mode", lora_modes.AUTO),
+                                                  spec_fields.pop("lora_profile", None))[0]
+    if any(spec_fields.get("adapter_layouts") or {}) and (
+            reason := lora_modes.refusal(backend, compile_mode, spec_fields["lora_mode"], tp)):
+        raise ValueError(reason)
     specs = []
     for group, start in enumerate(range(0, len(devices), tp)):
         slots = devices[start:start + tp]

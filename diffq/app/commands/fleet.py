@@ -10,9 +10,10 @@ from typing import Annotated, Optional
 
 import typer
 
+from diffq.core.profile import lora_mode_and_profile
 from diffq.core.settings import get_settings
 from diffq.app.choices import CompileMode, Device, Dtype
-from diffq.app.options import Feeds, generation_option
+from diffq.app.options import DEFAULT_LORA_MODE, Feeds, LoraModeOpt, generation_option
 from diffq.core.options import DEFAULTS, GenerationOptions
 
 # The generation options that name a shape's queue, as `diffq submit` was given them
@@ -49,6 +50,7 @@ def manifests(
     out_prefix: Annotated[Optional[list[str]], typer.Option("--out-prefix", help="Run folders the workers may write to: the prefix `diffq submit --out` folders live under (s3://BUCKET/runs, gs://BUCKET/runs or an absolute path; repeat or comma-separate). Default: DIFFQ_ALLOWED_OUT_PREFIXES; with neither, refused unless --any-out")] = None,
     any_out: Annotated[bool, typer.Option("--any-out", help="Render no prefix: the workers write into whatever run folder a batch names")] = False,
     allowed_adapters: Annotated[Optional[list[str]], typer.Option("--allowed-adapters", help="LoRA adapters the workers may load: a prefix (s3://BUCKET/loras, gs://…, an absolute path, a Hub org; repeat or comma-separate), rendered as DIFFQ_ALLOWED_ADAPTERS. Default: DIFFQ_ALLOWED_ADAPTERS where set, else any adapter a batch names")] = None,
+    lora_mode: LoraModeOpt = DEFAULT_LORA_MODE,
     model_cache_gib: Annotated[int, typer.Option("--model-cache-gib", min=1, help="Pools of s3:// / gs:// models: the size of each pod's node-local model cache (an emptyDir on the node's disk)")] = 200,
     out: Annotated[Optional[str], typer.Option("--out", help="Write <name>.yaml per shape here instead of stdout")] = None,
     feeds: Feeds = None,
@@ -81,6 +83,7 @@ def manifests(
                                                                                     settings.allowed_adapters)
                                                             for p in value.split(",") if p.strip()),
                                      feeds=feeds or settings.feeds,
+                                     **dict(zip(("lora_mode", "lora_profile"), lora_mode_and_profile(lora_mode))),
                                      aws_region=aws_region or os.environ.get("AWS_REGION")
                                      or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1")
         if fleet_plan is not None:
@@ -107,6 +110,8 @@ def manifests(
     header = fleet.header(options)
     if any_out:
         typer.echo("warning: --any-out: the workers write into whatever run folder a batch names", err=True)
+    for warning in options.lora_warnings(len(keys)):
+        typer.echo(f"warning: {warning}", err=True)
     if out:
         for path in fleet.write(rendered, out, header):
             typer.echo(str(path))

@@ -45,7 +45,7 @@ def register(app: typer.Typer) -> None:
         threads: Annotated[int, typer.Option("--threads", min=1, help="Torch threads of the device process (as --threads of diffq worker)")] = 1,
         compile_cache: Annotated[Optional[str], typer.Option("--compile-cache", help="Compile cache, as for diffq worker")] = None,
         speedups: Annotated[bool, typer.Option("--speedups", help="Also measure each speed-up and batch size the device offers, per shape, for speed and fidelity against full compute (docs/qualify.md)")] = False,
-        profile: Annotated[Optional[Path], typer.Option("--profile", help="With --speedups: write FILE.json, per shape the fastest candidate within the budget (for --speedup FILE.json)")] = None,
+        profile: Annotated[Optional[Path], typer.Option("--profile", help="With --speedups: write FILE.json, per shape the fastest candidate within the budget (for --speedup FILE.json). With --lora alone: add the --lora-mode measured here to the LoRA profile FILE.json (for --lora-mode FILE.json: auto takes the cheapest mode that passed on this device)")] = None,
         budget_psnr: Annotated[float, typer.Option("--budget-psnr", min=0.0, help="With --speedups: a candidate below this PSNR (dB) against full compute is never chosen")] = BUDGET_PSNR,
         budget_ssim: Annotated[float, typer.Option("--budget-ssim", min=0.0, max=1.0, help="With --speedups: a candidate below this SSIM against full compute is never chosen")] = BUDGET_SSIM,
         max_candidates: Annotated[int, typer.Option("--max-candidates", min=1, help="With --speedups: candidates measured per shape, full compute included (the rest are listed, not measured)")] = MAX_CANDIDATES,
@@ -66,11 +66,11 @@ def register(app: typer.Typer) -> None:
         from diffq.core.settings import get_settings
 
         if not speedups:
-            given = [name for name, value in (("--profile", profile), ("--max-batch-size", max_batch_size))
-                     if value is not None]
+            given = [name for name, value in (("--profile", None if lora else profile),
+                                              ("--max-batch-size", max_batch_size)) if value is not None]
             if given:
                 fail(f"{', '.join(given)} tune(s) speed-ups: add --speedups")
-        elif profile is not None and profile.suffix != ".json":
+        if profile is not None and profile.suffix != ".json":
             fail(f"--profile {profile}: name it FILE.json (that is how --speedup tells a profile from a spec)")
         tuning = (SpeedupOptions(budget_psnr=budget_psnr, budget_ssim=budget_ssim, max_candidates=max_candidates,
                                  max_batch_size=max_batch_size, profile=profile) if speedups else None)
@@ -87,7 +87,8 @@ def register(app: typer.Typer) -> None:
                 compile_cache=compile_cache or get_settings().compile_cache, repeats=repeats,
                 reference_max_pixels=reference_max_pixels, speedups=tuning,
                 lora=[spec.strip() for given in lora for spec in given.split(",") if spec.strip()] if lora else None,
-                lora_mode=lora_mode.value, lora_text_encoder=lora_text_encoder.value if lora_text_encoder else None,
+                lora_mode=lora_mode, lora_text_encoder=lora_text_encoder.value if lora_text_encoder else None,
+                lora_profile=profile if lora and not speedups else None,
                 announce=lambda line: err.print(line, highlight=False, markup=False, soft_wrap=True))
         except (QualifyError, ValueError) as exc:
             fail(str(exc))
