@@ -338,7 +338,7 @@ def test_a_lora_runs_queue_is_watched_and_served_by_its_models_pool(device, tmp_
     """A LoRA run's queue ends in its layout, a name no rendered redis trigger carries: the
     model's pool still scales on it (the backlog service's metrics-api trigger sums every
     queue of the model) and its rendered worker finds it at start (discovery). Per-shape
-    pools (Neuron, TPU) refuse adapters (the backend table's `hotswap` column)."""
+    pools (Neuron, TPU): test_a_lora_run_is_found_and_served_by_a_per_shape_pool."""
     from diffq.app.backlog import Backlog, model_backlogs, serve
     from diffq.app.tiny import build_tiny_lora
 
