@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -50,7 +51,28 @@ class Budget(BaseModel):
     min_ssim: float
 
 
-class SpeedupProfile(BaseModel):
+class ProfileFile(BaseModel):
+    """What both profiles share: read from a JSON file with the field at fault named, written back."""
+
+    what: ClassVar[str] = "profile"
+
+    @classmethod
+    def load(cls, path: str | Path):
+        try:
+            return cls.model_validate_json(Path(path).read_bytes())
+        except ValidationError as exc:
+            field, message = first_error(exc)
+            raise ValueError(f"{path}: not a diffq {cls.what} ({field or 'profile'}: {message})") from None
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"{path}: not a diffq {cls.what} ({str(exc).splitlines()[0]})") from None
+
+    def dump(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.model_dump(mode="json"), indent=2) + "\n")
+
+
+class SpeedupProfile(ProfileFile):
+    what: ClassVar[str] = "speed-up profile"
+
     model_config = ConfigDict(extra="forbid")
 
     version: int = 1
@@ -71,18 +93,6 @@ class SpeedupProfile(BaseModel):
     def for_size(self, height: int, width: int) -> ShapeChoice | None:
         return next((s for s in self.shapes if (s.height, s.width) == (height, width)), None)
 
-    @classmethod
-    def load(cls, path: str | Path) -> SpeedupProfile:
-        try:
-            return cls.model_validate_json(Path(path).read_bytes())
-        except ValidationError as exc:
-            field, message = first_error(exc)
-            raise ValueError(f"{path}: not a diffq speed-up profile ({field or 'profile'}: {message})") from None
-        except (OSError, ValueError) as exc:
-            raise ValueError(f"{path}: not a diffq speed-up profile ({str(exc).splitlines()[0]})") from None
-
-    def dump(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.model_dump(mode="json"), indent=2) + "\n")
 
 
 def is_profile(value: str | None) -> bool:
@@ -106,7 +116,9 @@ class LoraMeasure(BaseModel):
     refused: str | None = None  # why the change check failed, if it did
 
 
-class LoraProfile(BaseModel):
+class LoraProfile(ProfileFile):
+    what: ClassVar[str] = "LoRA profile"
+
     """Per LoRA mode, what `qualify --lora` measured on one device, compile mode and
     versions; each qualify run of a mode adds (or replaces) its row. `--lora-mode FILE.json`
     on run, worker and `fleet manifests` is `auto` through it: the cheapest mode that passed
@@ -141,18 +153,6 @@ class LoraProfile(BaseModel):
     def with_measure(self, measure: LoraMeasure) -> LoraProfile:
         return self.model_copy(update={"measured": [m for m in self.measured if m.mode != measure.mode] + [measure]})
 
-    @classmethod
-    def load(cls, path: str | Path) -> LoraProfile:
-        try:
-            return cls.model_validate_json(Path(path).read_bytes())
-        except ValidationError as exc:
-            field, message = first_error(exc)
-            raise ValueError(f"{path}: not a diffq LoRA profile ({field or 'profile'}: {message})") from None
-        except (OSError, ValueError) as exc:
-            raise ValueError(f"{path}: not a diffq LoRA profile ({str(exc).splitlines()[0]})") from None
-
-    def dump(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.model_dump(mode="json"), indent=2) + "\n")
 
 
 def lora_mode_and_profile(value: str) -> tuple[str, LoraProfile | None]:
