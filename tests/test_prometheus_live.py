@@ -305,6 +305,8 @@ def test_the_rendered_alerts_fire_and_resolve_in_a_real_prometheus(tmp_path, mak
                                             height=128)
         # Meanwhile (the windows overlap), three LoRA adapter sets, one of them failing
         # every batch at the worker: its file cut short (submit reads the header alone).
+        # Three batches a set, interleaved and fed one at a time (seconds apart, scrapes
+        # 1 s apart): the failing set's counter is seen rising, which its rate needs.
         loras = tuple(str(build_tiny_lora(tiny_model, tmp_path / "loras" / f"{k}.safetensors", rank=4, seed=k))
                       for k in range(3))
         bad = Path(loras[2])
