@@ -9,7 +9,9 @@ fault ends: healthy (no alert), a queue whose every item fails (ItemsFailing),
 hostile messages (DeadLettersGrowing), the backlog service restarted mid-stall (the
 stall keeps its age: RunStalled never resolves), the backlog service kept down
 (BacklogServiceDown fires, no run alert resolves), one recompile (Recompiles),
-storage failing (StorageFailing, from the sink's failed tries as they happen).
+storage failing (StorageFailing, from the sink's failed tries as they happen), one LoRA
+adapter set of three failing every batch (AdapterSetFailing for that set's digest alone,
+alongside ItemsFailing: its weights cut short, which submit's header check passes).
 """
 
 from __future__ import annotations
@@ -219,6 +221,11 @@ def firing(fleet: Fleet, name: str, **labels) -> dict | None:
                  and all(a["labels"].get(k) == v for k, v in labels.items())), None)
 
 
+def set_alerts(fleet: Fleet) -> set[str]:
+    """The adapter sets AdapterSetFailing is pending or firing for."""
+    return {a["labels"]["adapter_set"] for a in fleet.alerts() if a["labels"]["alertname"] == "DiffqAdapterSetFailing"}
+
+
 def wait(fleet: Fleet, predicate, what: str, timeout: float = 120.0):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -231,12 +238,14 @@ def wait(fleet: Fleet, predicate, what: str, timeout: float = 120.0):
 
 
 def submit_run(tmp_path: Path, name: str, prefix: str, model: str, broker: str, n: int, prompt: str = "a cat",
-               height: int = 64) -> tuple[str, str]:
+               height: int = 64, loras: tuple[str, ...] = ()) -> tuple[str, str]:
+    """`n` items; with `loras`, row i takes adapter i mod len(loras) (a set each)."""
     from diffq.producer.submit import submit
 
     prompts = tmp_path / f"{name}.jsonl"
     prompts.write_text("".join(json.dumps({"id": f"{name}{i}", "prompt": f"{prompt} {i}", "height": height,
-                                           "width": 64}) + "\n" for i in range(n)))
+                                           "width": 64, **({"lora": loras[i % len(loras)]} if loras else {})})
+                               + "\n" for i in range(n)))
     out = f"{prefix}/{name}"
     # A window of one batch: the rest waits in OUT, so the run is registered with the
     # fleet's feeder and the backlog service reports it.
@@ -248,6 +257,8 @@ def submit_run(tmp_path: Path, name: str, prefix: str, model: str, broker: str, 
 
 @pytest.mark.slow
 def test_the_rendered_alerts_fire_and_resolve_in_a_real_prometheus(tmp_path, make_redis_server, tiny_model):
+    from diffq.app.tiny import build_tiny_lora
+    from diffq.core.records import FailureRecord
     from diffq.core.runfolder import read_manifest
     from diffq.core.storage import open_storage
     from diffq.results.status import status
@@ -292,14 +303,36 @@ def test_the_rendered_alerts_fire_and_resolve_in_a_real_prometheus(tmp_path, mak
         # messages on the healthy one.
         failing, failing_queue = submit_run(tmp_path, "failing", prefix, tiny_model, broker, n=4, prompt=POISON,
                                             height=128)
+        # Meanwhile (the windows overlap), three LoRA adapter sets, one of them failing
+        # every batch at the worker: its file cut short (submit reads the header alone).
+        # Three batches a set, interleaved and fed one at a time (seconds apart, scrapes
+        # 1 s apart): the failing set's counter is seen rising, which its rate needs.
+        loras = tuple(str(build_tiny_lora(tiny_model, tmp_path / "loras" / f"{k}.safetensors", rank=4, seed=k))
+                      for k in range(3))
+        bad = Path(loras[2])
+        bad.write_bytes(bad.read_bytes()[:-64])
+        lora_run, _ = submit_run(tmp_path, "lora", prefix, tiny_model, broker, n=18, loras=loras)
+        sets = {s.adapters[0].path: digest for digest, s in read_manifest(open_storage(lora_run)).adapter_sets.items()}
+        assert sorted(sets) == sorted(loras) and len(set(sets.values())) == 3
         wait(fleet, lambda: firing(fleet, "DiffqItemsFailing", queue=failing_queue), "ItemsFailing")
         redis.Redis.from_url(broker).lpush(queue, b"not a kombu envelope", b"nor this")
         wait(fleet, lambda: firing(fleet, "DiffqDeadLettersGrowing"), "DeadLettersGrowing")
-        # The fault ends (nothing more fails, no more letters): both resolve within their windows.
+        wait(fleet, lambda: firing(fleet, "DiffqAdapterSetFailing", adapter_set=sets[str(bad)]), "AdapterSetFailing")
+        assert set_alerts(fleet) == {sets[str(bad)]}  # the healthy sets are neither pending nor firing
+        # The fault ends (nothing more fails, no more letters): all resolve within their windows.
         wait(fleet, lambda: status(failing).failed == 4, "the failing run settled")
+        wait(fleet, lambda: (status(lora_run).done, status(lora_run).failed) == (12, 6), "the LoRA run settled")
+        assert {FailureRecord.model_validate_json(p.read_text()).error.split(" (")[0]
+                for p in (Path(lora_run) / "failures").iterdir()} == {f"AdapterUnsupported: adapter {bad}: its weights "
+                                                                      "cannot be read"}
+        for path in loras[:2]:
+            wait(fleet, lambda p=path: fleet.query(f'diffq_adapter_set_images_total{{adapter_set="{sets[p]}"}} == 6'),
+                 "a healthy set's images scraped")
+        assert set_alerts(fleet) <= {sets[str(bad)]}
         wait(fleet, lambda: not firing(fleet, "DiffqItemsFailing") and not firing(fleet, "DiffqDeadLettersGrowing")
-             and not any(a["labels"]["alertname"] in ("DiffqItemsFailing", "DiffqDeadLettersGrowing")
-                         for a in fleet.alerts()), "ItemsFailing and DeadLettersGrowing resolved")
+             and not any(a["labels"]["alertname"] in ("DiffqItemsFailing", "DiffqDeadLettersGrowing",
+                                                      "DiffqAdapterSetFailing") for a in fleet.alerts()),
+             "ItemsFailing, DeadLettersGrowing and AdapterSetFailing resolved")
 
         # A run no pool serves (another model): stalled from its creation.
         stalled, _ = submit_run(tmp_path, "stalled", prefix, str(tmp_path / "no-such-model"), broker, n=4)
