@@ -300,6 +300,9 @@ def render(results: dict) -> str:
     for row in status_rows:
         lines.append(f"| {row['where']} | {row['items']:,} | {row['record_files']:,} | "
                      f"{row.get('progress_segments', '')} | {row['status_s']} | `{row['command']}` |")
+    # Hand-run: bench.status --sets (the per-set view) and bench/soak.py, their text kept as notes.
+    lines += ([""] + note(notes["status"])[:-1]) if notes.get("status") else []
+    lines += ([""] + note(notes["soak"])[:-1]) if notes.get("soak") else []
     lines += scale_section(results)
     lines += ["", "## Compile-aware routing", "",
               "Distinct (worker, shape) pairs = shape compiles of the fleet (each worker compiles a shape the",

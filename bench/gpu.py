@@ -863,7 +863,7 @@ def render(result: dict | None) -> list[str]:
              "(d) `diffq qualify --speedups` on the shape, its profile then driving a `diffq run` (judged against "
              "(c)'s full-compute images saved as its `--reference`: qualify's default CPU float32 reference of a "
              "12B-parameter transformer would need ~48 GB of host memory and outlast the call); (e) `diffq "
-             "qualify --lora A,B --lora-mode M --compile regional` per LoRA mode (swap, fuse, compile; two random "
+             "qualify --lora A,B --lora-mode swap --compile regional` and the same with `fuse` and `compile` ( two random "
              "adapters of ranks 8 and 16 over the attention projections): graphs after the first batch, whether "
              "each change showed, the change's time, s/image with and without adapters — the figures that settle "
              "the device's LoRA mode (issue 59).", "",
