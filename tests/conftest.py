@@ -7,6 +7,12 @@ from filelock import FileLock
 pytest_plugins = ["tests.servers"]
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# A pytest-xdist worker starts with COLUMNS=80 in its environment (a plain pytest run has
+# none): rich's consoles, made at import (diffq/app/options.py), would keep 80 for good and a
+# CliRunner's env={"COLUMNS": ...} would change nothing. Without it they read the variable
+# when they print, as on a terminal.
+if "PYTEST_XDIST_WORKER" in os.environ:
+    os.environ.pop("COLUMNS", None)
 
 
 @pytest.fixture(scope="session")
