@@ -64,14 +64,14 @@ SET_IMAGES = Counter("diffq_adapter_set_images", "Images generated per LoRA adap
 SET_FAILURES = Counter("diffq_adapter_set_failures", "Items failed after every retry per LoRA adapter set",
                        ["adapter_set"], registry=REGISTRY)
 # Distinct set labels one process exports at once; a set met while all are held counts
-# under OTHER_SET. A worker lives for days across runs, so a label is let go once its
-# set has been idle SET_LABEL_IDLE_S (its two series removed, the slot free for the next
-# set): DiffqAdapterSetFailing looks back failure_window + waits failure_for (diffq/app/
-# monitoring.py Thresholds: 15 + 10 min by default), and a set idle for longer than its
-# window has no rate left to alert on, so twice that, at least an hour, drops nothing an
-# alert still reads (tests/test_metrics.py holds it to the defaults). A set that comes
-# back later starts its series again at 0: Prometheus' rate() and increase() take the
-# drop as a counter reset, as after a restart.
+# under OTHER_SET. A worker lives for days across runs, so a label is let go once its set
+# has been idle SET_LABEL_IDLE_S and a new set needs the slot (its two series removed;
+# kept until then, so a set that comes back counts on). DiffqAdapterSetFailing looks back
+# failure_window and waits failure_for (diffq/app/monitoring.py Thresholds: 15 + 10 min by
+# default); a set idle past its window has no rate left to alert on, so twice that, at
+# least an hour, drops nothing an alert still reads (tests/test_metrics.py holds it to the
+# defaults). A set that comes back after its label went starts its series again at 0:
+# Prometheus' rate() and increase() take the drop as a counter reset, as after a restart.
 MAX_SET_LABELS = 32
 OTHER_SET = "other"
 SET_LABEL_IDLE_S = 3600.0
