@@ -462,6 +462,35 @@ def test_an_adapter_the_worker_cannot_load_fails_its_batch_for_good_naming_it(fa
     assert f"adapter {path}" in record.error and says in record.error, record.error
 
 
+@pytest.mark.parametrize("raised, for_good", [(KeyError("lora_unet_x"), True), (AssertionError("dims"), True),
+                                              (NotImplementedError("key"), True), (MemoryError(), False),
+                                              (torch.OutOfMemoryError("alloc"), False),
+                                              (RuntimeError("DefaultCPUAllocator: can't allocate memory"), False)])
+def test_only_a_files_own_faults_fail_its_batch_for_good(raised, for_good, monkeypatch):
+    """What diffusers' converters raise on a bad file is the adapter's fault (no retry);
+    running out of memory, or a bug, is not: it reaches the retry as it was (issue 57)."""
+    import types
+
+    import safetensors.torch
+
+    from diffq.worker.device import lora_files
+
+    class Pipeline:
+        @classmethod
+        def lora_state_dict(cls, state_dict, **kwargs):
+            raise raised
+
+    info = types.SimpleNamespace(text_encoder_keys=(), path="style.safetensors", layout="kohya")
+    with pytest.raises(lora_files.AdapterUnsupported if for_good else type(raised)) as caught:
+        lora_files._by_diffusers({}, info, Pipeline)
+    if for_good:
+        assert f"could not convert this kohya file ({type(raised).__name__}" in str(caught.value)
+    else:  # nor when reading the file's weights
+        monkeypatch.setattr(safetensors.torch, "load", Pipeline.lora_state_dict)
+        with pytest.raises(type(raised)):
+            lora_files._load(types.SimpleNamespace(path="style.safetensors"), b"")
+
+
 def test_a_damaged_cached_conversion_is_converted_again(flux, files, model_cache):
     from pathlib import Path
 

@@ -127,6 +127,62 @@ def test_adapter_set_labels_are_capped_and_the_rest_count_as_other():
     assert metrics.SET_FAILURES.labels("d0")._value.get() == before
 
 
+def test_a_long_lived_worker_lets_idle_sets_go_and_labels_later_ones(port):
+    """A worker serves run after run (issue 64): a set idle past SET_LABEL_IDLE_S gives
+    its label and its series up for a later set; a set still in use is never dropped;
+    never more than the cap at once; a set that comes back starts again at 0."""
+    now = [0.0]
+    labels = metrics._SetLabels(clock=lambda: now[0])
+    idle, most = metrics.SET_LABEL_IDLE_S, metrics.MAX_SET_LABELS
+
+    def ours() -> set[str]:  # the per-set series exported in both counters, of this test's digests
+        images, failures = ({s.labels["adapter_set"] for family in counter.collect() for s in family.samples
+                             if s.name.endswith("_total") and s.labels["adapter_set"].startswith("L")}
+                            for counter in (metrics.SET_IMAGES, metrics.SET_FAILURES))
+        assert images == failures
+        assert len(images) <= most
+        return images
+
+    # Run 1: a set used throughout ("Lkeep") and 31 more fill the cap; the 33rd counts as other.
+    first = [f"Lr1-{i}" for i in range(most - 1)]
+    assert [labels(d) for d in ["Lkeep", *first]] == ["Lkeep", *first]
+    assert labels("Lr1-late") == metrics.OTHER_SET
+    metrics.SET_IMAGES.labels(labels(first[0])).inc(5)
+    assert ours() == {"Lkeep", *first}
+    # Run 1 ends; only Lkeep stays in use, through its last-used time staying recent.
+    now[0] += idle / 2
+    assert labels("Lkeep") == "Lkeep"
+    now[0] += idle / 2 + 1
+    # Run 2's sets, one after another, each for ten minutes: each gets its own label.
+    second = [f"Lr2-{i}" for i in range(3 * most)]
+    for digest in second:
+        assert labels(digest) == digest and labels("Lkeep") == "Lkeep"
+        assert digest in ours() and "Lkeep" in ours()
+        now[0] += 600
+    # The idle sets of run 1 are gone from both counters; the recent ones of run 2 held.
+    held = ours()
+    assert not held & set(first) and "Lkeep" in held
+    assert set(second[-int(idle // 600):]) <= held and second[0] not in held
+    # A set of run 1 comes back: its own label again, its series from 0 (a counter reset).
+    assert labels(first[0]) == first[0]
+    assert metrics.SET_IMAGES.labels(first[0])._value.get() == 0
+    assert first[0] in scrape_sets(port)
+
+
+def test_a_set_label_is_held_past_what_its_alert_reads():
+    """A label let go while DiffqAdapterSetFailing still looked back over its window would
+    hide a failing set; the idle time is twice the default window + wait, at least an hour."""
+    from diffq.app.monitoring import Thresholds
+
+    defaults = Thresholds()
+    assert metrics.SET_LABEL_IDLE_S >= max(3600, 2 * 60 * (defaults.failure_window_minutes
+                                                           + defaults.failure_for_minutes))
+
+
+def scrape_sets(port: int) -> set[str]:
+    return {dict(labels)["adapter_set"] for name, labels in scrape(port) if name == "diffq_adapter_set_images_total"}
+
+
 def test_a_sets_images_and_failures_are_served_by_its_digest(port, monkeypatch):
     # The cap is the process's: another test in it (the soak's) may have filled it already.
     monkeypatch.setattr(metrics, "set_label", metrics._SetLabels())

@@ -10,6 +10,7 @@ import os
 import random
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 from PIL import Image
 
@@ -358,8 +359,6 @@ def test_plan_batch_ids_and_their_numbers():
 
 @pytest.mark.parametrize("seed", range(4))
 def test_packed_indexes_round_trip(seed):
-    import numpy as np
-
     rng = np.random.default_rng(seed)
     indexes = rng.choice(progress.MAX_INDEX + 1, size=int(rng.integers(1, 5000)), replace=False)
     start, count, gaps, compressed = progress.pack_indexes(list(indexes) + list(indexes[:7]))  # duplicates fold
@@ -380,8 +379,6 @@ def test_packed_indexes_round_trip(seed):
 def test_a_writers_credits_pack_small(tmp_path):
     """What makes status cheap at 100M items: a plan batch's credit is under 3 bytes,
     not a spelled-out id (v1: ~35)."""
-    import numpy as np
-
     storage = open_storage(str(tmp_path / "run"))
     log = progress.ProgressLog(storage, writer="w")
     # One writer of a thousand: every ~1,000th batch of the queue, at random gaps.
@@ -617,3 +614,35 @@ def test_a_fetch_note_shows_while_its_worker_lives(tmp_path):
     gone.wait()
     (tmp_path / FETCH_NOTE.format(pid=gone.pid)).write_text("fetching weights: 2.0 of 3.0 GB")
     assert fetch_notes(tmp_path) == ["fetching weights: 1.0 of 3.0 GB"]
+
+
+def test_a_summary_codes_as_many_kinds_of_credit_as_batches():
+    """A run whose batches each name their own adapter set has a kind of credit (item
+    count, set, mode) per batch: the codes widen past 255 and past 65,535 kinds, each
+    index keeps its own kind, and a kind met again keeps its code (issue 64)."""
+    numbered = progress._Numbered()
+    kinds = [(1 + i % 4, f"{i:08x}", "hotswap") for i in range(65_540)]
+    widths = {}
+    for i, kind in enumerate(kinds):
+        numbered.credit(np.array([i]), kind)
+        widths[i + 1] = numbered.codes.dtype  # its code is i + 1
+    assert (widths[255], widths[256], widths[65_535], widths[65_536]) == (np.uint8, np.uint16, np.uint16, np.uint32)
+    assert numbered.counts() == [(kind, 1) for kind in kinds]
+    assert numbered.done == sum(kind[0] for kind in kinds)
+    numbered.credit(np.array([0, len(kinds) - 1]), kinds[1])  # credited again (a redelivery), a kind seen
+    assert len(numbered.kinds) == len(kinds) + 1 and numbered.counts()[:2] == [(kinds[0], 0), (kinds[1], 3)]
+    assert numbered.counts()[-1] == (kinds[-1], 0)
+    assert numbered.done == sum(kind[0] for kind in kinds) - kinds[0][0] - kinds[-1][0] + 2 * kinds[1][0]
+
+
+def test_a_kind_past_the_widest_code_is_refused_not_wrapped():
+    """Past its widest code (uint32 in a summary; uint8 here, to reach it cheaply) a new
+    kind is refused, and nothing credited already changes kind."""
+    numbered = progress._Numbered()
+    numbered.WIDTHS = (np.uint8,)
+    kinds = [(1, f"{i:08x}", None) for i in range(255)]
+    for i, kind in enumerate(kinds):
+        numbered.credit(np.array([i]), kind)
+    with pytest.raises(ValueError, match="past the 255 kinds"):
+        numbered.credit(np.array([255]), (1, "ffffffff", None))
+    assert numbered.counts() == [(kind, 1) for kind in kinds] and not numbered.has(255)

@@ -286,7 +286,8 @@ ALERTS: tuple[Alert, ...] = (
           "{queues}", P_FAILURES),
     # One LoRA set of twenty failing every item is 0.05 of its queue's: under
     # ItemsFailing's ratio. Each set's own ratio, the same threshold; the label is the
-    # set's short digest (capped per worker: worker/observe/metrics.py MAX_SET_LABELS).
+    # set's short digest (capped per worker, an idle set let go after worker/observe/metrics.py
+    # SET_LABEL_IDLE_S, which tests/test_metrics.py holds past this window + for).
     Alert("DiffqAdapterSetFailing", "warning", "{failure_for_s}s",
           """sum by (namespace, adapter_set) (rate(diffq_adapter_set_failures_total{{ns}}[{failure_window_s}s]))
              / (sum by (namespace, adapter_set) (rate(diffq_adapter_set_failures_total{{ns}}[{failure_window_s}s]))

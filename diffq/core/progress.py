@@ -242,24 +242,38 @@ Kind = tuple[int, str | None, str | None]
 
 
 class _Numbered:
-    """What is credited at each index of one (queue, prefix, width): a 1-byte code per
-    index (0: not credited), standing for one of the kinds seen (`kinds`: item count,
-    adapter set, lora mode; a few per run, so the set costs no memory per batch)."""
+    """What is credited at each index of one (queue, prefix, width): a code per index (0:
+    not credited), standing for one of the kinds seen (`kinds`: item count, adapter set,
+    lora mode). A run has a few kinds, so a code is a byte; a run whose batches each name
+    their own adapter set has as many kinds as batches, and the codes widen as they grow."""
 
     CHUNK = 1 << 16  # the array's start is a multiple of this
+    # A code's widths, narrowest first. uint32 holds more kinds than MAX_INDEX holds
+    # batches (more only by crediting the same indexes again and again with new kinds:
+    # a kind is never forgotten); past it a credit is refused, never wrapped onto another
+    # kind's code.
+    WIDTHS = (np.uint8, np.uint16, np.uint32)
 
     def __init__(self) -> None:
         self.base = 0
-        self.codes = np.zeros(0, np.uint8)
+        self.codes = np.zeros(0, self.WIDTHS[0])
         self.kinds: list[Kind] = [(0, None, None)]  # code -> kind
+        self._code_of: dict[Kind, int] = {self.kinds[0]: 0}  # kind -> code: a credit's look-up, O(1)
         self._counts: list[int] | None = [0]  # code -> indexes holding it
 
     def _code(self, kind: Kind) -> int:
-        if kind not in self.kinds:
+        code = self._code_of.get(kind)
+        if code is None:
+            code = len(self.kinds)
+            if code > np.iinfo(self.codes.dtype).max:
+                wider = next((width for width in self.WIDTHS if code <= np.iinfo(width).max), None)
+                if wider is None:
+                    raise ValueError(f"a credit of a kind past the {code - 1:,} kinds (item count, adapter set, "
+                                     f"lora mode) one progress summary codes")
+                self.codes = self.codes.astype(wider)
             self.kinds.append(kind)
-            if len(self.kinds) > np.iinfo(self.codes.dtype).max + 1:  # kinds past 255
-                self.codes = self.codes.astype(np.uint16)
-        return self.kinds.index(kind)
+            self._code_of[kind] = code
+        return code
 
     def credit(self, indexes: np.ndarray, kind: Kind | int) -> None:
         """Credit a kind (or a plain item count) at each of these indexes (sorted)."""
@@ -289,9 +303,14 @@ class _Numbered:
 
     def counts(self) -> list[tuple[Kind, int]]:
         """(kind, batches credited with it), for each kind seen."""
-        if self._counts is None:  # a pass per kind seen (np.bincount would widen every code)
-            self._counts = [int(np.count_nonzero(self.codes == code)) if code else 0
-                            for code in range(len(self.kinds))]
+        if self._counts is None:
+            # np.bincount widens the codes it counts to 8 bytes each: a slice at a time,
+            # so that copy stays a few MB, and one pass whatever the number of kinds.
+            counts = np.zeros(len(self.kinds), np.int64)
+            for start in range(0, self.codes.size, 16 * self.CHUNK):
+                counts += np.bincount(self.codes[start:start + 16 * self.CHUNK], minlength=len(self.kinds))
+            counts[0] = 0
+            self._counts = counts.tolist()
         return list(zip(self.kinds[1:], self._counts[1:]))
 
     @property

@@ -49,6 +49,15 @@ class AdapterUnsupported(ValueError):
     """An adapter this worker cannot apply (no retry helps)."""
 
 
+# What a bad file makes diffusers' converters raise (loaders/lora_conversion_utils.py):
+# ValueError mostly; KeyError and IndexError on a key or block the file lacks; TypeError;
+# AssertionError on its shapes and key names; NotImplementedError on a key they do not
+# handle. Only these fail the batch for good: anything else (MemoryError, a torch
+# allocator's RuntimeError or OOM, a bug) is not the file's fault and stays retryable
+# (a tensor shape mismatch, a RuntimeError too, then fails after its retries, named).
+CONVERTER_FAULTS = (KeyError, ValueError, TypeError, IndexError, AssertionError, NotImplementedError)
+
+
 @dataclass(frozen=True)
 class Converted:
     """An adapter in diffusers' layout: its transformer's LoRA weights and, per target
@@ -97,7 +106,9 @@ def _load(ref: AdapterRef, data: bytes) -> dict[str, torch.Tensor]:
 
     try:
         return load(data)
-    except (SafetensorError, ValueError, RuntimeError) as exc:
+    # The file's own faults: its header or body (SafetensorError), a dtype torch lacks
+    # (KeyError), a tensor torch.frombuffer refuses (ValueError); not an allocation failing.
+    except (SafetensorError, KeyError, ValueError) as exc:
         raise AdapterUnsupported(f"adapter {ref.path}: its weights cannot be read ({type(exc).__name__}: "
                                  f"{exc})") from None
 
@@ -110,7 +121,7 @@ def _by_diffusers(state_dict: dict, info: AdapterInfo, pipeline_class: type) -> 
     try:
         out = pipeline_class.lora_state_dict({k: v for k, v in state_dict.items() if k not in text},
                                              return_alphas=True)
-    except Exception as exc:  # diffusers' converters raise KeyError, ValueError, ...: the file's fault, for good
+    except CONVERTER_FAULTS as exc:
         raise AdapterUnsupported(f"adapter {info.path}: {pipeline_class.__name__}.lora_state_dict could not "
                                  f"convert this {info.layout} file ({type(exc).__name__}: {exc})") from None
     converted, network_alphas = (out[0], out[1]) if isinstance(out, tuple) else (out, None)

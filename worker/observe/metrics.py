@@ -63,11 +63,18 @@ SET_IMAGES = Counter("diffq_adapter_set_images", "Images generated per LoRA adap
                      ["adapter_set"], registry=REGISTRY)
 SET_FAILURES = Counter("diffq_adapter_set_failures", "Items failed after every retry per LoRA adapter set",
                        ["adapter_set"], registry=REGISTRY)
-# Distinct set labels one process exports; later sets count under OTHER_SET. First come,
-# first labelled: a counter's series cannot be handed to a commoner set later, and a
-# worker meets a run's sets in the order its batches come, most items first.
+# Distinct set labels one process exports at once; a set met while all are held counts
+# under OTHER_SET. A worker lives for days across runs, so a label is let go once its set
+# has been idle SET_LABEL_IDLE_S and a new set needs the slot (its two series removed;
+# kept until then, so a set that comes back counts on). DiffqAdapterSetFailing looks back
+# failure_window and waits failure_for (diffq/app/monitoring.py Thresholds: 15 + 10 min by
+# default); a set idle past its window has no rate left to alert on, so twice that, at
+# least an hour, drops nothing an alert still reads (tests/test_metrics.py holds it to the
+# defaults). A set that comes back after its label went starts its series again at 0:
+# Prometheus' rate() and increase() take the drop as a counter reset, as after a restart.
 MAX_SET_LABELS = 32
 OTHER_SET = "other"
+SET_LABEL_IDLE_S = 3600.0
 DEGENERATE = Counter("diffq_degenerate_images",
                      "Images a check found degenerate, by check (kind): nonfinite (NaN or infinite values) or "
                      "flat (one colour); --on-degenerate decides whether each failed or was stored flagged",
@@ -154,24 +161,35 @@ def refusals(reasons) -> None:
 
 
 class _SetLabels:
-    """The `adapter_set` label of a digest: itself for the first MAX_SET_LABELS, then OTHER_SET."""
+    """The `adapter_set` label of a digest: itself while fewer than `most` sets are
+    labelled (sets idle for `idle_s` let go first), else OTHER_SET."""
 
-    def __init__(self, most: int = MAX_SET_LABELS):
+    def __init__(self, most: int = MAX_SET_LABELS, idle_s: float = SET_LABEL_IDLE_S, clock=time.monotonic):
         self.most = most
-        self._known: set[str] = set()
+        self.idle_s = idle_s
+        self.clock = clock
+        self._last: dict[str, float] = {}  # labelled digest -> when last used
         self._lock = threading.Lock()
 
     def __call__(self, digest: str) -> str:
         with self._lock:
-            if digest in self._known:
-                return digest
-            if len(self._known) < self.most:
-                self._known.add(digest)
+            now = self.clock()
+            if digest not in self._last:
+                if len(self._last) >= self.most:
+                    self._let_go(now)
+                if len(self._last) >= self.most:
+                    return OTHER_SET
                 # Both series from the first batch on: the alert's ratio needs its denominator.
                 SET_IMAGES.labels(digest)
                 SET_FAILURES.labels(digest)
-                return digest
-            return OTHER_SET
+            self._last[digest] = now
+            return digest
+
+    def _let_go(self, now: float) -> None:
+        for digest in [d for d, last in self._last.items() if now - last > self.idle_s]:
+            del self._last[digest]
+            SET_IMAGES.remove(digest)
+            SET_FAILURES.remove(digest)
 
 
 set_label = _SetLabels()
