@@ -110,13 +110,15 @@ def test_a_tp_group_serving_a_run_with_adapters_is_refused_at_start():
 # --- a profile measured on the device (`qualify --lora --profile`) -------------------------
 
 
-def _profile(path, device: str, compile_mode: str, passed: dict[str, float], failed=("swap",)):
+def _profile(path, device: str, compile_mode: str, passed: dict[str, float], failed=("swap",), **recorded):
+    """A profile as qualify writes it on this host (its versions, its generation), unless `recorded` says otherwise."""
     from diffq.core.profile import LoraMeasure, LoraProfile
 
     measured = [LoraMeasure(mode=m, ok=True, s_per_image_with=s) for m, s in passed.items()]
     measured += [LoraMeasure(mode=m, ok=False, s_per_image_with=0.01, refused="did not show") for m in failed]
-    LoraProfile(model="m", device=device, compile=compile_mode, versions={"torch": "2.x", "torch-neuronx": "9"},
-                measured=measured).dump(path)
+    here = {"model": "m", "versions": lora_modes.installed_versions(get_backend(device)),
+            "generation": lora_modes.generation_here(get_backend(device))}
+    LoraProfile(device=device, compile=compile_mode, measured=measured, **{**here, **recorded}).dump(path)
     return str(path)
 
 
@@ -129,7 +131,8 @@ def test_auto_takes_the_cheapest_mode_that_passed_on_the_same_device_only(tmp_pa
     assert mode == "auto" and isinstance(profile, LoraProfile)
     chosen, why = lora_modes.resolve(neuron, "regional", mode, profile)
     assert chosen == "fuse"  # swap was cheaper but failed its check
-    assert "measured on --device neuron --compile regional (torch 2.x, torch-neuronx 9)" in why
+    torch_version = lora_modes.installed_versions(neuron)["torch"]
+    assert f"measured on --device neuron --compile regional (" in why and f"torch {torch_version}" in why
     # Another compile mode or device: the table's mode; a mode named wins over the profile.
     assert lora_modes.resolve(neuron, "full", mode, profile)[0] == "compile"
     assert lora_modes.resolve(get_backend("tpu"), "regional", mode, profile)[0] == "compile"
@@ -140,6 +143,37 @@ def test_auto_takes_the_cheapest_mode_that_passed_on_the_same_device_only(tmp_pa
     (tmp_path / "junk.json").write_text("{}")
     with pytest.raises(ValueError, match=r"junk.json: not a diffq LoRA profile \(model"):
         lora_mode_and_profile(str(tmp_path / "junk.json"))
+
+
+def test_a_profile_measured_on_other_versions_generation_or_model_is_passed_over_with_the_reason(tmp_path, caplog):
+    """A profile speaks for the device generation, compile mode, model and versions it was
+    measured on: elsewhere `auto` is the table's mode, and the reason is said and logged."""
+    from diffq.core.profile import LoraProfile
+
+    tpu = get_backend("tpu")
+    here = lora_modes.installed_versions(tpu)
+    cases = {
+        "versions": ({"versions": {**here, "torch": "0.0.1"}}, {},
+                     f"torch {here['torch']} here, 0.0.1 in the profile"),
+        "a package gone": ({"versions": {**here, "libtpu": "0.1"}}, {}, "libtpu absent here, 0.1 in the profile"),
+        "generation": ({"generation": "v5e"}, {"generation": "v6e"}, "generation v6e here, v5e in the profile"),
+        "model": ({}, {"models": ["other"]}, "model other here, m in the profile"),
+    }
+    for name, (recorded, where, reason) in cases.items():
+        profile = LoraProfile.load(_profile(tmp_path / f"{name}.json", "tpu", "regional", {"fuse": 1.0}, **recorded))
+        with caplog.at_level("WARNING", logger=lora_modes.__name__):
+            mode, why = lora_modes.resolve(tpu, "regional", "auto", profile, **where)
+        assert mode == "compile" and why.startswith("the backend table (--device tpu --compile regional)"), name
+        assert f"{lora_modes.PASSED_OVER}" in why and reason in why, (name, why)
+        assert any(reason in record.getMessage() for record in caplog.records), name
+    # The same profile on what it was measured on: its mode; the pods' generation given
+    # (a fleet render), versions not this host's to check.
+    profile = LoraProfile.load(_profile(tmp_path / "v6e.json", "tpu", "regional", {"fuse": 1.0},
+                                        generation="v6e", versions={"torch": "0.0.1", "torch-tpu": "9"}))
+    mode, why = lora_modes.resolve(tpu, "regional", "auto", profile, generation="v6e", models=["m"], versions=None)
+    assert mode == "fuse" and "measured on --device tpu v6e --compile regional" in why
+    assert "versions recorded, not checked here" in why
+    assert lora_modes.resolve(tpu, "regional", "auto", profile, generation="v6e")[0] == "compile"
 
 
 def test_worker_plan_and_run_resolve_auto_through_the_profile(tmp_path):

@@ -600,41 +600,76 @@ def _worker_arg(dep: dict, option: str) -> str:
 @pytest.mark.parametrize("device, mode", [("cpu", "swap"), ("cuda", "swap"), ("neuron", "compile"), ("tpu", "compile")])
 def test_each_device_renders_the_lora_mode_auto_resolves_to(device, mode, tmp_path):
     """`--lora-mode auto` (the default) is rendered resolved, per device: the backend
-    table's mode; a mode named is rendered as named; a LoRA profile measured on the device
-    wins, one measured elsewhere does not."""
+    table's mode; a mode named is rendered as named; a LoRA profile measured on the pods'
+    device and generation, for the model, wins, one measured elsewhere or for another model
+    does not (and the render says why)."""
     from diffq.core.profile import LoraMeasure, LoraProfile
 
     args = ("--model", "m", "--shapes", "64x64", "--device", device)
     assert {_worker_arg(dep, "--lora-mode") for dep in worker_deployments(render_cli(*args))} == {mode}
     assert {_worker_arg(dep, "--lora-mode") for dep in worker_deployments(render_cli(*args, "--lora-mode", "fuse"))} \
         == {"fuse"}
-    compile_mode = fleet.FleetOptions(device=device).compile_mode
-    for measured_on, expected in ((device, "fuse"), ("cuda" if device != "cuda" else "cpu", mode)):
-        path = tmp_path / f"lora-{measured_on}.json"
-        LoraProfile(model="m", device=measured_on, compile=compile_mode, measured=[
-            LoraMeasure(mode="swap", ok=False, s_per_image_with=0.5, refused="did not show"),
-            LoraMeasure(mode="fuse", ok=True, s_per_image_with=1.0),
-            LoraMeasure(mode="compile", ok=True, s_per_image_with=1.5)]).dump(path)
-        docs = render_cli(*args, "--lora-mode", str(path))
+    pods = fleet.FleetOptions(device=device)
+    other = "cuda" if device != "cuda" else "cpu"
+    for measured_on, model, expected in ((device, "m", "fuse"), (other, "m", mode), (device, "other", mode)):
+        path = tmp_path / f"lora-{measured_on}-{model}.json"
+        LoraProfile(model=model, device=measured_on, generation=pods.profile.generation, compile=pods.compile_mode,
+                    measured=[LoraMeasure(mode="swap", ok=False, s_per_image_with=0.5, refused="did not show"),
+                              LoraMeasure(mode="fuse", ok=True, s_per_image_with=1.0),
+                              LoraMeasure(mode="compile", ok=True, s_per_image_with=1.5)]).dump(path)
+        result = runner.invoke(app, ["fleet", "manifests", *args, "--lora-mode", str(path), "--out-prefix", OUT_PREFIX])
+        assert result.exit_code == 0, result.output
+        docs = [d for d in yaml.safe_load_all(result.stdout) if d]
         assert {_worker_arg(dep, "--lora-mode") for dep in worker_deployments(docs)} == {expected}, measured_on
+        assert ("the LoRA profile not applied" in result.stderr) is (expected != "fuse"), result.stderr
 
 
 @pytest.mark.parametrize("device", ["neuron", "tpu"])
-def test_allowed_adapters_on_a_device_compiling_per_set_warn_with_the_compiles(device):
+def test_lora_runs_on_a_device_compiling_per_set_warn_with_the_compiles(device):
+    """With or without --allowed-adapters (none: any adapter) the pools take LoRA runs,
+    and where the rendered mode compiles per set the render says what that costs."""
     args = ["fleet", "manifests", "--model", "m", "--shapes", "64x64,128x128,96x96", "--device", device,
             "--out-prefix", OUT_PREFIX]
-    result = runner.invoke(app, [*args, "--allowed-adapters", "s3://loras"], env={"DIFFQ_ALLOWED_ADAPTERS": None})
-    assert result.exit_code == 0, result.output
-    assert (f"warning: --allowed-adapters on --device {device} --compile regional: --lora-mode compile compiles one "
-            "graph set per (shape, adapter set): each worker compiles sets x shapes, here sets x 3 shape(s)") \
-        in result.stderr
-    for quiet in ([*args], [*args, "--allowed-adapters", "s3://loras", "--lora-mode", "swap"]):
-        result = runner.invoke(app, quiet, env={"DIFFQ_ALLOWED_ADAPTERS": None})
-        assert result.exit_code == 0 and "--lora-mode compile compiles" not in result.stderr, result.output
+    for allowed, said in ((["--allowed-adapters", "s3://loras"], "--allowed-adapters"),
+                          ([], "no --allowed-adapters: any adapter")):
+        result = runner.invoke(app, [*args, *allowed], env={"DIFFQ_ALLOWED_ADAPTERS": None})
+        assert result.exit_code == 0, result.output
+        assert (f"warning: LoRA runs on --device {device} --compile regional ({said}): --lora-mode compile compiles "
+                "one graph set per (shape, adapter set): each worker compiles sets x shapes, here sets x 3 shape(s)") \
+            in result.stderr
+    result = runner.invoke(app, [*args, "--allowed-adapters", "s3://loras", "--lora-mode", "swap"],
+                           env={"DIFFQ_ALLOWED_ADAPTERS": None})
+    assert result.exit_code == 0 and "compiles one graph set" not in result.stderr, result.output
     result = runner.invoke(app, ["fleet", "manifests", "--model", "m", "--shapes", "64x64", "--device", "cpu",
                                  "--out-prefix", OUT_PREFIX, "--allowed-adapters", "s3://loras"],
                            env={"DIFFQ_ALLOWED_ADAPTERS": None})
-    assert result.exit_code == 0 and "warning: --allowed-adapters" not in result.stderr
+    assert result.exit_code == 0 and "warning:" not in result.stderr
+
+
+@pytest.mark.parametrize("device", ["neuron", "tpu"])
+def test_an_unfed_per_shape_pool_scales_on_its_lora_runs_without_an_allow_list(device):
+    """No feeder (--any-out) and no --allowed-adapters: any adapter is allowed, so each
+    per-shape pool still scales on its backlog (`?queue=Q` counts Q's LoRA variants `Q.r…`,
+    which its workers discover) and the backlog service is rendered. A --tp pool takes no
+    adapters: no backlog trigger, and the render says its LoRA queues go unserved."""
+    args = ["--model", "m", "--shapes", "64x64,128x128", "--device", device, "--any-out"]
+    env = {"DIFFQ_ALLOWED_ADAPTERS": None}
+    docs = render_cli(*args, env=env)
+    assert [d["metadata"]["name"] for d in by_kind(docs, "Service")] == [fleet.BACKLOG]
+    scaled = by_kind(docs, "ScaledObject")
+    assert len(scaled) == 2
+    for so in scaled:
+        queue = so["metadata"]["annotations"]["diffq/queue"]
+        [backlog] = [t for t in so["spec"]["triggers"] if t["type"] == "metrics-api"]
+        assert backlog["metadata"]["url"].endswith("/backlog?" + urllib.parse.urlencode({"queue": queue}))
+    group = str(fleet.FleetOptions(device=device).profile.devices_per_pod)  # one group a pod (TPU: one a host)
+    tp = runner.invoke(app, ["fleet", "manifests", *args, "--tp", group], env=env)
+    assert tp.exit_code == 0, tp.output
+    docs = [d for d in yaml.safe_load_all(tp.stdout) if d]
+    assert not by_kind(docs, "Service")
+    assert all(t["type"] != "metrics-api" for so in by_kind(docs, "ScaledObject") for t in so["spec"]["triggers"])
+    assert (f"warning: these pools take no LoRA adapters: LoRA adapters on a tensor-parallel group (--tp {group})"
+            in tp.stderr and "are served by no pool rendered here" in tp.stderr)
 
 
 def test_a_tp_fleet_with_adapters_is_refused_with_the_reason():

@@ -391,10 +391,12 @@ def on_cpu(args: list[str], cache: Path) -> list[str]:
     return ["--device", "cpu", "--compile", "none", *kept]
 
 
+@pytest.mark.parametrize("allow_list", [True, False], ids=["allowed-adapters", "any-adapter"])
 @pytest.mark.parametrize("device", [name for name in DEPLOYABLE if get_backend(name).k8s.pool == "shape"])
-def test_a_lora_run_is_found_and_served_by_a_per_shape_pool(device, tmp_path, make_redis_server, tiny_pipelines):
+def test_a_lora_run_is_found_and_served_by_a_per_shape_pool(device, allow_list, tmp_path, make_redis_server,
+                                                             tiny_pipelines):
     """A LoRA run submitted on defaults to a fleet rendered for Neuron or TPU (per-shape
-    pools, --allowed-adapters): its queue is the rendered one with the layout label
+    pools, with --allowed-adapters or without: then any adapter is allowed): its queue is the rendered one with the layout label
     (`Q.r4-…`). The pool's KEDA triggers count it (the backlog service's `?queue=Q` sums Q
     and its layout-labelled variants), the rendered worker's discovery finds it (`--queues
     Q` keeps Q's LoRA runs), and that worker, its device faked by the CPU, finishes the run."""
@@ -411,13 +413,14 @@ def test_a_lora_run_is_found_and_served_by_a_per_shape_pool(device, tmp_path, ma
         "--height", "64", "--width", "64")
     published = published_queues(broker)
     [queue] = published
-    docs = render(tmp_path, "--model", flux, "--shapes", "64x64", "--device", device, "--allowed-adapters",
-                  str(loras))
+    docs = render(tmp_path, "--model", flux, "--shapes", "64x64", "--device", device,
+                  *(["--allowed-adapters", str(loras)] if allow_list else []))
     [(deployment, scaled)] = pools(docs)
     args = worker_args(deployment)
     rendered_queue = args[args.index("--queues") + 1]
     assert queue.startswith(rendered_queue + ".r4-") and queue != rendered_queue
-    assert json.loads(rendered_env(deployment)["DIFFQ_ALLOWED_ADAPTERS"]) == [str(loras)]
+    allowed = rendered_env(deployment).get("DIFFQ_ALLOWED_ADAPTERS")
+    assert (json.loads(allowed) if allow_list else allowed) == ([str(loras)] if allow_list else None)
 
     # KEDA: the broker trigger names the rendered queue; the backlog trigger counts the LoRA run's.
     assert {t["metadata"].get("listName") for t in scaled["spec"]["triggers"] if t["type"] == "redis"} == \

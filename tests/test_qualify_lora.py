@@ -72,7 +72,13 @@ def test_hot_swaps_compile_nothing_and_show_in_the_images(flux, loras, tmp_path)
     assert (profile.model, profile.device, profile.compile) == (flux, "cpu", "regional") and "torch" in profile.versions
     [measured] = profile.measured
     assert (measured.mode, measured.ok, measured.s_per_image_with) == ("swap", True, lora["s_per_image_with"])
-    assert profile.lora_mode_for("cpu", "regional")[0] == "swap" and profile.lora_mode_for("cuda", "regional") is None
+    from diffq.worker.device import lora_modes
+    from diffq.worker.device.backends import get_backend
+
+    here = {"generation": None, "models": [flux], "versions": lora_modes.installed_versions(get_backend("cpu"))}
+    assert profile.versions == here["versions"] and profile.generation is None
+    assert profile.lora_mode_for("cpu", "regional", **here)[0] == "swap"
+    assert profile.lora_mode_for("cuda", "regional", **here) is None
     assert f"LoRA profile: {lora['profile']} (--lora-mode {lora['profile']}: auto through it)" in text
 
 
@@ -147,7 +153,7 @@ def test_under_the_stand_in_swap_fails_its_change_check(flux, loras, monkeypatch
 
     [measured] = LoraProfile.load(tmp_path / "lora.json").measured
     assert (measured.mode, measured.ok) == ("swap", False) and "did not show" in measured.refused
-    assert LoraProfile.load(tmp_path / "lora.json").lora_mode_for("cpu", "regional") is None
+    assert LoraProfile.load(tmp_path / "lora.json").lora_mode_for("cpu", "regional", generation=None) is None
 
 
 def test_a_device_row_without_a_lora_row_is_refused_before_any_child(flux, loras, monkeypatch):

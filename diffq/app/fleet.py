@@ -255,19 +255,41 @@ class FleetOptions:
     def compile_mode(self) -> str:
         return self.compile or self.profile.compile
 
-    def lora(self) -> tuple[str, str]:
-        """The LoRA mode the workers run (rendered as their --lora-mode) and why."""
-        return lora_modes.resolve(self.backend, self.compile_mode, self.lora_mode, self.lora_profile)
+    def lora(self, models: list[str] | None = None) -> tuple[str, str]:
+        """The LoRA mode the workers serving `models` run (rendered as their --lora-mode) and
+        why: a LoRA profile matched against the pods' device generation, not this host's, and
+        its versions (the image's) not checked here."""
+        return lora_modes.resolve(self.backend, self.compile_mode, self.lora_mode, self.lora_profile,
+                                  generation=self.profile.generation, models=models, versions=None)
 
-    def lora_warnings(self, shapes: int) -> list[str]:
-        """What `--allowed-adapters` costs where the rendered mode compiles per adapter set."""
-        mode, why = self.lora()
+    def adapter_refusal(self) -> str | None:
+        """Why the rendered workers take no LoRA adapters (a --tp group, a compile mode with
+        no LoRA row), or None."""
+        return lora_modes.refusal(self.backend, self.compile_mode, self.lora()[0], self.tp)
+
+    @property
+    def takes_adapters(self) -> bool:
+        """Whether the rendered workers serve LoRA runs: with no --allowed-adapters any
+        adapter is allowed, so every pool whose workers can hold one does."""
+        return self.adapter_refusal() is None
+
+    def lora_warnings(self, shapes: int, models: list[str] | None = None) -> list[str]:
+        """What LoRA runs cost (or meet) on the rendered pools: none served by a --tp group,
+        and one compile per adapter set where the rendered mode compiles per set."""
+        if reason := self.adapter_refusal():
+            return [f"these pools take no LoRA adapters: {reason}; a LoRA run's queues (Q.r...) are served by no "
+                    f"pool rendered here"]
+        mode, why = self.lora(models)
+        # A --lora-mode FILE.json measured elsewhere: the table's mode, and why.
+        warnings = [f"--lora-mode {mode}: {why}"] if lora_modes.PASSED_OVER in why else []
         facts = self.backend.lora_facts(self.compile_mode)
-        if not self.allowed_adapters or mode != "compile" or (facts is not None and facts.graph_inputs):
-            return []  # compile over weights known to be graph inputs reuses the graphs
-        return [f"--allowed-adapters on --device {self.device} --compile {self.compile_mode}: --lora-mode {mode} "
-                f"compiles one graph set per (shape, adapter set): each worker compiles sets x shapes, here sets x "
-                f"{shapes} shape(s), a first batch's compile for every new set it meets ({why})"]
+        if mode != "compile" or (facts is not None and facts.graph_inputs):
+            return warnings  # compile over weights known to be graph inputs reuses the graphs
+        allowed = "--allowed-adapters" if self.allowed_adapters else "no --allowed-adapters: any adapter"
+        return warnings + [
+            f"LoRA runs on --device {self.device} --compile {self.compile_mode} ({allowed}): --lora-mode {mode} "
+            f"compiles one graph set per (shape, adapter set): each worker compiles sets x shapes, here sets x "
+            f"{shapes} shape(s), a first batch's compile for every new set it meets ({why})"]
 
     @property
     def profile(self) -> K8sPod:
@@ -278,15 +300,15 @@ class FleetOptions:
 
 def worker_args(shape: ShapeKey, options: FleetOptions) -> list[str]:
     """The container args after the image's `ENTRYPOINT ["diffq", "worker"]`: one shape queue."""
-    return _args(options, ["--queues", shape.queue, "--model", shape.model, "--dtype", shape.dtype])
+    return _args(options, ["--queues", shape.queue, "--model", shape.model, "--dtype", shape.dtype], shape.model)
 
 
 def pool_args(model: str, dtype: str, options: FleetOptions) -> list[str]:
     """A pool's container args: no --queues, the workers list the model's shape queues."""
-    return _args(options, ["--models", model, "--model", model, "--dtype", dtype])
+    return _args(options, ["--models", model, "--model", model, "--dtype", dtype], model)
 
 
-def _args(options: FleetOptions, serve: list[str]) -> list[str]:
+def _args(options: FleetOptions, serve: list[str], model: str) -> list[str]:
     backend, profile = options.backend, options.profile
     n = options.devices_per_pod or profile.devices_per_pod
     if n % options.tp:
@@ -295,8 +317,8 @@ def _args(options: FleetOptions, serve: list[str]) -> list[str]:
     # The same checks `diffq worker` makes, at render time: the pod's devices are 0..n-1
     # (or whatever the device plugin allocated: the same count).
     backend.check(compile=compile, devices=list(range(n)), tp=options.tp, generation=profile.generation)
-    lora_mode = options.lora()[0]
-    if options.allowed_adapters and (reason := lora_modes.refusal(backend, compile, lora_mode, options.tp)):
+    lora_mode = options.lora([model])[0]
+    if options.allowed_adapters and (reason := options.adapter_refusal()):
         raise ValueError(f"--allowed-adapters: {reason}")
     # The option that lists a kind's devices comes from the backend table; where the
     # device plugin names the allocated devices, the manifest does not override it.
@@ -518,7 +540,7 @@ def render(shapes: list[ShapeKey], options: FleetOptions) -> dict[str, list[dict
     (per model where the profile's workers serve every shape, else per shape queue)."""
     options.check_out()
     rendered = {"common": common(options)}
-    if options.profile.pool == "model" or options.fed or options.allowed_adapters:
+    if options.profile.pool == "model" or options.fed or options.takes_adapters:
         rendered["common"] += backlog_service(options)
     if options.profile.pool == "model":
         pools: dict[tuple[str, str], list[str]] = {}
@@ -537,8 +559,9 @@ def render(shapes: list[ShapeKey], options: FleetOptions) -> dict[str, list[dict
         annotations = {"diffq/queue": shape.queue}
         triggers = queue_triggers([shape.queue], options)
         # The queue holds only the window, or LoRA runs come on its layout-labelled variants
-        # (`Q.r16-…`, served by its workers): scale on the backlog, which counts them all.
-        if options.fed or options.allowed_adapters:
+        # (`Q.r16-…`, served by its workers; any adapter where no allow-list is given): scale
+        # on the backlog, which counts them all.
+        if options.fed or options.takes_adapters:
             triggers.append(backlog_trigger(shape.model, options, queue=shape.queue))
         rendered[name] = [deployment(name, worker_args(shape, options), [shape.model], annotations, options),
                           scaled_object(name, [shape.queue], triggers, annotations, options)]

@@ -262,24 +262,18 @@ def plan_lora(backend, compile_mode: str, model: str, specs: list[str],
 
 def write_lora_profile(path: Path, report: dict, model: str, backend, compile_mode: str) -> str:
     """Add this run's LoRA mode, as measured, to the LoRA profile at `path` (made if
-    absent; one measured on another device, compile mode or model is replaced): what
-    `--lora-mode FILE.json` resolves `auto` through (core/profile.py LoraProfile)."""
-    from importlib.metadata import PackageNotFoundError, version
-
+    absent; one measured on another device, generation, compile mode, model or versions is
+    replaced): what `--lora-mode FILE.json` resolves `auto` through (core/profile.py LoraProfile)."""
     from diffq.core.profile import LoraMeasure, LoraProfile
 
-    def installed(package: str) -> str | None:
-        try:
-            return version(package)
-        except PackageNotFoundError:
-            return None
-
     found = report["lora"]
-    versions = {p: v for p in ("torch", "diffusers", "peft", *backend.cache_packages) if (v := installed(p))}
-    fresh = LoraProfile(model=model, device=backend.name, compile=compile_mode, versions=versions)
+    # What `resolve` matches it against: this device's generation (where the backend table
+    # detects it), the compile mode, the model and these versions.
+    fresh = LoraProfile(model=model, device=backend.name, generation=lora_modes.generation_here(backend),
+                        compile=compile_mode, versions=lora_modes.installed_versions(backend))
     profile = LoraProfile.load(path) if Path(path).is_file() else fresh
-    if (profile.model, profile.device, profile.compile, profile.versions) != (model, backend.name, compile_mode,
-                                                                              versions):
+    if (profile.model, profile.device, profile.generation, profile.compile, profile.versions) != (
+            fresh.model, fresh.device, fresh.generation, fresh.compile, fresh.versions):
         profile = fresh
     profile = profile.with_measure(LoraMeasure(
         mode=found["lora_mode"], ok=report["checks"]["lora"]["status"] == "pass",

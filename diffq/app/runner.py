@@ -157,10 +157,10 @@ class LocalWorkers:
     on_degenerate: str = DEFAULT_DEGENERATE_POLICY
     lora_mode: str = lora_modes.DEFAULT_LORA_MODE  # a mode, auto, or a LoRA profile FILE.json
 
-    def resolved_lora_mode(self) -> str:
-        """The mode the workers will run (`auto` through the profile given, if any)."""
+    def resolved_lora_mode(self, models: list[str] | None = None) -> str:
+        """The mode the workers serving `models` will run (`auto` through the profile given, if any)."""
         mode, profile = lora_mode_and_profile(self.lora_mode)
-        return lora_modes.resolve(get_backend(self.device), self.compile, mode, profile)[0]
+        return lora_modes.resolve(get_backend(self.device), self.compile, mode, profile, models=models)[0]
 
     def check(self, models: list[str], speedups=(), adapters: bool = False) -> None:
         # A compile mode, speed-up or LoRA mode the family or device cannot take fails
@@ -168,7 +168,7 @@ class LocalWorkers:
         if reason := (compile_refusal(models, self.compile) or local_refusal(models, speedups, self.device,
                                                                               self.compile, adapters)
                       or (adapters and lora_modes.refusal(get_backend(self.device), self.compile,
-                                                          self.resolved_lora_mode()))):
+                                                          self.resolved_lora_mode(models)))):
             raise ValueError(reason)
 
     def specs(self, broker_url: str, transport_options: dict, queues: list[str], models: list[str], dtype: str,
@@ -180,7 +180,7 @@ class LocalWorkers:
             compile=self.compile, compile_cache=self.compile_cache, offload=self.offload,
             warmup=self.warmup or [], models=models, dtype=dtype, allow_fallback=self.allow_fallback,
             on_degenerate=self.on_degenerate, runs=list(runs), adapter_layouts=adapter_layouts or {},
-            schemes=schemes, lora_mode=self.resolved_lora_mode())
+            schemes=schemes, lora_mode=self.resolved_lora_mode(models))
 
 
 def run(

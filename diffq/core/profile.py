@@ -119,11 +119,12 @@ class LoraMeasure(BaseModel):
 class LoraProfile(ProfileFile):
     what: ClassVar[str] = "LoRA profile"
 
-    """Per LoRA mode, what `qualify --lora` measured on one device, compile mode and
-    versions; each qualify run of a mode adds (or replaces) its row. `--lora-mode FILE.json`
-    on run, worker and `fleet manifests` is `auto` through it: the cheapest mode that passed
-    (by s/image with adapters), where the worker's device and compile mode are the
-    profile's; elsewhere the backend table's mode (worker/device/lora_modes.py resolve)."""
+    """Per LoRA mode, what `qualify --lora` measured on one model, device (and generation,
+    where the backend table detects it), compile mode and versions; each qualify run of a
+    mode adds (or replaces) its row. `--lora-mode FILE.json` on run, worker and `fleet
+    manifests` is `auto` through it: the cheapest mode that passed (by s/image with
+    adapters), where the worker matches it (`mismatch`); elsewhere the backend table's mode
+    (worker/device/lora_modes.py resolve)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -141,14 +142,39 @@ class LoraProfile(ProfileFile):
         passed = [m for m in self.measured if m.ok and m.s_per_image_with is not None]
         return min(passed, key=lambda m: m.s_per_image_with) if passed else None
 
-    def lora_mode_for(self, device: str, compile_mode: str) -> tuple[str, str] | None:
-        """The proven mode and why, where this profile was measured on `device` and
-        `compile_mode`; None elsewhere (the backend table decides)."""
-        if (self.device, self.compile) != (device, compile_mode) or (chosen := self.chosen) is None:
+    def mismatch(self, device: str, compile_mode: str, *, generation: str | None,
+                 models: list[str] | None = None, versions: dict[str, str] | None = None) -> str | None:
+        """Why this profile does not speak for a worker on `device` (its `generation`),
+        `compile_mode`, serving `models` with `versions` installed (torch and the device's
+        packages), or None where it does. `models` None: not known here (a discovery worker
+        serving every model); `versions` None: not this host's to check (a fleet render)."""
+        said = [f"{what} {here or 'unknown'} here, {there or 'unknown'} in the profile"
+                for what, here, there in (("--device", device, self.device),
+                                          ("generation", generation, self.generation),
+                                          ("--compile", compile_mode, self.compile)) if here != there]
+        if models is not None and (others := sorted(set(models) - {self.model})):
+            said.append(f"model {', '.join(others)} here, {self.model} in the profile")
+        if versions is not None:
+            said += [f"{package} {versions.get(package) or 'absent'} here, {self.versions.get(package) or 'absent'} "
+                     f"in the profile" for package in sorted(set(versions) | set(self.versions))
+                     if versions.get(package) != self.versions.get(package)]
+        return "; ".join(said) or None
+
+    def lora_mode_for(self, device: str, compile_mode: str, *, generation: str | None,
+                      models: list[str] | None = None, versions: dict[str, str] | None = None
+                      ) -> tuple[str, str] | None:
+        """The proven mode and why, where this profile was measured on this device,
+        generation, compile mode, model and versions (`mismatch`); None elsewhere (the
+        backend table decides)."""
+        if self.mismatch(device, compile_mode, generation=generation, models=models, versions=versions) \
+                or (chosen := self.chosen) is None:
             return None
-        versions = ", ".join(f"{name} {version}" for name, version in sorted(self.versions.items()))
-        return chosen.mode, (f"the profile measured on --device {self.device} --compile {self.compile} ({versions}): "
-                             f"{chosen.mode} passed at {chosen.s_per_image_with:g} s/image with adapters")
+        recorded = ", ".join(f"{name} {version}" for name, version in sorted(self.versions.items()))
+        unchecked = "" if versions is not None else "; versions recorded, not checked here"
+        return chosen.mode, (f"the profile measured on --device {self.device}"
+                             f"{f' {self.generation}' if self.generation else ''} --compile {self.compile} "
+                             f"({recorded}{unchecked}): {chosen.mode} passed at {chosen.s_per_image_with:g} s/image "
+                             f"with adapters")
 
     def with_measure(self, measure: LoraMeasure) -> LoraProfile:
         return self.model_copy(update={"measured": [m for m in self.measured if m.mode != measure.mode] + [measure]})

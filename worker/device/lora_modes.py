@@ -27,9 +27,12 @@ from __future__ import annotations
 
 import functools
 import importlib
+import logging
 from dataclasses import dataclass
 
 from diffq.worker.device.backends import COMPILING_MODES
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -64,19 +67,61 @@ LORA_MODE_CHOICES = (AUTO, *LORA_MODES)
 DEFAULT_LORA_MODE = AUTO
 
 
-def resolve(backend, compile_mode: str, lora_mode: str, profile=None) -> tuple[str, str]:
+# What a LoRA profile is matched against (`resolve`): this host's own generation and
+# installed versions, unless the caller names them (a fleet render: the pods').
+HERE = "here"
+PASSED_OVER = "the LoRA profile not applied: "
+
+
+def installed_versions(backend) -> dict[str, str]:
+    """torch, diffusers, peft and the backend's packages as installed here: what a LoRA
+    profile records (qualify) and is matched against (`resolve`)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    def installed(package: str) -> str | None:
+        try:
+            return version(package)
+        except PackageNotFoundError:
+            return None
+
+    return {p: v for p in ("torch", "diffusers", "peft", *backend.cache_packages) if (v := installed(p))}
+
+
+def generation_here(backend) -> str | None:
+    """The device generation on this host where the backend table can detect it (TPU)."""
+    return backend.detect_generation() if backend.detect_generation else None
+
+
+@functools.lru_cache(maxsize=64)
+def _say_once(message: str) -> None:
+    """Logged once a process: a fleet render and a worker's planning resolve many times."""
+    log.warning(message)
+
+
+def resolve(backend, compile_mode: str, lora_mode: str, profile=None, *, generation=HERE, models=None,
+            versions=HERE) -> tuple[str, str]:
     """The LoRA mode `lora_mode` means on this device and compile mode, and why: a named
-    mode is itself; `auto` is the profile's proven mode where it was measured on this device
-    and compile mode (diffq/core/profile.py LoraChoice), else the backend table's."""
+    mode is itself; `auto` is the profile's proven mode where it was measured on this
+    device, generation, compile mode, model (`models`, where known) and versions
+    (diffq/core/profile.py LoraProfile.mismatch; `versions` None: not checked), else the
+    backend table's, the reason the profile was passed over said and logged."""
     if lora_mode != AUTO:
         return lora_mode, "asked"
-    proven = profile.lora_mode_for(backend.name, compile_mode) if profile is not None else None
-    if proven is not None:
-        return proven
+    passed_over = ""
+    if profile is not None:
+        generation = generation_here(backend) if generation == HERE else generation
+        versions = installed_versions(backend) if versions == HERE else versions
+        where = {"generation": generation, "models": models, "versions": versions}
+        if (proven := profile.lora_mode_for(backend.name, compile_mode, **where)) is not None:
+            return proven
+        passed_over = (f"; {PASSED_OVER}" +
+                       (profile.mismatch(backend.name, compile_mode, **where) or "no mode passed its check in it"))
+        _say_once(f"--lora-mode auto: {passed_over.removeprefix('; ')}")
     facts = backend.lora_facts(compile_mode)
     if facts is None:  # adapters are refused there (`refusal`); a mode is still named
-        return "compile", f"--device {backend.name} --compile {compile_mode}: no row in the backend table"
-    return facts.mode, f"the backend table (--device {backend.name} --compile {compile_mode}): {facts.why}"
+        return "compile", f"--device {backend.name} --compile {compile_mode}: no row in the backend table{passed_over}"
+    return facts.mode, (f"the backend table (--device {backend.name} --compile {compile_mode}): {facts.why}"
+                        f"{passed_over}")
 
 
 def bakes_weights(backend, compile_mode: str) -> bool:

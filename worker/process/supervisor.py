@@ -95,8 +95,9 @@ def plan_children(
     # `--lora-mode auto` resolved once, here, with the profile where one was given (a
     # proven mode measured on this device), so every child and record names the same mode.
     compile_mode = spec_fields.get("compile", "none")
-    spec_fields["lora_mode"] = lora_modes.resolve(backend, compile_mode, spec_fields.get("lora_mode", lora_modes.AUTO),
-                                                  spec_fields.pop("lora_profile", None))[0]
+    spec_fields["lora_mode"] = lora_modes.resolve(
+        backend, compile_mode, spec_fields.get("lora_mode", lora_modes.AUTO), spec_fields.pop("lora_profile", None),
+        generation=generation, models=spec_fields.get("models") or spec_fields.get("serve_models") or None)[0]
     if any(spec_fields.get("adapter_layouts") or {}) and (
             reason := lora_modes.refusal(backend, compile_mode, spec_fields["lora_mode"], tp)):
         raise ValueError(reason)

@@ -110,7 +110,7 @@ def manifests(
     header = fleet.header(options)
     if any_out:
         typer.echo("warning: --any-out: the workers write into whatever run folder a batch names", err=True)
-    for warning in options.lora_warnings(len(keys)):
+    for warning in options.lora_warnings(len(keys), sorted({key.model for key in keys})):
         typer.echo(f"warning: {warning}", err=True)
     if out:
         for path in fleet.write(rendered, out, header):
