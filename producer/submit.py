@@ -381,13 +381,15 @@ def manifest_defaults(options: RunOptions, defaults: Defaults, seed_base: str, k
 
 
 def encode_plan(prompts: Iterable[Prompt], options: RunOptions, seed_base: str, run_id: str,
-                out: str) -> Iterator[EncodedBatch]:
+                out: str, *, by_set: bool = True) -> Iterator[EncodedBatch]:
     """The run's batches as plan lines and messages (the same bytes for the same rows, in
     the same order). A run with LoRA adapters has them grouped by adapter set
-    (`grouped_by_set`): the plan's order is what submit and the feeder publish."""
+    (`grouped_by_set`; the manifest's `plan_by_set`): the plan's order is what submit and
+    the feeder publish. `by_set=False`: the bucketing's order, as a LoRA run planned
+    before grouping stored it (continuing one compares its plan with this)."""
     encode = BatchEncoder(run_id, out).encode
     batches = bucket(prompts, options, seed_base)
-    if not options.adapter_labels:
+    if not (by_set and options.adapter_labels):
         return map(encode, batches)
     return grouped_by_set((batch.params.adapters, encode(batch)) for batch in batches)
 
@@ -652,6 +654,7 @@ def write_manifest(storage: Storage, prompts: str | Path, plan: Plan, run_id: st
         adapter_layouts=plan.adapter_layouts,
         adapter_revisions=plan.adapters.revisions() if plan.adapters is not None else {},
         adapter_sets=plan.adapter_sets(),
+        plan_by_set=bool(plan.adapter_layouts),  # encode_plan grouped it (its options carry the layouts)
     )
     body = json.dumps(manifest.model_dump(mode="json"), indent=2).encode()
     if not storage.put_bytes(layout.MANIFEST, body, content_type="application/json", if_absent=True):
