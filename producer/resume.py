@@ -248,10 +248,11 @@ def restore_plan(storage: Storage, manifest: RunManifest, prompts: str | Path, o
                  defaults: Defaults, keep_columns=()) -> int:
     """Encode the file's plan again under the manifest's run id and seed base (the seeds
     of a random run id derive from it, so never new ones): a part OUT holds must be the
-    same, a part it lacks is written. Returns the parts written."""
+    same, a part it lacks is written, in the order the manifest says the plan has (a LoRA
+    run planned before grouping by set keeps the bucketing's). Returns the parts written."""
     written = 0
     batches = encode_plan(read_prompts(prompts, defaults, keep_columns), options,
-                          manifest.defaults.seed_base, manifest.run_id, manifest.out)
+                          manifest.defaults.seed_base, manifest.run_id, manifest.out, by_set=manifest.plan_by_set)
     for index, part in enumerate(plan_parts(batches)):
         try:
             stored = storage.get_bytes(layout.plan_key(index))

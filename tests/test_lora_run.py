@@ -119,6 +119,76 @@ def test_batches_are_published_grouped_by_adapter_set_by_submit_and_the_feeder(t
     assert [m.batch_id for m in recording.published] == [m.batch_id for m in messages[:4]]
 
 
+# A LoRA run planned before its plan was grouped by set: batch size 1, rows alternating
+# over two sets, so the bucketing's order (a b a b) is not the grouped one (a a b b).
+OLD_ROWS, OLD_ARGS = 4, {**ARGS, "batch_size": 1}
+
+
+def _old_format_out(tmp_path: Path, flux, loras, monkeypatch) -> tuple[Path, Path]:
+    """(prompts, OUT) as diffq wrote them before grouping by set: the plan in the
+    bucketing's order (encode_plan without `grouped_by_set`), no `plan_by_set` in the
+    manifest; nothing generated yet."""
+    from diffq.core import layout
+    from diffq.core.records import parse_plan_part
+    from diffq.producer import submit as submitting
+
+    rows = [{"id": f"r{k}", "prompt": f"a tiny prompt {k}", "seed": k, "lora": f"{loras[4]}@{0.4 if k % 2 else 0.8}"}
+            for k in range(OLD_ROWS)]
+    prompts, out = _jsonl(tmp_path / "prompts.jsonl", rows), tmp_path / "out"
+    with monkeypatch.context() as patch:
+        patch.setattr(submitting, "grouped_by_set", lambda keyed: (message for _, message in keyed))
+        submit(prompts, str(out), model=flux, publisher=Recording(), window=None, **OLD_ARGS)
+    manifest = json.loads((out / layout.MANIFEST).read_text())
+    assert manifest.pop("plan_by_set") is True  # what the current code records, taken out
+    (out / layout.MANIFEST).write_text(json.dumps(manifest))
+    stored = list(parse_plan_part((out / layout.plan_key(0)).read_bytes()))
+    assert len(stored) == OLD_ROWS and len(_set_runs(stored)) == OLD_ROWS  # interleaved: grouped, the plan would differ
+    return prompts, out
+
+
+def test_a_lora_run_planned_before_grouping_by_set_keeps_its_plans_order_when_continued(
+        tmp_path, flux, loras, monkeypatch):
+    """`diffq run` on such an OUT re-encodes the plan in the order the manifest says it has:
+    not RunDiffers, and a plan part a killed submit never wrote is restored in that order."""
+    from diffq.core import layout
+    from diffq.core.options import GenerationOptions
+    from diffq.producer.resume import continuation
+    from diffq.producer.submit import make_options, validate
+
+    prompts, out = _old_format_out(tmp_path, flux, loras, monkeypatch)
+    storage = open_storage(str(out))
+    part = layout.plan_key(0)
+    written = storage.get_bytes(part)
+    storage.delete(part)
+    options, defaults = make_options(model=flux, options=GenerationOptions.of(**OLD_ARGS))
+    checked = validate(prompts, options, defaults)
+    assert continuation(storage, read_manifest(storage), prompts=prompts, plan=checked,
+                        options=options.with_layouts(checked.adapter_layouts), defaults=defaults) == 1
+    assert storage.get_bytes(part) == written  # the same batches in the same order, ids and seeds
+    # A run planned now records its grouping, and the same check holds it to that order.
+    submit(prompts, str(tmp_path / "new"), model=flux, publisher=Recording(), window=None, **OLD_ARGS)
+    assert read_manifest(open_storage(str(tmp_path / "new"))).plan_by_set
+
+
+@pytest.mark.slow
+def test_diffq_run_finishes_a_lora_run_planned_before_grouping_by_set(tmp_path, flux, loras, monkeypatch):
+    from diffq.core import layout
+    from tests.helpers import diffq
+
+    prompts, out = _old_format_out(tmp_path, flux, loras, monkeypatch)
+    plan_before = (out / layout.plan_key(0)).read_bytes()
+    args = ("run", str(prompts), "--model", flux, "--out", str(out), "--batch-size", "1", "--steps", str(STEPS),
+            "--height", str(SIDE), "--width", str(SIDE), "--max-sequence-length", "16", "--no-progress")
+    proc = diffq(*args)
+    assert f"{OLD_ROWS}/{OLD_ROWS} images, 0 failed" in proc.stdout, proc.stdout + proc.stderr
+    storage = open_storage(str(out))
+    lines = [json.loads(line) for key in storage.list("records/") for line in storage.get_bytes(key).splitlines()]
+    assert sorted(line["id"] for line in lines) == [f"r{k}" for k in range(OLD_ROWS)]  # each exactly once
+    assert len(list(storage.list("images/"))) == OLD_ROWS
+    assert (out / layout.plan_key(0)).read_bytes() == plan_before  # not rewritten in the grouped order
+    assert "nothing left to run" in diffq(*args).stdout
+
+
 def test_plan_shows_the_adapter_groups_and_what_grouping_costs_in_padding(tmp_path, flux, loras):
     from typer.testing import CliRunner
 

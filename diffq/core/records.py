@@ -133,6 +133,10 @@ class RunManifest(Strict):
     # what `status --by-adapter` counts pending against (credits and failures carry the
     # digest). Absent in runs submitted before it: status says so.
     adapter_sets: dict[str, AdapterSet] = Field(default_factory=dict, exclude_if=lambda v: not v)
+    # The plan holds each adapter set's batches together (producer/submit.py grouped_by_set).
+    # Absent in LoRA runs planned before grouping, whose plan keeps the bucketing's order:
+    # `diffq run` continuing one re-encodes its plan in that order to compare it.
+    plan_by_set: bool = Field(default=False, exclude_if=lambda v: not v)
 
 
 # cancel.json: `diffq cancel`'s marker ---------------------------------------------
