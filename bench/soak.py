@@ -51,8 +51,9 @@ import numpy as np
 PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
-def rss_mb() -> float:
-    with open("/proc/self/statm") as statm:
+def rss_mb(pid: int | str = "self") -> float:
+    """A process's resident set in MB (OSError once it is gone)."""
+    with open(f"/proc/{pid}/statm") as statm:
         return int(statm.read().split()[1]) * PAGE / 2**20
 
 
@@ -208,14 +209,6 @@ def process_tree(root: int) -> dict[int, list[str]]:
     return tree
 
 
-def process_rss_mb(pid: int) -> float | None:
-    try:
-        with open(f"/proc/{pid}/statm") as statm:
-            return int(statm.read().split()[1]) * PAGE / 2**20
-    except (OSError, IndexError, ValueError):
-        return None
-
-
 def device_mb() -> dict[int, float]:
     """pid -> device memory in MB where nvidia-smi answers; {} elsewhere."""
     if shutil.which("nvidia-smi") is None:
@@ -240,9 +233,10 @@ def sample_tree(root: int) -> dict[str, dict]:
     device = device_mb()
     roles: dict[str, dict] = {}
     for pid, cmdline in process_tree(root).items():
-        rss = process_rss_mb(pid)
-        if rss is None:
-            continue
+        try:
+            rss = rss_mb(pid)
+        except OSError:
+            continue  # gone meanwhile
         role = roles.setdefault(role_of(cmdline, pid == root), {"rss_mb": 0.0, "pids": []})
         role["rss_mb"] += rss
         role["pids"].append(pid)
@@ -348,7 +342,9 @@ def whole_soak(root: str | Path, batches: int, *, model: str | None = None, sets
             "sizes": [f"{side}x{side}" for side in sizes], "speedup": {f"{sizes[1]}x{sizes[1]}": WHOLE_SPEEDUP},
             "steps": steps, "compile": compile, "seconds": round(wall, 1), "samples": len(samples),
             "batches_per_s": round(planned / wall, 2), "load_average": load,
-            "processes": roles_report(working)}
+            "processes": roles_report(working),
+            "series": {role: [[b, round(roles[role]["rss_mb"], 1)] for b, roles in samples if role in roles]
+                       for role in sorted({role for _, roles in samples for role in roles})}}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -356,8 +352,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--batches", type=int, default=20_000)
     parser.add_argument("--sets", type=int, default=40, help="adapter sets, round robin (past the 32-label cap)")
     parser.add_argument("--scrapes", type=int, default=5760, help="backlog scrapes, 15 s apart (a day: 5,760)")
-    parser.add_argument("--quick", action="store_true", help="600 batches and 600 scrapes: a smoke run")
-    parser.add_argument("--out", help="run folder (default: a temporary one, removed after)")
+    parser.add_argument("--quick", action="store_true",
+                        help="a smoke run: 600 batches and 600 scrapes (--whole: 200 batches)")
+    parser.add_argument("--out", help="run folder (--whole: the folder of the model, adapters and run; default: "
+                                       "a temporary one, removed after)")
     parser.add_argument("--whole", action="store_true",
                         help="a real `diffq run` (runner, worker, sink helper), each process's memory")
     parser.add_argument("--every", type=float, default=5.0, help="--whole: seconds between samples")
