@@ -42,3 +42,63 @@ def test_the_backlog_service_lets_go_of_runs_that_left(tmp_path):
     # A run an hour (12 scrapes of 5 min), each listed 3 hours (36 scrapes): 7 started, 4
     # left (3 finished, the 4th abandoned and its folder deleted), 3 held.
     assert result["runs"] == 7 and result["runs_held"] == 3, result
+
+
+# -- the whole worker (--whole): a real `diffq run`, each process by role ---------------------
+
+
+def test_each_process_of_a_run_is_named_by_its_role():
+    python = "/usr/bin/python3"
+    assert soak.role_of([python, "-m", "diffq", "run", "p.jsonl"], is_root=True) == soak.RUNNER
+    assert soak.role_of([python, "-c", "from multiprocessing.spawn import spawn_main; spawn_main(tracker_fd=5, "
+                                       "pipe_handle=7)", "--multiprocessing-fork"], is_root=False) == soak.WORKER
+    assert soak.role_of([python, "-m", "diffq.worker.sink.helper", "3"], is_root=False) == soak.SINK_HELPER
+    assert soak.role_of([python, "-c", "from multiprocessing.resource_tracker import main;main(4)"],
+                        is_root=False) == soak.TRACKER
+    assert soak.role_of(["/usr/bin/nvidia-smi"], is_root=False) == "other: nvidia-smi"
+
+
+def test_a_live_tree_is_sampled_by_role(tmp_path):
+    """A process that spawns a child as the supervisor does (multiprocessing's spawn, which
+    starts the resource tracker too): each found under the root, each with its RSS."""
+    import subprocess
+    import sys
+    import time
+
+    ready = tmp_path / "ready"
+    script = ("import multiprocessing as mp, pathlib, time\n"
+              "def child(path):\n    pathlib.Path(path).touch(); time.sleep(60)\n"
+              "if __name__ == '__main__':\n"
+              f"    p = mp.get_context('spawn').Process(target=child, args=({str(ready)!r},)); p.start(); p.join()\n")
+    (tmp_path / "tree.py").write_text(script)
+    proc = subprocess.Popen([sys.executable, str(tmp_path / "tree.py")])
+    try:
+        deadline = time.monotonic() + 60
+        while not ready.exists():
+            assert proc.poll() is None and time.monotonic() < deadline, "the spawned child never started"
+            time.sleep(0.05)
+        roles = soak.sample_tree(proc.pid)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert set(roles) == {soak.RUNNER, soak.WORKER, soak.TRACKER}, roles
+    assert roles[soak.RUNNER]["pids"] == [proc.pid] and len(roles[soak.WORKER]["pids"]) == 1
+    assert all(role["rss_mb"] > 1 for role in roles.values())
+
+
+def test_each_role_reports_its_start_peak_and_growth_after_warm_up():
+    # The sink helper appears at the first batch and is restarted once (another pid);
+    # the worker grows 3 MB per 1,000 batches after warm-up (its load before it left out).
+    samples = [(b, {soak.RUNNER: {"rss_mb": 100.0, "pids": [1]},
+                    soak.WORKER: {"rss_mb": (50.0 if b < 250 else 400.0 + 0.003 * b), "pids": [2],
+                                  "device_mb": 900.0},
+                    **({soak.SINK_HELPER: {"rss_mb": 30.0, "pids": [3 if b < 500 else 4]}} if b else {})})
+               for b in range(0, 1001, 50)]
+    report = soak.roles_report(samples)
+    assert report[soak.RUNNER] == {"rss_start_mb": 100.0, "rss_peak_mb": 100.0,
+                                   "rss_growth_mb_per_1000_batches": 0.0, "pids": [1]}
+    worker = report[soak.WORKER]
+    assert worker["rss_start_mb"] == 50.0 and worker["rss_peak_mb"] == 403.0
+    assert worker["rss_growth_mb_per_1000_batches"] == pytest.approx(3.0)
+    assert worker["device_peak_mb"] == 900.0 and worker["device_growth_mb_per_1000_batches"] == pytest.approx(0.0)
+    assert report[soak.SINK_HELPER]["pids"] == [3, 4] and "device_peak_mb" not in report[soak.SINK_HELPER]
