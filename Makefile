@@ -23,7 +23,7 @@ demo: setup
 	$(BIN)/diffq run examples/prompts.jsonl --model out/tiny-flux2-klein --out $(DEMO_OUT) --workers 2 --batch-size 4 --steps 4
 	@echo "images are in $(DEMO_OUT)/images (records in $(DEMO_OUT)/records)"
 
-# The suite's budget: 20 minutes on the 2-core CI machine (18.6 min measured, 1,732 tests;
+# The suite's budget: 20 minutes on the 2-core CI machine (19.9 min measured quiet, 1,821 tests;
 # sequential it was over 50). Its tests wait on servers and subprocesses more than they
 # compute, so 3 workers on 2 cores; each test file runs whole on one worker (its
 # module-scoped servers started once), longest files first (tests/durations.json, which
